@@ -1,2 +1,14 @@
-"""cuflash: exact FlashAttention for NumPy and CuPy arrays."""
+"""cuflash: exact FlashAttention for NumPy and CuPy arrays.
+
+``cuflash.attention(q, k, v, causal=True)`` runs the fused CUDA kernel on CuPy arrays and a
+blocked O(N)-memory implementation on NumPy arrays; ``cuflash.attention_backward`` gives dQ,
+dK, dV by recomputation from the saved log-sum-exp. ``cuflash.reference`` is the float64 oracle.
+Importing cuflash needs neither a GPU, a CUDA driver nor CuPy.
+"""
 __version__ = "0.1.0"
+
+from . import reference  # noqa: E402
+from .api import attention, attention_backward, attention_vjp  # noqa: E402
+from .blockmask import BlockMask  # noqa: E402
+
+__all__ = ["attention", "attention_backward", "attention_vjp", "BlockMask", "reference", "__version__"]

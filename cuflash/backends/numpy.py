@@ -1,0 +1,165 @@
+"""Blocked NumPy backend: FlashAttention-2 Algorithm 1 (forward) and Algorithm 2 (backward).
+
+The CPU product. Vectorized over batch and heads, one tile of ``block_q x block_k`` scores at a
+time; extra memory is O(tile + N·d): S and P never exist beyond one tile. Statistics are float32
+(float64 for float64 input); float16/bfloat16 inputs are upcast to float32 once, O(N·d).
+Query tiles are independent in the forward and key tiles in the backward, so they are spread
+over a small thread pool: NumPy's ufuncs and BLAS release the GIL on large tiles.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ..plan import Plan
+from ..problem import Problem, dtype_name, stats_dtype
+
+#: Default tile. Wide key tiles amortize the per-tile Python overhead and keep BLAS efficient;
+#: 128 query rows keep one score tile (B·H·128·512 floats) within the L2/L3 cache for few heads.
+BLOCK_Q, BLOCK_K = 128, 512
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def available():
+    return True, "always available"
+
+
+def _threads() -> int:
+    return int(os.environ.get("CUFLASH_NUM_THREADS", min(os.cpu_count() or 1, 4)))
+
+
+def _map(fn, items):
+    items = list(items)
+    if len(items) < 2 or _threads() < 2:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(_threads()) as pool:
+        return list(pool.map(fn, items))
+
+
+def _work_dtype(problem):
+    return stats_dtype(problem.dtype)
+
+
+def _grouped(x, problem, dtype, factor=None):
+    """(B, S, H, D) → contiguous (B, Hkv, H/Hkv, S, D) in the working dtype (one O(N·d) copy)."""
+    b, s, h, d = x.shape
+    g = h // problem.heads_kv
+    y = np.ascontiguousarray(x.transpose(0, 2, 1, 3), dtype=dtype).reshape(b, problem.heads_kv, g, s, d)
+    if factor is not None:
+        y *= dtype.type(factor)
+    return y
+
+
+def _ungroup(x):
+    b, hkv, g, s, d = x.shape
+    return x.reshape(b, hkv * g, s, d).transpose(0, 2, 1, 3)
+
+
+def _mask_scores(s, plan, tile, problem):
+    """Set invisible scores of a partial tile to -inf (mask before the max: seed 004's pitfall)."""
+    if tile.full:
+        return
+    keep = plan.element_mask(tile)  # (B, Hq|1, bq, bk)
+    b, h = keep.shape[:2]
+    keep = keep.reshape(b, problem.heads_kv, problem.group, *keep.shape[2:]) if h > 1 else keep[:, :, None]
+    np.copyto(s, -np.inf, where=~keep)
+
+
+def check(problem: Problem):
+    name = dtype_name(problem.dtype)
+    if name not in SUPPORTED_DTYPES:
+        raise TypeError(f"the numpy backend supports {', '.join(SUPPORTED_DTYPES)}, got {name}")
+
+
+def forward(problem: Problem, *, block_q=BLOCK_Q, block_k=BLOCK_K, plan=None):
+    """Return ``out (B, Sq, Hq, D)`` in q's dtype and ``lse (B, Hq, Sq)``."""
+    check(problem)
+    wt = _work_dtype(problem)
+    plan = plan or Plan(problem, block_q, block_k)
+    q = _grouped(problem.q, problem, wt, problem.scale)  # fold the scale into Q once
+    k = _grouped(problem.k, problem, wt)
+    kt = np.ascontiguousarray(np.swapaxes(k, -1, -2))
+    v = _grouped(problem.v, problem, wt)
+    out = np.zeros(q.shape, dtype=wt)
+    lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
+
+    def row(tiles):
+        i0, i1 = tiles[0].i0, tiles[0].i1
+        q_i = q[..., i0:i1, :]
+        m_i = np.full(q_i.shape[:-1], -np.inf, dtype=wt)
+        l_i = np.zeros(q_i.shape[:-1], dtype=wt)
+        acc = np.zeros(q_i.shape, dtype=wt)
+        for t in tiles:
+            s = q_i @ kt[..., t.k0:t.k1]
+            _mask_scores(s, plan, t, problem)
+            m_new = np.maximum(m_i, s.max(axis=-1))
+            m_safe = np.where(m_new == -np.inf, 0, m_new)  # a row that saw nothing yet: no -inf - -inf
+            s -= m_safe[..., None]
+            np.exp(s, out=s)
+            alpha = np.exp(m_i - m_safe)
+            l_i = l_i * alpha + s.sum(axis=-1)
+            acc *= alpha[..., None]
+            acc += s @ v[..., t.k0:t.k1, :]
+            m_i = m_new
+        seen = l_i > 0
+        out[..., i0:i1, :] = acc / np.where(seen, l_i, 1)[..., None]
+        lse[..., i0:i1] = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
+
+    _map(row, plan.by_query())
+    return (_ungroup(out).astype(problem.dtype, copy=False),
+            lse.reshape(problem.batch, problem.heads_q, problem.seqlen_q))
+
+
+def backward(problem: Problem, dout, out, lse, *, block_q=BLOCK_Q, block_k=BLOCK_K, plan=None):
+    """FA2 Algorithm 2: ``(dq, dk, dv)`` by recomputing P from ``lse``; no N×N buffer."""
+    check(problem)
+    wt = _work_dtype(problem)
+    plan = plan or Plan(problem, block_q, block_k)
+    q = _grouped(problem.q, problem, wt)
+    k = _grouped(problem.k, problem, wt)
+    v = _grouped(problem.v, problem, wt)
+    do = _grouped(dout, problem, wt)
+    o = _grouped(out, problem, wt)
+    lse_g = np.asarray(lse, dtype=wt).reshape(q.shape[:-1])
+    lse_g = np.where(np.isneginf(lse_g), np.inf, lse_g)  # rows that saw nothing: P = exp(-inf) = 0
+    big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
+    dk = np.zeros(k.shape[:2] + (1,) + k.shape[3:], dtype=wt)
+    dv = np.zeros_like(dk)
+    scale = wt.type(problem.scale)
+
+    def column(tiles, dq_acc):
+        k0, k1 = tiles[0].k0, tiles[0].k1
+        k_j, v_j = k[..., k0:k1, :], v[..., k0:k1, :]
+        dk_j = np.zeros(q.shape[:3] + (k1 - k0, q.shape[-1]), dtype=wt)
+        dv_j = np.zeros_like(dk_j)
+        for t in tiles:
+            q_i, do_i = q[..., t.i0:t.i1, :], do[..., t.i0:t.i1, :]
+            s = (q_i @ np.swapaxes(k_j, -1, -2)) * scale
+            _mask_scores(s, plan, t, problem)
+            s -= lse_g[..., t.i0:t.i1, None]
+            p = np.exp(s, out=s)
+            dv_j += np.swapaxes(p, -1, -2) @ do_i
+            dp = do_i @ np.swapaxes(v_j, -1, -2)
+            dp -= big_d[..., t.i0:t.i1, None]
+            ds = np.multiply(p, dp, out=dp)
+            dq_acc[..., t.i0:t.i1, :] += ds @ k_j
+            dk_j += np.swapaxes(ds, -1, -2) @ q_i
+        dk[..., k0:k1, :] = dk_j.sum(axis=2, keepdims=True) * scale
+        dv[..., k0:k1, :] = dv_j.sum(axis=2, keepdims=True)
+
+    # Worker w owns key tiles w, w+T, ... and its own dQ accumulator (O(N·d) each); the
+    # accumulators are summed in worker order, so dQ is bitwise reproducible run to run.
+    columns = plan.by_key()
+    workers = max(1, min(_threads(), len(columns)))
+
+    def worker(w):
+        dq_acc = np.zeros(q.shape, dtype=wt)
+        for tiles in columns[w::workers]:
+            column(tiles, dq_acc)
+        return dq_acc
+
+    dq = sum(_map(worker, range(workers)), np.zeros(q.shape, dtype=wt)) * scale
+    cast = lambda x: _ungroup(x).astype(problem.dtype, copy=False)  # noqa: E731
+    return cast(dq), cast(dk), cast(dv)

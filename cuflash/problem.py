@@ -1,0 +1,289 @@
+"""Validation of one attention call into a :class:`Problem`, and the visibility rule.
+
+Every public entry point funnels its arguments through :func:`make_problem` once, before any
+backend runs: a bad argument raises ``TypeError``/``ValueError`` naming it and the expected form,
+and nothing is silently broadcast, truncated or cast.
+
+The visibility rule (:func:`visible`) is the single Python definition of which (query, key) pairs
+attend; ``kernels/mask.cuh`` is its only other copy, and a test holds the two together.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+# --------------------------------------------------------------------------------------------
+# The visibility rule
+# --------------------------------------------------------------------------------------------
+def visible(i, j, len_q, len_k, left: Optional[int], right: Optional[int]):
+    """Whether query row ``i`` sees key column ``j`` (NumPy broadcasting over all arguments).
+
+    ``len_q``/``len_k`` are the sequence's own valid lengths. The diagonal is aligned
+    bottom-right (``off = len_k - len_q``), so causal is ``right = 0`` and a window keeps
+    ``i + off - left <= j <= i + off + right``; ``None`` leaves a side unbounded.
+    """
+    i, j = np.asarray(i), np.asarray(j)
+    len_q, len_k = np.asarray(len_q), np.asarray(len_k)
+    diag = i + (len_k - len_q)
+    keep = (i < len_q) & (j < len_k)
+    if left is not None:
+        keep = keep & (j >= diag - left)
+    if right is not None:
+        keep = keep & (j <= diag + right)
+    return keep
+
+
+def key_range(q_lo: int, q_hi: int, len_q, len_k, left, right) -> tuple[int, int]:
+    """Half-open range of key columns that some row in ``[q_lo, q_hi)`` sees, in any sequence.
+
+    ``len_q``/``len_k`` are scalars or one length per sequence; the range is the union over
+    sequences, so a tile outside it can be skipped for the whole batch at once.
+    """
+    len_q, len_k = np.atleast_1d(len_q), np.atleast_1d(len_k)
+    rows_hi = np.minimum(q_hi, len_q)  # rows past a sequence's length see nothing
+    off = len_k - len_q
+    lo = np.zeros_like(len_k) if left is None else np.maximum(q_lo + off - left, 0)
+    hi = len_k if right is None else np.minimum(rows_hi - 1 + off + right + 1, len_k)
+    live = (rows_hi > q_lo) & (hi > lo)
+    if not live.any():
+        return 0, 0
+    return int(lo[live].min()), int(hi[live].max())
+
+
+# --------------------------------------------------------------------------------------------
+# Array modules and dtypes
+# --------------------------------------------------------------------------------------------
+def _is_cupy(x) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def array_module(*arrays, names):
+    """Return ``numpy`` or ``cupy`` for the arrays; reject non-arrays and mixtures."""
+    kinds = {}
+    for a, name in zip(arrays, names):
+        if isinstance(a, np.ndarray):
+            kinds[name] = "numpy"
+        elif _is_cupy(a) and hasattr(a, "__cuda_array_interface__"):
+            kinds[name] = "cupy"
+        else:
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(a).__name__}")
+    if len(set(kinds.values())) > 1:
+        desc = ", ".join(f"{n} is {m}" for n, m in kinds.items())
+        raise TypeError(f"q, k, v (and dout/out/lse) must all be NumPy or all CuPy arrays ({desc})")
+    if "cupy" in kinds.values():
+        import cupy
+
+        return cupy
+    return np
+
+
+def dtype_name(dtype) -> str:
+    """Canonical name of an array dtype (``ml_dtypes.bfloat16`` → ``"bfloat16"``)."""
+    return np.dtype(dtype).name
+
+
+def stats_dtype(dtype) -> np.dtype:
+    """Softmax statistics and ``lse`` are float32, float64 for float64 inputs."""
+    return np.dtype(np.float64) if dtype_name(dtype) == "float64" else np.dtype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Problem
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    """One validated attention call, batch dimensions flattened.
+
+    ``q``: ``(B, Sq, Hq, D)``, ``k``/``v``: ``(B, Sk, Hkv, D)`` (views of the caller's arrays
+    whenever the batch dimensions can be merged without a copy; only the last axis is assumed
+    contiguous by kernels). ``window_left``/``window_right`` already include ``causal``
+    (``right = min(right, 0)``); ``None`` is unbounded.
+    """
+
+    xp: Any
+    q: Any
+    k: Any
+    v: Any
+    batch_shape: tuple
+    scale: float
+    causal: bool
+    window_left: Optional[int]
+    window_right: Optional[int]
+    seqlens_q: Any  # int32 (B,) on xp, or None
+    seqlens_k: Any
+    block_mask: Any  # BlockMask or None
+    dropout_p: float = 0.0
+    seed: Optional[int] = None
+
+    batch = property(lambda self: self.q.shape[0])
+    seqlen_q = property(lambda self: self.q.shape[1])
+    seqlen_k = property(lambda self: self.k.shape[1])
+    heads_q = property(lambda self: self.q.shape[2])
+    heads_kv = property(lambda self: self.k.shape[2])
+    head_dim = property(lambda self: self.q.shape[3])
+    dtype = property(lambda self: self.q.dtype)
+    group = property(lambda self: self.q.shape[2] // self.k.shape[2])
+
+    @property
+    def lengths(self):
+        """Per-sequence valid lengths ``(len_q, len_k)`` as host int arrays of shape ``(B,)``."""
+        def host(x, full):
+            if x is None:
+                return np.full(self.batch, full, dtype=np.int64)
+            return np.asarray(x.get() if _is_cupy(x) else x, dtype=np.int64)
+
+        return host(self.seqlens_q, self.seqlen_q), host(self.seqlens_k, self.seqlen_k)
+
+    def visible_mask(self):
+        """Dense ``(B, Hq|1, Sq, Sk)`` boolean visibility (element rule and BlockMask): O(N²), for references."""
+        len_q, len_k = self.lengths
+        i = np.arange(self.seqlen_q)[None, None, :, None]
+        j = np.arange(self.seqlen_k)[None, None, None, :]
+        keep = visible(i, j, len_q[:, None, None, None], len_k[:, None, None, None],
+                       self.window_left, self.window_right)
+        if self.block_mask is not None:
+            keep = keep & self.block_mask.to_dense(self.seqlen_q, self.seqlen_k)
+        return keep
+
+    def unflatten(self, x, tail):
+        """Reshape a ``(B, *tail)`` result back to ``batch_shape + tail``."""
+        return x.reshape(self.batch_shape + tuple(tail))
+
+
+def _flatten(x, n_batch: int):
+    """Merge the leading batch dimensions into one (a view whenever the strides allow)."""
+    return x.reshape((math.prod(x.shape[:n_batch]),) + x.shape[n_batch:])
+
+
+def _check_qkv(q, k, v):
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim < 3:
+            raise ValueError(f"{name} must have shape (..., seqlen, heads, head_dim), got ndim={a.ndim}")
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(f"q, k, v must have the same number of dimensions, got {q.ndim}, {k.ndim}, {v.ndim}")
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
+        raise ValueError(
+            f"batch dimensions of q, k, v must be identical (no broadcasting), "
+            f"got {q.shape[:-3]}, {k.shape[:-3]}, {v.shape[:-3]}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (..., seqlen_k, heads_kv, head_dim), "
+                         f"got k {k.shape} and v {v.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head_dim of q ({q.shape[-1]}) and k/v ({k.shape[-1]}) must match")
+    if q.shape[-1] < 1 or q.shape[-2] < 1 or k.shape[-2] < 1:
+        raise ValueError(f"heads and head_dim must be >= 1, got q {q.shape}, k {k.shape}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"heads of q ({q.shape[-2]}) must be a multiple of heads of k/v ({k.shape[-2]})")
+    dts = {dtype_name(a.dtype) for a in (q, k, v)}
+    if len(dts) > 1:
+        raise TypeError(f"q, k, v must share one dtype, got {dtype_name(q.dtype)}, "
+                        f"{dtype_name(k.dtype)}, {dtype_name(v.dtype)}")
+    if dtype_name(q.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"q, k, v must be floating point ({', '.join(FLOAT_DTYPES)}), got {q.dtype}")
+
+
+def _check_scale(scale, head_dim):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _check_window(window, causal):
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    left = right = None
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+        for side, w in zip(("left", "right"), window):
+            if w is None:
+                continue
+            if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+                raise TypeError(f"window {side} must be an int >= 0 or None, got {w!r}")
+            if w < 0:
+                raise ValueError(f"window {side} must be >= 0 or None, got {w}")
+        left, right = (None if w is None else int(w) for w in window)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _check_seqlens(x, name, batch_shape, full, xp):
+    if x is None:
+        return None
+    if not (isinstance(x, np.ndarray) or _is_cupy(x)):
+        raise TypeError(f"{name} must be an integer array of shape {batch_shape}, got {type(x).__name__}")
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array of shape {batch_shape}, got dtype {x.dtype}")
+    if tuple(x.shape) != tuple(batch_shape):
+        raise ValueError(f"{name} must have the batch shape {batch_shape}, got {tuple(x.shape)}")
+    host = np.asarray(x.get() if _is_cupy(x) else x).reshape(-1)
+    if host.size and (host.min() < 0 or host.max() > full):
+        raise ValueError(f"{name} values must lie in [0, {full}], got range [{host.min()}, {host.max()}]")
+    return xp.asarray(host.astype(np.int32))
+
+
+def _check_dropout(dropout_p, seed):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
+    return float(dropout_p), (None if seed is None else int(seed))
+
+
+def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
+                 seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None) -> Problem:
+    """Validate the forward arguments and return the normalized :class:`Problem`."""
+    xp = array_module(q, k, v, names=("q", "k", "v"))
+    _check_qkv(q, k, v)
+    n_batch = q.ndim - 3
+    batch_shape = tuple(q.shape[:n_batch])
+    scale = _check_scale(scale, q.shape[-1])
+    left, right = _check_window(window, causal)
+    dropout_p, seed = _check_dropout(dropout_p, seed)
+    sq = _check_seqlens(seqlens_q, "seqlens_q", batch_shape, q.shape[-3], xp)
+    sk = _check_seqlens(seqlens_k, "seqlens_k", batch_shape, k.shape[-3], xp)
+    qf, kf, vf = (_flatten(a, n_batch) for a in (q, k, v))
+    if block_mask is not None:
+        from .blockmask import BlockMask
+
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a cuflash.BlockMask, got {type(block_mask).__name__}")
+        block_mask.check_fits(qf.shape[0], qf.shape[2], qf.shape[1], kf.shape[1])
+    return Problem(xp, qf, kf, vf, batch_shape, scale, bool(causal), left, right, sq, sk,
+                   block_mask, dropout_p, seed)
+
+
+def check_backward(problem: Problem, dout, out, lse):
+    """Validate the backward's extra arrays against the forward problem; return them flattened."""
+    xp = array_module(dout, out, lse, names=("dout", "out", "lse"))
+    if xp is not problem.xp:
+        raise TypeError("dout, out, lse must live on the same array module as q, k, v")
+    want = problem.batch_shape + problem.q.shape[1:]
+    for name, a in (("dout", dout), ("out", out)):
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name} must have q's shape {want}, got {tuple(a.shape)}")
+        if a.dtype != problem.dtype:
+            raise TypeError(f"{name} must have q's dtype {problem.dtype}, got {a.dtype}")
+    want_lse = problem.batch_shape + (problem.heads_q, problem.seqlen_q)
+    if tuple(lse.shape) != want_lse:
+        raise ValueError(f"lse must have shape (..., heads, seqlen_q) = {want_lse}, got {tuple(lse.shape)}")
+    if lse.dtype.kind != "f":
+        raise TypeError(f"lse must be a float32/float64 array, got {lse.dtype}")
+    flat = lambda a, tail: a.reshape((problem.batch,) + tail)  # noqa: E731
+    return (flat(dout, problem.q.shape[1:]), flat(out, problem.q.shape[1:]),
+            flat(lse, (problem.heads_q, problem.seqlen_q)))

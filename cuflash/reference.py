@@ -1,0 +1,108 @@
+"""Float64 reference attention: FlashAttention's Algorithm 0, materializing S and P.
+
+The oracle of every test. It is naive on purpose and shares no code with the backends except
+the visibility rule (:meth:`cuflash.problem.Problem.visible_mask`). Inputs of any supported
+dtype are upcast to float64 (on the host); results are float64 NumPy arrays.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .problem import check_backward, make_problem
+
+
+def _host64(x):
+    x = x.get() if hasattr(x, "get") else x
+    return np.asarray(x).astype(np.float64)
+
+
+def _grouped(p):
+    """q as (B, Hkv, G, Sq, D) and k, v as (B, Hkv, 1, Sk, D), float64 on the host."""
+    b, sq, hq, d = p.q.shape
+    hkv = p.heads_kv
+    q = _host64(p.q).transpose(0, 2, 1, 3).reshape(b, hkv, p.group, sq, d)
+    k = _host64(p.k).transpose(0, 2, 1, 3)[:, :, None]
+    v = _host64(p.v).transpose(0, 2, 1, 3)[:, :, None]
+    return q, k, v
+
+
+def _probabilities(p, q, k):
+    """S = scale·QKᵀ with invisible entries at -inf; P = softmax(S); lse per row (natural log)."""
+    s = p.scale * (q @ np.swapaxes(k, -1, -2))
+    keep = p.visible_mask()  # (B, Hq|1, Sq, Sk)
+    keep = keep.reshape(keep.shape[0], -1, 1, *keep.shape[2:]) if keep.shape[1] == 1 else \
+        keep.reshape(keep.shape[0], p.heads_kv, p.group, *keep.shape[2:])
+    s = np.where(keep, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    m_safe = np.where(np.isfinite(m), m, 0.0)  # rows that see nothing: avoid (-inf) - (-inf)
+    e = np.exp(s - m_safe)
+    l = e.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        prob = np.where(l > 0, e / np.where(l > 0, l, 1.0), 0.0)
+        lse = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1.0)), -np.inf)[..., 0]
+    return prob, lse
+
+
+def _ungroup(x, p):
+    """(B, Hkv, G, S, D) → (B, S, Hq, D)."""
+    b, hkv, g, s, d = x.shape
+    return x.reshape(b, hkv * g, s, d).transpose(0, 2, 1, 3)
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
+              seqlens_q=None, seqlens_k=None, return_lse=False, dropout_mask=None, dropout_p=0.0):
+    """Float64 attention with every cuflash option; see :func:`cuflash.attention`.
+
+    ``dropout_mask`` (bool, broadcastable to ``(..., heads, Sq, Sk)``) and ``dropout_p`` apply
+    dropout explicitly: ``P`` is multiplied by the mask and by ``1/(1 - p)`` after normalization.
+    Returns float64 ``out`` (and ``lse``, ``(..., heads, Sq)``).
+    """
+    p = make_problem(q, k, v, causal=causal, scale=scale, window=window, block_mask=block_mask,
+                     seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+    qg, kg, vg = _grouped(p)
+    prob, lse = _probabilities(p, qg, kg)
+    prob = _apply_dropout(prob, p, dropout_mask, dropout_p)
+    out = p.unflatten(_ungroup(prob @ vg, p), p.q.shape[1:])
+    lse = p.unflatten(lse.reshape(p.batch, p.heads_q, p.seqlen_q), (p.heads_q, p.seqlen_q))
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale=None, window=None,
+                       block_mask=None, seqlens_q=None, seqlens_k=None, dropout_mask=None, dropout_p=0.0):
+    """Analytic float64 gradients ``(dq, dk, dv)`` of :func:`attention`.
+
+    dP = dO Vᵀ, D = rowsum(dO∘O), dS = P∘(dP − D), dQ = scale·dS K, dK = scale·dSᵀQ, dV = PᵀdO,
+    with dK, dV summed over the query heads of a group. ``out``/``lse`` are accepted for
+    signature parity and ignored: the reference recomputes everything in float64.
+    """
+    p = make_problem(q, k, v, causal=causal, scale=scale, window=window, block_mask=block_mask,
+                     seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+    if out is not None and lse is not None:
+        check_backward(p, dout, out, lse)
+    qg, kg, vg = _grouped(p)
+    prob, _ = _probabilities(p, qg, kg)
+    pd = _apply_dropout(prob, p, dropout_mask, dropout_p)
+    b, sq, hq, d = p.q.shape
+    do = _host64(dout).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
+    o = pd @ vg
+    dv = np.swapaxes(pd, -1, -2) @ do
+    dpd = do @ np.swapaxes(vg, -1, -2)
+    dprob = _apply_dropout(dpd, p, dropout_mask, dropout_p)  # d(P∘Z/(1-p))/dP
+    big_d = (do * o).sum(axis=-1, keepdims=True)
+    ds = prob * (dprob - big_d)
+    dq = p.scale * (ds @ kg)
+    dk = p.scale * (np.swapaxes(ds, -1, -2) @ qg)
+    shape_q, shape_k = p.q.shape[1:], p.k.shape[1:]
+    return (p.unflatten(_ungroup(dq, p), shape_q),
+            p.unflatten(_ungroup(dk.sum(axis=2, keepdims=True), p), shape_k),
+            p.unflatten(_ungroup(dv.sum(axis=2, keepdims=True), p), shape_k))
+
+
+def _apply_dropout(x, p, mask, dropout_p):
+    if mask is None:
+        if dropout_p:
+            raise ValueError("the reference needs an explicit dropout_mask when dropout_p > 0")
+        return x
+    m = np.broadcast_to(np.asarray(mask), p.batch_shape + (p.heads_q, p.seqlen_q, p.seqlen_k))
+    m = m.reshape(p.batch, p.heads_kv, p.group, p.seqlen_q, p.seqlen_k)
+    return x * m / (1.0 - dropout_p)
