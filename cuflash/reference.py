@@ -3,6 +3,10 @@
 The oracle of every test. It is naive on purpose and shares no code with the backends except
 the visibility rule (:meth:`cuflash.problem.Problem.visible_mask`). Inputs of any supported
 dtype are upcast to float64 (on the host); results are float64 NumPy arrays.
+
+``compute_dtype`` runs the same naive algorithm in another dtype: with the input's own dtype it
+is the "naive same-dtype computation" whose error against float64 sets the test tolerances
+(:func:`cuflash.testing.assert_attention_close`).
 """
 from __future__ import annotations
 
@@ -11,35 +15,36 @@ import numpy as np
 from .problem import check_backward, make_problem
 
 
-def _host64(x):
+def _host(x, dtype):
     x = x.get() if hasattr(x, "get") else x
-    return np.asarray(x).astype(np.float64)
+    return np.asarray(x).astype(dtype)
 
 
-def _grouped(p):
-    """q as (B, Hkv, G, Sq, D) and k, v as (B, Hkv, 1, Sk, D), float64 on the host."""
+def _grouped(p, dtype):
+    """q as (B, Hkv, G, Sq, D) and k, v as (B, Hkv, 1, Sk, D), in ``dtype`` on the host."""
     b, sq, hq, d = p.q.shape
     hkv = p.heads_kv
-    q = _host64(p.q).transpose(0, 2, 1, 3).reshape(b, hkv, p.group, sq, d)
-    k = _host64(p.k).transpose(0, 2, 1, 3)[:, :, None]
-    v = _host64(p.v).transpose(0, 2, 1, 3)[:, :, None]
+    q = _host(p.q, dtype).transpose(0, 2, 1, 3).reshape(b, hkv, p.group, sq, d)
+    k = _host(p.k, dtype).transpose(0, 2, 1, 3)[:, :, None]
+    v = _host(p.v, dtype).transpose(0, 2, 1, 3)[:, :, None]
     return q, k, v
 
 
 def _probabilities(p, q, k):
     """S = scale·QKᵀ with invisible entries at -inf; P = softmax(S); lse per row (natural log)."""
-    s = p.scale * (q @ np.swapaxes(k, -1, -2))
+    s = q.dtype.type(p.scale) * (q @ np.swapaxes(k, -1, -2))
     keep = p.visible_mask()  # (B, Hq|1, Sq, Sk)
     keep = keep.reshape(keep.shape[0], -1, 1, *keep.shape[2:]) if keep.shape[1] == 1 else \
         keep.reshape(keep.shape[0], p.heads_kv, p.group, *keep.shape[2:])
     s = np.where(keep, s, -np.inf)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    m_safe = np.where(np.isfinite(m), m, 0.0)  # rows that see nothing: avoid (-inf) - (-inf)
+    m_safe = np.where(np.isfinite(m), m, s.dtype.type(0))  # rows that see nothing: avoid (-inf) - (-inf)
     e = np.exp(s - m_safe)
     l = e.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        prob = np.where(l > 0, e / np.where(l > 0, l, 1.0), 0.0)
-        lse = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1.0)), -np.inf)[..., 0]
+        one = l.dtype.type(1)
+        prob = np.where(l > 0, e / np.where(l > 0, l, one), l.dtype.type(0))
+        lse = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, one)), l.dtype.type(-np.inf))[..., 0]
     return prob, lse
 
 
@@ -50,16 +55,17 @@ def _ungroup(x, p):
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
-              seqlens_q=None, seqlens_k=None, return_lse=False, dropout_mask=None, dropout_p=0.0):
+              seqlens_q=None, seqlens_k=None, return_lse=False, dropout_mask=None, dropout_p=0.0,
+              compute_dtype=np.float64):
     """Float64 attention with every cuflash option; see :func:`cuflash.attention`.
 
     ``dropout_mask`` (bool, broadcastable to ``(..., heads, Sq, Sk)``) and ``dropout_p`` apply
     dropout explicitly: ``P`` is multiplied by the mask and by ``1/(1 - p)`` after normalization.
-    Returns float64 ``out`` (and ``lse``, ``(..., heads, Sq)``).
+    Returns ``out`` (and ``lse``, ``(..., heads, Sq)``) in ``compute_dtype`` (float64 by default).
     """
     p = make_problem(q, k, v, causal=causal, scale=scale, window=window, block_mask=block_mask,
                      seqlens_q=seqlens_q, seqlens_k=seqlens_k)
-    qg, kg, vg = _grouped(p)
+    qg, kg, vg = _grouped(p, np.dtype(compute_dtype))
     prob, lse = _probabilities(p, qg, kg)
     prob = _apply_dropout(prob, p, dropout_mask, dropout_p)
     out = p.unflatten(_ungroup(prob @ vg, p), p.q.shape[1:])
@@ -68,7 +74,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
 
 
 def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale=None, window=None,
-                       block_mask=None, seqlens_q=None, seqlens_k=None, dropout_mask=None, dropout_p=0.0):
+                       block_mask=None, seqlens_q=None, seqlens_k=None, dropout_mask=None, dropout_p=0.0,
+                       compute_dtype=np.float64):
     """Analytic float64 gradients ``(dq, dk, dv)`` of :func:`attention`.
 
     dP = dO Vᵀ, D = rowsum(dO∘O), dS = P∘(dP − D), dQ = scale·dS K, dK = scale·dSᵀQ, dV = PᵀdO,
@@ -79,23 +86,55 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale
                      seqlens_q=seqlens_q, seqlens_k=seqlens_k)
     if out is not None and lse is not None:
         check_backward(p, dout, out, lse)
-    qg, kg, vg = _grouped(p)
+    qg, kg, vg = _grouped(p, np.dtype(compute_dtype))
     prob, _ = _probabilities(p, qg, kg)
     pd = _apply_dropout(prob, p, dropout_mask, dropout_p)
     b, sq, hq, d = p.q.shape
-    do = _host64(dout).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
+    do = _host(dout, qg.dtype).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
     o = pd @ vg
     dv = np.swapaxes(pd, -1, -2) @ do
     dpd = do @ np.swapaxes(vg, -1, -2)
     dprob = _apply_dropout(dpd, p, dropout_mask, dropout_p)  # d(P∘Z/(1-p))/dP
     big_d = (do * o).sum(axis=-1, keepdims=True)
     ds = prob * (dprob - big_d)
-    dq = p.scale * (ds @ kg)
-    dk = p.scale * (np.swapaxes(ds, -1, -2) @ qg)
+    scale = qg.dtype.type(p.scale)
+    dq = scale * (ds @ kg)
+    dk = scale * (np.swapaxes(ds, -1, -2) @ qg)
     shape_q, shape_k = p.q.shape[1:], p.k.shape[1:]
     return (p.unflatten(_ungroup(dq, p), shape_q),
             p.unflatten(_ungroup(dk.sum(axis=2, keepdims=True), p), shape_k),
             p.unflatten(_ungroup(dv.sum(axis=2, keepdims=True), p), shape_k))
+
+
+def term_magnitudes(q, k, v, dout=None, *, causal=False, scale=None, window=None, block_mask=None,
+                    seqlens_q=None, seqlens_k=None):
+    """Largest magnitude of the terms each result is summed from, in float64.
+
+    ``out = P V`` sums terms ``P_ij V_j``; the lse sums ``exp`` of scores ``S_ij``; ``dQ = scale·dS K``,
+    ``dK = scale·dSᵀ Q``, ``dV = Pᵀ dO``. Rounding errors scale with these, not with the results,
+    which may cancel to ~0. Every term goes through ``P = exp(S - m)``, whose relative condition
+    number is ``|S - m|``: an input rounding grows by up to ``1 + max|S|`` on its way, so each
+    magnitude carries that factor. :func:`cuflash.testing.assert_attention_close` uses them for
+    its floor.
+    Returns a dict with keys ``out``, ``lse`` and, given ``dout``, ``dq``, ``dk``, ``dv``.
+    """
+    p = make_problem(q, k, v, causal=causal, scale=scale, window=window, block_mask=block_mask,
+                     seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+    qg, kg, vg = _grouped(p, np.dtype(np.float64))
+    prob, lse = _probabilities(p, qg, kg)
+    s = np.abs(p.scale * (qg @ np.swapaxes(kg, -1, -2))) * (prob > 0)
+    cond = 1.0 + s.max(initial=0) + np.abs(lse[np.isfinite(lse)]).max(initial=0)
+    mags = {"out": (prob @ np.abs(vg)).max(initial=0), "lse": cond}
+    if dout is not None:
+        b, sq, hq, d = p.q.shape
+        do = _host(dout, np.float64).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
+        dp = do @ np.swapaxes(vg, -1, -2)
+        # dS = P∘(dP − D) cancels (exactly, for a single key): its operands set the magnitude.
+        ds = prob * (np.abs(dp) + np.abs((do * (prob @ vg)).sum(axis=-1, keepdims=True)))
+        mags["dq"] = abs(p.scale) * (ds @ np.abs(kg)).max(initial=0)
+        mags["dk"] = abs(p.scale) * (np.swapaxes(ds, -1, -2) @ np.abs(qg)).sum(axis=2).max(initial=0)
+        mags["dv"] = (np.swapaxes(prob, -1, -2) @ np.abs(do)).sum(axis=2).max(initial=0)
+    return {name: float(x) * (1 if name == "lse" else cond) for name, x in mags.items()}
 
 
 def _apply_dropout(x, p, mask, dropout_p):
@@ -105,4 +144,4 @@ def _apply_dropout(x, p, mask, dropout_p):
         return x
     m = np.broadcast_to(np.asarray(mask), p.batch_shape + (p.heads_q, p.seqlen_q, p.seqlen_k))
     m = m.reshape(p.batch, p.heads_kv, p.group, p.seqlen_q, p.seqlen_k)
-    return x * m / (1.0 - dropout_p)
+    return x * m / x.dtype.type(1.0 - dropout_p)

@@ -1,0 +1,182 @@
+"""Compiling a kernel source for the CPU: source preparation, the launch wrapper, and the library cache."""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from ..launch import KERNELS_DIR, kernel_source
+from ._toolchain import Toolchain
+
+RUNTIME_DIR = KERNELS_DIR / "emulate"
+SHIM = RUNTIME_DIR / "shim.h"
+
+# -O1 compiles a flash-attention specialization in well under the time -O2 takes and runs it within ~2x;
+# see kernels/emulate/README.md for the measurements.
+BASE_FLAGS = ("-std=c++17", "-O1", "-fno-strict-aliasing", "-fvisibility=hidden", "-fno-gnu-unique", "-fPIC",
+              "-shared", "-w", "-DCUFLASH_EMULATE=1")
+DEBUG_FLAGS = ("-O0", "-g")
+# Static __shared__ variables live in a named section, which ASan leaves alone unless told otherwise.
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fsanitize-sections=cuflash_shared", "-fno-omit-frame-pointer",
+                  "-g")
+
+_INCLUDE_LINE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$", re.M)
+# `extern __shared__ <type> name[];` -> a reference to the runtime's per-launch dynamic shared pointer.
+_EXTERN_SHARED = re.compile(r"\bextern\s+__shared__\s+([^;\[\]{}()]*(?:\([^)]*\)[^;\[\]{}()]*)*?)\s*\b([A-Za-z_]\w*)"
+                            r"\s*\[\s*\]\s*;")
+_ATTRIBUTES = re.compile(r"__align__\s*\([^)]*\)|alignas\s*\([^)]*\)|__attribute__\s*\(\(.*?\)\)")
+
+
+compile_log: list[tuple[str, float]] = []  # (library, seconds) of every compilation in this process
+
+
+class CompileError(RuntimeError):
+    """g++ rejected the kernel source (the message carries the compiler's diagnostics)."""
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.relative_to(KERNELS_DIR.parent))
+    except ValueError:
+        return str(path)
+
+
+def _expand_with_lines(path: Path, seen: set[str]) -> list[str]:
+    """Same text as :func:`cuflash.launch.kernel_source` plus #line directives naming the original files."""
+    out = [f'#line 1 "{_rel(path)}"']
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        match = _INCLUDE_LINE.match(line)
+        if not match:
+            out.append(line)
+            continue
+        inc = (path.parent / match.group(1)).resolve()
+        if str(inc) not in seen:
+            seen.add(str(inc))
+            out += _expand_with_lines(inc, seen)
+        out.append(f'#line {number + 1} "{_rel(path)}"')
+    return out
+
+
+def _with_line_directives(source: str) -> str:
+    """``source`` annotated with original file names and lines, when it is an unchanged kernels/*.cu."""
+    for candidate in sorted(KERNELS_DIR.glob("*.cu")):
+        try:
+            if kernel_source(candidate.name) == source:
+                return "\n".join(_expand_with_lines(candidate, set())) + "\n"
+        except OSError:
+            continue
+    return '#line 1 "<kernel source>"\n' + source
+
+
+def _rewrite_extern_shared(source: str) -> str:
+    def repl(match: re.Match) -> str:
+        type_ = _ATTRIBUTES.sub(" ", match.group(1)).strip()
+        newlines = "\n" * match.group(0).count("\n")  # keep line numbers
+        return (f"{type_}* const& {match.group(2)} = "
+                f"*reinterpret_cast<{type_}* const*>(&::cuflash_emu::g_dyn_smem);{newlines}")
+
+    return _EXTERN_SHARED.sub(repl, source)
+
+
+def _wrapper(name_expression: str) -> str:
+    return f"""
+namespace cuflash_emu_wrap {{
+using Kernel = decltype(&{name_expression});
+static Kernel const kernel = &{name_expression};
+void thunk(void* args) {{ ::cuflash_emu::Signature<Kernel>::call(kernel, static_cast<void**>(args)); }}
+}}  // namespace cuflash_emu_wrap
+extern "C" __attribute__((visibility("default"))) int cuflash_emu_signature(int* desc, const char** names, int max) {{
+  return ::cuflash_emu::Signature<cuflash_emu_wrap::Kernel>::describe(desc, names, max);
+}}
+extern "C" __attribute__((visibility("default"))) int cuflash_emu_launch(void** args, const unsigned* grid,
+    const unsigned* block, unsigned long long shared_bytes, int schedule, unsigned long long seed,
+    unsigned long long stack_bytes, char* err, unsigned long long err_len, int* where) {{
+  return ::cuflash_emu::launch_entry(args, grid, block, shared_bytes, schedule, seed, stack_bytes,
+                                     &cuflash_emu_wrap::thunk, err, err_len, where);
+}}
+"""
+
+
+def translation_unit(source: str, name_expression: str) -> str:
+    body = _rewrite_extern_shared(_PRAGMA_ONCE.sub("", _with_line_directives(source)))
+    return body + '\n#line 1 "<cuflash.emulate wrapper>"\n#include "wrapper.h"\n' + _wrapper(name_expression)
+
+
+def _runtime_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(RUNTIME_DIR.glob("*.h")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _user_options(options) -> list[str]:
+    """Preprocessor options only: the rest (-arch, --use_fast_math, ...) are NVRTC's and mean nothing to g++."""
+    keep, it = [], iter(options)
+    for opt in it:
+        if opt in ("-D", "-U", "-I"):
+            keep += [opt, next(it, "")]
+        elif opt.startswith(("-D", "-U", "-I")):
+            keep.append(opt)
+    return keep
+
+
+def cache_dir() -> Path:
+    path = Path(os.environ.get("CUFLASH_EMULATE_CACHE") or Path.home() / ".cache" / "cuflash" / "emulate")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    except OSError:  # read-only home (some CI sandboxes)
+        fallback = Path(tempfile.gettempdir()) / "cuflash-emulate"
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+
+
+def command(tc: Toolchain, src: Path, out: Path, options, *, sanitize: bool, debug: bool) -> list[str]:
+    flags = list(BASE_FLAGS)
+    if debug:
+        flags += DEBUG_FLAGS
+    if sanitize:
+        flags += SANITIZE_FLAGS
+    includes = [f"-I{RUNTIME_DIR}", f"-I{KERNELS_DIR}"] + [f"-I{d}" for d in tc.cuda_includes]
+    return [tc.cxx, *flags, "-include", str(SHIM), *includes, *_user_options(options), str(src), "-o", str(out)]
+
+
+def build(tc: Toolchain, source: str, name_expression: str, options=(), *, sanitize=False, debug=False) -> Path:
+    """Path of the shared library for this kernel, compiling it on a cache miss."""
+    key = hashlib.sha256("\0".join([
+        source, name_expression, *options, tc.cxx, tc.cxx_version, *tc.cuda_includes, _runtime_digest(),
+        *BASE_FLAGS, f"sanitize={sanitize}", f"debug={debug}",
+    ]).encode()).hexdigest()[:32]
+    target = cache_dir() / f"{key}.so"
+    if target.exists():
+        return target
+    return _compile(tc, target, translation_unit(source, name_expression), options, sanitize, debug)
+
+
+def _compile(tc: Toolchain, target: Path, text: str, options, sanitize: bool, debug: bool) -> Path:
+    # Unique temporaries + atomic rename: parallel test processes may build the same library at once.
+    fd, tmp_src = tempfile.mkstemp(suffix=".cpp", prefix=target.stem + ".", dir=target.parent)
+    tmp_out = Path(tmp_src).with_suffix(".so.tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        cmd = command(tc, Path(tmp_src), tmp_out, options, sanitize=sanitize, debug=debug)
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CompileError(f"g++ failed to compile the kernel for emulation (kept at {tmp_src}.failed):\n"
+                               f"{proc.stderr[-8000:]}\ncommand: {' '.join(cmd)}")
+        os.replace(tmp_out, target)
+        compile_log.append((target.name, time.perf_counter() - start))
+        return target
+    except CompileError:
+        os.replace(tmp_src, tmp_src + ".failed")
+        raise
+    finally:
+        for leftover in (Path(tmp_src), tmp_out):
+            leftover.unlink(missing_ok=True)

@@ -1,0 +1,138 @@
+"""Loading an emulated kernel library, checking arguments against its signature, and launching it."""
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# Parameter kinds reported by kernels/emulate/wrapper.h.
+OTHER, POINTER, SIGNED, UNSIGNED, FLOAT, BOOL = range(6)
+SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
+MAX_PARAMS = 256
+
+
+class EmulationError(RuntimeError):
+    """The emulated kernel failed: device assert, deadlock, divergent barrier, bad warp collective, ...
+
+    ``block`` and ``thread`` are the (x, y, z) indices of the failing thread where one is known, else None.
+    """
+
+    def __init__(self, message: str, block=None, thread=None):
+        where = []
+        if block is not None:
+            where.append(f"block {block}")
+        if thread is not None:
+            where.append(f"thread {thread}")
+        super().__init__(message + (f" [{', '.join(where)}]" if where else ""))
+        self.block, self.thread = block, thread
+
+
+@dataclass(frozen=True)
+class Param:
+    kind: int
+    size: int
+    pointee_kind: int
+    pointee_size: int
+    type_name: str
+
+
+def _spelled(pretty: str) -> str:
+    match = re.search(r"\[with T = (.*)\]$", pretty)
+    return match.group(1) if match else pretty
+
+
+class Library:
+    """One compiled kernel: its signature and a launcher. Launches are serialized (the runtime is global)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+        self._lock = threading.Lock()
+        self.params = self._signature()
+
+    def _signature(self) -> list[Param]:
+        desc = (ctypes.c_int * (4 * MAX_PARAMS))()
+        names = (ctypes.c_char_p * MAX_PARAMS)()
+        n = self._lib.cuflash_emu_signature(desc, names, MAX_PARAMS)
+        if n > MAX_PARAMS:
+            raise TypeError(f"kernel has {n} parameters; the emulator supports {MAX_PARAMS}")
+        return [Param(*desc[4 * i:4 * i + 4], _spelled(names[i].decode())) for i in range(n)]
+
+    def launch(self, args, grid, block, shared_bytes, schedule, seed, stack_bytes) -> None:
+        buffers = pack_arguments(self.params, args)
+        argv = (ctypes.c_void_p * max(1, len(buffers)))(*[ctypes.addressof(b) for b in buffers])
+        err = ctypes.create_string_buffer(2048)
+        where = (ctypes.c_int * 6)()
+        fn = self._lib.cuflash_emu_launch
+        fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
+                       ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_char_p,
+                       ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_int)]
+        with self._lock:
+            rc = fn(argv, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, schedule, seed,
+                    stack_bytes, err, len(err), where)
+        if rc:
+            block_idx = tuple(where[0:3]) if where[0] >= 0 else None
+            thread_idx = tuple(where[3:6]) if where[3] >= 0 else None
+            raise EmulationError(err.value.decode(errors="replace"), block_idx, thread_idx)
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+
+def _describe(value) -> str:
+    if isinstance(value, np.ndarray):
+        return f"ndarray of {value.dtype}"
+    if isinstance(value, np.generic):
+        return f"np.{type(value).__name__}"
+    return type(value).__name__
+
+
+def _expected(p: Param) -> str:
+    if p.kind == POINTER:
+        return f"`{p.type_name}` (pointee {p.pointee_size or '?'} bytes)"
+    return f"`{p.type_name}` ({p.size} bytes)"
+
+
+def _pointee_ok(p: Param, dtype: np.dtype) -> bool:
+    if p.pointee_size in (0, 1):  # void* and byte pointers address raw memory of any type
+        return True
+    if p.pointee_kind == FLOAT:
+        return dtype.kind == "f" and dtype.itemsize == p.pointee_size
+    if p.pointee_kind in (SIGNED, UNSIGNED):
+        return dtype.kind in "iu" and dtype.itemsize == p.pointee_size
+    # Class types (__half, float4, structs): same size, or a vector type over a smaller element.
+    return p.pointee_size % dtype.itemsize == 0
+
+
+def _scalar_ok(p: Param, value) -> bool:
+    if p.kind == BOOL:
+        return isinstance(value, (bool, np.bool_))
+    if not isinstance(value, np.generic) or value.dtype.itemsize != p.size:
+        return False
+    kind = value.dtype.kind
+    return {SIGNED: kind == "i", UNSIGNED: kind == "u", FLOAT: kind == "f"}.get(p.kind, kind in "fiuV")
+
+
+def _pack_one(i: int, p: Param, value):
+    mismatch = TypeError(f"argument {i}: kernel expects {_expected(p)}, got {_describe(value)}")
+    if p.kind == POINTER:
+        if value is None:
+            return ctypes.c_void_p(0)
+        if not isinstance(value, np.ndarray) or not _pointee_ok(p, value.dtype):
+            raise mismatch
+        return ctypes.c_void_p(value.__array_interface__["data"][0])
+    if value is None or isinstance(value, np.ndarray) or not _scalar_ok(p, value):
+        raise mismatch
+    raw = np.asarray(value).tobytes() if not isinstance(value, bool) else bytes([value])
+    return ctypes.create_string_buffer(raw, max(len(raw), 8))
+
+
+def pack_arguments(params: list[Param], args) -> list:
+    """One ctypes buffer per argument holding the value the kernel receives (the array's address for pointers)."""
+    if len(args) != len(params):
+        raise TypeError(f"kernel takes {len(params)} arguments, got {len(args)}: "
+                        + ", ".join(p.type_name for p in params))
+    return [_pack_one(i, p, a) for i, (p, a) in enumerate(zip(params, args))]

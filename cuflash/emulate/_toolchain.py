@@ -1,0 +1,62 @@
+"""Finding what the emulator needs on this machine: a GNU C++ compiler and the CUDA headers."""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    cxx: str
+    cxx_version: str
+    cuda_includes: tuple[str, ...]
+
+
+def _cuda_include_candidates() -> list[Path]:
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    found = [Path(r) / "include" for r in roots if r]
+    # pip's NVIDIA runtime wheels: nvidia/cuda_runtime/include (CUDA 12) or nvidia/cu13/include (CUDA 13).
+    for entry in sys.path:
+        found += [Path(p).parent for p in glob.glob(os.path.join(entry, "nvidia", "*", "include", "cuda_fp16.h"))]
+    return found
+
+
+def _cuda_includes() -> tuple[str, ...] | None:
+    for inc in _cuda_include_candidates():
+        if (inc / "cuda_fp16.h").is_file() and (inc / "vector_types.h").is_file():
+            # CUDA 13 keeps <nv/target> (used by cuda_fp16.h) under include/cccl.
+            extra = [inc / "cccl"] if (inc / "cccl").is_dir() else []
+            return tuple(str(p) for p in [inc, *extra])
+    return None
+
+
+def _compiler() -> tuple[str, str] | None:
+    cxx = os.environ.get("CUFLASH_EMULATE_CXX") or shutil.which("g++")
+    if not cxx:
+        return None
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return cxx, out.splitlines()[0] if out else cxx
+
+
+@functools.lru_cache(maxsize=None)
+def find() -> tuple[Toolchain | None, str]:
+    """The toolchain, or None and the reason it cannot be used."""
+    if not sys.platform.startswith("linux"):
+        return None, f"the CPU emulator needs Linux (this is {sys.platform})"
+    compiler = _compiler()
+    if compiler is None:
+        return None, "no g++ found (set CUFLASH_EMULATE_CXX or install g++)"
+    includes = _cuda_includes()
+    if includes is None:
+        return None, ("no CUDA headers (cuda_fp16.h) found in CUDA_PATH, CUDA_HOME, /usr/local/cuda "
+                      "or the nvidia runtime wheels")
+    return Toolchain(compiler[0], compiler[1], includes), f"{compiler[1]}; CUDA headers in {includes[0]}"

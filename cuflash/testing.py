@@ -1,0 +1,152 @@
+"""Testing helpers for attention implementations: hypothesis strategies and a tolerance rule.
+
+Users can fuzz their own attention code with them::
+
+    from hypothesis import given
+    from cuflash.testing import attention_cases, check_forward
+
+    @given(attention_cases(dtypes=("float16",)))
+    def test_mine(case):
+        check_forward(my_attention, case)   # my_attention(q, k, v, **case.options) -> (out, lse)
+
+The rule (:func:`assert_attention_close`): an implementation's error against the float64
+reference may be at most ``mult`` times the error of the naive computation in the input dtype
+(the reference run with ``compute_dtype`` = input dtype), plus a floor of about two roundings at
+the output's magnitude. ``mult`` is 2 for ``out``/``lse`` and 3 for gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import reference
+from .blockmask import BlockMask
+
+#: Sequence lengths that catch off-by-one tiles: 1, primes, one past and one short of a tile.
+AWKWARD_LENGTHS = (1, 2, 3, 17, 31, 33, 63, 64, 65, 100, 113, 127, 128, 129, 203, 255, 256, 257)
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def rounding(dtype) -> float:
+    """One ulp at 1.0 (machine epsilon) of ``dtype``: the size of one rounding, relative."""
+    name = np.dtype(dtype).name
+    return {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}.get(name, float(np.finfo(dtype).eps))
+
+
+@dataclass
+class Case:
+    """One drawn attention problem: arrays plus the keyword options of :func:`cuflash.attention`."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    dout: np.ndarray
+    options: dict = field(default_factory=dict)
+
+    def __repr__(self):
+        opts = {k: (v if not isinstance(v, np.ndarray) else v.tolist()) for k, v in self.options.items()}
+        return (f"Case(q={self.q.shape}, k={self.k.shape}, dtype={self.q.dtype}, options={opts})")
+
+
+def attention_cases(*, dtypes=("float32",), max_seqlen=160, head_dims=None, max_head_dim=80,
+                    max_batch_dims=2, gqa=True, causal=True, window=True, seqlens=True,
+                    block_mask=True, block_sizes=(16, 32, 64), scale=True):
+    """Hypothesis strategy of :class:`Case`: awkward lengths, Sq ≠ Sk both ways, GQA/MQA,
+    causal, windows, per-sequence lengths, BlockMasks, any number of batch dimensions."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw):
+        dtype = _dtype(draw(st.sampled_from(dtypes)))
+        lengths = st.one_of(st.sampled_from([x for x in AWKWARD_LENGTHS if x <= max_seqlen]),
+                            st.integers(1, max_seqlen))
+        sq, sk = draw(lengths), draw(lengths)
+        d = draw(st.sampled_from(head_dims)) if head_dims else draw(st.integers(1, max_head_dim))
+        hkv = draw(st.integers(1, 3))
+        hq = hkv * (draw(st.sampled_from([1, 2, 4])) if gqa else 1)
+        batch = tuple(draw(st.lists(st.integers(1, 3), max_size=max_batch_dims)))
+        seed = draw(st.integers(0, 2**32 - 1))
+        rng = np.random.default_rng(seed)
+        arrays = [rng.standard_normal(batch + shape).astype(dtype)
+                  for shape in ((sq, hq, d), (sk, hkv, d), (sk, hkv, d), (sq, hq, d))]
+        opts = {}
+        if causal and draw(st.booleans()):
+            opts["causal"] = True
+        if window and draw(st.booleans()):
+            side = st.one_of(st.none(), st.integers(0, max(sq, sk)))
+            opts["window"] = (draw(side), draw(side))
+        if scale and draw(st.booleans()):
+            opts["scale"] = draw(st.floats(0.05, 2.0))
+        if seqlens and draw(st.booleans()):
+            opts["seqlens_q"] = rng.integers(0, sq + 1, size=batch).astype(np.int32)
+            opts["seqlens_k"] = rng.integers(0, sk + 1, size=batch).astype(np.int32)
+        if block_mask and draw(st.booleans()):
+            bq, bk = draw(st.sampled_from(block_sizes)), draw(st.sampled_from(block_sizes))
+            nb = int(np.prod(batch))
+            grid_shape = (draw(st.sampled_from([1, nb])), draw(st.sampled_from([1, hq])),
+                          -(-sq // bq), -(-sk // bk))
+            grid = rng.random(grid_shape) < draw(st.floats(0.2, 1.0))
+            opts["block_mask"] = BlockMask(grid, block=(bq, bk), seqlen_q=sq, seqlen_k=sk)
+        return Case(*arrays, options=opts)
+
+    return cases()
+
+
+def assert_attention_close(actual, ref64, baseline, *, mult=2.0, name="out", magnitude=None):
+    """Assert ``max|actual − ref64| <= mult · max|baseline − ref64| + floor``.
+
+    ``baseline`` is the naive computation in the input dtype; its dtype sets the floor: two
+    roundings at ``magnitude``, the largest term the result is summed from
+    (:func:`cuflash.reference.term_magnitudes`; default the largest ``|ref64|``), so cases where
+    the naive computation happens to be exact, or results that cancel to ~0, do not demand the
+    impossible. ``-inf`` entries (rows that see no key) must match exactly; NaN never passes.
+    """
+    floor_u = rounding(np.asarray(baseline).dtype)
+    actual = np.asarray(actual.get() if hasattr(actual, "get") else actual).astype(np.float64)
+    baseline = np.asarray(baseline).astype(np.float64)
+    ref64 = np.asarray(ref64, dtype=np.float64)
+    assert actual.shape == ref64.shape, f"{name}: shape {actual.shape} != reference {ref64.shape}"
+    assert not np.isnan(actual).any(), f"{name}: NaN in the result"
+    inf_ref = np.isinf(ref64)
+    assert np.array_equal(np.isinf(actual), inf_ref) and np.array_equal(actual[inf_ref], ref64[inf_ref]), \
+        f"{name}: infinite entries differ from the reference (rows that see no key must be -inf)"
+    fin = ~inf_ref
+    if not fin.any():
+        return
+    err = np.abs(actual[fin] - ref64[fin]).max()
+    base = np.nan_to_num(np.abs(baseline[fin] - ref64[fin]), nan=np.inf).max()
+    floor = 2 * floor_u * (np.abs(ref64[fin]).max() if magnitude is None else magnitude)
+    assert err <= mult * base + floor, (
+        f"{name}: max error {err:.3e} exceeds {mult}x the naive same-dtype error {base:.3e} + floor {floor:.3e}")
+
+
+def check_forward(fn, case: Case):
+    """Hold ``fn(q, k, v, **options) -> (out, lse)`` to the rule against the float64 reference."""
+    out, lse = fn(case.q, case.k, case.v, **case.options)
+    ref, ref_lse = reference.attention(case.q, case.k, case.v, return_lse=True, **case.options)
+    base, base_lse = reference.attention(case.q, case.k, case.v, return_lse=True,
+                                         compute_dtype=case.q.dtype, **case.options)
+    mags = reference.term_magnitudes(case.q, case.k, case.v, **case.options)
+    assert_attention_close(out, ref, base, mult=2, name="out", magnitude=mags["out"])
+    assert_attention_close(lse, ref_lse, base_lse, mult=2, name="lse", magnitude=mags["lse"])
+    return out, lse
+
+
+def check_backward(fn, case: Case, out, lse):
+    """Hold ``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` to the rule (mult 3)."""
+    grads = fn(case.dout, case.q, case.k, case.v, out, lse, **case.options)
+    refs = reference.attention_backward(case.dout, case.q, case.k, case.v, **case.options)
+    bases = reference.attention_backward(case.dout, case.q, case.k, case.v,
+                                         compute_dtype=case.q.dtype, **case.options)
+    mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **case.options)
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, refs, bases):
+        assert_attention_close(g, r, b, mult=3, name=name, magnitude=mags[name])
+    return grads
