@@ -20,15 +20,15 @@ SHIM = RUNTIME_DIR / "shim.h"
 BASE_FLAGS = ("-std=c++17", "-O1", "-fno-strict-aliasing", "-fvisibility=hidden", "-fno-gnu-unique", "-fPIC",
               "-shared", "-w", "-DCUFLASH_EMULATE=1")
 DEBUG_FLAGS = ("-O0", "-g")
-# Static __shared__ variables live in a named section, which ASan leaves alone unless told otherwise.
-SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fsanitize-sections=cuflash_shared", "-fno-omit-frame-pointer",
-                  "-g")
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g")
 
 _INCLUDE_LINE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$", re.M)
 # `extern __shared__ <type> name[];` -> a reference to the runtime's per-launch dynamic shared pointer.
 _EXTERN_SHARED = re.compile(r"\bextern\s+__shared__\s+([^;\[\]{}()]*(?:\([^)]*\)[^;\[\]{}()]*)*?)\s*\b([A-Za-z_]\w*)"
                             r"\s*\[\s*\]\s*;")
+# `__shared__ <type> name[dims];` on one line (not `extern`, which the pattern above handles first).
+_STATIC_SHARED = re.compile(r"\b__shared__[ \t]+([^;{}=\n]*?)[ \t]*\b([A-Za-z_]\w*)[ \t]*((?:\[[^\];\n]*\][ \t]*)*);")
 _ATTRIBUTES = re.compile(r"__align__\s*\([^)]*\)|alignas\s*\([^)]*\)|__attribute__\s*\(\(.*?\)\)")
 
 
@@ -83,6 +83,27 @@ def _rewrite_extern_shared(source: str) -> str:
     return _EXTERN_SHARED.sub(repl, source)
 
 
+def _top_level_comma(text: str) -> bool:
+    depth = 0
+    for ch in text:
+        depth += ch in "<([" 
+        depth -= ch in ">)]"
+        if ch == "," and depth == 0:
+            return True
+    return False
+
+
+def _rewrite_static_shared(source: str) -> str:
+    """Single-declarator ``__shared__`` variables -> registered, NaN-filled storage (runtime.h: shared_var)."""
+    def repl(match: re.Match) -> str:
+        type_, name, dims = _ATTRIBUTES.sub(" ", match.group(1)).strip(), match.group(2), match.group(3).strip()
+        if not type_ or _top_level_comma(type_) or type_.endswith(("::", ",")):
+            return match.group(0)  # not a form we understand: shim.h's fallback `static` applies
+        return f"auto& {name} = ::cuflash_emu::shared_var<{type_}{dims}>([] {{}});"
+
+    return _STATIC_SHARED.sub(repl, source)
+
+
 def _wrapper(name_expression: str) -> str:
     return f"""
 namespace cuflash_emu_wrap {{
@@ -104,6 +125,7 @@ extern "C" __attribute__((visibility("default"))) int cuflash_emu_launch(void** 
 
 def translation_unit(source: str, name_expression: str) -> str:
     body = _rewrite_extern_shared(_PRAGMA_ONCE.sub("", _with_line_directives(source)))
+    body = _rewrite_static_shared(body)
     return body + '\n#line 1 "<cuflash.emulate wrapper>"\n#include "wrapper.h"\n' + _wrapper(name_expression)
 
 

@@ -1,3 +1,186 @@
-// Emulated twins of kernels/arch.cuh (CUFLASH_EMULATE builds only). Work in progress.
+// Emulated twins of the PTX wrappers in kernels/arch.cuh (CUFLASH_EMULATE builds only).
+//
+// mma and ldmatrix are warp-collective: every lane deposits its operands (or row address) at a warp
+// rendezvous, the last lane to arrive computes the whole 16x8x16 product (or 8x8 matrices) once, and each lane
+// takes its share, following the fragment layouts of the PTX ISA (mma.m16n8k16 .f16/.bf16, ldmatrix .m8n8.b16).
+// Lane l has groupID g = l / 4 and threadID_in_group t = l % 4; a b32 register packs two b16 values, the lower
+// column (or k) in the low half.
 #pragma once
-#error "cuflash::arch emulated twins are not written yet"
+#include <cstdint>
+#include <cstring>
+
+namespace cuflash {
+namespace arch {
+namespace emu {
+
+using ::cuflash_emu::Fiber;
+
+// fp16 -> fp32 through a table: the toolkit's host conversion is exact but slow, and an mma unpacks 384 values.
+inline const float* half_table() {
+  static float* table = [] {
+    float* t = new float[65536];
+    for (unsigned i = 0; i < 65536; ++i) {
+      __half_raw r;
+      r.x = static_cast<unsigned short>(i);
+      t[i] = __half2float(__half(r));
+    }
+    return t;
+  }();
+  return table;
+}
+
+template <typename T>
+inline float to_float(uint16_t bits);
+template <>
+inline float to_float<__half>(uint16_t bits) {
+  return half_table()[bits];
+}
+template <>
+inline float to_float<__nv_bfloat16>(uint16_t bits) {
+  uint32_t u = uint32_t(bits) << 16;  // bf16 is the top half of an fp32
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+struct MmaIn {
+  const uint32_t* a;
+  const uint32_t* b;
+  const float* c;
+};
+
+// Unpacks every lane's fragments into plain matrices, multiplies in fp32 (products of two 11- or 8-bit
+// significands are exact in fp32), accumulates in k order, and scatters D back. C is read completely before D
+// is written, so d may alias c as in mma(acc, a, b, acc).
+template <typename T>
+void mma_fn(Fiber* const* lanes, uint32_t) {
+  float A[16][16], B[16][8], C[16][8];
+  for (int l = 0; l < 32; ++l) {
+    auto* in = static_cast<const MmaIn*>(lanes[l]->win);
+    int g = l >> 2, t = l & 3;
+    for (int r = 0; r < 4; ++r) {  // a0:(g, 2t) a1:(g+8, 2t) a2:(g, 2t+8) a3:(g+8, 2t+8), two columns each
+      int row = g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
+      A[row][col] = to_float<T>(uint16_t(in->a[r] & 0xffff));
+      A[row][col + 1] = to_float<T>(uint16_t(in->a[r] >> 16));
+    }
+    for (int r = 0; r < 2; ++r) {  // b0:(k=2t, n=g) b1:(k=2t+8, n=g), two k each
+      int k = 2 * t + 8 * r;
+      B[k][g] = to_float<T>(uint16_t(in->b[r] & 0xffff));
+      B[k + 1][g] = to_float<T>(uint16_t(in->b[r] >> 16));
+    }
+    for (int r = 0; r < 4; ++r) C[g + 8 * (r >> 1)][2 * t + (r & 1)] = in->c[r];
+  }
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 8; ++j) {
+      float acc = C[i][j];
+      for (int k = 0; k < 16; ++k) acc += A[i][k] * B[k][j];
+      C[i][j] = acc;
+    }
+  for (int l = 0; l < 32; ++l) {
+    float* d = static_cast<float*>(lanes[l]->wout);
+    int g = l >> 2, t = l & 3;
+    for (int r = 0; r < 4; ++r) d[r] = C[g + 8 * (r >> 1)][2 * t + (r & 1)];
+  }
+}
+
+inline void check_shared(const char* what, const void* p, size_t bytes, size_t align) {
+  if (reinterpret_cast<uintptr_t>(p) % align)
+    ::cuflash_emu::fail("%s: shared address %p is not %zu-byte aligned", what, p, align);
+  if (!::cuflash_emu::in_shared(p, bytes))
+    ::cuflash_emu::fail("%s: address %p (%zu bytes) is not in shared memory", what, p, bytes);
+}
+
+// Matrix m's row r comes from lane 8m + r; lane l receives row g, columns 2t and 2t+1 of each matrix (for .trans:
+// column g, rows 2t and 2t+1, i.e. the same element positions of the transposed matrix).
+template <int NMAT, bool TRANS>
+void ldmatrix_fn(Fiber* const* lanes, uint32_t) {
+  uint16_t M[NMAT][8][8];
+  for (int m = 0; m < NMAT; ++m)
+    for (int r = 0; r < 8; ++r) memcpy(M[m][r], lanes[8 * m + r]->win, 16);
+  for (int l = 0; l < 32; ++l) {
+    uint32_t* out = static_cast<uint32_t*>(lanes[l]->wout);
+    int g = l >> 2, t = l & 3;
+    for (int m = 0; m < NMAT; ++m) {
+      uint16_t lo = TRANS ? M[m][2 * t][g] : M[m][g][2 * t];
+      uint16_t hi = TRANS ? M[m][2 * t + 1][g] : M[m][g][2 * t + 1];
+      out[m] = uint32_t(lo) | (uint32_t(hi) << 16);
+    }
+  }
+}
+
+template <int NMAT, bool TRANS>
+inline void ldmatrix(const char* what, uint32_t* r, const void* smem_row) {
+  // Only the first 8*NMAT lanes' addresses are read, as in PTX.
+  if (::cuflash_emu::g_cur->lane < 8u * NMAT) check_shared(what, smem_row, 16, 16);
+  ::cuflash_emu::warp_collective(what, 0xffffffffu, &ldmatrix_fn<NMAT, TRANS>, smem_row, r, true);
+}
+
+}  // namespace emu
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                          const float (&c)[4]) {
+  static_assert(std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value,
+                "mma_16816 takes __half or __nv_bfloat16");
+  emu::MmaIn in{a, b, c};
+  ::cuflash_emu::warp_collective(std::is_same<T, __half>::value ? "mma.sync.m16n8k16.f16" : "mma.sync.m16n8k16.bf16",
+                                 0xffffffffu, &emu::mma_fn<T>, &in, d, true);
+}
+
+__device__ __forceinline__ void ldmatrix_x1(uint32_t (&r)[1], const void* smem_row) {
+  emu::ldmatrix<1, false>("ldmatrix.x1", r, smem_row);
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row) {
+  emu::ldmatrix<2, false>("ldmatrix.x2", r, smem_row);
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  emu::ldmatrix<4, false>("ldmatrix.x4", r, smem_row);
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* smem_row) {
+  emu::ldmatrix<2, true>("ldmatrix.x2.trans", r, smem_row);
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+  emu::ldmatrix<4, true>("ldmatrix.x4.trans", r, smem_row);
+}
+
+// The source is read at issue (the hardware reads it some time before the wait) and the destination holds NaN
+// bytes until the wait that covers its group, so a missing or too-shallow wait shows up as NaN.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
+  emu::check_shared("cp.async", smem, 16, 16);
+  if (pred && reinterpret_cast<uintptr_t>(gmem) % 16)
+    ::cuflash_emu::fail("cp.async: global address %p is not 16-byte aligned", gmem);
+  if (pred && ::cuflash_emu::in_shared(gmem, 1))
+    ::cuflash_emu::fail("cp.async: source %p is in shared memory, not global", gmem);
+  ::cuflash_emu::Fiber* f = ::cuflash_emu::g_cur;
+  ::cuflash_emu::PendingCopy copy;
+  copy.dst = smem;
+  copy.group = f->committed + 1;  // the open (not yet committed) group
+  if (pred)
+    memcpy(copy.bytes, gmem, 16);
+  else
+    memset(copy.bytes, 0, 16);
+  ::cuflash_emu::poison_bytes(smem, 16);
+  f->copies.push_back(copy);
+}
+
+__device__ __forceinline__ void cp_async_commit() { ::cuflash_emu::g_cur->committed++; }
+
+// Completes every committed group except the N most recent; copies not yet committed stay pending, as in PTX.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  static_assert(N >= 0, "cp.async.wait_group takes N >= 0");
+  ::cuflash_emu::Fiber* f = ::cuflash_emu::g_cur;
+  if (f->committed < unsigned(N)) return;
+  unsigned last = f->committed - unsigned(N);
+  size_t kept = 0;
+  for (const ::cuflash_emu::PendingCopy& c : f->copies) {
+    if (c.group <= last)
+      memcpy(c.dst, c.bytes, 16);
+    else
+      f->copies[kept++] = c;
+  }
+  f->copies.resize(kept);
+}
+
+}  // namespace arch
+}  // namespace cuflash

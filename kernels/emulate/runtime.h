@@ -1,0 +1,432 @@
+// The emulator's scheduler: runs a grid block after block, the threads of a block as cooperative fibers.
+//
+// A fiber runs until it reaches __syncthreads, a warp collective it cannot complete, or its end; then the
+// scheduler resumes the next ready fiber in the launch's schedule order (forward, reverse, or a fresh random
+// permutation per round). Everything a GPU would report as a hang or undefined behaviour that we can see
+// (deadlock, divergent barrier, device assert, warp collective with a bad mask) ends the launch with an error
+// message; the Python side raises it as EmulationError and the process lives on.
+#pragma once
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "fiber.h"
+
+namespace cuflash_emu {
+
+enum State : int { kReady, kBarrier, kWarp, kDone };
+enum Schedule : int { kForward = 0, kReverse = 1, kRandom = 2 };
+
+// Computes a warp collective once for all participating lanes: reads each lane's `win`, writes its `wout`.
+// `lanes[i]` is null for lanes outside `active`.
+using WarpFn = void (*)(Fiber* const* lanes, uint32_t active);
+
+struct PendingCopy {  // an emulated cp.async, performed at the matching wait
+  void* dst;
+  unsigned char bytes[16];
+  unsigned group;
+};
+
+struct Fiber {
+  Context ctx;
+  uint3 tid;
+  unsigned linear = 0, lane = 0, warp = 0;
+  int state = kReady;
+  const char* wait_what = "";  // where the thread waits, for deadlock reports
+  const char* wait_file = "";
+  int wait_line = 0;
+  // warp collective slot
+  uint32_t wmask = 0;
+  WarpFn wfn = nullptr;
+  const void* win = nullptr;
+  void* wout = nullptr;
+  bool waligned = false;
+  int bar_result = 0;  // __syncthreads_count/and/or result handed to this thread at release
+  std::vector<PendingCopy> copies;
+  unsigned committed = 0;  // cp.async groups committed so far
+  char* stack_lo = nullptr;
+  size_t stack_size = 0;
+#if CUFLASH_EMU_ASAN
+  void* fake_stack = nullptr;
+#endif
+};
+
+struct Launch {
+  std::vector<Fiber> fibers;
+  unsigned nthreads = 0, nwarps = 0;
+  Context sched;
+  StackPool stacks;
+  std::vector<uint32_t> warp_exists, warp_exited;
+  std::vector<unsigned> warp_waiting;
+  std::vector<unsigned> order;
+  unsigned exited = 0;
+  // the barrier being gathered
+  unsigned bar_waiting = 0;
+  const char* bar_file = "";
+  int bar_line = 0;
+  int bar_count = 0, bar_and = 1, bar_or = 0;
+  int schedule = kForward;
+  uint64_t rng = 0;
+  bool failed = false;
+  std::string error;
+  int err_block[3] = {-1, -1, -1}, err_thread[3] = {-1, -1, -1};
+  void (*thunk)(void*) = nullptr;
+  void* thunk_ctx = nullptr;
+#if CUFLASH_EMU_ASAN
+  const void* main_stack_bottom = nullptr;
+  size_t main_stack_size = 0;
+  void* main_fake_stack = nullptr;
+#endif
+};
+
+inline Launch g;
+inline Fiber* g_cur = nullptr;
+inline uint3 g_block_idx;
+inline dim3 g_block_dim, g_grid_dim;
+inline void* g_dyn_smem = nullptr;
+inline size_t g_dyn_smem_bytes = 0;
+
+// All-ones bytes are NaN in f32, f16 and bf16 (and -1 in integers), so stale reads stand out.
+inline void poison_bytes(void* p, size_t n) { memset(p, 0xff, n); }
+
+// Static __shared__ variables: cuflash.emulate rewrites `__shared__ T name[N];` into a reference to storage
+// from shared_var<T[N]>(lambda). The closure type is unique per declaration and per template instantiation, as
+// CUDA's per-kernel shared variables are. Each variable gets its own exactly-sized heap block (so ASan sees
+// overflows) and is registered, so every block starts with all of them NaN-filled.
+struct SharedVar {
+  void* p;
+  size_t n;
+};
+inline std::vector<SharedVar>& shared_vars() {
+  static std::vector<SharedVar> vars;
+  return vars;
+}
+inline void* alloc_shared(size_t n) {
+  void* p = nullptr;
+  if (posix_memalign(&p, 128, n ? n : 1) != 0) abort();
+  poison_bytes(p, n);
+  shared_vars().push_back({p, n});
+  return p;
+}
+template <typename T, typename Tag>
+inline T& shared_var(Tag) {
+  static T* p = static_cast<T*>(alloc_shared(sizeof(T)));
+  return *p;
+}
+
+inline bool in_shared(const void* p, size_t n) {
+  auto a = reinterpret_cast<uintptr_t>(p);
+  auto within = [&](const void* base, size_t len) {
+    auto b = reinterpret_cast<uintptr_t>(base);
+    return a >= b && a + n <= b + len;
+  };
+  if (within(g_dyn_smem, g_dyn_smem_bytes)) return true;
+  for (const SharedVar& v : shared_vars())
+    if (within(v.p, v.n)) return true;
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------------- errors
+
+inline void set_error(const char* fmt, va_list ap) {
+  if (g.failed) return;  // keep the first error: later ones are consequences
+  char buf[1024];
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  g.failed = true;
+  g.error = buf;
+  g.err_block[0] = int(g_block_idx.x), g.err_block[1] = int(g_block_idx.y), g.err_block[2] = int(g_block_idx.z);
+  if (g_cur) {
+    g.err_thread[0] = int(g_cur->tid.x), g.err_thread[1] = int(g_cur->tid.y), g.err_thread[2] = int(g_cur->tid.z);
+  }
+}
+
+inline void to_scheduler(Fiber* f, bool dying) {
+#if CUFLASH_EMU_ASAN
+  __sanitizer_start_switch_fiber(dying ? nullptr : &f->fake_stack, g.main_stack_bottom, g.main_stack_size);
+#else
+  (void)dying;
+#endif
+  context_switch(f->ctx, g.sched);
+#if CUFLASH_EMU_ASAN
+  __sanitizer_finish_switch_fiber(f->fake_stack, &g.main_stack_bottom, &g.main_stack_size);
+#endif
+}
+
+// Reports an error from inside a fiber and abandons the whole block (the fiber is never resumed).
+[[noreturn]] __attribute__((format(printf, 1, 2))) inline void fail(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  set_error(fmt, ap);
+  va_end(ap);
+  if (!g_cur) {  // not in a fiber: nothing sensible to unwind to
+    fprintf(stderr, "cuflash emulator: %s\n", g.error.c_str());
+    abort();
+  }
+  to_scheduler(g_cur, true);
+  __builtin_unreachable();
+}
+
+inline void scheduler_error(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  set_error(fmt, ap);
+  va_end(ap);
+}
+
+inline void yield() { to_scheduler(g_cur, false); }
+
+// ---------------------------------------------------------------------------------------------- barriers
+
+inline int syncthreads_at(const char* file, int line, int pred = 0, int reduce = 0) {
+  Fiber* f = g_cur;
+  if (g.exited)
+    fail("__syncthreads at %s:%d can never complete: %u thread(s) of the block already exited (deadlock)", file,
+         line, g.exited);
+  if (g.bar_waiting == 0) {
+    g.bar_file = file, g.bar_line = line;
+    g.bar_count = 0, g.bar_and = 1, g.bar_or = 0;
+  } else if (line != g.bar_line || strcmp(file, g.bar_file) != 0) {
+    fail("divergent __syncthreads: this thread is at %s:%d while %u thread(s) wait at %s:%d", file, line,
+         g.bar_waiting, g.bar_file, g.bar_line);
+  }
+  g.bar_count += pred != 0, g.bar_and &= pred != 0, g.bar_or |= pred != 0;
+  f->state = kBarrier;
+  f->wait_what = "__syncthreads", f->wait_file = file, f->wait_line = line;
+  if (++g.bar_waiting == g.nthreads) {
+    int result = reduce == 1 ? g.bar_count : reduce == 2 ? g.bar_and : g.bar_or;
+    for (unsigned i = 0; i < g.nthreads; ++i) g.fibers[i].state = kReady, g.fibers[i].bar_result = result;
+    g.bar_waiting = 0;
+  }
+  yield();  // even the last arrival yields, so the schedule decides who runs first after the barrier
+  return f->bar_result;
+}
+
+// ---------------------------------------------------------------------------------------------- warp collectives
+
+// Completes the collective `f` waits in if every live lane of its mask has arrived with the same mask.
+inline bool try_complete(Fiber* f) {
+  unsigned w = f->warp;
+  uint32_t need = f->wmask & g.warp_exists[w] & ~g.warp_exited[w];
+  if (unsigned(__builtin_popcount(need)) > g.warp_waiting[w]) return false;
+  Fiber* base = &g.fibers[w * 32];
+  Fiber* lanes[32] = {};
+  for (uint32_t m = need; m; m &= m - 1) {
+    Fiber* t = base + __builtin_ctz(m);
+    if (t->state != kWarp || t->wmask != f->wmask) return false;
+    if (t->wfn != f->wfn)
+      fail("divergent warp collectives in warp %u: lane %u is in %s, lane %u in %s (same mask 0x%08x)", w, t->lane,
+           t->wait_what, f->lane, f->wait_what, f->wmask);
+    lanes[t->lane] = t;
+  }
+  if (f->waligned && need != 0xffffffffu)
+    fail("%s needs all 32 lanes of warp %u, but only lanes 0x%08x are present (mask 0x%08x)", f->wait_what, w, need,
+         f->wmask);
+  f->wfn(lanes, need);
+  for (uint32_t m = need; m; m &= m - 1) base[__builtin_ctz(m)].state = kReady;
+  g.warp_waiting[w] -= unsigned(__builtin_popcount(need));
+  return true;
+}
+
+// Deposits this lane's operands and waits until the collective has been computed for the whole mask.
+// The lane that completes the set computes it and continues without a switch (thousands of mma per block).
+inline void warp_collective(const char* what, uint32_t mask, WarpFn fn, const void* in, void* out,
+                            bool aligned = false) {
+  Fiber* f = g_cur;
+  if (!(mask & (1u << f->lane)))
+    fail("%s: mask 0x%08x does not include the calling lane %u", what, mask, f->lane);
+  f->wmask = mask, f->wfn = fn, f->win = in, f->wout = out, f->waligned = aligned;
+  f->wait_what = what, f->wait_file = "", f->wait_line = 0;
+  f->state = kWarp;
+  g.warp_waiting[f->warp]++;
+  if (!try_complete(f)) yield();
+}
+
+// ---------------------------------------------------------------------------------------------- fiber life
+
+inline void thread_exit(Fiber* f) {
+  f->state = kDone;
+  g.exited++;
+  g.warp_exited[f->warp] |= 1u << f->lane;
+  if (g.bar_waiting)
+    fail("__syncthreads at %s:%d can never complete: this thread exited while %u thread(s) wait there (deadlock)",
+         g.bar_file, g.bar_line, g.bar_waiting);
+  // Lanes waiting for this one in a shuffle may now be complete (exited lanes do not participate).
+  Fiber* base = &g.fibers[f->warp * 32];
+  for (unsigned l = 0; l < 32 && base + l < g.fibers.data() + g.nthreads; ++l)
+    if (base[l].state == kWarp) try_complete(base + l);
+}
+
+// Not inline: only the assembly entry stub calls it, which does not count as a use for the compiler.
+extern "C" __attribute__((visibility("hidden"), noreturn, used)) void cuflash_emu_fiber_main(Fiber* f) {
+#if CUFLASH_EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &g.main_stack_bottom, &g.main_stack_size);
+#endif
+  g.thunk(g.thunk_ctx);
+  thread_exit(f);
+  to_scheduler(f, true);
+  __builtin_unreachable();
+}
+
+inline void resume(Fiber* f) {
+  g_cur = f;
+#if CUFLASH_EMU_ASAN
+  __sanitizer_start_switch_fiber(&g.main_fake_stack, f->stack_lo, f->stack_size);
+#endif
+  context_switch(g.sched, f->ctx);
+#if CUFLASH_EMU_ASAN
+  __sanitizer_finish_switch_fiber(g.main_fake_stack, nullptr, nullptr);
+#endif
+  g_cur = nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------- scheduling
+
+inline uint64_t next_random() {  // splitmix64: tiny and good enough to permute threads
+  uint64_t z = (g.rng += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+inline void make_order(std::vector<unsigned>& order, unsigned n) {
+  order.resize(n);
+  for (unsigned i = 0; i < n; ++i) order[i] = g.schedule == kReverse ? n - 1 - i : i;
+  if (g.schedule == kRandom)
+    for (unsigned i = n - 1; i > 0; --i) std::swap(order[i], order[next_random() % (i + 1)]);
+}
+
+// Appends "a-b" / "a" runs of the thread indices in `ids` to `out`.
+inline void format_ranges(std::string& out, const std::vector<unsigned>& ids) {
+  for (size_t i = 0; i < ids.size();) {
+    size_t j = i;
+    while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) ++j;
+    char buf[48];
+    snprintf(buf, sizeof buf, i == j ? "%s%u" : "%s%u-%u", i ? "," : "", ids[i], ids[j]);
+    out += buf;
+    i = j + 1;
+  }
+}
+
+// No fiber can run but some have not finished: say who waits where.
+inline void report_stuck() {
+  std::string msg = "deadlock: no thread can proceed;";
+  std::vector<const Fiber*> groups;
+  const Fiber* end = g.fibers.data() + g.nthreads;
+  auto same = [](const Fiber& a, const Fiber& b) {
+    return a.state == b.state && a.wait_what == b.wait_what &&
+           (a.state != kWarp || (a.wmask == b.wmask && a.warp == b.warp));
+  };
+  for (const Fiber* tp = g.fibers.data(); tp != end; ++tp) {
+    const Fiber& t = *tp;
+    if (t.state == kDone) continue;
+    bool seen = false;
+    for (const Fiber* h : groups) seen |= same(*h, t);
+    if (seen) continue;
+    groups.push_back(&t);
+    std::vector<unsigned> ids;
+    for (const Fiber* u = g.fibers.data(); u != end; ++u)
+      if (same(*u, t)) ids.push_back(u->linear);
+    char buf[160];
+    if (t.state == kBarrier)
+      snprintf(buf, sizeof buf, " threads ");
+    else
+      snprintf(buf, sizeof buf, " warp %u threads ", t.warp);
+    msg += buf;
+    format_ranges(msg, ids);
+    if (t.state == kBarrier)
+      snprintf(buf, sizeof buf, " wait at __syncthreads (%s:%d);", t.wait_file, t.wait_line);
+    else
+      snprintf(buf, sizeof buf, " wait in %s with mask 0x%08x;", t.wait_what, t.wmask);
+    msg += buf;
+  }
+  if (g.exited) msg += " " + std::to_string(g.exited) + " thread(s) exited";
+  scheduler_error("%s", msg.c_str());
+}
+
+inline void init_block(unsigned n, size_t stack_bytes) {
+  g.exited = 0, g.bar_waiting = 0;
+  std::fill(g.warp_exited.begin(), g.warp_exited.end(), 0u);
+  std::fill(g.warp_waiting.begin(), g.warp_waiting.end(), 0u);
+  for (unsigned i = 0; i < n; ++i) {
+    Fiber& f = g.fibers[i];
+    f.state = kReady;
+    f.copies.clear();
+    f.committed = 0;
+    f.stack_lo = g.stacks.low(i), f.stack_size = stack_bytes;
+    context_init(f.ctx, f.stack_lo, f.stack_size, &f);
+  }
+  for (const SharedVar& v : shared_vars()) poison_bytes(v.p, v.n);
+  poison_bytes(g_dyn_smem, g_dyn_smem_bytes);
+}
+
+inline void run_block() {
+  unsigned n = g.nthreads;
+  while (!g.failed) {
+    bool ran = false;
+    make_order(g.order, n);
+    for (unsigned i : g.order) {
+      Fiber* f = &g.fibers[i];
+      if (f->state != kReady) continue;
+      resume(f);
+      ran = true;
+      if (g.failed) return;
+    }
+    if (g.exited == n) return;
+    if (!ran) return report_stuck();
+  }
+}
+
+inline void setup_threads(const dim3& block) {
+  unsigned n = block.x * block.y * block.z;
+  g.nthreads = n;
+  g.nwarps = (n + 31) / 32;
+  if (g.fibers.size() < size_t(g.nwarps) * 32) g.fibers.resize(size_t(g.nwarps) * 32);
+  g.warp_exists.assign(g.nwarps, 0u);
+  g.warp_exited.assign(g.nwarps, 0u);
+  g.warp_waiting.assign(g.nwarps, 0u);
+  for (unsigned i = 0; i < n; ++i) {
+    Fiber& f = g.fibers[i];
+    f.linear = i, f.lane = i % 32, f.warp = i / 32;
+    f.tid = make_uint3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
+    g.warp_exists[f.warp] |= 1u << f.lane;
+  }
+}
+
+// Runs thunk(ctx) as the body of every thread of every block. Returns 0, or 1 with g.error set.
+inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, int schedule, uint64_t seed, size_t stack_bytes,
+                    void (*thunk)(void*), void* ctx) {
+  g.failed = false;
+  g.error.clear();
+  for (int i = 0; i < 3; ++i) g.err_block[i] = g.err_thread[i] = -1;
+  g.schedule = schedule, g.rng = seed, g.thunk = thunk, g.thunk_ctx = ctx;
+  g_grid_dim = grid, g_block_dim = block;
+  setup_threads(block);
+  if (!g.stacks.reserve(g.nthreads, stack_bytes)) {
+    g.failed = true, g.error = "cannot map fiber stacks";
+    return 1;
+  }
+  // Exactly shared_bytes, so that under AddressSanitizer the first byte past it is a reported overflow.
+  void* dyn = nullptr;
+  if (posix_memalign(&dyn, 128, shared_bytes ? shared_bytes : 1) != 0) {
+    g.failed = true, g.error = "cannot allocate dynamic shared memory";
+    return 1;
+  }
+  g_dyn_smem = dyn, g_dyn_smem_bytes = shared_bytes;
+  std::vector<unsigned> blocks;
+  make_order(blocks, grid.x * grid.y * grid.z);  // blocks are independent: their order follows the schedule too
+  for (unsigned b : blocks) {
+    g_block_idx = make_uint3(b % grid.x, (b / grid.x) % grid.y, b / (grid.x * grid.y));
+    init_block(g.nthreads, g.stacks.size);
+    run_block();
+    if (g.failed) break;
+  }
+  free(dyn);
+  g_dyn_smem = nullptr, g_dyn_smem_bytes = 0;
+  return g.failed ? 1 : 0;
+}
+
+}  // namespace cuflash_emu
