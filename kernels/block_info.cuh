@@ -1,0 +1,87 @@
+// cuflash — what one thread block of the forward kernel works on: its (batch, head, query tile), the sequence's
+// own lengths, and the key tiles it must visit, in the order it visits them.
+#pragma once
+
+#include "mask.cuh"
+
+namespace cuflash {
+
+// The key tiles of one query tile, visited from the last to the first (like FA2: the tile holding the ragged tail
+// of the keys and the causal diagonal comes first, so its element mask is applied while the pipeline fills).
+//
+// Without a BlockMask the tiles are n_end-1, ..., n_begin: the range that causal / window / seqlens leave visible.
+// With a BlockMask they are the entries of this query tile's sorted index list that fall inside that range; the
+// loop count is the list length, so work is proportional to the mask's density (Algorithm 5 of seed 000).
+// A list entry e >= 0 is a tile the mask keeps whole; e < 0 encodes tile ~e that the mask keeps only partly
+// (mask blocks finer than the kernel tile), whose elements are then checked against the grid (BlockGrid).
+struct KeyTiles {
+  const int* list;  // nullptr without a BlockMask
+  int pos;          // next list position to look at (counts down)
+  int n_begin, n_end;
+  int next_n;       // the iterator state without a list
+
+  __device__ __forceinline__ void init(const int* list_, int count, int n_begin_, int n_end_) {
+    list = list_;
+    pos = count - 1;
+    n_begin = n_begin_;
+    n_end = n_end_;
+    next_n = n_end_ - 1;
+  }
+
+  // The next tile to visit, or -1 when done; *partial tells whether the BlockMask keeps it only partly.
+  __device__ __forceinline__ int next(bool* partial) {
+    *partial = false;
+    if (list == nullptr) {
+      return next_n >= n_begin ? next_n-- : -1;
+    }
+    for (; pos >= 0; --pos) {
+      const int e = list[pos];
+      const int n = e >= 0 ? e : ~e;
+      if (n >= n_end) continue;  // past the causal/window/seqlen range: look further down the list
+      if (n < n_begin) break;    // sorted: everything below is out of range too
+      --pos;
+      *partial = e < 0;
+      return n;
+    }
+    pos = -1;
+    return -1;
+  }
+};
+
+template <class Traits>
+struct BlockInfo {
+  int batch, head, head_kv;
+  int m_block, row_begin;  // query tile index and its first row
+  int len_q, len_k;        // this sequence's own lengths
+  Visibility vis;
+  int n_begin, n_end;      // key tiles [n_begin, n_end) hold every key some row of this tile sees
+
+  __device__ __forceinline__ BlockInfo(int seqlen_q, int seqlen_k, const int* seqlens_q, const int* seqlens_k,
+                                       int heads_per_kv, int window_left, int window_right) {
+    m_block = blockIdx.x;
+    head = blockIdx.y;
+    batch = blockIdx.z;
+    head_kv = head / heads_per_kv;  // GQA/MQA: query heads share a kv head, no K/V copies
+    row_begin = m_block * Traits::kBlockM;
+    len_q = seqlens_q ? min(seqlens_q[batch], seqlen_q) : seqlen_q;
+    len_k = seqlens_k ? min(seqlens_k[batch], seqlen_k) : seqlen_k;
+    vis = Visibility::make(len_q, len_k, window_left, window_right);
+    const int key_begin = vis.key_begin(row_begin);
+    const int key_end = vis.key_end(row_begin, row_begin + Traits::kBlockM);
+    if (key_end > key_begin) {
+      n_begin = key_begin / Traits::kBlockN;
+      n_end = (key_end + Traits::kBlockN - 1) / Traits::kBlockN;
+    } else {
+      n_begin = n_end = 0;  // this tile sees nothing (past len_q, or outside the window): out = 0, lse = -inf
+    }
+  }
+
+  // Interior tiles need no element mask: every valid row sees every key of the tile. The others are the
+  // boundary tiles of FA2's split loop (causal diagonal, window edges, ragged key tail).
+  __device__ __forceinline__ bool needs_mask(int n_block) const {
+    const int j0 = n_block * Traits::kBlockN;
+    return !vis.all_visible(row_begin, row_begin + Traits::kBlockM, j0, j0 + Traits::kBlockN);
+  }
+};
+
+}  // namespace cuflash

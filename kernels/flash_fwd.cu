@@ -1,0 +1,177 @@
+// cuflash — FlashAttention-2 forward (seed 002, Algorithm 1), one fused kernel: S and P never leave registers.
+//
+// Grid: (query tiles, query heads, batch). Block: kWarps warps; warp w owns query rows
+// [w * kRowsPerWarp, (w + 1) * kRowsPerWarp) of the tile, so the softmax statistics of a row never cross warps.
+//
+// Pipeline (FA2's; K and V tiles alternate as the two cp.async buffers in flight):
+//     wait K_j -> issue V_j  -> S = Q K_j^T, mask            (V_j lands while the tensor cores work on S)
+//     wait V_j -> issue K_next -> softmax, acc += P V_j      (K_next lands during softmax and P V)
+// Each wait is followed by __syncthreads(): the copy of every thread has landed, and every warp is done reading the
+// buffer the next copy overwrites.
+//
+// One specialization serves every mask feature: causal, window, seqlens, BlockMask and GQA are runtime arguments
+// whose cost is a few integer operations per key tile, never per score on interior tiles (the element mask runs
+// only on boundary tiles: the split loop of FA2, written as a uniform branch per tile).
+#include "kernel_traits.cuh"
+#include "mask.cuh"
+#include "block_info.cuh"
+#include "tile.cuh"
+#include "warp_gemm.cuh"
+#include "softmax.cuh"
+
+namespace cuflash {
+
+// Arguments (all strides in elements, 64-bit):
+//   q (B, Sq, Hq, ld), k/v (B, Sk, Hkv, ld), out (B, Sq, Hq, ld): base pointers and (batch, row, head) strides;
+//     the head dim is contiguous; `head_dim` (a multiple of 8, <= kHeadDim) columns are read and written.
+//   lse (B, Hq, Sq) float32, row stride 1.
+//   seqlens_q/k: int32 (B,) own lengths, or null for the full lengths.
+//   scale_log2: softmax scale * log2(e). window_left/right: kUnbounded for none (causal: right = 0).
+//   tile_counts (Bm, Hm, n_m_tiles) and tile_lists (..., list_len): the BlockMask as kept key tiles per query tile
+//     (sorted; ~n for a tile kept only partly), strides 0 over a broadcast batch/head; null without a BlockMask.
+//   mask_cells (Bm, Hm, nq, nk) uint8 with blocks of mask_block_q x mask_block_k: consulted only in partial tiles.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
+                 float* __restrict__ lse,
+                 long long q_batch_stride, long long q_row_stride, long long q_head_stride,
+                 long long k_batch_stride, long long k_row_stride, long long k_head_stride,
+                 long long v_batch_stride, long long v_row_stride, long long v_head_stride,
+                 long long o_batch_stride, long long o_row_stride, long long o_head_stride,
+                 long long lse_batch_stride, long long lse_head_stride,
+                 int seqlen_q, int seqlen_k, int head_dim, int heads_per_kv,
+                 const int* __restrict__ seqlens_q, const int* __restrict__ seqlens_k,
+                 float scale_log2, int window_left, int window_right,
+                 const int* __restrict__ tile_counts, const int* __restrict__ tile_lists,
+                 long long tiles_batch_stride, long long tiles_head_stride, int list_len,
+                 const unsigned char* __restrict__ mask_cells, long long cells_batch_stride,
+                 long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks) {
+  using Traits = FwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
+  constexpr int kMTiles = Traits::kMTiles;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + Traits::kSmemQ;
+  T* sV = sK + Traits::kSmemKV;
+
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp_row = (tid / 32) * Traits::kRowsPerWarp;  // first row of this warp inside the query tile
+  const T* sQ_warp = sQ + warp_row * Traits::kSmemStride;
+
+  const BlockInfo<Traits> blk(seqlen_q, seqlen_k, seqlens_q, seqlens_k, heads_per_kv, window_left, window_right);
+
+  const T* q_i = q + blk.batch * q_batch_stride + blk.head * q_head_stride + blk.row_begin * q_row_stride;
+  const T* k_bh = k + blk.batch * k_batch_stride + blk.head_kv * k_head_stride;
+  const T* v_bh = v + blk.batch * v_batch_stride + blk.head_kv * v_head_stride;
+
+  // The key tiles to visit (line 6 of Algorithm 1, "for 1 <= j <= T_c", restricted to the visible ones).
+  KeyTiles tiles;
+  BlockGrid cells{nullptr, mask_block_q, mask_block_k, mask_n_k_blocks};
+  if (tile_counts != nullptr) {
+    const long long at = blk.batch * tiles_batch_stride + blk.head * tiles_head_stride + blk.m_block;
+    tiles.init(tile_lists + at * list_len, tile_counts[at], blk.n_begin, blk.n_end);
+    if (mask_cells != nullptr) {
+      cells.cells = mask_cells + blk.batch * cells_batch_stride + blk.head * cells_head_stride;
+    }
+  } else {
+    tiles.init(nullptr, 0, blk.n_begin, blk.n_end);
+  }
+
+  // Line 4: O_i = 0, l_i = 0, m_i = -inf, on chip.
+  float acc[kMTiles][Traits::kNTilesO][4];
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int nd = 0; nd < Traits::kNTilesO; ++nd)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mi][nd][r] = 0.f;
+  OnlineSoftmax<Traits> softmax;
+  softmax.init();
+  QFrags<Traits> q_frags;
+
+  bool partial;
+  int n = tiles.next(&partial);
+  if (n >= 0) {
+    // Line 3: load Q_i (rows past the sequence's length are zero) and, in the same breath, the first K_j.
+    load_tile<Traits, kBlockM>(sQ, q_i, q_row_stride, blk.len_q - blk.row_begin, head_dim, tid);
+    arch::cp_async_commit();
+    load_tile<Traits, kBlockN>(sK, k_bh + (long long)n * kBlockN * k_row_stride, k_row_stride,
+                               blk.len_k - n * kBlockN, head_dim, tid);
+    arch::cp_async_commit();
+    if constexpr (Traits::kQInRegs) {
+      arch::cp_async_wait<1>();  // Q only; K_j may still be in flight
+      __syncthreads();
+      load_q_frags<Traits>(q_frags, sQ_warp, lane);
+    }
+  }
+
+  while (n >= 0) {
+    const int key0 = n * kBlockN;
+    arch::cp_async_wait<0>();
+    __syncthreads();  // K_j is in smem; every warp is done with V_{j-1}
+    load_tile<Traits, kBlockN>(sV, v_bh + key0 * v_row_stride, v_row_stride, blk.len_k - key0, head_dim, tid);
+    arch::cp_async_commit();
+
+    // Line 8: S = Q_i K_j^T, then scale * log2(e) in one multiply per score, then the element mask on boundary
+    // tiles only (the mask comes before the max: a masked score must not raise m_i).
+    float S[kMTiles][Traits::kNTilesS][4];
+    gemm_qk<Traits>(S, q_frags, sQ_warp, sK, lane);
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int nj = 0; nj < Traits::kNTilesS; ++nj)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) S[mi][nj][r] *= scale_log2;
+    if (partial || blk.needs_mask(n)) {
+      BlockGrid tile_cells = cells;
+      if (!partial) tile_cells.cells = nullptr;  // a tile the BlockMask keeps whole needs no grid lookups
+      apply_mask<Traits>(S, blk.row_begin + warp_row, key0, lane, blk.vis, tile_cells);
+    }
+
+    arch::cp_async_wait<0>();
+    __syncthreads();  // V_j is in smem; every warp is done with K_j
+    bool next_partial;
+    const int n_next = tiles.next(&next_partial);
+    if (n_next >= 0) {
+      load_tile<Traits, kBlockN>(sK, k_bh + (long long)n_next * kBlockN * k_row_stride, k_row_stride,
+                                 blk.len_k - n_next * kBlockN, head_dim, tid);
+      arch::cp_async_commit();
+    }
+
+    // Lines 9-10: m_i, P = exp2(S - m_i), l_i, and acc rescaled; then acc += P V_j.
+    softmax.update(S, acc);
+    gemm_pv<Traits>(acc, S, sV, lane);
+
+    n = n_next;
+    partial = next_partial;
+  }
+
+  // Lines 12-15: O_i = diag(l_i)^-1 acc and L_i = m_i + log(l_i), written once.
+  float inv_l[2 * kMTiles], lse_row[2 * kMTiles];
+  bool row_valid[2 * kMTiles];
+#pragma unroll
+  for (int r = 0; r < 2 * kMTiles; ++r) {
+    const int row = blk.row_begin + warp_row + 16 * (r / 2) + (lane / 4) + 8 * (r % 2);
+    row_valid[r] = row < blk.len_q;
+  }
+  softmax.finalize(inv_l, lse_row, row_valid);
+
+  T* o_i = out + blk.batch * o_batch_stride + blk.head * o_head_stride;
+  float* lse_i = lse + blk.batch * lse_batch_stride + blk.head * lse_head_stride;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    const int row0 = blk.row_begin + warp_row + 16 * mi;
+    const float scale2[2] = {inv_l[2 * mi], inv_l[2 * mi + 1]};
+    store_o_tile<Traits>(o_i + row0 * o_row_stride, o_row_stride, seqlen_q - row0, head_dim, acc[mi], scale2, lane);
+    if (lane % 4 == 0) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row0 + lane / 4 + 8 * half;
+        if (row < seqlen_q) lse_i[row] = lse_row[2 * mi + half];
+      }
+    }
+  }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,88 @@
+// cuflash — the visibility rule, the one device-side copy of cuflash.problem.visible (a test holds them together).
+//
+// Query row i sees key column j iff
+//     i < len_q  and  j < len_k  and  i + off - left <= j <= i + off + right,   off = len_k - len_q,
+// with len_q/len_k the sequence's own lengths (seqlens, or the full lengths) and the diagonal aligned bottom-right.
+// Causal is right = 0; an unbounded side is passed as kUnbounded. On top of that a BlockMask keeps or drops whole
+// (query block, key block) pairs; that part is applied here too for tiles the mask only partly covers.
+#pragma once
+
+namespace cuflash {
+
+// "No bound" for window_left/right. Lengths are below 2^30 (checked by the launch path), so j - i lies in
+// (-2^30, 2^30) and off -/+ a clamped bound fits in int32 (see Visibility::make).
+constexpr int kUnbounded = 1 << 30;
+
+struct Visibility {
+  int len_q, len_k;
+  int lo, hi;  // j - i must lie in [lo, hi]: lo = off - left, hi = off + right (clamped to +-2^30)
+
+  __device__ __forceinline__ static Visibility make(int len_q, int len_k, int left, int right) {
+    const long long off = (long long)len_k - len_q;
+    auto clamp = [](long long x) {
+      return (int)(x < -kUnbounded ? -kUnbounded : (x > kUnbounded ? kUnbounded : x));
+    };
+    Visibility v;
+    v.len_q = len_q;
+    v.len_k = len_k;
+    v.lo = left >= kUnbounded ? -kUnbounded : clamp(off - left);
+    v.hi = right >= kUnbounded ? kUnbounded : clamp(off + right);
+    return v;
+  }
+
+  // The element rule.
+  __device__ __forceinline__ bool operator()(int i, int j) const {
+    return i < len_q && j < len_k && j - i >= lo && j - i <= hi;
+  }
+
+  // Half-open range [key_begin, key_end) of keys seen by at least one row of [i0, i1) (rows >= len_q see nothing).
+  // Empty (key_end <= key_begin) when no row of the range sees a key.
+  __device__ __forceinline__ int key_begin(int i0) const { return max(0, i0 + lo); }
+  __device__ __forceinline__ int key_end(int i0, int i1) const {
+    const int last_row = min(i1, len_q) - 1;
+    if (last_row < i0) return 0;
+    return (int)min((long long)len_k, (long long)last_row + hi + 1);
+  }
+
+  // True when every (i, j), i in [i0, min(i1, len_q)), j in [j0, j1), is visible: the tile needs no element mask.
+  // The visible set is convex in (i, j), so checking the two extreme corners of j - i suffices.
+  __device__ __forceinline__ bool all_visible(int i0, int i1, int j0, int j1) const {
+    const int last_row = min(i1, len_q) - 1;
+    if (last_row < i0) return true;  // no valid rows: nothing of this tile is ever written
+    return j1 <= len_k && j0 - last_row >= lo && (j1 - 1) - i0 <= hi;
+  }
+};
+
+// The BlockMask grid of one (batch, head), as uint8 [n_q_blocks][n_k_blocks] with blocks of block_q x block_k.
+// Only consulted inside tiles the mask keeps partly (mask blocks finer than the kernel tile); tiles it keeps
+// whole or drops whole are decided by the per-tile index list alone.
+struct BlockGrid {
+  const unsigned char* cells;  // nullptr: no element-level BlockMask in this tile
+  int block_q, block_k, n_k_blocks;
+
+  __device__ __forceinline__ bool kept(int i, int j) const {
+    return cells == nullptr || cells[(long long)(i / block_q) * n_k_blocks + j / block_k] != 0;
+  }
+};
+
+// Sets S[i][j] = -inf for every element of the thread's S fragments that is not visible. `row0` is the global
+// row of the warp's first m-tile; `col0` the first key of the tile. Fragment layout (mma m16n8k16 C/D): register
+// r of n-tile nj in m-tile mi holds row row0 + 16*mi + lane/4 + 8*(r/2), column col0 + 8*nj + 2*(lane%4) + r%2.
+template <class Traits>
+__device__ __forceinline__ void apply_mask(float (&S)[Traits::kMTiles][Traits::kNTilesS][4], int row0, int col0,
+                                           int lane, const Visibility vis, const BlockGrid grid) {
+#pragma unroll
+  for (int mi = 0; mi < Traits::kMTiles; ++mi) {
+#pragma unroll
+    for (int nj = 0; nj < Traits::kNTilesS; ++nj) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = row0 + 16 * mi + (lane >> 2) + 8 * (r >> 1);
+        const int j = col0 + 8 * nj + 2 * (lane & 3) + (r & 1);
+        if (!(vis(i, j) && grid.kept(i, j))) S[mi][nj][r] = -INFINITY;
+      }
+    }
+  }
+}
+
+}  // namespace cuflash
