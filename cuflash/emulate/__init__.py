@@ -26,6 +26,7 @@ MAX_THREADS_PER_BLOCK = 1024
 MAX_SHARED_BYTES = 227 * 1024  # opt-in maximum per block on sm_90 (sm_80: 163 KiB)
 
 _libraries: dict[Path, Library] = {}
+_by_spec: dict[tuple, Library] = {}  # skips hashing the source on repeated launches of one kernel
 
 
 def available() -> tuple[bool, str]:
@@ -54,11 +55,14 @@ def compile(spec: LaunchSpec, *, sanitize: bool = False) -> Library:  # noqa: A0
         raise RuntimeError("sanitize=True needs AddressSanitizer's runtime loaded first: run the process with "
                            "cuflash.emulate.sanitizer_env() (LD_PRELOAD=libasan.so)")
     debug = os.environ.get("CUFLASH_EMULATE_DEBUG", "") not in ("", "0")
-    path = build(_toolchain(), spec.source, spec.name_expression, tuple(spec.options), sanitize=sanitize,
-                 debug=debug)
-    if path not in _libraries:
-        _libraries[path] = Library(path)
-    return _libraries[path]
+    key = (spec.source, spec.name_expression, tuple(spec.options), sanitize, debug)
+    if key not in _by_spec:
+        path = build(_toolchain(), spec.source, spec.name_expression, tuple(spec.options), sanitize=sanitize,
+                     debug=debug)
+        if path not in _libraries:
+            _libraries[path] = Library(path)
+        _by_spec[key] = _libraries[path]
+    return _by_spec[key]
 
 
 def _dims(name: str, value) -> tuple[int, int, int]:

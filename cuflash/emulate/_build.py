@@ -136,6 +136,24 @@ def _runtime_digest() -> str:
     return h.hexdigest()
 
 
+def _includes_digest(source: str, seen: set[Path] | None = None) -> str:
+    """Contents of the local headers a (not pre-inlined) source includes from kernels/, recursively."""
+    seen = set() if seen is None else seen
+    h = hashlib.sha256()
+    for line in source.splitlines():
+        match = _INCLUDE_LINE.match(line)
+        if not match:
+            continue
+        path = (KERNELS_DIR / match.group(1)).resolve()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        text = path.read_text()
+        h.update(text.encode())
+        h.update(_includes_digest(text, seen).encode())
+    return h.hexdigest()
+
+
 def _user_options(options) -> list[str]:
     """Preprocessor options only: the rest (-arch, --use_fast_math, ...) are NVRTC's and mean nothing to g++."""
     keep, it = [], iter(options)
@@ -171,7 +189,8 @@ def command(tc: Toolchain, src: Path, out: Path, options, *, sanitize: bool, deb
 def build(tc: Toolchain, source: str, name_expression: str, options=(), *, sanitize=False, debug=False) -> Path:
     """Path of the shared library for this kernel, compiling it on a cache miss."""
     key = hashlib.sha256("\0".join([
-        source, name_expression, *options, tc.cxx, tc.cxx_version, *tc.cuda_includes, _runtime_digest(),
+        source, _includes_digest(source), name_expression, *options, tc.cxx, tc.cxx_version, *tc.cuda_includes,
+        _runtime_digest(),
         *BASE_FLAGS, f"sanitize={sanitize}", f"debug={debug}",
     ]).encode()).hexdigest()[:32]
     target = cache_dir() / f"{key}.so"

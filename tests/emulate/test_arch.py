@@ -1,0 +1,119 @@
+"""Emulated twins of kernels/arch.cuh against NumPy: mma.m16n8k16, ldmatrix, cp.async, pack2."""
+import numpy as np
+import pytest
+
+import cuflash.emulate as emu
+from conftest import from_bf16_bits, spec, to_bf16_bits
+
+DTYPES = {"__half": (lambda x: x.astype(np.float16).view(np.uint16), lambda b: b.view(np.float16)),
+          "__nv_bfloat16": (to_bf16_bits, from_bf16_bits)}
+
+
+def _operands(rng, shape, dtype):
+    """Random values exactly representable in `dtype`: the bits the kernel gets and their float64 values."""
+    encode, decode = DTYPES[dtype]
+    bits = encode(rng.standard_normal(shape).astype(np.float32))
+    return bits, decode(bits).astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("seed", range(3))
+def test_mma_matches_matrix_product(dtype, seed):
+    rng = np.random.default_rng(seed)
+    a_bits, a = _operands(rng, (16, 16), dtype)
+    b_bits, b = _operands(rng, (16, 8), dtype)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = np.full((16, 8), np.nan, np.float32)
+    emu.launch(spec("arch_tests.cu", f"mma_from_global<{dtype}>", (a_bits, b_bits, c, d)))
+    # Products of 11-bit (8-bit) significands are exact in fp32; only the 16 fp32 additions round.
+    np.testing.assert_allclose(d, a @ b + c, rtol=1e-5, atol=1e-5)
+
+
+def test_mma_distinguishes_every_fragment_position():
+    """A = I and B = a permutation-free ramp: any misplaced element of A, B, C or D changes the result."""
+    a_bits = np.eye(16, dtype=np.float16).view(np.uint16)
+    b = np.arange(16 * 8, dtype=np.float16).reshape(16, 8)
+    c = 1000 * np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    d = np.zeros((16, 8), np.float32)
+    emu.launch(spec("arch_tests.cu", "mma_from_global<__half>", (a_bits, b.view(np.uint16), c, d)))
+    np.testing.assert_array_equal(d, b.astype(np.float32) + c)
+
+
+def _ldmatrix_expected(src, nmat, trans):
+    """The PTX ISA's ldmatrix distribution: lane l holds row l/4, columns 2(l%4) and 2(l%4)+1 of each matrix
+    (with .trans, of the transposed matrix); register j comes from matrix j."""
+    mats = src.reshape(4, 8, 8).astype(np.uint32)
+    out = np.zeros((32, 4), np.uint32)
+    for lane in range(32):
+        row, col = lane // 4, 2 * (lane % 4)
+        for j in range(nmat):
+            m = mats[j].T if trans else mats[j]
+            out[lane, j] = m[row, col] | (m[row, col + 1] << 16)
+    return out
+
+
+@pytest.mark.parametrize("nmat,trans", [(1, 0), (2, 0), (4, 0), (2, 1), (4, 1)])
+def test_ldmatrix_layout(nmat, trans):
+    src = np.random.default_rng(nmat + 10 * trans).integers(0, 2**16, (32, 8), dtype=np.uint16)
+    out = np.zeros((32, 4), np.uint32)
+    emu.launch(spec("arch_tests.cu", "ldmatrix_kernel", (src, out, np.int32(nmat), np.int32(trans))))
+    np.testing.assert_array_equal(out, _ldmatrix_expected(src, nmat, trans))
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("b_is_kn", [0, 1])
+def test_ldmatrix_feeds_mma(dtype, b_is_kn):
+    """The forward kernel's pattern: ldmatrix.x4 for A, .x2 from [n][k] (K) or .x2.trans from [k][n] (V) for B."""
+    rng = np.random.default_rng(b_is_kn)
+    a_bits, a = _operands(rng, (16, 16), dtype)
+    b_bits, b = _operands(rng, (16, 8), dtype)
+    stored = b_bits if b_is_kn else np.ascontiguousarray(b_bits.T)
+    d = np.full((16, 8), np.nan, np.float32)
+    emu.launch(spec("arch_tests.cu", f"ldmatrix_mma<{dtype}>", (a_bits, stored, np.int32(b_is_kn), d)))
+    np.testing.assert_allclose(d, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def _cp_async(mode, n=64, valid=None, block=8):
+    src = np.arange(1, n + 1, dtype=np.float32)
+    dst = np.zeros(n, np.float32)
+    valid = n if valid is None else valid
+    emu.launch(spec("arch_tests.cu", "cp_async_kernel", (src, dst, np.int32(n), np.int32(valid), np.int32(mode)),
+                    block=(block, 1, 1), shared_bytes=4 * n))
+    return src, dst
+
+
+def test_cp_async_wait_all_delivers():
+    src, dst = _cp_async(mode=0)
+    np.testing.assert_array_equal(dst, src)
+
+
+def test_cp_async_missing_wait_leaves_nan():
+    _, dst = _cp_async(mode=1)
+    assert np.isnan(dst).all()
+
+
+def test_cp_async_wait_group_keeps_the_newest_groups_pending():
+    src, dst = _cp_async(mode=2)
+    np.testing.assert_array_equal(dst[:32], src[:32])
+    assert np.isnan(dst[32:]).all()
+
+
+def test_cp_async_uncommitted_copies_are_not_waited_for():
+    src, dst = _cp_async(mode=3)
+    np.testing.assert_array_equal(dst[:32], src[:32])
+    assert np.isnan(dst[32:]).all()
+
+
+def test_cp_async_false_predicate_zero_fills():
+    src, dst = _cp_async(mode=0, valid=40)
+    np.testing.assert_array_equal(dst[:40], src[:40])
+    np.testing.assert_array_equal(dst[40:], 0)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_pack2_rounds_and_orders_halves(dtype):
+    x = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+    out = np.zeros(32, np.uint32)
+    emu.launch(spec("arch_tests.cu", f"pack2_kernel<{dtype}>", (x, out, np.int32(32))))
+    bits = DTYPES[dtype][0](x).astype(np.uint32)
+    np.testing.assert_array_equal(out, bits[0::2] | (bits[1::2] << 16))
