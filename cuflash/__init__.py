@@ -10,5 +10,6 @@ __version__ = "0.1.0"
 from . import reference  # noqa: E402
 from .api import attention, attention_backward, attention_vjp  # noqa: E402
 from .blockmask import BlockMask  # noqa: E402
+from .dropout import dropout_mask  # noqa: E402
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "BlockMask", "reference", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "BlockMask", "dropout_mask", "reference", "__version__"]

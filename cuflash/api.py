@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import backends
+from .dropout import fresh_seed
 from .problem import check_backward, make_problem
 
 _OPTIONS_DOC = """
@@ -17,6 +18,13 @@ _OPTIONS_DOC = """
         Block-sparse grid ``(batch|1, heads|1, ceil(Sq/bq), ceil(Sk/bk))``; False blocks are skipped.
     seqlens_q, seqlens_k : integer array of the batch shape, optional
         Valid length of each sequence; rows past ``seqlens_q`` give ``out = 0``, ``lse = -inf``.
+    dropout_p : float in [0, 1), default 0
+        Attention dropout: after normalization, P is multiplied by a keep-mask and by
+        ``1/(1 - dropout_p)``; ``lse`` is of the undropped scores. The mask is a pure function of
+        (seed, batch, head, row, column) (:func:`cuflash.dropout_mask`), identical on every backend.
+    seed : int, optional
+        Dropout seed in ``[0, 2**64)``. With ``dropout_p > 0`` and ``seed=None`` the forward draws a
+        fresh seed and returns it as an extra last result; the backward requires it.
     backend : {None, "numpy", "cuda", "emulate"}
         ``None`` picks from the arrays: NumPy → ``"numpy"``, CuPy → ``"cuda"``.
 
@@ -25,12 +33,19 @@ _OPTIONS_DOC = """
 
 
 def _problem(q, k, v, kw):
-    return make_problem(q, k, v, causal=kw["causal"], scale=kw["scale"], window=kw["window"],
-                        block_mask=kw["block_mask"], seqlens_q=kw["seqlens_q"], seqlens_k=kw["seqlens_k"])
+    return make_problem(q, k, v, **kw)
+
+
+def _backend(problem, name):
+    module = backends.select(problem, name)
+    if problem.dropout_p and not getattr(module, "supports_dropout", False):
+        raise NotImplementedError(f"dropout is not implemented on the {module.__name__.rsplit('.', 1)[-1]} "
+                                  f"backend yet; use dropout_p=0 or the numpy backend")
+    return module
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
-              seqlens_q=None, seqlens_k=None, return_lse=False, backend=None):
+              seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, return_lse=False, backend=None):
     """Exact softmax attention, computed block by block without materializing the score matrix.
 
     Parameters
@@ -49,19 +64,26 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
     out : array, q's shape and dtype
     lse : array, shape ``(..., heads, seqlen_q)``, float32 (float64 for float64 input)
         Only when ``return_lse``.
+    seed : int
+        Only when ``dropout_p > 0`` and ``seed`` was None: the drawn seed, last in the tuple
+        (``(out, seed)`` or ``(out, lse, seed)``).
     """
-    kw = dict(causal=causal, scale=scale, window=window, block_mask=block_mask,
-              seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+    drawn = seed is None and dropout_p
+    kw = dict(causal=causal, scale=scale, window=window, block_mask=block_mask, seqlens_q=seqlens_q,
+              seqlens_k=seqlens_k, dropout_p=dropout_p, seed=fresh_seed() if drawn else seed)
     problem = _problem(q, k, v, kw)
-    out, lse = backends.select(problem, backend).forward(problem)
-    out = problem.unflatten(out, problem.q.shape[1:])
-    if not return_lse:
-        return out
-    return out, problem.unflatten(lse, (problem.heads_q, problem.seqlen_q))
+    out, lse = _backend(problem, backend).forward(problem)
+    result = (problem.unflatten(out, problem.q.shape[1:]),)
+    if return_lse:
+        result += (problem.unflatten(lse, (problem.heads_q, problem.seqlen_q)),)
+    if drawn:
+        result += (problem.seed,)
+    return result if len(result) > 1 else result[0]
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
-                       block_mask=None, seqlens_q=None, seqlens_k=None, backend=None):
+                       block_mask=None, seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None,
+                       backend=None):
     """Gradients of :func:`attention` by recomputation from the saved ``lse`` (FA2 Algorithm 2).
 
     Parameters
@@ -77,11 +99,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     dq, dk, dv : arrays with the shapes and dtype of q, k, v
         ``dk``/``dv`` of a kv head sum the contributions of its query heads.
     """
-    kw = dict(causal=causal, scale=scale, window=window, block_mask=block_mask,
-              seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+    if dropout_p and seed is None:
+        raise ValueError("seed is required when dropout_p > 0: pass the seed the forward used "
+                         "(returned by attention when it drew one)")
+    kw = dict(causal=causal, scale=scale, window=window, block_mask=block_mask, seqlens_q=seqlens_q,
+              seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed)
     problem = _problem(q, k, v, kw)
     dout_f, out_f, lse_f = check_backward(problem, dout, out, lse)
-    dq, dk, dv = backends.select(problem, backend).backward(problem, dout_f, out_f, lse_f)
+    dq, dk, dv = _backend(problem, backend).backward(problem, dout_f, out_f, lse_f)
     return (problem.unflatten(dq, problem.q.shape[1:]), problem.unflatten(dk, problem.k.shape[1:]),
             problem.unflatten(dv, problem.v.shape[1:]))
 
@@ -90,15 +115,19 @@ def attention_vjp(q, k, v, **options):
     """JAX-style ``(out, vjp)``: ``vjp(dout)`` returns ``(dq, dk, dv)``.
 
     Takes the options of :func:`attention` (except ``return_lse``); keeps ``out`` and ``lse``
-    alive for the backward, nothing of size N².
+    alive for the backward, nothing of size N². With dropout and no seed, one is drawn and
+    kept for the backward (read it back as ``vjp.seed``).
     """
     if "return_lse" in options:
         raise TypeError("attention_vjp does not take return_lse: the lse is kept inside vjp")
+    if options.get("dropout_p") and options.get("seed") is None:
+        options = dict(options, seed=fresh_seed())  # the backward must regenerate the same mask
     out, lse = attention(q, k, v, return_lse=True, **options)
 
     def vjp(dout):
         return attention_backward(dout, q, k, v, out, lse, **options)
 
+    vjp.seed = options.get("seed")
     return out, vjp
 
 

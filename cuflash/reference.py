@@ -107,7 +107,7 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale
 
 
 def term_magnitudes(q, k, v, dout=None, *, causal=False, scale=None, window=None, block_mask=None,
-                    seqlens_q=None, seqlens_k=None):
+                    seqlens_q=None, seqlens_k=None, dropout_mask=None, dropout_p=0.0):
     """Largest magnitude of the terms each result is summed from, in float64.
 
     ``out = P V`` sums terms ``P_ij V_j``; the lse sums ``exp`` of scores ``S_ij``; ``dQ = scale·dS K``,
@@ -116,6 +116,7 @@ def term_magnitudes(q, k, v, dout=None, *, causal=False, scale=None, window=None
     number is ``|S - m|``: an input rounding grows by up to ``1 + max|S|`` on its way, so each
     magnitude carries that factor. :func:`cuflash.testing.assert_attention_close` uses them for
     its floor.
+    Dropout bounds the kept terms by ``1/(1 - dropout_p)`` (the mask itself only removes terms).
     Returns a dict with keys ``out``, ``lse`` and, given ``dout``, ``dq``, ``dk``, ``dv``.
     """
     p = make_problem(q, k, v, causal=causal, scale=scale, window=window, block_mask=block_mask,
@@ -134,7 +135,8 @@ def term_magnitudes(q, k, v, dout=None, *, causal=False, scale=None, window=None
         mags["dq"] = abs(p.scale) * (ds @ np.abs(kg)).max(initial=0)
         mags["dk"] = abs(p.scale) * (np.swapaxes(ds, -1, -2) @ np.abs(qg)).sum(axis=2).max(initial=0)
         mags["dv"] = (np.swapaxes(prob, -1, -2) @ np.abs(do)).sum(axis=2).max(initial=0)
-    return {name: float(x) * (1 if name == "lse" else cond) for name, x in mags.items()}
+    boost = cond / (1.0 - dropout_p)
+    return {name: float(x) * (1 if name == "lse" else boost) for name, x in mags.items()}
 
 
 def _apply_dropout(x, p, mask, dropout_p):

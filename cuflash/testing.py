@@ -58,7 +58,7 @@ class Case:
 
 def attention_cases(*, dtypes=("float32",), max_seqlen=160, head_dims=None, max_head_dim=80,
                     max_batch_dims=2, gqa=True, causal=True, window=True, seqlens=True,
-                    block_mask=True, block_sizes=(16, 32, 64), scale=True):
+                    block_mask=True, block_sizes=(16, 32, 64), scale=True, dropout=False):
     """Hypothesis strategy of :class:`Case`: awkward lengths, Sq ≠ Sk both ways, GQA/MQA,
     causal, windows, per-sequence lengths, BlockMasks, any number of batch dimensions."""
     from hypothesis import strategies as st
@@ -95,6 +95,9 @@ def attention_cases(*, dtypes=("float32",), max_seqlen=160, head_dims=None, max_
                           -(-sq // bq), -(-sk // bk))
             grid = rng.random(grid_shape) < draw(st.floats(0.2, 1.0))
             opts["block_mask"] = BlockMask(grid, block=(bq, bk), seqlen_q=sq, seqlen_k=sk)
+        if dropout and draw(st.booleans()):
+            opts["dropout_p"] = draw(st.sampled_from([0.1, 0.5, 0.9]))
+            opts["seed"] = draw(st.integers(0, 2**64 - 1))
         return Case(*arrays, options=opts)
 
     return cases()
@@ -128,13 +131,26 @@ def assert_attention_close(actual, ref64, baseline, *, mult=2.0, name="out", mag
         f"{name}: max error {err:.3e} exceeds {mult}x the naive same-dtype error {base:.3e} + floor {floor:.3e}")
 
 
+def _reference_options(case: Case):
+    """The case's options for the reference: dropout becomes an explicit keep-mask."""
+    opts = dict(case.options)
+    p, seed = opts.pop("dropout_p", 0.0), opts.pop("seed", None)
+    if p:
+        from .dropout import dropout_mask
+
+        shape = case.q.shape[:-3] + (case.q.shape[-2], case.q.shape[-3], case.k.shape[-3])
+        return opts, dict(dropout_mask=dropout_mask(shape, seed=seed, p=p), dropout_p=p)
+    return opts, {}
+
+
 def check_forward(fn, case: Case):
     """Hold ``fn(q, k, v, **options) -> (out, lse)`` to the rule against the float64 reference."""
     out, lse = fn(case.q, case.k, case.v, **case.options)
-    ref, ref_lse = reference.attention(case.q, case.k, case.v, return_lse=True, **case.options)
+    opts, drop = _reference_options(case)
+    ref, ref_lse = reference.attention(case.q, case.k, case.v, return_lse=True, **opts, **drop)
     base, base_lse = reference.attention(case.q, case.k, case.v, return_lse=True,
-                                         compute_dtype=case.q.dtype, **case.options)
-    mags = reference.term_magnitudes(case.q, case.k, case.v, **case.options)
+                                         compute_dtype=case.q.dtype, **opts, **drop)
+    mags = reference.term_magnitudes(case.q, case.k, case.v, **opts, **drop)
     assert_attention_close(out, ref, base, mult=2, name="out", magnitude=mags["out"])
     assert_attention_close(lse, ref_lse, base_lse, mult=2, name="lse", magnitude=mags["lse"])
     return out, lse
@@ -143,10 +159,11 @@ def check_forward(fn, case: Case):
 def check_backward(fn, case: Case, out, lse):
     """Hold ``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` to the rule (mult 3)."""
     grads = fn(case.dout, case.q, case.k, case.v, out, lse, **case.options)
-    refs = reference.attention_backward(case.dout, case.q, case.k, case.v, **case.options)
+    opts, drop = _reference_options(case)
+    refs = reference.attention_backward(case.dout, case.q, case.k, case.v, **opts, **drop)
     bases = reference.attention_backward(case.dout, case.q, case.k, case.v,
-                                         compute_dtype=case.q.dtype, **case.options)
-    mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **case.options)
+                                         compute_dtype=case.q.dtype, **opts, **drop)
+    mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **opts, **drop)
     for name, g, r, b in zip(("dq", "dk", "dv"), grads, refs, bases):
         assert_attention_close(g, r, b, mult=3, name=name, magnitude=mags[name])
     return grads

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..dropout import keep_mask
 from ..plan import Plan
 from ._blas import single_threaded
 from ..problem import Problem, dtype_name, stats_dtype
@@ -23,6 +24,7 @@ from ..problem import Problem, dtype_name, stats_dtype
 #: heads) stays cache-sized.
 BLOCK_Q, BLOCK_K = 256, 512
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+supports_dropout = True
 
 
 def available():
@@ -76,6 +78,19 @@ def _mask_scores(s, plan, tile, problem):
     np.copyto(s, -np.inf, where=~keep)
 
 
+def _dropout_scale(problem, tile, dtype):
+    """Keep-mask of a tile scaled by 1/(1-p), as (B, Hkv, G, bq, bk); None without dropout."""
+    if not problem.dropout_p:
+        return None
+    b = np.arange(problem.batch)[:, None, None, None]
+    h = np.arange(problem.heads_q)[None, :, None, None]
+    i = np.arange(tile.i0, tile.i1)[None, None, :, None]
+    j = np.arange(tile.k0, tile.k1)[None, None, None, :]
+    keep = keep_mask(problem.seed, problem.dropout_p, b, h, i, j)
+    z = keep.astype(dtype) * dtype.type(1.0 / (1.0 - problem.dropout_p))
+    return z.reshape(problem.batch, problem.heads_kv, problem.group, *z.shape[2:])
+
+
 def check(problem: Problem):
     name = dtype_name(problem.dtype)
     if name not in SUPPORTED_DTYPES:
@@ -112,7 +127,10 @@ def forward(problem: Problem, *, block_q=None, block_k=None, plan=None):
             s -= m_safe[..., None]
             np.exp(s, out=s)
             alpha = np.exp(m_i - m_safe)
-            l_i = l_i * alpha + s.sum(axis=-1)
+            l_i = l_i * alpha + s.sum(axis=-1)  # l is of the undropped P: lse stays dropout-free
+            z = _dropout_scale(problem, t, wt)
+            if z is not None:
+                s *= z
             acc *= alpha[..., None]
             acc += s @ v[..., t.k0:t.k1, :]
             m_i = m_new
@@ -155,8 +173,11 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, pl
             _mask_scores(s, plan, t, problem)
             s -= lse_g[..., t.i0:t.i1, None]
             p = np.exp(s, out=s)
-            dv_j += np.swapaxes(p, -1, -2) @ do_i
+            z = _dropout_scale(problem, t, wt)
+            dv_j += np.swapaxes(p if z is None else p * z, -1, -2) @ do_i
             dp = do_i @ np.swapaxes(v_j, -1, -2)
+            if z is not None:
+                dp *= z  # dP of the dropped P, back through the keep-mask
             dp -= big_d[..., t.i0:t.i1, None]
             ds = np.multiply(p, dp, out=dp)
             dq_acc[..., t.i0:t.i1, :] += ds @ k_j

@@ -1,0 +1,81 @@
+"""Attention dropout as a pure function of (seed, batch, head, row, column).
+
+FlashAttention never stores the dropout mask: the backward regenerates it. cuflash makes the
+keep-mask a counter-based random function so that the NumPy backend, the reference and the CUDA
+kernels (``kernels/philox.cuh``) compute the same bits:
+
+    bits(b, h, i, j) = Philox4x32-10(key = (seed mod 2³², seed >> 32),
+                                     counter = (j >> 2, i, h, b))[j & 3]
+    keep(b, h, i, j) = bits >= threshold(p),   threshold(p) = min(floor(p · 2³²), 2³² − 1)
+
+``b`` is the flattened batch index, ``h`` the query head. One Philox call serves four adjacent
+columns. Kept probabilities are scaled by ``1 / (1 − p)`` after the softmax normalization; the
+log-sum-exp is that of the undropped scores.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
+_LO = np.uint64(0xFFFFFFFF)
+_SHIFT = np.uint64(32)
+
+
+def philox4x32(counter, key):
+    """Philox-4x32-10 (Salmon et al., SC'11). ``counter``: 4 uint32 arrays (broadcast together),
+    ``key``: 2 uint32 scalars. Returns the 4 output words as uint32 arrays."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint32) for c in counter)
+    c0, c1, c2, c3 = np.broadcast_arrays(c0, c1, c2, c3)
+    k0, k1 = np.uint32(key[0]), np.uint32(key[1])
+    with np.errstate(over="ignore"):
+        for _ in range(10):
+            p0 = _M0 * c0.astype(np.uint64)
+            p1 = _M1 * c2.astype(np.uint64)
+            hi0, lo0 = (p0 >> _SHIFT).astype(np.uint32), (p0 & _LO).astype(np.uint32)
+            hi1, lo1 = (p1 >> _SHIFT).astype(np.uint32), (p1 & _LO).astype(np.uint32)
+            c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+            k0, k1 = k0 + _W0, k1 + _W1
+    return c0, c1, c2, c3
+
+
+def threshold(p: float) -> int:
+    """Bits below this value are dropped: P(drop) = threshold / 2³² ≈ p."""
+    return min(int(np.floor(p * 2.0 ** 32)), 2 ** 32 - 1)
+
+
+def keep_mask(seed: int, p: float, batch, head, rows, cols):
+    """Boolean keep-mask over broadcast index arrays ``batch, head, rows, cols``."""
+    b, h, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (batch, head, rows, cols)))
+    words = philox4x32((j >> 2, i, h, b), (seed & 0xFFFFFFFF, seed >> 32))
+    lane = (j & 3).astype(np.intp)
+    bits = np.choose(lane, words)
+    return bits >= np.uint32(threshold(p))
+
+
+def dropout_mask(shape, *, seed: int, p: float):
+    """The keep-mask cuflash applies, as a boolean array of ``shape = (*batch, heads, Sq, Sk)``.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        Batch dimensions (any number), then heads, seqlen_q, seqlen_k.
+    seed : int in [0, 2**64)
+    p : float in [0, 1)
+        Dropout probability.
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 3:
+        raise ValueError(f"shape must be (*batch, heads, seqlen_q, seqlen_k), got {shape}")
+    *batch, heads, sq, sk = shape
+    nb = int(np.prod(batch))
+    b = np.arange(nb)[:, None, None, None]
+    h = np.arange(heads)[None, :, None, None]
+    i = np.arange(sq)[None, None, :, None]
+    j = np.arange(sk)[None, None, None, :]
+    return keep_mask(seed, p, b, h, i, j).reshape(shape)
+
+
+def fresh_seed() -> int:
+    """A new 64-bit seed from the operating system's entropy."""
+    return int(np.random.SeedSequence().generate_state(1, dtype=np.uint64)[0])
