@@ -51,7 +51,7 @@ void shfl_fn(Fiber* const* lanes, uint32_t active) {
 
 template <typename T>
 T shfl(const char* what, unsigned mask, T v, int arg, int width, int kind) {
-  static_assert(std::is_trivially_copyable<T>::value, "shuffled values must be trivially copyable");
+  // Copied as bytes, like registers: __half2 & co. have user-written copy operators but plain representations.
   if (width < 1 || width > 32 || (width & (width - 1)))
     fail("%s: width %d is not a power of two in [1, 32]", what, width);
   ShflIn<T> in{v, arg, width, kind};

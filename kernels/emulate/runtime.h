@@ -1,11 +1,14 @@
 // The emulator's scheduler: runs a grid block after block, the threads of a block as cooperative fibers.
 //
-// A fiber runs until it reaches __syncthreads, a warp collective it cannot complete, or its end; then the
-// scheduler resumes the next ready fiber in the launch's schedule order (forward, reverse, or a fresh random
-// permutation per round). Everything a GPU would report as a hang or undefined behaviour that we can see
-// (deadlock, divergent barrier, device assert, warp collective with a bad mask) ends the launch with an error
-// message; the Python side raises it as EmulationError and the process lives on.
+// A fiber runs until it reaches __syncthreads, a warp collective it cannot complete, or its end; then it switches
+// straight to the next ready fiber in the launch's schedule order (forward, reverse, or a fresh random
+// permutation per round). Control returns to the launching (main) context only when the block is finished, stuck
+// or failed. Everything a GPU would report as a hang or undefined behaviour that we can see (deadlock, divergent
+// barrier, device assert, warp collective with a bad mask) ends the launch with an error message; the Python
+// side raises it as EmulationError and the process lives on.
 #pragma once
+#include <pthread.h>
+
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -31,21 +34,23 @@ struct PendingCopy {  // an emulated cp.async, performed at the matching wait
   unsigned group;
 };
 
-struct Fiber {
+// The first cache line holds everything a barrier touches: with 128 fibers per block, the scheduler's speed is
+// bounded by how many cache lines each switch brings in.
+struct alignas(64) Fiber {
   Context ctx;
   uint3 tid;
   unsigned linear = 0, lane = 0, warp = 0;
   int state = kReady;
-  const char* wait_what = "";  // where the thread waits, for deadlock reports
-  const char* wait_file = "";
+  int bar_result = 0;  // __syncthreads_count/and/or result handed to this thread at release
   int wait_line = 0;
+  const char* wait_file = "";
+  const char* wait_what = "";  // where the thread waits, for deadlock reports
   // warp collective slot
   uint32_t wmask = 0;
+  bool waligned = false;
   WarpFn wfn = nullptr;
   const void* win = nullptr;
   void* wout = nullptr;
-  bool waligned = false;
-  int bar_result = 0;  // __syncthreads_count/and/or result handed to this thread at release
   std::vector<PendingCopy> copies;
   unsigned committed = 0;  // cp.async groups committed so far
   char* stack_lo = nullptr;
@@ -58,12 +63,13 @@ struct Fiber {
 struct Launch {
   std::vector<Fiber> fibers;
   unsigned nthreads = 0, nwarps = 0;
-  Context sched;
+  unsigned nready = 0, exited = 0;
+  Context main;  // the launching context
   StackPool stacks;
   std::vector<uint32_t> warp_exists, warp_exited;
   std::vector<unsigned> warp_waiting;
-  std::vector<unsigned> order;
-  unsigned exited = 0;
+  std::vector<unsigned> order;  // this round's run order
+  int pos = 0;                  // position in `order`
   // the barrier being gathered
   unsigned bar_waiting = 0;
   const char* bar_file = "";
@@ -84,7 +90,7 @@ struct Launch {
 };
 
 inline Launch g;
-inline Fiber* g_cur = nullptr;
+inline Fiber* g_cur = nullptr;  // the running fiber; null in the main context
 inline uint3 g_block_idx;
 inline dim3 g_block_dim, g_grid_dim;
 inline void* g_dyn_smem = nullptr;
@@ -130,6 +136,64 @@ inline bool in_shared(const void* p, size_t n) {
   return false;
 }
 
+// ---------------------------------------------------------------------------------------------- switching
+
+inline void set_state(Fiber* f, int state) {
+  g.nready += (state == kReady) - (f->state == kReady);
+  f->state = state;
+}
+
+// Suspends `from` (null: the main context) and runs `to` (null: the main context). A dying fiber is never
+// resumed, which AddressSanitizer must be told so that it drops the fiber's fake stack.
+inline void switch_to(Fiber* from, Fiber* to, bool dying) {
+#if CUFLASH_EMU_ASAN
+  void** fake = dying ? nullptr : from ? &from->fake_stack : &g.main_fake_stack;
+  __sanitizer_start_switch_fiber(fake, to ? to->stack_lo : g.main_stack_bottom,
+                                 to ? to->stack_size : g.main_stack_size);
+#else
+  (void)dying;
+#endif
+  g_cur = to;
+  context_switch(from ? from->ctx : g.main, to ? to->ctx : g.main);
+#if CUFLASH_EMU_ASAN
+  __sanitizer_finish_switch_fiber(from ? from->fake_stack : g.main_fake_stack, nullptr, nullptr);
+#endif
+}
+
+inline uint64_t next_random() {  // splitmix64: tiny and good enough to permute threads
+  uint64_t z = (g.rng += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+inline void make_order(std::vector<unsigned>& order, unsigned n) {
+  order.resize(n);
+  for (unsigned i = 0; i < n; ++i) order[i] = g.schedule == kReverse ? n - 1 - i : i;
+  if (g.schedule == kRandom)
+    for (unsigned i = n - 1; i > 0 && n > 1; --i) std::swap(order[i], order[next_random() % (i + 1)]);
+}
+
+// The next ready fiber of this round in schedule order, starting a new round past the end; null if none is ready.
+inline Fiber* pick_next() {
+  if (g.nready == 0) return nullptr;
+  for (;;) {
+    while (++g.pos < int(g.nthreads)) {
+      Fiber* f = &g.fibers[g.order[g.pos]];
+      if (f->state == kReady) return f;
+    }
+    make_order(g.order, g.nthreads);
+    g.pos = -1;
+  }
+}
+
+// Gives up the processor: to the next ready fiber, or to the main context when none is (block done or stuck).
+inline void yield(bool dying = false) {
+  Fiber* self = g_cur;
+  Fiber* next = pick_next();
+  if (next != self) switch_to(self, next, dying);
+}
+
 // ---------------------------------------------------------------------------------------------- errors
 
 inline void set_error(const char* fmt, va_list ap) {
@@ -144,19 +208,7 @@ inline void set_error(const char* fmt, va_list ap) {
   }
 }
 
-inline void to_scheduler(Fiber* f, bool dying) {
-#if CUFLASH_EMU_ASAN
-  __sanitizer_start_switch_fiber(dying ? nullptr : &f->fake_stack, g.main_stack_bottom, g.main_stack_size);
-#else
-  (void)dying;
-#endif
-  context_switch(f->ctx, g.sched);
-#if CUFLASH_EMU_ASAN
-  __sanitizer_finish_switch_fiber(f->fake_stack, &g.main_stack_bottom, &g.main_stack_size);
-#endif
-}
-
-// Reports an error from inside a fiber and abandons the whole block (the fiber is never resumed).
+// Reports an error from inside a fiber and abandons the whole block (no fiber is resumed).
 [[noreturn]] __attribute__((format(printf, 1, 2))) inline void fail(const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -166,18 +218,16 @@ inline void to_scheduler(Fiber* f, bool dying) {
     fprintf(stderr, "cuflash emulator: %s\n", g.error.c_str());
     abort();
   }
-  to_scheduler(g_cur, true);
+  switch_to(g_cur, nullptr, true);
   __builtin_unreachable();
 }
 
-inline void scheduler_error(const char* fmt, ...) {
+inline void main_error(const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   set_error(fmt, ap);
   va_end(ap);
 }
-
-inline void yield() { to_scheduler(g_cur, false); }
 
 // ---------------------------------------------------------------------------------------------- barriers
 
@@ -189,16 +239,17 @@ inline int syncthreads_at(const char* file, int line, int pred = 0, int reduce =
   if (g.bar_waiting == 0) {
     g.bar_file = file, g.bar_line = line;
     g.bar_count = 0, g.bar_and = 1, g.bar_or = 0;
-  } else if (line != g.bar_line || strcmp(file, g.bar_file) != 0) {
+  } else if (line != g.bar_line || (file != g.bar_file && strcmp(file, g.bar_file) != 0)) {
     fail("divergent __syncthreads: this thread is at %s:%d while %u thread(s) wait at %s:%d", file, line,
          g.bar_waiting, g.bar_file, g.bar_line);
   }
   g.bar_count += pred != 0, g.bar_and &= pred != 0, g.bar_or |= pred != 0;
-  f->state = kBarrier;
+  set_state(f, kBarrier);
   f->wait_what = "__syncthreads", f->wait_file = file, f->wait_line = line;
   if (++g.bar_waiting == g.nthreads) {
     int result = reduce == 1 ? g.bar_count : reduce == 2 ? g.bar_and : g.bar_or;
     for (unsigned i = 0; i < g.nthreads; ++i) g.fibers[i].state = kReady, g.fibers[i].bar_result = result;
+    g.nready = g.nthreads;
     g.bar_waiting = 0;
   }
   yield();  // even the last arrival yields, so the schedule decides who runs first after the barrier
@@ -226,7 +277,7 @@ inline bool try_complete(Fiber* f) {
     fail("%s needs all 32 lanes of warp %u, but only lanes 0x%08x are present (mask 0x%08x)", f->wait_what, w, need,
          f->wmask);
   f->wfn(lanes, need);
-  for (uint32_t m = need; m; m &= m - 1) base[__builtin_ctz(m)].state = kReady;
+  for (uint32_t m = need; m; m &= m - 1) set_state(base + __builtin_ctz(m), kReady);
   g.warp_waiting[w] -= unsigned(__builtin_popcount(need));
   return true;
 }
@@ -240,7 +291,7 @@ inline void warp_collective(const char* what, uint32_t mask, WarpFn fn, const vo
     fail("%s: mask 0x%08x does not include the calling lane %u", what, mask, f->lane);
   f->wmask = mask, f->wfn = fn, f->win = in, f->wout = out, f->waligned = aligned;
   f->wait_what = what, f->wait_file = "", f->wait_line = 0;
-  f->state = kWarp;
+  set_state(f, kWarp);
   g.warp_waiting[f->warp]++;
   if (!try_complete(f)) yield();
 }
@@ -248,7 +299,7 @@ inline void warp_collective(const char* what, uint32_t mask, WarpFn fn, const vo
 // ---------------------------------------------------------------------------------------------- fiber life
 
 inline void thread_exit(Fiber* f) {
-  f->state = kDone;
+  set_state(f, kDone);
   g.exited++;
   g.warp_exited[f->warp] |= 1u << f->lane;
   if (g.bar_waiting)
@@ -256,48 +307,23 @@ inline void thread_exit(Fiber* f) {
          g.bar_file, g.bar_line, g.bar_waiting);
   // Lanes waiting for this one in a shuffle may now be complete (exited lanes do not participate).
   Fiber* base = &g.fibers[f->warp * 32];
-  for (unsigned l = 0; l < 32 && base + l < g.fibers.data() + g.nthreads; ++l)
+  for (unsigned l = 0; l < 32 && f->warp * 32 + l < g.nthreads; ++l)
     if (base[l].state == kWarp) try_complete(base + l);
 }
 
 // Not inline: only the assembly entry stub calls it, which does not count as a use for the compiler.
 extern "C" __attribute__((visibility("hidden"), noreturn, used)) void cuflash_emu_fiber_main(Fiber* f) {
 #if CUFLASH_EMU_ASAN
-  __sanitizer_finish_switch_fiber(nullptr, &g.main_stack_bottom, &g.main_stack_size);
+  __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
 #endif
   g.thunk(g.thunk_ctx);
   thread_exit(f);
-  to_scheduler(f, true);
+  Fiber* next = pick_next();
+  switch_to(f, next, true);  // never resumed
   __builtin_unreachable();
 }
 
-inline void resume(Fiber* f) {
-  g_cur = f;
-#if CUFLASH_EMU_ASAN
-  __sanitizer_start_switch_fiber(&g.main_fake_stack, f->stack_lo, f->stack_size);
-#endif
-  context_switch(g.sched, f->ctx);
-#if CUFLASH_EMU_ASAN
-  __sanitizer_finish_switch_fiber(g.main_fake_stack, nullptr, nullptr);
-#endif
-  g_cur = nullptr;
-}
-
 // ---------------------------------------------------------------------------------------------- scheduling
-
-inline uint64_t next_random() {  // splitmix64: tiny and good enough to permute threads
-  uint64_t z = (g.rng += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-inline void make_order(std::vector<unsigned>& order, unsigned n) {
-  order.resize(n);
-  for (unsigned i = 0; i < n; ++i) order[i] = g.schedule == kReverse ? n - 1 - i : i;
-  if (g.schedule == kRandom)
-    for (unsigned i = n - 1; i > 0; --i) std::swap(order[i], order[next_random() % (i + 1)]);
-}
 
 // Appends "a-b" / "a" runs of the thread indices in `ids` to `out`.
 inline void format_ranges(std::string& out, const std::vector<unsigned>& ids) {
@@ -344,11 +370,11 @@ inline void report_stuck() {
     msg += buf;
   }
   if (g.exited) msg += " " + std::to_string(g.exited) + " thread(s) exited";
-  scheduler_error("%s", msg.c_str());
+  main_error("%s", msg.c_str());
 }
 
 inline void init_block(unsigned n, size_t stack_bytes) {
-  g.exited = 0, g.bar_waiting = 0;
+  g.exited = 0, g.bar_waiting = 0, g.nready = n;
   std::fill(g.warp_exited.begin(), g.warp_exited.end(), 0u);
   std::fill(g.warp_waiting.begin(), g.warp_waiting.end(), 0u);
   for (unsigned i = 0; i < n; ++i) {
@@ -356,28 +382,21 @@ inline void init_block(unsigned n, size_t stack_bytes) {
     f.state = kReady;
     f.copies.clear();
     f.committed = 0;
-    f.stack_lo = g.stacks.low(i), f.stack_size = stack_bytes;
+    // Stagger the stack tops: at identical offsets modulo the page size, all fibers' hot frames would compete
+    // for the same L1/L2 cache sets.
+    f.stack_lo = g.stacks.low(i), f.stack_size = stack_bytes - (i * 576) % 4096;
     context_init(f.ctx, f.stack_lo, f.stack_size, &f);
   }
   for (const SharedVar& v : shared_vars()) poison_bytes(v.p, v.n);
   poison_bytes(g_dyn_smem, g_dyn_smem_bytes);
 }
 
+// Runs one block to completion (or failure) and returns to the main context.
 inline void run_block() {
-  unsigned n = g.nthreads;
-  while (!g.failed) {
-    bool ran = false;
-    make_order(g.order, n);
-    for (unsigned i : g.order) {
-      Fiber* f = &g.fibers[i];
-      if (f->state != kReady) continue;
-      resume(f);
-      ran = true;
-      if (g.failed) return;
-    }
-    if (g.exited == n) return;
-    if (!ran) return report_stuck();
-  }
+  g.pos = int(g.nthreads);  // the first pick starts a round
+  Fiber* first = pick_next();
+  switch_to(nullptr, first, false);
+  if (!g.failed && g.exited != g.nthreads) report_stuck();
 }
 
 inline void setup_threads(const dim3& block) {
@@ -396,6 +415,19 @@ inline void setup_threads(const dim3& block) {
   }
 }
 
+inline void find_main_stack() {
+#if CUFLASH_EMU_ASAN
+  pthread_attr_t attr;
+  void* addr = nullptr;
+  size_t size = 0;
+  if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+    pthread_attr_getstack(&attr, &addr, &size);
+    pthread_attr_destroy(&attr);
+  }
+  g.main_stack_bottom = addr, g.main_stack_size = size;
+#endif
+}
+
 // Runs thunk(ctx) as the body of every thread of every block. Returns 0, or 1 with g.error set.
 inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, int schedule, uint64_t seed, size_t stack_bytes,
                     void (*thunk)(void*), void* ctx) {
@@ -404,6 +436,7 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, int schedule, ui
   for (int i = 0; i < 3; ++i) g.err_block[i] = g.err_thread[i] = -1;
   g.schedule = schedule, g.rng = seed, g.thunk = thunk, g.thunk_ctx = ctx;
   g_grid_dim = grid, g_block_dim = block;
+  find_main_stack();
   setup_threads(block);
   if (!g.stacks.reserve(g.nthreads, stack_bytes)) {
     g.failed = true, g.error = "cannot map fiber stacks";

@@ -22,7 +22,8 @@ def pytest_collection_modifyitems(config, items):
 
 def spec(file: str, name: str, args, grid=(1, 1, 1), block=(32, 1, 1), shared_bytes=0, options=()):
     """A LaunchSpec for a test kernel in tests/emulate/kernels/ (its `#include "arch.cuh"` resolves to kernels/)."""
-    return LaunchSpec((KERNELS / file).read_text(), name, tuple(grid), tuple(block), shared_bytes, tuple(args),
+    source = f'#line 1 "tests/emulate/kernels/{file}"\n' + (KERNELS / file).read_text()  # names in error messages
+    return LaunchSpec(source, name, tuple(grid), tuple(block), shared_bytes, tuple(args),
                       tuple(options))
 
 
