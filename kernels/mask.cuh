@@ -13,6 +13,9 @@ namespace cuflash {
 // (-2^30, 2^30) and off -/+ a clamped bound fits in int32 (see Visibility::make).
 constexpr int kUnbounded = 1 << 30;
 
+// The score of a masked element (no INFINITY macro: NVRTC has no <math.h>).
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
 struct Visibility {
   int len_q, len_k;
   int lo, hi;  // j - i must lie in [lo, hi]: lo = off - left, hi = off + right (clamped to +-2^30)
@@ -79,7 +82,8 @@ __device__ __forceinline__ void apply_mask(float (&S)[Traits::kMTiles][Traits::k
       for (int r = 0; r < 4; ++r) {
         const int i = row0 + 16 * mi + (lane >> 2) + 8 * (r >> 1);
         const int j = col0 + 8 * nj + 2 * (lane & 3) + (r & 1);
-        if (!(vis(i, j) && grid.kept(i, j))) S[mi][nj][r] = -INFINITY;
+        // vis first: it rejects j >= len_k and i >= len_q, so the grid is never read outside its extent.
+        if (!(vis(i, j) && grid.kept(i, j))) S[mi][nj][r] = neg_inf();
       }
     }
   }

@@ -10,10 +10,9 @@
 #pragma once
 
 #include "kernel_traits.cuh"
+#include "mask.cuh"
 
 namespace cuflash {
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));

@@ -1,0 +1,138 @@
+"""Forward-kernel cases shared by the emulated and the GPU tests: one explicit case per feature,
+and the golden vectors of ../shared/golden as (Case, golden out, golden lse)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from cuflash.blockmask import BlockMask
+from cuflash.testing import Case
+
+GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
+
+
+def bf16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def make_case(batch, sq, sk, hq, hkv, d, dtype=np.float16, seed=0, **options) -> Case:
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal(shape).astype(dtype)
+              for shape in ((batch, sq, hq, d), (batch, sk, hkv, d), (batch, sk, hkv, d), (batch, sq, hq, d))]
+    return Case(*arrays, options=options)
+
+
+def feature_cases(dtype=np.float16):
+    """(id, Case) for every mask feature and shape awkwardness of the forward kernel."""
+    rng = np.random.default_rng(1)
+    c = []
+    c.append(("plain_d64", make_case(2, 64, 64, 2, 2, 64, dtype)))
+    c.append(("ragged_sq_ne_sk", make_case(1, 113, 203, 2, 2, 32, dtype)))
+    c.append(("causal_long_q", make_case(1, 200, 77, 2, 1, 64, dtype, causal=True)))
+    c.append(("causal_short_q", make_case(1, 77, 200, 2, 2, 64, dtype, causal=True)))
+    c.append(("window", make_case(1, 150, 150, 2, 1, 96, dtype, window=(20, 5))))
+    c.append(("window_left_only", make_case(1, 130, 130, 1, 1, 32, dtype, window=(8, None))))
+    c.append(("window_causal", make_case(1, 129, 140, 2, 2, 64, dtype, causal=True, window=(70, None))))
+    c.append(("gqa_mqa", make_case(2, 65, 65, 8, 1, 64, dtype, causal=True)))
+    c.append(("seqlens", make_case(3, 100, 130, 2, 1, 64, dtype, causal=True,
+                                   seqlens_q=np.array([100, 37, 0], np.int32),
+                                   seqlens_k=np.array([130, 64, 5], np.int32))))
+    c.append(("seqlens_zero_keys", make_case(2, 40, 40, 1, 1, 32, dtype,
+                                             seqlens_k=np.array([0, 17], np.int32))))
+    c.append(("odd_head_dim_59", make_case(1, 70, 90, 2, 2, 59, dtype, causal=True)))
+    c.append(("odd_head_dim_111", make_case(1, 50, 50, 1, 1, 111, dtype)))
+    c.append(("head_dim_40_in_place", make_case(1, 66, 66, 1, 1, 40, dtype, window=(3, 3))))
+    c.append(("head_dim_8", make_case(1, 20, 20, 1, 1, 8, dtype)))
+    c.append(("scale", make_case(1, 64, 64, 1, 1, 64, dtype, scale=0.37)))
+    c.append(("negative_scale", make_case(1, 64, 80, 1, 1, 32, dtype, scale=-0.5, causal=True)))
+    c.append(("zero_scale", make_case(1, 33, 47, 1, 1, 32, dtype, scale=0.0, window=(4, 4))))
+    grid = rng.random((1, 2, 2, 4)) < 0.6
+    grid[0, 0, 0, 0] = True
+    c.append(("blockmask_tile_multiple", make_case(1, 256, 256, 2, 2, 64, dtype, block_mask=BlockMask(
+        grid, block=(128, 64), seqlen_q=256, seqlen_k=256))))
+    grid = rng.random((2, 1, 10, 7)) < 0.5
+    c.append(("blockmask_finer_than_tile", make_case(2, 150, 200, 2, 1, 64, dtype, causal=True, block_mask=BlockMask(
+        grid, block=(16, 32), seqlen_q=150, seqlen_k=200))))
+    grid = rng.random((1, 1, 4, 4)) < 0.7
+    c.append(("blockmask_straddling", make_case(1, 190, 190, 1, 1, 32, dtype, block_mask=BlockMask(
+        grid, block=(48, 48), seqlen_q=190, seqlen_k=190))))
+    grid = np.zeros((1, 1, 2, 2), bool)
+    c.append(("blockmask_empty", make_case(1, 100, 100, 1, 1, 32, dtype, block_mask=BlockMask(
+        grid, block=(64, 64), seqlen_q=100, seqlen_k=100))))
+    return c
+
+
+def golden_cases(dtype=np.float16):
+    """(name, Case with inputs rounded to ``dtype``, golden out, golden lse) for each golden vector."""
+    out = []
+    for path in sorted(GOLDEN.glob("*.npz")):
+        z = np.load(path)
+        opts = json.loads(str(z["options"]))
+        kw = {}
+        if opts.get("causal"):
+            kw["causal"] = True
+        if "scale" in opts:
+            kw["scale"] = opts["scale"]
+        if "window" in opts:
+            kw["window"] = tuple(opts["window"])
+        if "block_mask" in z.files:
+            sq, sk = z["q"].shape[1], z["k"].shape[1]
+            kw["block_mask"] = BlockMask(z["block_mask"], block=tuple(opts["block"]), seqlen_q=sq, seqlen_k=sk)
+        for name in ("seqlens_q", "seqlens_k"):
+            if name in z.files:
+                kw[name] = z[name]
+        q, k, v, dout = (z[n].astype(dtype) for n in ("q", "k", "v", "dout"))
+        out.append((path.stem, Case(q, k, v, dout, options=kw), z["out"], z["lse"]))
+    return out
+
+
+def _bf16_rule_works() -> bool:
+    """Whether cuflash.testing's rule handles bfloat16 today. Two gaps were found (reported to the
+    owner of cuflash/testing.py and reference.py): ``rounding()`` evaluates ``np.finfo(bfloat16)``,
+    which raises, and the reference's naive bfloat16 computation runs its matmuls in float32
+    (ml_dtypes promotes), so its "same-dtype error" is ~0."""
+    from cuflash import reference, testing
+
+    try:
+        testing.rounding(bf16())
+    except ValueError:
+        return False
+    x = np.ones((1, 2, 1, 2), dtype=bf16())
+    return reference.attention(x, x, x, compute_dtype=x.dtype).dtype == x.dtype
+
+
+def check_forward(fn, case: Case):
+    """cuflash.testing.check_forward (the 2x same-dtype rule). For bfloat16, while the rule cannot
+    handle it (see _bf16_rule_works), the same rule written out with the bfloat16 constants: the
+    baseline ``out`` rounded once to bfloat16, floor two bfloat16 roundings (2 * 2**-7) at the term
+    magnitude; the lse (float32 in both) against the float32-computed baseline with a float32 floor."""
+    from cuflash import reference, testing
+
+    if case.q.dtype.name != "bfloat16" or _bf16_rule_works():
+        return testing.check_forward(fn, case)
+    out, lse = fn(case.q, case.k, case.v, **case.options)
+    ref, ref_lse = reference.attention(case.q, case.k, case.v, return_lse=True, **case.options)
+    base, base_lse = reference.attention(case.q, case.k, case.v, return_lse=True, compute_dtype=case.q.dtype,
+                                         **case.options)
+    mags = reference.term_magnitudes(case.q, case.k, case.v, **case.options)
+    close_bf16(out, ref, base, mags["out"])
+    testing.assert_attention_close(lse, ref_lse, np.asarray(base_lse, np.float32), name="lse", magnitude=mags["lse"])
+    return out, lse
+
+
+def close_bf16(actual, ref64, baseline, magnitude, mult=2.0):
+    actual = np.asarray(actual.get() if hasattr(actual, "get") else actual).astype(np.float64)
+    baseline = np.asarray(baseline).astype(bf16()).astype(np.float64)
+    assert not np.isnan(actual).any(), "out: NaN in the result"
+    inf_ref = np.isinf(ref64)
+    assert np.array_equal(np.isinf(actual), inf_ref)
+    fin = ~inf_ref
+    if fin.any():
+        err = np.abs(actual[fin] - ref64[fin]).max()
+        base = np.abs(baseline[fin] - ref64[fin]).max()
+        floor = 2 * 2.0 ** -7 * magnitude
+        assert err <= mult * base + floor, f"out: max error {err:.3e} > {mult} x {base:.3e} + {floor:.3e} (bf16)"
