@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import kernels
-from .launch import kernel_source
 
 #: compile targets → the compute capabilities whose GPUs run that cubin family (8.x runs sm_80 code).
 ARCH_FAMILIES = {80: (80, 86, 89), 90: (90,)}
@@ -86,7 +85,7 @@ def translation_unit(specs) -> str:
     """The kernel source (includes inlined, as CuPy compiles it) plus one reference per
     instantiation, which makes nvcc compile each of them."""
     refs = ",\n  ".join(f"(void*)&{s.name_expression}" for s in specs)
-    return kernel_source(kernels.FWD_SOURCE) + f"\n\nvoid* cuflash_instances[] = {{\n  {refs}\n}};\n"
+    return kernels.fwd_source() + f"\n\nvoid* cuflash_instances[] = {{\n  {refs}\n}};\n"
 
 
 def parse_ptxas(text: str) -> dict[tuple[tuple, int], dict]:

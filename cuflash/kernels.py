@@ -12,6 +12,7 @@ hands it to CuPy and the emulate backend to :mod:`cuflash.emulate`, unchanged.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,6 +22,12 @@ from .launch import LaunchSpec, kernel_source
 
 FWD_SOURCE = "flash_fwd.cu"
 FWD_KERNEL = "cuflash::flash_fwd_kernel"
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_source() -> str:
+    """The forward family's complete source (local includes inlined), read once per process."""
+    return kernel_source(FWD_SOURCE)
 
 #: head dims compiled natively; any other head_dim <= 256 runs on the next one up (zero columns).
 NATIVE_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
@@ -294,7 +301,7 @@ def forward_launch(problem, *, max_smem: int = SMEM_LIMIT[80], spec: Optional[Ke
         cells, i64(c_b), i64(c_h), i32(mbq), i32(mbk), i32(mnk),
     )
     launch = LaunchSpec(
-        source=kernel_source(FWD_SOURCE),
+        source=fwd_source(),
         name_expression=spec.name_expression,
         grid=(n_m, hq, b),
         block=(spec.threads, 1, 1),

@@ -49,7 +49,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   using Traits = FwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   constexpr int kMTiles = Traits::kMTiles;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  alignas(16) extern __shared__ unsigned char smem_raw[];  // 16-byte aligned: cp.async and ldmatrix rows
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + Traits::kSmemQ;
   T* sV = sK + Traits::kSmemKV;

@@ -1,0 +1,145 @@
+"""The "cuda" backend: the fused kernels of ``kernels/`` on CuPy arrays.
+
+Each specialization (:class:`cuflash.kernels.KernelSpec`) is compiled once per device by
+``cupy.RawModule`` (NVRTC) from the source with every local include inlined — CuPy's disk cache
+hashes the source string, so a header change is a new cache entry — and memoized here. Launches
+go to the current CuPy stream. CuPy is imported only when this backend is first used.
+
+bfloat16: CuPy has no bfloat16 dtype of its own. Arrays whose dtype is ``ml_dtypes.bfloat16`` are
+taken where the installed CuPy supports them; otherwise pass the bits as a ``uint16`` array and
+ask for ``dtype="bfloat16"`` (a ``uint16`` problem is read as bfloat16 bits here; the output is
+``uint16`` bits as well).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+from .. import kernels
+from ..problem import Problem
+
+MIN_CC = 80
+_modules: dict = {}  # (device id, KernelSpec) -> cupy.RawKernel
+_lock = threading.Lock()
+_NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+_devices: dict = {}  # device id -> (compute capability, opt-in shared memory per block)
+
+
+def _device():
+    """(device id, compute capability as int, opt-in shared memory per block) of the current device."""
+    cupy = _cupy()
+    dev = cupy.cuda.Device()
+    info = _devices.get(dev.id)
+    if info is None:
+        cc = int(dev.compute_capability)
+        smem = dev.attributes.get("MaxSharedMemoryPerBlockOptin") or kernels.SMEM_LIMIT.get(cc, 48 * 1024)
+        info = _devices[dev.id] = (cc, int(smem))
+    return (dev.id,) + info
+
+
+def available():
+    try:
+        cupy = _cupy()
+    except ImportError as exc:
+        return False, f"CuPy is not installed ({exc}); install cuflash[cuda12] or cuflash[cuda13]"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False, "no CUDA device"
+        _, cc, _ = _device()
+    except Exception as exc:  # no driver, no device
+        return False, f"no usable CUDA device ({exc})"
+    if cc < MIN_CC:
+        return False, (f"compute capability {cc // 10}.{cc % 10} is not supported: the kernels need 8.0 or newer "
+                       f"(A100, A10/A30/A40, RTX 30xx/40xx, L4/L40, H100/H200)")
+    return True, f"CuPy {cupy.__version__}, sm_{cc}"
+
+
+def _check(problem: Problem):
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(f"backend 'cuda' is not available: {why}")
+    dtype = kernels.dtype_of(problem.q)
+    if dtype not in kernels.SUPPORTED_DTYPES:
+        raise TypeError(f"the CUDA kernels take float16 or bfloat16 inputs (bfloat16 as ml_dtypes.bfloat16 or "
+                        f"uint16 bits), got {problem.q.dtype}; use backend='numpy' for float32/float64")
+    if problem.dropout_p:
+        raise NotImplementedError("dropout is not implemented in the CUDA forward kernel yet")
+
+
+def kernel(spec: kernels.KernelSpec):
+    """The compiled ``cupy.RawKernel`` of ``spec`` on the current device (compiled once, memoized)."""
+    cupy = _cupy()
+    dev, _, max_smem = _device()
+    key = (dev, spec)
+    fn = _modules.get(key)
+    if fn is None:
+        with _lock:
+            fn = _modules.get(key)
+            if fn is None:
+                if spec.smem_bytes > max_smem:
+                    raise ValueError(f"{spec.name_expression} needs {spec.smem_bytes} bytes of shared memory; "
+                                     f"this GPU allows {max_smem} per block")
+                module = cupy.RawModule(code=kernels.fwd_source(), options=_NVRTC_OPTIONS,
+                                        name_expressions=(spec.name_expression,))
+                fn = module.get_function(spec.name_expression)
+                if spec.smem_bytes > 48 * 1024:  # above 48 KB a block must opt in
+                    fn.max_dynamic_shared_size_bytes = spec.smem_bytes
+                _modules[key] = fn
+    return fn
+
+
+def _device_args(args):
+    # A null pointer (no seqlens, no BlockMask) goes to the kernel as a 64-bit zero.
+    return tuple(np.uint64(0) if a is None else a for a in args)
+
+
+def forward(problem: Problem):
+    """``(out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) float32)`` on the current CuPy stream."""
+    _check(problem)
+    _, _, max_smem = _device()
+    fl = kernels.forward_launch(problem, max_smem=max_smem)
+    if fl.spec is not None:
+        fn = kernel(fl.kernel)
+        fn(fl.spec.grid, fl.spec.block, _device_args(fl.spec.args), shared_mem=fl.spec.shared_bytes)
+    return fl.result()
+
+
+def backward(problem, dout, out, lse):
+    raise NotImplementedError("the CUDA backward kernel is not written yet (use backend='numpy' on host arrays)")
+
+
+def warmup(dtypes=kernels.SUPPORTED_DTYPES, head_dims=kernels.NATIVE_HEAD_DIMS, *, progress=True, file=None):
+    """Compile the forward specializations for ``dtypes`` x ``head_dims`` on the current device now
+    (NVRTC, then CuPy's disk cache), so the first real call does not pay for it. Returns the specs.
+
+    ``progress`` prints a one-line progress bar to ``file`` (default stderr).
+    """
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(f"cannot warm up the CUDA kernels: {why}")
+    _, _, max_smem = _device()
+    specs = []
+    for dt in dtypes:
+        for d in head_dims:
+            s = kernels.select_spec(np.dtype(dt).name if not isinstance(dt, str) else dt, d, max_smem)
+            if s not in specs:
+                specs.append(s)
+    out = file or sys.stderr
+    for i, s in enumerate(specs):
+        if progress:
+            bar = "#" * (20 * i // len(specs))
+            print(f"\rcuflash warmup [{bar:<20}] {i}/{len(specs)} {s.name_expression}", end="", file=out, flush=True)
+        kernel(s)
+    if progress:
+        print(f"\rcuflash warmup [{'#' * 20}] {len(specs)}/{len(specs)} done{' ' * 50}", file=out, flush=True)
+    return specs

@@ -1,0 +1,140 @@
+"""The CUDA forward kernel on a real GPU (CuPy): skipped cleanly without CuPy or a usable GPU.
+
+Against the float64 reference with the 2x same-dtype rule: hypothesis over the shared strategies
+(fp16/bf16, head dims up to 256 incl. odd ones, awkward lengths, Sq != Sk, causal, window, BlockMask,
+seqlens, GQA), long awkward lengths (113/203/1023/1024/2000), non-contiguous inputs, the golden
+vectors, every tile-table row, and bitwise determinism of repeated runs.
+"""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import kernels
+from cuflash.testing import Case, assert_attention_close, attention_cases
+
+from fwd_cases import bf16, check_forward, feature_cases, golden_cases, make_case
+
+cp = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
+
+
+def _gpu_status():
+    from cuflash.backends import cuda
+
+    return cuda.available()
+
+
+_OK, _WHY = _gpu_status()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"no usable GPU: {_WHY}")]
+
+
+def _cupy_takes_bf16() -> bool:
+    try:
+        import ml_dtypes
+
+        cp.asarray(np.zeros(2, ml_dtypes.bfloat16))
+        return True
+    except Exception:
+        return False
+
+
+BF16 = _OK and _cupy_takes_bf16()
+DTYPES = ("float16", "bfloat16") if BF16 else ("float16",)
+
+
+def on_gpu(q, k, v, **options):
+    out, lse = cuflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True, **options)
+    assert isinstance(out, cp.ndarray) and out.dtype == q.dtype and lse.dtype == np.float32
+    return cp.asnumpy(out), cp.asnumpy(lse)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(attention_cases(dtypes=DTYPES, max_seqlen=300, max_head_dim=256, block_sizes=(16, 32, 64, 128, 256)))
+def test_hypothesis_small(case):
+    check_forward(on_gpu, case)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(attention_cases(dtypes=DTYPES, max_seqlen=2000, head_dims=(40, 59, 64, 111, 128, 256), max_batch_dims=1,
+                       block_sizes=(64, 128)))
+def test_hypothesis_long(case):
+    check_forward(on_gpu, case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [113, 203, 1023, 1024, 2000])
+@pytest.mark.parametrize("causal", [False, True])
+def test_awkward_lengths(n, causal, dtype):
+    dt = bf16() if dtype == "bfloat16" else np.float16
+    check_forward(on_gpu, make_case(1, n, n + 37, 4, 2, 128, dt, causal=causal))
+    check_forward(on_gpu, make_case(1, n, max(1, n // 3), 2, 1, 64, dt, causal=causal))
+
+
+@pytest.mark.parametrize("name,case", feature_cases(), ids=[n for n, _ in feature_cases()])
+def test_feature(name, case):
+    check_forward(on_gpu, case)
+
+
+@pytest.mark.parametrize("name,case,gold_out,gold_lse", golden_cases(), ids=[g[0] for g in golden_cases()])
+def test_golden(name, case, gold_out, gold_lse):
+    from cuflash import reference
+
+    out, lse = on_gpu(case.q, case.k, case.v, **case.options)
+    base, base_lse = reference.attention(case.q, case.k, case.v, return_lse=True, compute_dtype=case.q.dtype,
+                                         **case.options)
+    assert_attention_close(out, gold_out, base, name="out")
+    assert_attention_close(lse, gold_lse, base_lse, name="lse")
+
+
+@pytest.mark.parametrize("d", kernels.NATIVE_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_native_head_dim(d, dtype):
+    dt = bf16() if dtype == "bfloat16" else np.float16
+    check_forward(on_gpu, make_case(2, 300, 333, 4, 2, d, dt, causal=True,
+                                    seqlens_q=np.array([300, 131], np.int32), seqlens_k=np.array([290, 333], np.int32)))
+
+
+def test_non_contiguous_inputs():
+    rng = np.random.default_rng(0)
+    qkv = cp.asarray(rng.standard_normal((2, 257, 3, 4, 64)).astype(np.float16))  # fused projection
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    check_forward(lambda *a, **o: (out, lse), Case(cp.asnumpy(q), cp.asnumpy(k), cp.asnumpy(v), None,
+                                                   {"causal": True}))
+    bhsd = cp.asarray(rng.standard_normal((2, 4, 190, 96)).astype(np.float16))  # (B, H, S, D) storage
+    x = bhsd.transpose(0, 2, 1, 3)
+    out, lse = cuflash.attention(x, x, x, return_lse=True)
+    host = cp.asnumpy(x)
+    check_forward(lambda *a, **o: (out, lse), Case(host, host, host, None, {}))
+
+
+def test_bitwise_deterministic():
+    case = make_case(2, 1000, 1100, 8, 2, 128, np.float16, causal=True, window=(300, None))
+    q, k, v = (cp.asarray(a) for a in (case.q, case.k, case.v))
+    o1, l1 = cuflash.attention(q, k, v, return_lse=True, **case.options)
+    o2, l2 = cuflash.attention(q, k, v, return_lse=True, **case.options)
+    assert cp.array_equal(o1.view(cp.uint16), o2.view(cp.uint16)) and cp.array_equal(l1, l2)
+
+
+def test_unsupported_dtype_is_a_clear_error():
+    x = cp.zeros((1, 8, 1, 32), cp.float32)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        cuflash.attention(x, x, x)
+
+
+def test_warmup_compiles_with_progress(capsys):
+    from cuflash.backends import cuda
+
+    specs = cuda.warmup(dtypes=("float16",), head_dims=(64, 128))
+    assert len(specs) == 2 and "done" in capsys.readouterr().err
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_current_stream(seed):
+    case = make_case(1, 129, 129, 2, 2, 64, np.float16, seed=seed % 1000)
+    with cp.cuda.Stream(non_blocking=True) as stream:
+        out, lse = cuflash.attention(cp.asarray(case.q), cp.asarray(case.k), cp.asarray(case.v), return_lse=True)
+        stream.synchronize()
+    check_forward(lambda *a, **o: (out, lse), case)
