@@ -1,0 +1,431 @@
+// cuflash — FlashAttention-2 backward by recomputation (seed 000 "recomputation", FA2 Algorithm 2): dQ, dK, dV
+// from Q, K, V, O, dO and the forward's lse, without ever storing S or P.
+//
+// Four kernels, launched in this order (cuflash/kernels_bwd.py builds the launch descriptions):
+//   flash_bwd_preprocess_kernel   D = rowsum(dO o O) and L = lse * log2(e) per query row (fp32; L = +inf for rows
+//                                 that see no key, so P = exp2(S - L) = 0 there), and zeroes the dQ workspace.
+//   flash_bwd_kernel              grid (key tiles, kv heads, batch): K_j, V_j loaded once; for every query head of
+//                                 the kv head's group and every query tile i that sees the keys:
+//                                   S = Q_i K_j^T (the forward's product and rounding), P = exp2(S*scale*log2e - L),
+//                                   dV_j += P^T dO_i, dP = dO_i V_j^T, dS = P o (dP - D_i), dK_j += dS^T Q_i,
+//                                   dQ_i += dS K_j (fp32 atomics into the workspace; skipped in deterministic mode).
+//                                 dK_j * scale and dV_j are written once, after the last query tile.
+//   flash_bwd_convert_dq_kernel   dQ = workspace * scale, rounded to the input dtype (default mode).
+//   flash_bwd_dq_kernel           deterministic mode instead: grid (query tiles, query heads, batch), recomputes
+//                                 S, P, dP, dS per key tile in the forward's orientation and accumulates dQ_i in
+//                                 registers; no atomics anywhere, so the result is bitwise reproducible.
+//
+// Masks, lengths, GQA and 64-bit strides follow the forward (flash_fwd.cu): the element rule of mask.cuh on
+// boundary tiles only, BlockMask index lists (transposed for the main kernel), per-sequence lengths with
+// zero-filled ragged tails, kv head = query head / heads_per_kv.
+#include "kernel_traits.cuh"
+#include "mask.cuh"
+#include "block_info.cuh"
+#include "tile.cuh"
+#include "warp_gemm.cuh"
+#include "bwd_traits.cuh"
+#include "bwd_block_info.cuh"
+#include "bwd_gemm.cuh"
+
+namespace cuflash {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Preprocess: one warp per query row. lse, L, D are (B, Hq, Sq) fp32 with row stride 1.
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(128)
+flash_bwd_preprocess_kernel(const T* __restrict__ out, const T* __restrict__ dout, const float* __restrict__ lse,
+                            float* __restrict__ lse_log2, float* __restrict__ dsum, float* __restrict__ dq_accum,
+                            long long o_batch_stride, long long o_row_stride, long long o_head_stride,
+                            long long do_batch_stride, long long do_row_stride, long long do_head_stride,
+                            long long lse_batch_stride, long long lse_head_stride,
+                            long long acc_batch_stride, long long acc_row_stride, long long acc_head_stride,
+                            int seqlen_q, int head_dim, const int* __restrict__ seqlens_q) {
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * 4 + threadIdx.x / 32;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  if (row >= seqlen_q) return;
+  const int len_q = seqlens_q ? min(seqlens_q[batch], seqlen_q) : seqlen_q;
+  const T* o_row = out + batch * o_batch_stride + row * o_row_stride + head * o_head_stride;
+  const T* do_row = dout + batch * do_batch_stride + row * do_row_stride + head * do_head_stride;
+  float sum = 0.f;
+  for (int c = lane; c < head_dim; c += 32) sum += to_float(o_row[c]) * to_float(do_row[c]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) {
+    const long long at = batch * lse_batch_stride + head * lse_head_stride + row;
+    const float l = lse[at];
+    dsum[at] = sum;
+    // A row past its sequence's length, or one that sees no key (lse = -inf), has P = 0: exp2(S - +inf) = 0 for
+    // every finite or -inf score. (S - -inf would give +inf.)
+    lse_log2[at] = (row < len_q && l != -INFINITY) ? l * kLog2e : INFINITY;
+  }
+  if (dq_accum != nullptr) {
+    float* acc_row = dq_accum + batch * acc_batch_stride + row * acc_row_stride + head * acc_head_stride;
+    for (int c = lane; c < head_dim; c += 32) acc_row[c] = 0.f;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// dQ = scale * workspace, in the input dtype. Same grid as the preprocess.
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(128)
+flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum, T* __restrict__ dq,
+                            long long acc_batch_stride, long long acc_row_stride, long long acc_head_stride,
+                            long long dq_batch_stride, long long dq_row_stride, long long dq_head_stride,
+                            int seqlen_q, int head_dim, float scale) {
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * 4 + threadIdx.x / 32;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  if (row >= seqlen_q) return;
+  const float* src = dq_accum + batch * acc_batch_stride + row * acc_row_stride + head * acc_head_stride;
+  T* dst = dq + batch * dq_batch_stride + row * dq_row_stride + head * dq_head_stride;
+  for (int c = lane; c < head_dim; c += 32) dst[c] = from_float<T>(src[c] * scale);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The main kernel (see the top of the file and bwd_traits.cuh for the warp layout).
+//
+// Arguments (strides in elements, 64-bit): q/dout (B, Sq, Hq, ld), k/v/dk/dv (B, Sk, Hkv, ld): (batch, row, head)
+//   strides, head dim contiguous, `head_dim` (a multiple of 8, <= kHeadDim) columns read and written.
+//   dq_accum (B, Sq, Hq, ld) fp32 workspace, or null (deterministic mode: no dQ here).
+//   lse_log2, dsum (B, Hq, Sq) fp32 from the preprocess, row stride 1.
+//   scale_log2 = scale * log2(e) (the forward's score multiplier), scale (for dK and dQ).
+//   tile_counts (Bm, Hm, n_key_tiles) and tile_lists (..., list_len): per key tile the sorted query tiles a
+//     BlockMask keeps (~m for a tile kept only partly), head stride 0 for a mask shared by the heads; null without.
+//   mask_cells: the BlockMask grid (uint8, original orientation), consulted only in partly kept tiles.
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 const T* __restrict__ dout, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_accum,
+                 const float* __restrict__ lse_log2, const float* __restrict__ dsum,
+                 long long q_batch_stride, long long q_row_stride, long long q_head_stride,
+                 long long k_batch_stride, long long k_row_stride, long long k_head_stride,
+                 long long v_batch_stride, long long v_row_stride, long long v_head_stride,
+                 long long do_batch_stride, long long do_row_stride, long long do_head_stride,
+                 long long dk_batch_stride, long long dk_row_stride, long long dk_head_stride,
+                 long long dv_batch_stride, long long dv_row_stride, long long dv_head_stride,
+                 long long acc_batch_stride, long long acc_row_stride, long long acc_head_stride,
+                 long long lse_batch_stride, long long lse_head_stride,
+                 int seqlen_q, int seqlen_k, int head_dim, int heads_per_kv,
+                 const int* __restrict__ seqlens_q, const int* __restrict__ seqlens_k,
+                 float scale_log2, float scale, int window_left, int window_right,
+                 const int* __restrict__ tile_counts, const int* __restrict__ tile_lists,
+                 long long tiles_batch_stride, long long tiles_head_stride, int list_len,
+                 const unsigned char* __restrict__ mask_cells, long long cells_batch_stride,
+                 long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks) {
+  using Tr = BwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
+  using SdP = typename Tr::SdP;
+  using Load = typename Tr::Load;
+  constexpr int kSplit = Tr::kSplit;
+  constexpr int kNTilesS = SdP::kNTilesS;  // n-tiles of a warp's S^T (query columns / 8)
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + Tr::kSmemKV;
+  T* sQ = sV + Tr::kSmemKV;
+  T* sdO = sQ + Tr::kSmemQ;
+  T* sdS = sdO + Tr::kSmemQ;                                   // dS^T [key][query]
+  T* sP = sdS + Tr::kSmemS;                                    // P^T [key][query] (kSplit = 2 only)
+  float* sL = reinterpret_cast<float*>(sdS + (kSplit == 1 ? 1 : 2) * Tr::kSmemS);  // lse * log2(e) per query
+  float* sD = sL + kBlockM;                                                        // D per query
+
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int key_group = warp % Tr::kWarpsN;  // this warp's 16 keys: [16 * key_group, +16) of the tile
+  const int part = warp / Tr::kWarpsN;       // its query columns of S^T, and its head-dim columns of dK/dV
+  const int q_col0 = part * Tr::kQCols;
+  const int d_col0 = part * Tr::kDCols;
+
+  const BwdBlockInfo<Tr> blk(seqlen_q, seqlen_k, seqlens_q, seqlens_k, window_left, window_right);
+  const T* k_j = k + blk.batch * k_batch_stride + blk.head_kv * k_head_stride + blk.key_begin * k_row_stride;
+  const T* v_j = v + blk.batch * v_batch_stride + blk.head_kv * v_head_stride + blk.key_begin * v_row_stride;
+  const bool accum_dq = dq_accum != nullptr;
+
+  const int head_begin = blk.head_kv * heads_per_kv;
+  QueryTiles tiles;
+  BlockGrid cells{nullptr, mask_block_q, mask_block_k, mask_n_k_blocks};
+  tiles.init(tile_counts, tile_lists, blk.batch * tiles_batch_stride, tiles_head_stride, list_len, blk.n_block,
+             blk.m_begin, blk.m_end, head_begin, head_begin + heads_per_kv);
+
+  // Issues the loads of query tile m of `head`: Q_i and dO_i by cp.async (rows past the sequence zero-filled),
+  // L_i and D_i by plain loads into smem (rows past the array: L = +inf, D = 0, hence P = dS = 0).
+  auto load_query_tile = [&](int m, int head) {
+    const int row0 = m * kBlockM;
+    const long long q_off = blk.batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
+    const long long do_off = blk.batch * do_batch_stride + head * do_head_stride + row0 * do_row_stride;
+    load_tile<Load, kBlockM>(sQ, q + q_off, q_row_stride, blk.len_q - row0, head_dim, tid);
+    load_tile<Load, kBlockM>(sdO, dout + do_off, do_row_stride, blk.len_q - row0, head_dim, tid);
+    arch::cp_async_commit();
+    const long long at = blk.batch * lse_batch_stride + head * lse_head_stride + row0;
+    for (int r = tid; r < kBlockM; r += Tr::kThreads) {
+      const bool in = row0 + r < seqlen_q;
+      sL[r] = in ? lse_log2[at + r] : INFINITY;
+      sD[r] = in ? dsum[at + r] : 0.f;
+    }
+  };
+
+  // dV_j, dK_j of this warp's 16 keys x kDCols columns, fp32, for the whole block (lines 7-8, 15-16 of Alg. 2).
+  float acc_dv[1][Tr::kDNTiles][4], acc_dk[1][Tr::kDNTiles][4];
+#pragma unroll
+  for (int nd = 0; nd < Tr::kDNTiles; ++nd)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc_dv[0][nd][r] = acc_dk[0][nd][r] = 0.f;
+
+  bool partial;
+  int head;
+  int m = tiles.next(&partial, &head);
+  if (m >= 0) {
+    // Line 6: K_j, V_j to smem, once; with them the first query tile.
+    load_tile<Load, kBlockN>(sK, k_j, k_row_stride, blk.len_k - blk.key_begin, head_dim, tid);
+    load_tile<Load, kBlockN>(sV, v_j, v_row_stride, blk.len_k - blk.key_begin, head_dim, tid);
+    load_query_tile(m, head);
+  }
+
+  const T* sK_warp = sK + 16 * key_group * Tr::kStride;
+  const T* sV_warp = sV + 16 * key_group * Tr::kStride;
+  QFrags<SdP> no_frags;  // A operands come from smem (SmemATraits)
+
+  while (m >= 0) {
+    const int row0 = m * kBlockM;
+    arch::cp_async_wait<0>();
+    __syncthreads();  // Q_i, dO_i, L_i, D_i (and K_j, V_j) are in smem; every warp is done with the last dS
+
+    // Lines 11-13: S^T = K_j Q_i^T with the forward's rounding (fp32 accumulate, one multiply by scale*log2e),
+    // the element mask on boundary tiles, P^T = exp2(S^T - L).
+    float S[1][kNTilesS][4];
+    gemm_qk<SdP>(S, no_frags, sK_warp, sQ + q_col0 * Tr::kStride, lane);
+#pragma unroll
+    for (int nj = 0; nj < kNTilesS; ++nj)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) S[0][nj][r] *= scale_log2;
+    if (partial || blk.needs_mask(m)) {
+      BlockGrid tile_cells = cells;
+      if (partial && mask_cells != nullptr) {
+        tile_cells.cells = mask_cells + blk.batch * cells_batch_stride + head * cells_head_stride;
+      }
+      apply_mask_t<kNTilesS>(S, blk.key_begin + 16 * key_group, row0 + q_col0, lane, blk.vis, tile_cells);
+    }
+#pragma unroll
+    for (int nj = 0; nj < kNTilesS; ++nj) {
+      const float2 L = *reinterpret_cast<const float2*>(sL + q_col0 + 8 * nj + 2 * (lane & 3));
+      S[0][nj][0] = exp2f(S[0][nj][0] - L.x);
+      S[0][nj][1] = exp2f(S[0][nj][1] - L.y);
+      S[0][nj][2] = exp2f(S[0][nj][2] - L.x);
+      S[0][nj][3] = exp2f(S[0][nj][3] - L.y);
+    }
+
+    // Line 16: dV_j += P^T dO_i (straight from registers when the warp holds every query column).
+    if constexpr (kSplit == 1) {
+      gemm_pv<SdP>(acc_dv, S, sdO, lane);
+    } else {
+      store_frags_smem<T, kNTilesS, Tr::kStrideS>(sP + 16 * key_group * Tr::kStrideS + q_col0, S, lane);
+    }
+
+    // Lines 17-19: dP^T = V_j dO_i^T, dS^T = P^T o (dP^T - D_i).
+    float dP[1][kNTilesS][4];
+    gemm_qk<SdP>(dP, no_frags, sV_warp, sdO + q_col0 * Tr::kStride, lane);
+#pragma unroll
+    for (int nj = 0; nj < kNTilesS; ++nj) {
+      const float2 D = *reinterpret_cast<const float2*>(sD + q_col0 + 8 * nj + 2 * (lane & 3));
+      dP[0][nj][0] = S[0][nj][0] * (dP[0][nj][0] - D.x);
+      dP[0][nj][1] = S[0][nj][1] * (dP[0][nj][1] - D.y);
+      dP[0][nj][2] = S[0][nj][2] * (dP[0][nj][2] - D.x);
+      dP[0][nj][3] = S[0][nj][3] * (dP[0][nj][3] - D.y);
+    }
+    if (kSplit > 1 || accum_dq) {
+      store_frags_smem<T, kNTilesS, Tr::kStrideS>(sdS + 16 * key_group * Tr::kStrideS + q_col0, dP, lane);
+    }
+
+    // Line 21: dK_j += dS^T Q_i (scaled once at the end).
+    if constexpr (kSplit == 1) {
+      gemm_pv<SdP>(acc_dk, dP, sQ, lane);
+    } else {
+      __syncthreads();  // the other part's P^T and dS^T columns are in smem
+      gemm_smem_a<SdP, kBlockM / 16, Tr::kDNTiles, Tr::kStrideS>(acc_dv, sP + 16 * key_group * Tr::kStrideS,
+                                                                sdO + d_col0, lane);
+      gemm_smem_a<SdP, kBlockM / 16, Tr::kDNTiles, Tr::kStrideS>(acc_dk, sdS + 16 * key_group * Tr::kStrideS,
+                                                                sQ + d_col0, lane);
+    }
+    __syncthreads();  // dS^T complete in smem; every warp is done with Q_i, dO_i, L_i, D_i
+
+    // The next query tile's loads overlap the dQ product below, which reads only dS and K_j.
+    bool next_partial;
+    int next_head;
+    const int m_next = tiles.next(&next_partial, &next_head);
+    if (m_next >= 0) load_query_tile(m_next, next_head);
+
+    // Line 20: dQ_i += dS K_j, added to the fp32 workspace (scaled by the convert kernel).
+    if (accum_dq) {
+      float* dq_tile = dq_accum + blk.batch * acc_batch_stride + head * acc_head_stride + row0 * acc_row_stride;
+      dq_atomic<Tr>(dq_tile, acc_row_stride, blk.len_q - row0, head_dim, sdS, sK, warp, lane);
+    }
+
+    m = m_next;
+    head = next_head;
+    partial = next_partial;
+  }
+
+  // Line 24: dK_j = scale * sum dS^T Q, dV_j, written once (zeros for keys no query sees; rows < seqlen_k).
+  const int key0 = blk.key_begin + 16 * key_group;
+  T* dk_w = dk + blk.batch * dk_batch_stride + blk.head_kv * dk_head_stride + key0 * dk_row_stride + d_col0;
+  T* dv_w = dv + blk.batch * dv_batch_stride + blk.head_kv * dv_head_stride + key0 * dv_row_stride + d_col0;
+  store_acc_tile<T, Tr::kDNTiles>(dk_w, dk_row_stride, seqlen_k - key0, head_dim - d_col0, acc_dk, scale, lane);
+  store_acc_tile<T, Tr::kDNTiles>(dv_w, dv_row_stride, seqlen_k - key0, head_dim - d_col0, acc_dv, 1.f, lane);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Deterministic dQ: grid (query tiles, query heads, batch), the forward's orientation and block info. Warps own
+// 16-row m-tiles of the query tile; per visible key tile: S = Q_i K_j^T, P = exp2(S*scale*log2e - L),
+// dP = dO_i V_j^T, dS = P o (dP - D), dQ_i += dS K_j in registers. The key tiles and their BlockMask lists are
+// the forward's (tile_lists at this kernel's tiles). No atomics: bitwise reproducible.
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const T* __restrict__ dout, T* __restrict__ dq,
+                    const float* __restrict__ lse_log2, const float* __restrict__ dsum,
+                    long long q_batch_stride, long long q_row_stride, long long q_head_stride,
+                    long long k_batch_stride, long long k_row_stride, long long k_head_stride,
+                    long long v_batch_stride, long long v_row_stride, long long v_head_stride,
+                    long long do_batch_stride, long long do_row_stride, long long do_head_stride,
+                    long long dq_batch_stride, long long dq_row_stride, long long dq_head_stride,
+                    long long lse_batch_stride, long long lse_head_stride,
+                    int seqlen_q, int seqlen_k, int head_dim, int heads_per_kv,
+                    const int* __restrict__ seqlens_q, const int* __restrict__ seqlens_k,
+                    float scale_log2, float scale, int window_left, int window_right,
+                    const int* __restrict__ tile_counts, const int* __restrict__ tile_lists,
+                    long long tiles_batch_stride, long long tiles_head_stride, int list_len,
+                    const unsigned char* __restrict__ mask_cells, long long cells_batch_stride,
+                    long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks) {
+  using Tr = SmemATraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
+  constexpr int kMTiles = Tr::kMTiles;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sdO = sQ + Tr::kSmemQ;
+  T* sK = sdO + Tr::kSmemQ;
+  T* sV = sK + Tr::kSmemKV;
+
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp_row = (tid / 32) * Tr::kRowsPerWarp;
+  const BlockInfo<Tr> blk(seqlen_q, seqlen_k, seqlens_q, seqlens_k, heads_per_kv, window_left, window_right);
+
+  const T* q_i = q + blk.batch * q_batch_stride + blk.head * q_head_stride + blk.row_begin * q_row_stride;
+  const T* do_i = dout + blk.batch * do_batch_stride + blk.head * do_head_stride + blk.row_begin * do_row_stride;
+  const T* k_bh = k + blk.batch * k_batch_stride + blk.head_kv * k_head_stride;
+  const T* v_bh = v + blk.batch * v_batch_stride + blk.head_kv * v_head_stride;
+
+  KeyTiles tiles;
+  BlockGrid cells{nullptr, mask_block_q, mask_block_k, mask_n_k_blocks};
+  if (tile_counts != nullptr) {
+    const long long at = blk.batch * tiles_batch_stride + blk.head * tiles_head_stride + blk.m_block;
+    tiles.init(tile_lists + at * list_len, tile_counts[at], blk.n_begin, blk.n_end);
+    if (mask_cells != nullptr) cells.cells = mask_cells + blk.batch * cells_batch_stride + blk.head * cells_head_stride;
+  } else {
+    tiles.init(nullptr, 0, blk.n_begin, blk.n_end);
+  }
+
+  // This thread's rows: 2 per m-tile (lane/4 and lane/4 + 8), their L and D.
+  float L[2 * kMTiles], Dr[2 * kMTiles];
+#pragma unroll
+  for (int r = 0; r < 2 * kMTiles; ++r) {
+    const int row = blk.row_begin + warp_row + 16 * (r / 2) + (lane / 4) + 8 * (r % 2);
+    const long long at = blk.batch * lse_batch_stride + blk.head * lse_head_stride + row;
+    L[r] = row < seqlen_q ? lse_log2[at] : INFINITY;
+    Dr[r] = row < seqlen_q ? dsum[at] : 0.f;
+  }
+
+  float acc[kMTiles][Tr::kNTilesO][4];
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int nd = 0; nd < Tr::kNTilesO; ++nd)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mi][nd][r] = 0.f;
+
+  const T* sQ_warp = sQ + warp_row * Tr::kSmemStride;
+  const T* sdO_warp = sdO + warp_row * Tr::kSmemStride;
+  QFrags<Tr> no_frags;
+
+  bool partial;
+  int n = tiles.next(&partial);
+  if (n >= 0) {
+    load_tile<Tr, kBlockM>(sQ, q_i, q_row_stride, blk.len_q - blk.row_begin, head_dim, tid);
+    load_tile<Tr, kBlockM>(sdO, do_i, do_row_stride, blk.len_q - blk.row_begin, head_dim, tid);
+    load_tile<Tr, kBlockN>(sK, k_bh + (long long)n * kBlockN * k_row_stride, k_row_stride, blk.len_k - n * kBlockN,
+                           head_dim, tid);
+    load_tile<Tr, kBlockN>(sV, v_bh + (long long)n * kBlockN * v_row_stride, v_row_stride, blk.len_k - n * kBlockN,
+                           head_dim, tid);
+    arch::cp_async_commit();
+  }
+
+  while (n >= 0) {
+    const int key0 = n * kBlockN;
+    arch::cp_async_wait<0>();
+    __syncthreads();  // K_j, V_j (and Q_i, dO_i) are in smem; every warp is done with the previous K_j
+
+    float S[kMTiles][Tr::kNTilesS][4];
+    gemm_qk<Tr>(S, no_frags, sQ_warp, sK, lane);
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int nj = 0; nj < Tr::kNTilesS; ++nj)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) S[mi][nj][r] *= scale_log2;
+    if (partial || blk.needs_mask(n)) {
+      BlockGrid tile_cells = cells;
+      if (!partial) tile_cells.cells = nullptr;
+      apply_mask<Tr>(S, blk.row_begin + warp_row, key0, lane, blk.vis, tile_cells);
+    }
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int nj = 0; nj < Tr::kNTilesS; ++nj)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) S[mi][nj][r] = exp2f(S[mi][nj][r] - L[2 * mi + r / 2]);
+
+    float dP[kMTiles][Tr::kNTilesS][4];
+    gemm_qk<Tr>(dP, no_frags, sdO_warp, sV, lane);
+    __syncthreads();  // every warp is done with V_j
+    bool next_partial;
+    const int n_next = tiles.next(&next_partial);
+    if (n_next >= 0) {
+      load_tile<Tr, kBlockN>(sV, v_bh + (long long)n_next * kBlockN * v_row_stride, v_row_stride,
+                             blk.len_k - n_next * kBlockN, head_dim, tid);
+      arch::cp_async_commit();
+    }
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int nj = 0; nj < Tr::kNTilesS; ++nj)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) dP[mi][nj][r] = S[mi][nj][r] * (dP[mi][nj][r] - Dr[2 * mi + r / 2]);
+
+    gemm_pv<Tr>(acc, dP, sK, lane);  // dQ_i += dS K_j: K_j read like V in the forward
+    if (n_next >= 0) {
+      __syncthreads();  // every warp is done with K_j
+      load_tile<Tr, kBlockN>(sK, k_bh + (long long)n_next * kBlockN * k_row_stride, k_row_stride,
+                             blk.len_k - n_next * kBlockN, head_dim, tid);
+      arch::cp_async_commit();
+    }
+    n = n_next;
+    partial = next_partial;
+  }
+
+  T* dq_i = dq + blk.batch * dq_batch_stride + blk.head * dq_head_stride;
+  const float scale2[2] = {scale, scale};
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    const int row0 = blk.row_begin + warp_row + 16 * mi;
+    store_o_tile<Tr>(dq_i + row0 * dq_row_stride, dq_row_stride, seqlen_q - row0, head_dim, acc[mi], scale2, lane);
+  }
+}
+
+}  // namespace cuflash
