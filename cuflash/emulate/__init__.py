@@ -35,7 +35,7 @@ def available() -> tuple[bool, str]:
     return tc is not None, reason
 
 
-def _toolchain():
+def _require_toolchain():
     tc, reason = find()
     if tc is None:
         raise RuntimeError(f"cuflash.emulate is not available: {reason}")
@@ -57,7 +57,7 @@ def compile(spec: LaunchSpec, *, sanitize: bool = False) -> Library:  # noqa: A0
     debug = os.environ.get("CUFLASH_EMULATE_DEBUG", "") not in ("", "0")
     key = (spec.source, spec.name_expression, tuple(spec.options), sanitize, debug)
     if key not in _by_spec:
-        path = build(_toolchain(), spec.source, spec.name_expression, tuple(spec.options), sanitize=sanitize,
+        path = build(_require_toolchain(), spec.source, spec.name_expression, tuple(spec.options), sanitize=sanitize,
                      debug=debug)
         if path not in _libraries:
             _libraries[path] = Library(path)
@@ -107,7 +107,7 @@ def sanitizer_env(base: dict | None = None) -> dict:
     import subprocess
 
     env = dict(os.environ if base is None else base)
-    tc = _toolchain()
+    tc = _require_toolchain()
     libasan = subprocess.run([tc.cxx, "-print-file-name=libasan.so"], capture_output=True, text=True,
                              check=True).stdout.strip()
     env["LD_PRELOAD"] = libasan

@@ -6,6 +6,8 @@
 // Lane l has groupID g = l / 4 and threadID_in_group t = l % 4; a b32 register packs two b16 values, the lower
 // column (or k) in the low half.
 #pragma once
+#ifndef CUFLASH_EMULATE_ARCH_EMULATED_H_
+#define CUFLASH_EMULATE_ARCH_EMULATED_H_
 #include <cstdint>
 #include <cstring>
 
@@ -184,3 +186,5 @@ __device__ __forceinline__ void cp_async_wait() {
 
 }  // namespace arch
 }  // namespace cuflash
+
+#endif  // CUFLASH_EMULATE_ARCH_EMULATED_H_

@@ -4,6 +4,8 @@
 // swapcontext makes a signal-mask syscall per switch (~20x slower per barrier). Other architectures, or
 // -DCUFLASH_EMU_UCONTEXT, fall back to ucontext.
 #pragma once
+#ifndef CUFLASH_EMULATE_FIBER_H_
+#define CUFLASH_EMULATE_FIBER_H_
 #include <cstddef>
 #include <cstdint>
 #include <sys/mman.h>
@@ -146,3 +148,5 @@ inline void context_switch(Context& from, Context& to) {
 }
 
 }  // namespace cuflash_emu
+
+#endif  // CUFLASH_EMULATE_FIBER_H_

@@ -1,6 +1,8 @@
 // CUDA device intrinsics for the CPU emulator: warp shuffles and votes (per-warp rendezvous), barriers,
 // atomics (trivial: one OS thread runs every fiber), and the math/bit intrinsics that have no host version.
 #pragma once
+#ifndef CUFLASH_EMULATE_INTRINSICS_H_
+#define CUFLASH_EMULATE_INTRINSICS_H_
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -332,3 +334,5 @@ template <typename T> inline void __stcg(T* p, T v) { *p = v; }
 template <typename T> inline void __stcs(T* p, T v) { *p = v; }
 template <typename T> inline void __stwb(T* p, T v) { *p = v; }
 template <typename T> inline void __stwt(T* p, T v) { *p = v; }
+
+#endif  // CUFLASH_EMULATE_INTRINSICS_H_

@@ -7,6 +7,8 @@
 // barrier, device assert, warp collective with a bad mask) ends the launch with an error message; the Python
 // side raises it as EmulationError and the process lives on.
 #pragma once
+#ifndef CUFLASH_EMULATE_RUNTIME_H_
+#define CUFLASH_EMULATE_RUNTIME_H_
 #include <pthread.h>
 
 #include <cstdarg>
@@ -463,3 +465,5 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, int schedule, ui
 }
 
 }  // namespace cuflash_emu
+
+#endif  // CUFLASH_EMULATE_RUNTIME_H_

@@ -3,7 +3,11 @@
 // The toolkit's cuda_fp16.h / cuda_bf16.h are used in host mode (their conversions are exact); this header
 // then gives the CUDA keywords CPU meanings and pulls in the fiber runtime and the device intrinsics.
 // Kernel code selects emulation-only paths with CUFLASH_EMULATE, never with __CUDA_ARCH__.
+// Include guards, not only #pragma once: the precompiled copy of these headers in the cache and the originals
+// must count as the same file.
 #pragma once
+#ifndef CUFLASH_EMULATE_SHIM_H_
+#define CUFLASH_EMULATE_SHIM_H_
 #ifndef CUFLASH_EMULATE
 #define CUFLASH_EMULATE 1
 #endif
@@ -50,3 +54,5 @@
 
 #include "runtime.h"
 #include "intrinsics.h"
+
+#endif  // CUFLASH_EMULATE_SHIM_H_

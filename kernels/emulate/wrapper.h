@@ -1,6 +1,8 @@
 // Support for the launch wrapper that cuflash.emulate appends to each kernel source: it describes the kernel's
 // parameter types to Python (so arguments are checked before the call) and unpacks the argument buffer.
 #pragma once
+#ifndef CUFLASH_EMULATE_WRAPPER_H_
+#define CUFLASH_EMULATE_WRAPPER_H_
 #include <cstddef>
 #include <cstdio>
 #include <type_traits>
@@ -86,3 +88,5 @@ inline int launch_entry(void** args, const unsigned* grid, const unsigned* block
 }
 
 }  // namespace cuflash_emu
+
+#endif  // CUFLASH_EMULATE_WRAPPER_H_
