@@ -20,7 +20,7 @@ from ._runner import SCHEDULES, EmulationError, Library
 from ._toolchain import find
 
 __all__ = ["launch", "available", "compile", "EmulationError", "CompileError", "sanitizer_env", "cache_dir",
-           "compile_log", "SCHEDULES"]
+           "compile_log", "SCHEDULES", "requires_emulation", "skip_unless_available"]
 
 MAX_THREADS_PER_BLOCK = 1024
 MAX_SHARED_BYTES = 227 * 1024  # opt-in maximum per block on sm_90 (sm_80: 163 KiB)
@@ -33,6 +33,26 @@ def available() -> tuple[bool, str]:
     """(True, description of the toolchain) or (False, why emulated kernels cannot run here)."""
     tc, reason = find()
     return tc is not None, reason
+
+
+def requires_emulation():
+    """A pytest mark that skips, with the reason, where emulated kernels cannot run.
+
+    ``pytestmark = [pytest.mark.emulate, cuflash.emulate.requires_emulation()]``
+    """
+    import pytest
+
+    ok, reason = available()
+    return pytest.mark.skipif(not ok, reason=f"CPU emulation unavailable: {reason}")
+
+
+def skip_unless_available() -> None:
+    """Inside a test or fixture: pytest.skip with the reason where emulated kernels cannot run."""
+    import pytest
+
+    ok, reason = available()
+    if not ok:
+        pytest.skip(f"CPU emulation unavailable: {reason}")
 
 
 def _require_toolchain():
