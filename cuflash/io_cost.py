@@ -1,0 +1,276 @@
+"""HBM bytes moved by standard attention and by the tiled (FlashAttention) kernel.
+
+The FlashAttention paper's byte ledger, line by line, with the real tile sizes instead of the
+asymptotic ``B_c = M/4d``:
+
+* standard attention (Algorithm 0) writes ``S`` and ``P`` to memory and reads them back:
+  ``4·N·d + 4·N²`` elements per head for ``Sq = Sk = N`` (one more ``2·N²`` when a mask is
+  applied as its own pass); its backward (Algorithm 3) reads ``P``, ``dP``, ``dS`` again;
+* the tiled kernel never writes ``S`` or ``P``: FA2's loop order (a thread block per query tile,
+  key/value tiles streamed through on-chip memory, which is what ``kernels/flash_fwd.cu`` does)
+  reads ``Q`` once, ``K``/``V`` once per query tile that visits them, and writes ``O`` and the
+  log-sum-exp once. Algorithm 1's order (``order="fa1"``: key tiles outer, query tiles inner)
+  is the one Theorem 2 counts: ``T_c·(2·B_c·d + T_r·(3·B_r·d + 4·B_r))`` elements, i.e.
+  ``Θ(N²d²/M)`` when the tiles are sized from the on-chip memory ``M``;
+* a block-sparse mask (Proposition 4) or a causal/window band removes whole tile pairs from the
+  tiled ledger, so its ``N²`` terms scale with the visited fraction; standard attention still
+  materializes every score.
+
+Byte sizes: ``Q, K, V, O, S, P`` (and ``dO, dQ, dK, dV, dP, dS``) in the input dtype; softmax
+statistics (``m, ℓ``, ``lse``, ``D``) and the backward's ``dQ`` accumulator in float32 (float64
+for float64 inputs). Counts are per (batch, query head) and summed over all of them; grouped K/V
+heads are counted once per query head (each query head's thread blocks read them).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .problem import key_range
+
+OPS = ("fwd", "bwd", "fwd_bwd")
+ORDERS = ("fa2", "fa1")
+
+
+@dataclass(frozen=True)
+class IOCost:
+    """HBM traffic of one attention call, in bytes.
+
+    ``standard`` and ``tiled`` are totals; the ledgers map each line of the seeds' tables
+    (``"write S"``, ``"read K, V per visited tile"``, ...) to its bytes. ``block_q``/``block_k``
+    are the tile sizes the tiled ledger used and ``tiles_visited`` the number of
+    (query tile, key tile) pairs it computes, over all batches and heads.
+    """
+
+    op: str
+    standard: int
+    tiled: int
+    block_q: int
+    block_k: int
+    tiles_visited: int
+    tiles_total: int
+    standard_ledger: dict = field(default_factory=dict)
+    tiled_ledger: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """How many times more bytes standard attention moves than the tiled kernel."""
+        return self.standard / self.tiled if self.tiled else math.inf
+
+    def __str__(self):
+        lines = [f"io_cost({self.op}): standard {self.standard / 1e6:,.1f} MB, tiled {self.tiled / 1e6:,.1f} MB "
+                 f"({self.ratio:.1f}x less; tiles {self.block_q}x{self.block_k}, "
+                 f"{self.tiles_visited}/{self.tiles_total} visited)"]
+        for title, ledger in (("standard", self.standard_ledger), ("tiled", self.tiled_ledger)):
+            lines += [f"  {title:8s} {name:46s} {b / 1e6:>14,.1f} MB" for name, b in ledger.items()]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Element sizes in bytes: ``x`` for tensors in the input dtype, ``f`` for statistics."""
+
+    x: int
+    f: int
+
+
+def _sizes(dtype) -> _Sizes:
+    name = "bfloat16" if str(dtype) in ("bfloat16", "bf16") else np.dtype(dtype).name
+    item = 2 if name == "bfloat16" else np.dtype(name).itemsize
+    return _Sizes(item, 8 if name == "float64" else 4)
+
+
+def default_tiles(head_dim: int) -> tuple[int, int]:
+    """The CUDA forward kernel's ``(block_m, block_n)`` for ``head_dim`` (THE tile table)."""
+    from .kernels import select_spec
+
+    spec = select_spec("float16", head_dim)
+    return spec.block_m, spec.block_n
+
+
+# --------------------------------------------------------------------------------------------
+# Which tile pairs the kernel visits
+# --------------------------------------------------------------------------------------------
+def _band_tiles(seqlen_q, seqlen_k, block_q, block_k, left, right) -> np.ndarray:
+    """Boolean ``(nq, nk)``: tile pairs that meet the causal/window band (all True without one)."""
+    nq, nk = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+    keep = np.zeros((nq, nk), dtype=bool)
+    for i in range(nq):
+        lo, hi = key_range(i * block_q, min((i + 1) * block_q, seqlen_q), seqlen_q, seqlen_k, left, right)
+        if hi > lo:
+            keep[i, lo // block_k:-(-hi // block_k)] = True
+    return keep
+
+
+def _mask_tiles(block_mask, seqlen_q, seqlen_k, block_q, block_k) -> np.ndarray:
+    """Boolean ``(B|1, H|1, nq, nk)``: kernel tiles that overlap at least one kept mask block."""
+    grid = np.asarray(block_mask.grid, dtype=bool)
+    bq, bk = block_mask.block
+    rows = [slice(i // bq, (min(i + block_q, seqlen_q) - 1) // bq + 1) for i in range(0, seqlen_q, block_q)]
+    cols = [slice(j // bk, (min(j + block_k, seqlen_k) - 1) // bk + 1) for j in range(0, seqlen_k, block_k)]
+    rows_any = np.stack([grid[:, :, r].any(axis=2) for r in rows], axis=2)        # (B, H, nq, nk_mask)
+    return np.stack([rows_any[..., c].any(axis=-1) for c in cols], axis=-1)        # (B, H, nq, nk)
+
+
+def _visited(*, batch, heads, seqlen_q, seqlen_k, block_q, block_k, left, right, block_mask) -> np.ndarray:
+    """Boolean ``(B|1, H|1, nq, nk)`` of visited tile pairs and its multiplicity over (batch, heads)."""
+    keep = _band_tiles(seqlen_q, seqlen_k, block_q, block_k, left, right)[None, None]
+    if block_mask is not None:
+        block_mask.check_fits(batch, heads, seqlen_q, seqlen_k)
+        keep = keep & _mask_tiles(block_mask, seqlen_q, seqlen_k, block_q, block_k)
+    return keep
+
+
+# --------------------------------------------------------------------------------------------
+# Ledgers
+# --------------------------------------------------------------------------------------------
+def _standard_fwd(sq, sk, d, s: _Sizes, masked: bool) -> dict:
+    ledger = {"read Q, K (S = QK^T)": (sq + sk) * d * s.x,
+              "write S": sq * sk * s.x}
+    if masked:
+        ledger["mask: read S, write S"] = 2 * sq * sk * s.x
+    ledger["softmax: read S, write P"] = 2 * sq * sk * s.x
+    ledger["read P, V (O = PV)"] = (sq * sk + sk * d) * s.x
+    ledger["write O"] = sq * d * s.x
+    return ledger
+
+
+def _standard_bwd(sq, sk, d, s: _Sizes) -> dict:
+    nn = sq * sk
+    return {"dV = P^T dO: read P, dO; write dV": (nn + sq * d + sk * d) * s.x,
+            "dP = dO V^T: read dO, V; write dP": (sq * d + sk * d + nn) * s.x,
+            "dS = P*(dP - D): read P, dP; write dS": 3 * nn * s.x,
+            "dQ = dS K: read dS, K; write dQ": (nn + sk * d + sq * d) * s.x,
+            "dK = dS^T Q: read dS, Q; write dK": (nn + sq * d + sk * d) * s.x}
+
+
+def _tiled_fwd(visit, n_bh, rows, cols, d, s: _Sizes, order: str) -> dict:
+    """Tiled forward. ``visit``: (nq, nk) visit counts summed over the ``n_bh`` (batch, head)
+    pairs (fractional under a ``density``); ``rows``/``cols``: real tile heights/widths."""
+    pairs_rows = float((visit * rows[:, None]).sum())   # Σ over visited pairs of the query tile height
+    pairs_cols = float((visit * cols[None, :]).sum())   # Σ over visited pairs of the key tile width
+    sq = n_bh * float(rows.sum())
+    if order == "fa2":
+        return {"read Q": sq * d * s.x,
+                "read K, V per visited tile": 2 * pairs_cols * d * s.x,
+                "write O": sq * d * s.x,
+                "write lse": sq * s.f}
+    # Algorithm 1: a key tile is loaded once per (batch, head) if any query tile visits it.
+    kv_rows = float(np.minimum(visit.sum(axis=0), n_bh) @ cols)
+    return {"read K, V (once per key tile)": 2 * kv_rows * d * s.x,
+            "read Q, O per visited tile": 2 * pairs_rows * d * s.x,
+            "read m, l per visited tile": 2 * pairs_rows * s.f,
+            "write O per visited tile": pairs_rows * d * s.x,
+            "write m, l per visited tile": 2 * pairs_rows * s.f}
+
+
+def _tiled_bwd(visit, n_bh, rows, cols, d, s: _Sizes) -> dict:
+    """FA2 backward: a thread block per key tile, query tiles streamed; dQ accumulated in fp32."""
+    sq, sk = n_bh * float(rows.sum()), n_bh * float(cols.sum())
+    pairs_rows = float((visit * rows[:, None]).sum())
+    return {"D = rowsum(dO*O): read dO, O; write D": 2 * sq * d * s.x + sq * s.f,
+            "read K, V": 2 * sk * d * s.x,
+            "read Q, dO per visited tile": 2 * pairs_rows * d * s.x,
+            "read lse, D per visited tile": 2 * pairs_rows * s.f,
+            "dQ accumulator: read+write per visited tile": 2 * pairs_rows * d * s.f,
+            "write dK, dV": 2 * sk * d * s.x,
+            "dQ: read accumulator, write dQ": sq * d * (s.f + s.x)}
+
+
+def _visit_counts(keep: np.ndarray, n_bh: int, density: Optional[float]) -> np.ndarray:
+    """(nq, nk) visit counts over all (batch, head) pairs."""
+    # A (1, 1, nq, nk) pattern repeats over every (batch, head); a per-(b, h) one is summed as is.
+    reps = n_bh // (keep.shape[0] * keep.shape[1])
+    counts = keep.sum(axis=(0, 1)).astype(np.float64) * reps
+    return counts if density is None else counts * float(density)
+
+
+def _tile_extent(n: int, block: int) -> np.ndarray:
+    """Real sizes of the tiles covering ``n`` (the last one ragged)."""
+    starts = np.arange(0, n, block)
+    return np.minimum(starts + block, n) - starts
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------
+def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, batch: int = 1, heads: int = 1,
+            dtype="float16", op: str = "fwd", causal: bool = False, window=None, block_mask=None,
+            density: Optional[float] = None, block_q: Optional[int] = None, block_k: Optional[int] = None,
+            order: str = "fa2") -> IOCost:
+    """HBM bytes of standard attention and of the tiled kernel for one attention call.
+
+    Parameters
+    ----------
+    seqlen_q, seqlen_k : int
+        Query and key lengths (``seqlen_k`` defaults to ``seqlen_q``).
+    head_dim, batch, heads : int
+        ``heads`` counts query heads.
+    dtype : str or numpy dtype
+        Element type of Q, K, V, O (``"float16"``, ``"bfloat16"``, ``"float32"``, ...).
+    op : {"fwd", "bwd", "fwd_bwd"}
+        ``fwd_bwd`` adds the two; the standard backward reuses the forward's stored P.
+    causal, window, block_mask
+        As for :func:`cuflash.attention`; they remove tile pairs from the tiled ledger.
+    density : float, optional
+        Fraction of tile pairs visited, when no ``block_mask`` is given (Proposition 4's ``s``).
+    block_q, block_k : int, optional
+        Tile sizes (rows of Q, rows of K/V per tile); default: the CUDA kernel's tile table
+        for ``head_dim``.
+    order : {"fa2", "fa1"}
+        Loop order of the tiled forward: FA2's (the cuflash kernel) or Algorithm 1's (Theorem 2).
+
+    Returns
+    -------
+    IOCost
+        Totals and per-line ledgers in bytes.
+    """
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    for name, val in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("head_dim", head_dim),
+                      ("batch", batch), ("heads", heads)):
+        if not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if density is not None and not 0.0 <= float(density) <= 1.0:
+        raise ValueError(f"density must lie in [0, 1], got {density}")
+    if block_q is None or block_k is None:
+        dq, dk = default_tiles(head_dim)
+        block_q, block_k = block_q or dq, block_k or dk
+    left, right = (None, None) if window is None else window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    sizes = _sizes(dtype)
+    n_bh = batch * heads
+    keep = _visited(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_q=block_q,
+                    block_k=block_k, left=left, right=right, block_mask=block_mask)
+    visit = _visit_counts(keep, n_bh, density)
+    rows, cols = _tile_extent(seqlen_q, block_q), _tile_extent(seqlen_k, block_k)
+    masked = causal or window is not None or block_mask is not None or density is not None
+    std, tiled = {}, {}
+    if op in ("fwd", "fwd_bwd"):
+        std.update(_per_bh(_standard_fwd(seqlen_q, seqlen_k, head_dim, sizes, masked), n_bh, "fwd: "))
+        tiled.update(_prefixed(_tiled_fwd(visit, n_bh, rows, cols, head_dim, sizes, order), "fwd: "))
+    if op in ("bwd", "fwd_bwd"):
+        std.update(_per_bh(_standard_bwd(seqlen_q, seqlen_k, head_dim, sizes), n_bh, "bwd: "))
+        tiled.update(_prefixed(_tiled_bwd(visit, n_bh, rows, cols, head_dim, sizes), "bwd: "))
+    if op != "fwd_bwd":  # one op: drop the "fwd: " / "bwd: " prefixes
+        std = {k.split(": ", 1)[1]: b for k, b in std.items()}
+        tiled = {k.split(": ", 1)[1]: b for k, b in tiled.items()}
+    tiled = {k: int(round(b)) for k, b in tiled.items()}
+    return IOCost(op=op, standard=sum(std.values()), tiled=sum(tiled.values()), block_q=int(block_q),
+                  block_k=int(block_k), tiles_visited=int(round(float(visit.sum()))),
+                  tiles_total=n_bh * len(rows) * len(cols), standard_ledger=std, tiled_ledger=tiled)
+
+
+def _per_bh(ledger: dict, n_bh: int, prefix: str) -> dict:
+    return {prefix + k: int(b) * n_bh for k, b in ledger.items()}
+
+
+def _prefixed(ledger: dict, prefix: str) -> dict:
+    return {prefix + k: float(b) for k, b in ledger.items()}

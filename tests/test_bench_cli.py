@@ -1,0 +1,215 @@
+"""cuflash.io_cost against the seeds' byte ledger, and the bench runner end to end at toy sizes.
+
+Fast (a few seconds): the runner is exercised through ``--smoke``, the quick mode's code paths at
+toy sizes; no timing is asserted anywhere.
+"""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from cuflash import bench, reference
+from cuflash.blockmask import BlockMask
+from cuflash.io_cost import io_cost
+
+
+# ---------------------------------------------------------------------------------------------
+# io_cost: the seeds' ledger
+# ---------------------------------------------------------------------------------------------
+def test_standard_forward_is_4Nd_plus_4N2_elements():
+    n, d = 1024, 64
+    cost = io_cost(seqlen_q=n, head_dim=d, dtype="float16", block_q=128, block_k=64)
+    assert cost.standard == (4 * n * d + 4 * n * n) * 2  # FA paper, Algorithm 0 ledger, fp16
+    assert cost.standard_ledger["write S"] == n * n * 2
+    masked = io_cost(seqlen_q=n, head_dim=d, dtype="float16", causal=True, block_q=128, block_k=64)
+    assert masked.standard - cost.standard == 2 * n * n * 2  # the mask pass reads and writes S
+
+
+def test_algorithm1_order_is_theorem2_ledger_with_real_tiles():
+    n, d, br, bc = 1000, 64, 64, 128  # ragged last tiles on both sides
+    cost = io_cost(seqlen_q=n, head_dim=d, dtype="float32", block_q=br, block_k=bc, order="fa1")
+    tr, tc = math.ceil(n / br), math.ceil(n / bc)
+    # T_c (2 B_c d + T_r (3 B_r d + 4 B_r)) elements, with the real (ragged) tile extents
+    elements = 2 * n * d + tc * (3 * n * d + 4 * n)
+    assert cost.tiled == elements * 4
+    assert cost.tiles_visited == cost.tiles_total == tr * tc
+
+
+def test_theorem2_scaling_with_sram_sized_tiles():
+    d, m = 64, 64 * 1024  # M elements of on-chip memory: B_c = M / 4d, B_r = min(B_c, d)
+    bc, br = math.ceil(m / (4 * d)), min(math.ceil(m / (4 * d)), d)
+    for n in (4096, 16384, 65536):
+        cost = io_cost(seqlen_q=n, head_dim=d, dtype="float32", block_q=br, block_k=bc, order="fa1")
+        ratio = cost.tiled / 4 / (n * n * d * d / m)
+        # Θ(N²d²/M): 12 from 3·B_r·d per inner step, 16/d from m and l, 2M/(Nd) from reading K, V once
+        assert ratio == pytest.approx(12 + 16 / d + 2 * m / (n * d))
+
+
+def test_fa2_reads_q_once_and_kv_once_per_query_tile():
+    n, d, b, h = 1000, 64, 2, 3
+    cost = io_cost(seqlen_q=n, head_dim=d, batch=b, heads=h, dtype="float16", block_q=128, block_k=64)
+    nq = math.ceil(n / 128)
+    assert cost.tiled_ledger["read Q"] == b * h * n * d * 2
+    assert cost.tiled_ledger["read K, V per visited tile"] == b * h * nq * 2 * n * d * 2
+    assert cost.tiled_ledger["write lse"] == b * h * n * 4
+    assert cost.ratio > 1
+
+
+def test_causal_visits_the_lower_triangle_of_tiles():
+    cost = io_cost(seqlen_q=1024, head_dim=64, causal=True, block_q=64, block_k=64)
+    assert cost.tiles_visited == 16 * 17 // 2 and cost.tiles_total == 256
+
+
+def test_block_sparse_scales_tiled_kv_traffic_by_density():
+    n, d = 2048, 64
+    grid = np.zeros((16, 16), dtype=bool)
+    grid[:, ::4] = True  # density 1/4, aligned with the kernel tiles
+    mask = BlockMask.from_grid(grid, block=(128, 128))
+    dense = io_cost(seqlen_q=n, head_dim=d, block_q=128, block_k=64)
+    sparse = io_cost(seqlen_q=n, head_dim=d, block_q=128, block_k=64, block_mask=mask)
+    by_density = io_cost(seqlen_q=n, head_dim=d, block_q=128, block_k=64, density=0.25)
+    line = "read K, V per visited tile"
+    assert sparse.tiled_ledger[line] * 4 == dense.tiled_ledger[line]
+    assert by_density.tiled_ledger[line] == sparse.tiled_ledger[line]
+    assert sparse.standard > dense.standard  # standard attention still materializes everything (+ mask pass)
+
+
+def test_fwd_bwd_is_the_sum_and_defaults_come_from_the_tile_table():
+    kw = dict(seqlen_q=512, head_dim=128, batch=2, heads=4, causal=True)
+    fwd, bwd, both = (io_cost(op=op, **kw) for op in ("fwd", "bwd", "fwd_bwd"))
+    assert both.standard == fwd.standard + bwd.standard and both.tiled == fwd.tiled + bwd.tiled
+    from cuflash.kernels import select_spec
+
+    spec = select_spec("float16", 128)
+    assert (fwd.block_q, fwd.block_k) == (spec.block_m, spec.block_n)
+    assert "standard" in str(fwd) and "read Q" in str(fwd)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(op="both"), "op must be"), (dict(seqlen_q=0), "seqlen_q"),
+                                       (dict(density=1.5), "density"), (dict(order="fa3"), "order")])
+def test_io_cost_rejects_bad_arguments(kw, match):
+    args = dict(seqlen_q=128, head_dim=64, block_q=64, block_k=64) | kw
+    with pytest.raises(ValueError, match=match):
+        io_cost(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The bench runner
+# ---------------------------------------------------------------------------------------------
+def test_flops_follow_the_fa_convention():
+    base = dict(figure="throughput", device="cpu", dtype="float16", batch=2, heads=3, head_dim=64)
+    fwd = bench.Case(op="fwd", seqlen_q=512, seqlen_k=512, **base)
+    assert fwd.flops == 4 * 2 * 3 * 512 * 512 * 64
+    assert bench.Case(op="fwd", seqlen_q=512, seqlen_k=512, causal=True, **base).flops == fwd.flops / 2
+    assert bench.Case(op="fwd", seqlen_q=16, seqlen_k=512, causal=True, **base).flops == 4 * 2 * 3 * 16 * 512 * 64
+    assert bench.Case(op="bwd", seqlen_q=512, seqlen_k=512, **base).flops == 2.5 * fwd.flops
+    assert bench.Case(op="fwd_bwd", seqlen_q=512, seqlen_k=512, **base).flops == 3.5 * fwd.flops
+    assert bench.Case(op="fwd", seqlen_q=512, seqlen_k=512, density=0.25, **base).flops == fwd.flops / 4
+    assert fwd.bytes == 2 * 3 * 64 * (4 * 512) * 2
+
+
+def test_fa_config_and_the_product_case():
+    assert bench.fa_config(2048, 128, tokens=16384, hidden=2048) == (8, 16)
+    assert bench.fa_config(65536, 64, tokens=16384, hidden=2048) == (1, 32)
+    for mode in ("quick", "full"):
+        product = [c for c in bench.suite("cpu", mode) if c.figure == "product"]
+        assert len(product) == 1
+        c = product[0]
+        assert (c.op, c.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.heads, c.head_dim, c.causal) == \
+               ("fwd", "float32", 1, 4096, 4096, 4, 64, False)
+        assert {"cuflash", "numpy", "torch-flash"} <= set(c.impls)
+
+
+def test_quick_cpu_suite_stays_small():
+    cases = bench.suite("cpu", "quick")
+    work = bench.plan_work(cases)
+    assert len(work) <= 70
+    biggest = max(c.flops for c in cases)
+    assert biggest <= bench.product_case().flops * 2.5  # nothing much heavier than the product case
+
+
+def test_gpu_full_suite_shape():
+    cases = bench.suite("cuda", "full")
+    figs = {c.figure for c in cases}
+    assert figs == set(bench.FIGURES)
+    thr = [c for c in cases if c.figure == "throughput"]
+    assert {c.seqlen_q for c in thr} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert all(c.batch * c.seqlen_q == 16384 and c.heads * c.head_dim == 2048 for c in thr)
+    assert {c.op for c in thr} == set(bench.OPS) and {c.causal for c in thr} == {False, True}
+    decode = [c for c in cases if c.figure == "decode"]
+    assert {c.seqlen_q for c in decode} == {1, 2, 4, 8, 16}
+    # JAX goes last so that its allocator cannot starve CuPy and PyTorch
+    order = [name for _, name in bench.plan_work(cases)]
+    first_jax = min(i for i, n in enumerate(order) if n.startswith("jax"))
+    assert all(n.startswith("jax") for n in order[first_jax:])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_standard_attention_baseline_is_attention(inplace, causal):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 33, 3, 16))
+    k, v = rng.standard_normal((2, 40, 3, 16)), rng.standard_normal((2, 40, 3, 16))
+    bias = bench.causal_bias(np, 33, 40, np.float64) if causal else None
+    got = bench.standard_attention(q, k, v, bias=bias, inplace=inplace)
+    np.testing.assert_allclose(got, reference.attention(q, k, v, causal=causal), rtol=1e-12, atol=1e-12)
+    q32 = q.astype(np.float32)
+    assert bench.standard_attention(q32, q32, q32, inplace=inplace).dtype == np.float32
+
+
+def test_timer_and_peak_on_cpu():
+    calls = []
+    timer = bench.time_it(lambda: calls.append(np.zeros(1000)), lambda r=None: None, device="cpu",
+                          timing=bench.Timing(warmup=1, min_repeats=3, max_repeats=5, budget_s=0.0))
+    assert len(timer.samples) == 3 and len(calls) == 4 and timer.median_ms >= 0
+    peak = bench.first_call_peak(lambda: np.ones(1 << 20), lambda r=None: None, device="cpu", memory="pool")
+    assert peak >= 8 << 20
+
+
+def test_unavailable_and_late_pairs_are_skipped_with_a_reason():
+    case = bench.Case("decode", "cpu", "fwd", "float32", 1, 2, 1, 64, 16, impls=("cupy-standard", "cuflash"))
+    result = bench.run_cases([case], timing=bench.TIMINGS["smoke"], progress=False)
+    assert [r.impl for _, r in result.records] == ["cuflash"]
+    assert "does not run on cpu" in result.skipped[0][1]["reason"]
+    late = bench.run_cases([case], timing=bench.TIMINGS["smoke"], progress=False, deadline=0.0)
+    assert late.records == [] and any("time limit" in e["reason"] for _, e in late.skipped)
+    assert bench.is_oom(MemoryError()) and bench.is_oom(RuntimeError("CUDA out of memory. Tried"))
+    assert not bench.is_oom(ValueError("bad head_dim"))
+
+
+def test_device_slug():
+    assert bench.device_slug({"kind": "cuda", "name": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100-80gb-hbm3"
+    assert bench.device_slug({"kind": "cpu", "name": "Intel(R) Xeon(R) Gold 6338", "cores": 2}) == \
+        "cpu-intel-xeon-gold-6338-2c"
+
+
+SCHEMA = {"impl", "op", "dtype", "head_dim", "seqlen_q", "seqlen_k", "batch", "heads", "causal", "density", "ms",
+          "tflops", "peak_bytes"}
+
+
+def test_smoke_run_writes_every_figure_in_the_schema(tmp_path, capsys):
+    status = bench.main(["--smoke", "--out", str(tmp_path), "--impl", "cuflash,numpy", "--no-plot",
+                         "--no-progress"])
+    assert status == 0
+    printed = capsys.readouterr().out
+    for fig in ("throughput", "memory", "blocksparse", "tiles", "decode"):
+        assert f"== {fig}" in printed
+        payload = json.loads((tmp_path / f"{bench.FIGURE_FILES[fig]}.json").read_text())
+        assert {"device", "commit", "date", "versions", "records"} <= set(payload)
+        assert payload["records"] and all(SCHEMA <= set(r) for r in payload["records"])
+        assert all(r["impl"] in ("cuflash", "numpy") and r["ms"] > 0 for r in payload["records"])
+    memory = json.loads((tmp_path / "fig2_memory.json").read_text())["records"]
+    assert all(r["peak_bytes"] is not None for r in memory)
+    tiles = json.loads((tmp_path / "fig4_tiles.json").read_text())["records"]
+    assert sorted(r["block_k"] for r in tiles) == [64, 128]
+    sparse = json.loads((tmp_path / "fig3_blocksparse.json").read_text())["records"]
+    assert sorted(r["density"] for r in sparse) == [0.5, 1.0]
+
+
+def test_plots_when_matplotlib_is_there(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--impl", "cuflash", "--only", "tiles,decode",
+                       "--no-progress"]) == 0
+    assert (tmp_path / "fig4_tiles.png").stat().st_size > 0
+    assert bench.main(["--replot", str(tmp_path)]) == 0
