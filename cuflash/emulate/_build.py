@@ -18,8 +18,10 @@ SHIM = RUNTIME_DIR / "shim.h"
 
 # -O1 compiles a flash-attention specialization in well under the time -O2 takes and runs it within ~2x;
 # see kernels/emulate/README.md for the measurements.
+# -fstack-clash-protection: a frame bigger than a page probes each page, so a fiber overflowing its stack faults in
+# the guard page below it instead of silently writing into the neighbouring fiber's stack.
 BASE_FLAGS = ("-std=c++17", "-O1", "-fno-strict-aliasing", "-fvisibility=hidden", "-fno-gnu-unique", "-fPIC",
-              "-shared", "-w", "-DCUFLASH_EMULATE=1")
+              "-fstack-clash-protection", "-shared", "-w", "-DCUFLASH_EMULATE=1")
 DEBUG_FLAGS = ("-O0", "-g")
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g")
 

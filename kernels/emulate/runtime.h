@@ -10,6 +10,8 @@
 #ifndef CUFLASH_EMULATE_RUNTIME_H_
 #define CUFLASH_EMULATE_RUNTIME_H_
 #include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <cstdarg>
 #include <cstdint>
@@ -430,6 +432,54 @@ inline void find_main_stack() {
 #endif
 }
 
+// A fiber that overflows its stack hits the guard page below it (-fstack-clash-protection makes big frames probe
+// every page). That cannot be turned into an exception, but it can at least say what happened: this handler
+// prints the advice and hands the fault back to whoever handled SIGSEGV before (pytest's faulthandler, or the
+// default action) by restoring that handler and returning, which re-executes the faulting access.
+struct SegvHook {
+  struct sigaction previous;
+  stack_t previous_stack;
+  bool installed = false;
+  alignas(16) char alt_stack[64 * 1024];
+};
+inline SegvHook g_segv;
+
+inline void on_segv(int, siginfo_t* info, void*) {
+  auto a = reinterpret_cast<uintptr_t>(info->si_addr), lo = reinterpret_cast<uintptr_t>(g.stacks.base);
+  if (a >= lo && a < lo + g.stacks.len) {
+    char msg[320];
+    int n = snprintf(msg, sizeof msg,
+                     "\ncuflash emulator: fiber stack overflow in block (%u,%u,%u) thread (%u,%u,%u): raise "
+                     "CUFLASH_EMULATE_STACK_KIB (now %zu KiB) or launch(..., stack_kib=...)\n",
+                     g_block_idx.x, g_block_idx.y, g_block_idx.z, g_cur ? g_cur->tid.x : 0u, g_cur ? g_cur->tid.y : 0u,
+                     g_cur ? g_cur->tid.z : 0u, g.stacks.size / 1024);
+    if (write(2, msg, size_t(n)) < 0) {
+    }
+  }
+  sigaction(SIGSEGV, &g_segv.previous, nullptr);
+}
+
+inline void hook_segv(bool on) {
+#if !CUFLASH_EMU_ASAN  // ASan reports stack overflows itself
+  if (on) {
+    stack_t ss{};
+    ss.ss_sp = g_segv.alt_stack, ss.ss_size = sizeof g_segv.alt_stack;
+    struct sigaction act{};
+    act.sa_sigaction = on_segv;
+    act.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&act.sa_mask);
+    g_segv.installed = sigaltstack(&ss, &g_segv.previous_stack) == 0 &&
+                       sigaction(SIGSEGV, &act, &g_segv.previous) == 0;
+  } else if (g_segv.installed) {
+    sigaction(SIGSEGV, &g_segv.previous, nullptr);
+    sigaltstack(&g_segv.previous_stack, nullptr);
+    g_segv.installed = false;
+  }
+#else
+  (void)on;
+#endif
+}
+
 // Runs thunk(ctx) as the body of every thread of every block. Returns 0, or 1 with g.error set.
 inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, int schedule, uint64_t seed, size_t stack_bytes,
                     void (*thunk)(void*), void* ctx) {
@@ -453,12 +503,15 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, int schedule, ui
   g_dyn_smem = dyn, g_dyn_smem_bytes = shared_bytes;
   std::vector<unsigned> blocks;
   make_order(blocks, grid.x * grid.y * grid.z);  // blocks are independent: their order follows the schedule too
+  hook_segv(true);
   for (unsigned b : blocks) {
     g_block_idx = make_uint3(b % grid.x, (b / grid.x) % grid.y, b / (grid.x * grid.y));
     init_block(g.nthreads, g.stacks.size);
     run_block();
     if (g.failed) break;
   }
+  hook_segv(false);
+  fflush(stdout);  // device printf output appears before Python's next print
   free(dyn);
   g_dyn_smem = nullptr, g_dyn_smem_bytes = 0;
   return g.failed ? 1 : 0;

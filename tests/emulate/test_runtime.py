@@ -1,5 +1,9 @@
 """The emulator's own semantics: warp collectives, barriers and schedules, shared memory, atomics, errors."""
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -287,3 +291,16 @@ def test_trap_raises_and_the_process_survives():
         _faulty(5)
     assert info.value.thread == (3, 0, 0)
     np.testing.assert_array_equal(_faulty(6), 1)  # the same library launches fine afterwards
+
+
+def test_stack_overflow_names_the_remedy():
+    """A fiber overflowing its stack kills the process (it cannot be recovered), but says what to change."""
+    code = (f"import sys, numpy as np; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "import cuflash.emulate as emu\nfrom conftest import spec\n"
+            "emu.launch(spec('runtime_tests.cu', 'big_stack_kernel', (np.zeros(2, np.float32), np.int32(1000)),"
+            " block=(2, 1, 1)), stack_kib=64)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(emu.__file__).parents[2]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "fiber stack overflow in block (0,0,0)" in proc.stderr and "CUFLASH_EMULATE_STACK_KIB" in proc.stderr
