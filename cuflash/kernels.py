@@ -190,7 +190,8 @@ def tile_lists(grid: np.ndarray, block: tuple[int, int], block_m: int, block_n: 
     order = np.argsort(~kept, axis=-1, kind="stable").astype(np.int32)  # kept tiles first, ascending
     lists = np.where(np.take_along_axis(full, order, axis=-1), order, ~order).astype(np.int32)
     counts = kept.sum(axis=-1).astype(np.int32)
-    return counts, np.ascontiguousarray(lists), bool((kept & ~full).any())
+    # C order matters: the kernel indexes these flat (the fancy indexing above yields other layouts)
+    return np.ascontiguousarray(counts), np.ascontiguousarray(lists), bool((kept & ~full).any())
 
 
 # ------------------------------------------------------------------------------------------------

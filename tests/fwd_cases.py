@@ -60,6 +60,10 @@ def feature_cases(dtype=np.float16):
     grid = rng.random((1, 1, 4, 4)) < 0.7
     c.append(("blockmask_straddling", make_case(1, 190, 190, 1, 1, 32, dtype, block_mask=BlockMask(
         grid, block=(48, 48), seqlen_q=190, seqlen_k=190))))
+    grid = np.zeros((1, 2, 9, 3), bool)  # per head, with query tiles whose list is empty in one head only
+    grid[0, 0, [0, 5]], grid[0, 1, [0, 5, 8]] = True, True
+    c.append(("blockmask_per_head", make_case(1, 129, 40, 2, 1, 32, dtype, block_mask=BlockMask(
+        grid, block=(16, 16), seqlen_q=129, seqlen_k=40))))
     grid = np.zeros((1, 1, 2, 2), bool)
     c.append(("blockmask_empty", make_case(1, 100, 100, 1, 1, 32, dtype, block_mask=BlockMask(
         grid, block=(64, 64), seqlen_q=100, seqlen_k=100))))

@@ -71,7 +71,7 @@ def test_every_table_specialization(spec):
     check_forward(lambda q, k, v, **o: emulate_backend.forward(make_problem(q, k, v, **o), spec=spec), case)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(attention_cases(dtypes=("float16", "bfloat16") if isinstance(DTYPES[1], str) else ("float16",),
                        max_seqlen=200, max_head_dim=136, block_sizes=(16, 32, 64, 128)))
 def test_hypothesis(case):
