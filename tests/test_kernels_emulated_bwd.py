@@ -1,0 +1,248 @@
+"""The CUDA backward kernels (kernels/flash_bwd.cu), run unchanged on the CPU by cuflash.emulate.
+
+Held to the float64 analytic gradients with the 3x same-dtype rule (cuflash.testing.check_backward), on small
+shapes: every mask feature in fp16 and bf16, each warp layout of the main kernel (split 1, 2, 4), every backward
+tile-table row, the golden vectors, a small hypothesis sweep, and the deterministic mode (bitwise equal across
+runs and thread schedules, and equal in value to the default mode up to the atomics' summation order).
+The forward that produces out and lse is the emulated forward kernel, as on the GPU.
+"""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import cuflash
+from cuflash import emulate, kernels_bwd, reference, testing
+from cuflash.backends import emulate as emulate_backend
+from cuflash.blockmask import BlockMask
+from cuflash.kernels_bwd import BwdSpec, DqSpec
+from cuflash.problem import check_backward as flatten_backward
+from cuflash.problem import make_problem
+from cuflash.testing import Case, attention_cases
+
+from fwd_cases import bf16, feature_cases, golden_cases, make_case
+
+_ok, _why = emulate.available()
+pytestmark = [pytest.mark.emulate, pytest.mark.skipif(not _ok, reason=f"CPU emulation unavailable: {_why}")]
+
+try:
+    import ml_dtypes  # noqa: F401
+
+    HAVE_BF16 = True
+except ImportError:  # bf16 NumPy arrays need ml_dtypes (extra "bf16")
+    HAVE_BF16 = False
+needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="ml_dtypes not installed")
+
+
+def forward(case):
+    return cuflash.attention(case.q, case.k, case.v, return_lse=True, backend="emulate", **case.options)
+
+
+def emulated_backward(deterministic=False, **kw):
+    """``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` through the emulated backward kernels."""
+
+    def fn(dout, q, k, v, out, lse, **options):
+        problem = make_problem(q, k, v, **options)
+        d, o, l = flatten_backward(problem, dout, out, lse)
+        grads = emulate_backend.backward(problem, d, o, l, deterministic=deterministic, **kw)
+        return tuple(problem.unflatten(g, a.shape[1:]) for g, a in zip(grads, (problem.q, problem.k, problem.v)))
+
+    return fn
+
+
+def _bf16_rule_works() -> bool:
+    try:
+        testing.rounding(bf16())
+    except ValueError:
+        return False
+    x = np.ones((1, 2, 1, 2), dtype=bf16())
+    return reference.attention(x, x, x, compute_dtype=x.dtype).dtype == x.dtype
+
+
+def check_backward(fn, case: Case):
+    """cuflash.testing.check_backward (3x the naive same-dtype error + a floor of two roundings at the
+    term magnitude). For bfloat16, while cuflash.testing cannot handle it (rounding() calls np.finfo on
+    bfloat16, and the naive bfloat16 reference runs its matmuls in float32; see fwd_cases), the same rule with
+    the bfloat16 constants: the naive baseline rounded to bfloat16 once, the floor 2 * 2**-7 * magnitude."""
+    out, lse = forward(case)
+    if case.q.dtype.name != "bfloat16" or _bf16_rule_works():
+        return testing.check_backward(fn, case, out, lse)
+    grads = fn(case.dout, case.q, case.k, case.v, out, lse, **case.options)
+    refs = reference.attention_backward(case.dout, case.q, case.k, case.v, **case.options)
+    bases = reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=case.q.dtype,
+                                         **case.options)
+    mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **case.options)
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, refs, bases):
+        g = np.asarray(g).astype(np.float64)
+        assert g.shape == r.shape and not np.isnan(g).any(), name
+        err = np.abs(g - r).max(initial=0.0)
+        base = np.abs(np.asarray(b).astype(bf16()).astype(np.float64) - r).max(initial=0.0)
+        floor = 2 * 2.0 ** -7 * mags[name]
+        assert err <= 3 * base + floor, f"{name}: max error {err:.3e} > 3 x {base:.3e} + {floor:.3e} (bf16)"
+    return grads
+
+
+def as_dtype(case, dtype):
+    case.q, case.k, case.v, case.dout = (a.astype(dtype) for a in (case.q, case.k, case.v, case.dout))
+    return case
+
+
+# ------------------------------------------------------------------------------------------------
+# Every feature (the forward's feature cases), fp16; a representative subset in bf16
+# ------------------------------------------------------------------------------------------------
+FEATURES = feature_cases()
+BF16_FEATURES = ("ragged_sq_ne_sk", "causal_long_q", "window", "gqa_mqa", "seqlens", "odd_head_dim_59",
+                 "blockmask_finer_than_tile", "blockmask_straddling")
+
+
+@pytest.mark.parametrize("name,case", FEATURES, ids=[n for n, _ in FEATURES])
+def test_feature_fp16(name, case):
+    dq, dk, dv = check_backward(emulated_backward(), case)
+    assert dq.dtype == dk.dtype == dv.dtype == np.float16
+    assert dq.shape == case.q.shape and dk.shape == case.k.shape and dv.shape == case.v.shape
+
+
+@needs_bf16
+@pytest.mark.parametrize("name,case", [(n, c) for n, c in FEATURES if n in BF16_FEATURES],
+                         ids=[n for n, _ in FEATURES if n in BF16_FEATURES])
+def test_feature_bf16(name, case):
+    dq, dk, dv = check_backward(emulated_backward(), as_dtype(case, bf16()))
+    assert dq.dtype == bf16()
+
+
+# ------------------------------------------------------------------------------------------------
+# Warp layouts of the main kernel and the dq kernel, on small tiles (many tiles per problem)
+# ------------------------------------------------------------------------------------------------
+SMALL_SPECS = {
+    "split1": (BwdSpec("float16", 64, 32, 32, 2), DqSpec("float16", 64, 32, 32, 2)),
+    "split2": (BwdSpec("float16", 64, 32, 32, 4), DqSpec("float16", 64, 64, 16, 2)),
+    "split4": (BwdSpec("float16", 64, 64, 16, 4), DqSpec("float16", 64, 32, 16, 1)),
+}
+
+
+def _layout_case():
+    rng = np.random.default_rng(5)
+    grid = rng.random((2, 1, 5, 3)) < 0.6
+    return make_case(2, 150, 120, 4, 2, 59, np.float16, causal=True, window=(90, None),
+                     seqlens_q=np.array([150, 70], np.int32), seqlens_k=np.array([101, 120], np.int32),
+                     block_mask=BlockMask(grid, block=(32, 48), seqlen_q=150, seqlen_k=120))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("layout", sorted(SMALL_SPECS))
+def test_warp_layouts(layout, deterministic):
+    spec, dq_spec = SMALL_SPECS[layout]
+    check_backward(emulated_backward(deterministic, spec=spec, dq_spec=dq_spec), _layout_case())
+
+
+# ------------------------------------------------------------------------------------------------
+# Every backward tile-table row (main + dq), fp16 (the bf16 rows are the same code with another T)
+# ------------------------------------------------------------------------------------------------
+TABLE = [s for s in kernels_bwd.all_specs() if isinstance(s, BwdSpec) and s.dtype == "float16"]
+
+
+@pytest.mark.parametrize("spec", TABLE, ids=lambda s: s.name_expression.split("<")[1][:-1])
+def test_every_table_row(spec):
+    dq_spec = DqSpec("float16", spec.head_dim, *(lambda t: (t.block_m, t.block_n, t.warps))(
+        kernels_bwd.DQ_TILES[spec.head_dim]))
+    d = spec.head_dim - 5 if spec.head_dim > 32 else spec.head_dim
+    sq, sk = spec.block_m + 3, 2 * spec.block_n + 1
+    case = make_case(2, sq, sk, 2, 1, d, np.float16, causal=True,
+                     seqlens_q=np.array([sq, spec.block_m - 1], np.int32),
+                     seqlens_k=np.array([spec.block_n + 7, sk], np.int32))
+    check_backward(emulated_backward(True, spec=spec, dq_spec=dq_spec), case)
+
+
+# ------------------------------------------------------------------------------------------------
+# Golden vectors (float64 gradients from an independent oracle), inputs rounded to fp16
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,case,gold_out,gold_lse", golden_cases(), ids=[g[0] for g in golden_cases()])
+def test_golden(name, case, gold_out, gold_lse):
+    import json
+    from pathlib import Path
+
+    z = np.load(Path(__file__).resolve().parents[2] / "shared" / "golden" / f"{name}.npz")
+    out, lse = forward(case)
+    grads = emulated_backward()(case.dout, case.q, case.k, case.v, out, lse, **case.options)
+    # The golden gradients are of the float64 inputs; ours are of the fp16-rounded inputs. Compare against the
+    # float64 gradients of the rounded inputs with the rule, and to the golden within the rounding of the inputs.
+    bases = reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=case.q.dtype,
+                                         **case.options)
+    mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **case.options)
+    for gname, g, b in zip(("dq", "dk", "dv"), grads, bases):
+        gold = z[gname]
+        base_err = np.abs(np.asarray(b, np.float64) - gold).max(initial=0.0)
+        err = np.abs(np.asarray(g, np.float64) - gold).max(initial=0.0)
+        assert err <= 3 * base_err + 2 * 2.0 ** -10 * mags[gname], (gname, err, base_err, json.dumps(case.options,
+                                                                                                    default=str))
+
+
+# ------------------------------------------------------------------------------------------------
+# Hypothesis over the shared strategies (small budget: every example compiles nothing new after the first
+# few head dims, and runs forward + backward through the fibers)
+# ------------------------------------------------------------------------------------------------
+@settings(max_examples=max(4, settings.default.max_examples // 4), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(attention_cases(dtypes=("float16", "bfloat16") if HAVE_BF16 else ("float16",), max_seqlen=100,
+                       head_dims=(8, 40, 59, 64), block_sizes=(16, 32, 64)))
+def test_hypothesis(case):
+    check_backward(emulated_backward(deterministic=bool(case.q.shape[-1] % 2)), case)
+
+
+# ------------------------------------------------------------------------------------------------
+# Deterministic mode, fully masked rows, layouts in memory
+# ------------------------------------------------------------------------------------------------
+def _grads(case, deterministic, schedule=None, seed=None, **kw):
+    problem = make_problem(case.q, case.k, case.v, **case.options)
+    out, lse = emulate_backend.forward(problem)
+    d, o, l = flatten_backward(problem, case.dout, out, lse)
+    return emulate_backend.backward(problem, d, o, l, deterministic=deterministic, schedule=schedule, seed=seed,
+                                    **kw)
+
+
+def _bits(grads):
+    return [g.view(np.uint16) for g in grads]
+
+
+def test_deterministic_is_bitwise_reproducible_across_runs_and_schedules():
+    # GQA (4 query heads per kv head) with many key tiles per query tile and many query tiles per key tile.
+    case = make_case(2, 140, 150, 4, 1, 64, np.float16, causal=True, window=(100, None))
+    spec, dq_spec = SMALL_SPECS["split1"]
+    runs = [_grads(case, True, schedule=s, seed=3, spec=spec, dq_spec=dq_spec)
+            for s in ("forward", "forward", "reverse", "random")]
+    for r in runs[1:]:
+        for a, b in zip(_bits(r), _bits(runs[0])):
+            assert np.array_equal(a, b)
+
+
+def test_default_mode_agrees_with_deterministic():
+    # Same math, only the order of the fp32 atomic additions into dQ differs: dK and dV are bitwise equal,
+    # dQ equal to within the last bits of fp32 accumulation, rounded once to fp16.
+    case = make_case(1, 130, 100, 2, 2, 64, np.float16, window=(30, 30))
+    spec, dq_spec = SMALL_SPECS["split1"]
+    a = _grads(case, False, schedule="random", seed=1, spec=spec, dq_spec=dq_spec)
+    b = _grads(case, True, spec=spec, dq_spec=dq_spec)
+    assert np.array_equal(a[1].view(np.uint16), b[1].view(np.uint16))
+    assert np.array_equal(a[2].view(np.uint16), b[2].view(np.uint16))
+    diff = np.abs(a[0].astype(np.float64) - b[0].astype(np.float64))
+    assert diff.max() <= 2.0 ** -10 * np.abs(b[0].astype(np.float64)).max()
+
+
+def test_rows_that_see_nothing_get_zero_gradients():
+    # Rows past seqlens_q, a sequence without keys, keys past seqlens_k, and keys no query sees (window):
+    # exactly zero gradients, never NaN (lse = -inf rows give P = 0).
+    case = make_case(2, 130, 130, 1, 1, 64, np.float16, window=(2, 0),
+                     seqlens_q=np.array([90, 130], np.int32), seqlens_k=np.array([110, 0], np.int32))
+    dq, dk, dv = check_backward(emulated_backward(), case)
+    assert np.all(dq[0, 90:] == 0) and np.all(dq[1] == 0)
+    assert np.all(dk[0, 110:] == 0) and np.all(dv[0, 110:] == 0) and np.all(dk[1] == 0) and np.all(dv[1] == 0)
+    # query i sees keys i + 18 .. i + 20 (window (2, 0), Lk - Lq = 20): keys below 18 are seen by no query
+    assert np.all(dk[0, :18] == 0) and np.all(dv[0, :18] == 0) and np.any(dk[0, 18:110] != 0)
+
+
+def test_strided_inputs():
+    rng = np.random.default_rng(3)
+    qkv = rng.standard_normal((2, 70, 3, 4, 64)).astype(np.float16)  # a fused (B, S, 3, H, D) projection
+    dout = rng.standard_normal((2, 70, 4, 128)).astype(np.float16)[..., ::2]  # non-contiguous head dim: copied
+    case = Case(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dout, {"causal": True})
+    check_backward(emulated_backward(), case)
+    check_backward(emulated_backward(), make_case(1, 1, 1, 1, 1, 1))  # one query, one key, head_dim 1
