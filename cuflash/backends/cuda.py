@@ -114,8 +114,60 @@ def forward(problem: Problem):
     return fl.result()
 
 
-def backward(problem, dout, out, lse):
-    raise NotImplementedError("the CUDA backward kernel is not written yet (use backend='numpy' on host arrays)")
+_bwd_modules: dict = {}  # (device id, BwdSpec, DqSpec) -> {name expression: cupy.RawKernel}
+
+
+def backward_kernels(spec, dq_spec):
+    """The compiled backward family for ``spec``/``dq_spec`` on the current device: one RawModule holding
+    the preprocess, main, convert and dq kernels (compiled once, memoized); name expression → RawKernel."""
+    from .. import kernels_bwd
+
+    cupy = _cupy()
+    dev, _, max_smem = _device()
+    key = (dev, spec, dq_spec)
+    fns = _bwd_modules.get(key)
+    if fns is None:
+        with _lock:
+            fns = _bwd_modules.get(key)
+            if fns is None:
+                ctype = kernels.CTYPES[spec.dtype]
+                names = [f"cuflash::flash_bwd_preprocess_kernel<{ctype}>",
+                         f"cuflash::flash_bwd_convert_dq_kernel<{ctype}>", spec.name_expression,
+                         dq_spec.name_expression]
+                module = cupy.RawModule(code=kernels_bwd.bwd_source(), options=_NVRTC_OPTIONS,
+                                        name_expressions=tuple(names))
+                fns = {n: module.get_function(n) for n in names}
+                for s in (spec, dq_spec):
+                    if s.smem_bytes > max_smem:
+                        raise ValueError(f"{s.name_expression} needs {s.smem_bytes} bytes of shared memory; "
+                                         f"this GPU allows {max_smem} per block")
+                    if s.smem_bytes > 48 * 1024:
+                        fns[s.name_expression].max_dynamic_shared_size_bytes = s.smem_bytes
+                _bwd_modules[key] = fns
+    return fns
+
+
+def backward(problem: Problem, dout, out, lse, *, deterministic=False):
+    """``(dq, dk, dv)`` on the current CuPy stream (:func:`cuflash.kernels_bwd.backward_launch`).
+
+    ``deterministic=False``: dQ is accumulated with fp32 atomics, so its last bits may vary from run to
+    run (dK, dV never do). ``deterministic=True``: a second pass over query tiles computes dQ without
+    atomics; bitwise reproducible.
+    """
+    from .. import kernels_bwd
+
+    _check(problem)
+    _, _, max_smem = _device()
+    bl = kernels_bwd.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=max_smem)
+    if bl.launches:
+        main = bl.kernels[0]
+        dq_spec = bl.kernels[1] if len(bl.kernels) > 1 else kernels_bwd.select_specs(main.dtype, main.head_dim,
+                                                                                    max_smem)[1]
+        fns = backward_kernels(main, dq_spec)
+        for launch in bl.launches:
+            fns[launch.name_expression](launch.grid, launch.block, _device_args(launch.args),
+                                        shared_mem=launch.shared_bytes)
+    return bl.result()
 
 
 def warmup(dtypes=kernels.SUPPORTED_DTYPES, head_dims=kernels.NATIVE_HEAD_DIMS, *, progress=True, file=None):

@@ -46,5 +46,18 @@ def forward(problem: Problem, *, schedule=None, seed=None, spec=None):
     return fl.result()
 
 
-def backward(problem, dout, out, lse):
-    raise NotImplementedError("the CUDA backward kernel is not written yet (use backend='numpy')")
+def backward(problem: Problem, dout, out, lse, *, deterministic=False, schedule=None, seed=None, spec=None,
+             dq_spec=None):
+    """``(dq, dk, dv)`` through the emulated backward kernels (:func:`cuflash.kernels_bwd.backward_launch`).
+
+    ``deterministic`` selects the atomic-free dQ pass; ``spec``/``dq_spec`` force the main / dq
+    specializations (:class:`~cuflash.kernels_bwd.BwdSpec`, :class:`~cuflash.kernels_bwd.DqSpec`).
+    """
+    from .. import emulate, kernels_bwd
+
+    _check(problem)
+    bl = kernels_bwd.backward_launch(problem, dout, out, lse, deterministic=deterministic,
+                                     max_smem=kernels.SMEM_LIMIT[ARCH], spec=spec, dq_spec=dq_spec)
+    for launch in bl.launches:
+        emulate.launch(launch, schedule=schedule, seed=seed)
+    return bl.result()
