@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cuflash.emulate as emu
-from conftest import from_bf16_bits, spec, to_bf16_bits
+from emu_helpers import from_bf16_bits, spec, to_bf16_bits
 
 DTYPES = {"__half": (lambda x: x.astype(np.float16).view(np.uint16), lambda b: b.view(np.float16)),
           "__nv_bfloat16": (to_bf16_bits, from_bf16_bits)}

@@ -10,7 +10,7 @@ import pytest
 
 import cuflash.emulate as emu
 from cuflash.emulate import EmulationError
-from conftest import spec
+from emu_helpers import spec
 
 SCHEDULES = ["forward", "reverse", "random"]
 
@@ -296,7 +296,7 @@ def test_trap_raises_and_the_process_survives():
 def test_stack_overflow_names_the_remedy():
     """A fiber overflowing its stack kills the process (it cannot be recovered), but says what to change."""
     code = (f"import sys, numpy as np; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-            "import cuflash.emulate as emu\nfrom conftest import spec\n"
+            "import cuflash.emulate as emu\nfrom emu_helpers import spec\n"
             "emu.launch(spec('runtime_tests.cu', 'big_stack_kernel', (np.zeros(2, np.float32), np.int32(1000)),"
             " block=(2, 1, 1)), stack_kib=64)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(emu.__file__).parents[2]),

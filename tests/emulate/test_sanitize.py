@@ -17,7 +17,7 @@ import sys
 import numpy as np
 sys.path.insert(0, {tests!r})
 import cuflash.emulate as emu
-from conftest import spec
+from emu_helpers import spec
 out = np.zeros(32, np.float32)  # exactly 32 floats: ASan sees the byte after it
 emu.launch(spec("sanitize_tests.cu", "planted_kernel", (out, np.int32(32), np.int32({mode})), shared_bytes=100),
            sanitize=True)
@@ -69,7 +69,7 @@ def test_sanitize_without_preloaded_runtime_is_refused():
     _libasan_or_skip()
     if "libasan" in os.environ.get("LD_PRELOAD", ""):
         pytest.skip("this process has ASan preloaded")
-    from conftest import spec
+    from emu_helpers import spec
     import numpy as np
 
     with pytest.raises(RuntimeError, match="LD_PRELOAD"):

@@ -1,0 +1,25 @@
+"""Helpers of the emulator's own tests (a unique module name: tests/conftest.py exists too)."""
+from pathlib import Path
+
+import numpy as np
+
+from cuflash.launch import LaunchSpec
+
+KERNELS = Path(__file__).parent / "kernels"
+
+
+def spec(file: str, name: str, args, grid=(1, 1, 1), block=(32, 1, 1), shared_bytes=0, options=()):
+    """A LaunchSpec for a test kernel in tests/emulate/kernels/ (its `#include "arch.cuh"` resolves to kernels/)."""
+    source = f'#line 1 "tests/emulate/kernels/{file}"\n' + (KERNELS / file).read_text()  # names in error messages
+    return LaunchSpec(source, name, tuple(grid), tuple(block), shared_bytes, tuple(args),
+                      tuple(options))
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, round to nearest even (no ml_dtypes needed)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16_bits(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
