@@ -1,8 +1,9 @@
 """Compile check of every kernel specialization the dispatcher can select.
 
 ``python -m cuflash.build --check`` compiles, with nvcc to cubin for sm_80 and sm_90, all the
-forward specializations of :mod:`cuflash.kernels` (one translation unit per architecture holding
-every instantiation; the two architectures compile concurrently), parses ``ptxas -v`` and prints
+forward specializations of :mod:`cuflash.kernels` and the backward ones of :mod:`cuflash.kernels_bwd`
+(one translation unit per kernel family and architecture holding every instantiation; they compile
+concurrently), parses ``ptxas -v`` and prints
 a table (kernel, arch, registers, spill bytes, shared bytes). It exits non-zero on any spill, any
 local-memory stack frame, or shared memory (static + dynamic) above what the GPUs that select the
 specialization allow. Needs only nvcc (no GPU, no CuPy).
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import kernels
+from . import kernels, kernels_bwd
 
 #: compile targets → the compute capabilities whose GPUs run that cubin family (8.x runs sm_80 code).
 ARCH_FAMILIES = {80: (80, 86, 89), 90: (90,)}
@@ -28,7 +29,21 @@ ARCH_FAMILIES = {80: (80, 86, 89), 90: (90,)}
 _ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)'")
 _STACK = re.compile(r"(?P<stack>\d+) bytes stack frame, (?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads")
 _REGS = re.compile(r"Used (?P<regs>\d+) registers(?:.*?(?P<smem>\d+) bytes smem)?")
-_FWD = re.compile(r"flash_fwd_kernelI(?P<t>6__half|13__nv_bfloat16)Li(?P<d>\d+)ELi(?P<m>\d+)ELi(?P<n>\d+)ELi(?P<w>\d+)E")
+_FWD = re.compile(r"(?P<fam>flash_fwd_kernel|flash_bwd_kernel|flash_bwd_dq_kernel)I(?P<t>6__half|13__nv_bfloat16)"
+                  r"Li(?P<d>\d+)ELi(?P<m>\d+)ELi(?P<n>\d+)ELi(?P<w>\d+)E")
+#: kernel family → its complete source (the backward family also holds its preprocess/convert kernels)
+FAMILIES = {"flash_fwd_kernel": kernels.fwd_source, "flash_bwd_kernel": kernels_bwd.bwd_source,
+            "flash_bwd_dq_kernel": kernels_bwd.bwd_source}
+
+
+def family(spec) -> str:
+    """``flash_fwd_kernel``, ``flash_bwd_kernel`` or ``flash_bwd_dq_kernel``."""
+    return spec.name_expression.split("<")[0].split("::")[-1]
+
+
+def _key(fam, dtype, d, m, n, w) -> tuple:
+    """Report key of a specialization: ``(dtype, d, m, n, w)`` for the forward, prefixed by the family otherwise."""
+    return (dtype, d, m, n, w) if fam == "flash_fwd_kernel" else (fam, dtype, d, m, n, w)
 
 
 @dataclass
@@ -77,15 +92,21 @@ def specs_by_arch() -> dict[int, dict[kernels.KernelSpec, int]]:
                 for d in kernels.NATIVE_HEAD_DIMS:
                     spec = kernels.select_spec(dtype, d, limit)
                     chosen[spec] = min(chosen.get(spec, limit), limit)
+                    try:
+                        bwd = kernels_bwd.select_specs(dtype, d, limit)
+                    except ValueError:  # head_dim 256 backward needs more than 99 KB of shared memory
+                        bwd = ()
+                    for spec in bwd:
+                        chosen[spec] = min(chosen.get(spec, limit), limit)
         out[arch] = chosen
     return out
 
 
-def translation_unit(specs) -> str:
-    """The kernel source (includes inlined, as CuPy compiles it) plus one reference per
-    instantiation, which makes nvcc compile each of them."""
-    refs = ",\n  ".join(f"(void*)&{s.name_expression}" for s in specs)
-    return kernels.fwd_source() + f"\n\nvoid* cuflash_instances[] = {{\n  {refs}\n}};\n"
+def translation_unit(specs, source=None, extra=()) -> str:
+    """The kernel source (includes inlined, as CuPy compiles it; default the forward's) plus one
+    reference per instantiation (and per name in ``extra``), which makes nvcc compile each of them."""
+    refs = ",\n  ".join(f"(void*)&{n}" for n in [s.name_expression for s in specs] + list(extra))
+    return (source or kernels.fwd_source()) + f"\n\nvoid* cuflash_instances[] = {{\n  {refs}\n}};\n"
 
 
 def parse_ptxas(text: str) -> dict[tuple[tuple, int], dict]:
@@ -98,8 +119,8 @@ def parse_ptxas(text: str) -> dict[tuple[tuple, int], dict]:
             current = None
             if f:
                 dtype = "float16" if f.group("t") == "6__half" else "bfloat16"
-                key = ((dtype, int(f.group("d")), int(f.group("m")), int(f.group("n")), int(f.group("w"))),
-                       int(m.group("arch")))
+                key = (_key(f.group("fam"), dtype, int(f.group("d")), int(f.group("m")), int(f.group("n")),
+                            int(f.group("w"))), int(m.group("arch")))
                 current = found.setdefault(key, {"registers": -1, "stack": 0, "spill": 0, "static_smem": 0})
             continue
         if current is None:
@@ -126,16 +147,20 @@ def check(nvcc: str | None = None, verbose: bool = False, out=sys.stdout) -> int
     with tempfile.TemporaryDirectory(prefix="cuflash_build_") as tmp:
         procs = {}
         for arch, chosen in plan.items():
-            src = Path(tmp) / f"flash_fwd_sm{arch}.cu"
-            src.write_text(translation_unit(list(chosen)))
-            cmd = [nvcc, "-cubin", f"-arch=sm_{arch}", "-std=c++17", "-Xptxas", "-v", "-o",
-                   str(Path(tmp) / f"flash_fwd_sm{arch}.cubin"), str(src)]
-            procs[arch] = (cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            for name, source in (("flash_fwd", kernels.fwd_source), ("flash_bwd", kernels_bwd.bwd_source)):
+                specs = [s for s in chosen if FAMILIES[family(s)] is source]
+                extra = kernels_bwd.helper_names() if name == "flash_bwd" else ()
+                src = Path(tmp) / f"{name}_sm{arch}.cu"
+                src.write_text(translation_unit(specs, source(), extra))
+                cmd = [nvcc, "-cubin", f"-arch=sm_{arch}", "-std=c++17", "-Xptxas", "-v", "-o",
+                       str(Path(tmp) / f"{name}_sm{arch}.cubin"), str(src)]
+                procs[(arch, name)] = (cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                             text=True))
         reports, failed = {}, False
-        for arch, (cmd, proc) in procs.items():
+        for (arch, name), (cmd, proc) in procs.items():
             text, _ = proc.communicate()
             if proc.returncode != 0:
-                print(f"cuflash.build: nvcc failed for sm_{arch}:\n  {' '.join(cmd)}\n{text}", file=out)
+                print(f"cuflash.build: nvcc failed for {name} sm_{arch}:\n  {' '.join(cmd)}\n{text}", file=out)
                 failed = True
             elif verbose:
                 print(text, file=out)
@@ -147,10 +172,10 @@ def check(nvcc: str | None = None, verbose: bool = False, out=sys.stdout) -> int
     for arch, chosen in plan.items():
         for spec, limit in chosen.items():
             r = Row(spec, arch, smem_limit=limit)
-            key = ((spec.dtype, spec.head_dim, spec.block_m, spec.block_n, spec.warps), arch)
+            key = (_key(family(spec), spec.dtype, spec.head_dim, spec.block_m, spec.block_n, spec.warps), arch)
             r.__dict__.update(reports.get(key, {}))
             rows.append(r)
-    rows.sort(key=lambda r: (r.arch, r.spec.dtype, r.spec.head_dim, r.spec.block_m))
+    rows.sort(key=lambda r: (r.arch, family(r.spec), r.spec.dtype, r.spec.head_dim, r.spec.block_m))
     head = f"{'kernel':<58} {'arch':>5} {'regs':>5} {'spill':>6} {'shared':>8} {'limit':>8}  status"
     print(head, file=out)
     print("-" * len(head), file=out)
