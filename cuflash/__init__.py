@@ -12,4 +12,13 @@ from .api import attention, attention_backward, attention_vjp  # noqa: E402
 from .blockmask import BlockMask  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "BlockMask", "dropout_mask", "reference", "__version__"]
+
+
+def warmup(*args, **kwargs):
+    """Compile CUDA kernel specializations ahead of use; see :func:`cuflash.backends.cuda.warmup`."""
+    from .backends import cuda
+
+    return cuda.warmup(*args, **kwargs)
+
+
+__all__ = ["warmup", "attention", "attention_backward", "attention_vjp", "BlockMask", "dropout_mask", "reference", "__version__"]

@@ -25,6 +25,9 @@ _OPTIONS_DOC = """
     seed : int, optional
         Dropout seed in ``[0, 2**64)``. With ``dropout_p > 0`` and ``seed=None`` the forward draws a
         fresh seed and returns it as an extra last result; the backward requires it.
+    dtype : {None, "bfloat16"}
+        ``"bfloat16"`` declares ``uint16`` arrays as bfloat16 bit patterns, for CuPy versions without
+        ``ml_dtypes.bfloat16`` support (results are then bfloat16 bits too); otherwise leave None.
     backend : {None, "numpy", "cuda", "emulate"}
         ``None`` picks from the arrays: NumPy → ``"numpy"``, CuPy → ``"cuda"``.
 
@@ -45,7 +48,8 @@ def _backend(problem, name):
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
-              seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, return_lse=False, backend=None):
+              seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, return_lse=False, dtype=None,
+              backend=None):
     """Exact softmax attention, computed block by block without materializing the score matrix.
 
     Parameters
@@ -70,7 +74,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
     """
     drawn = seed is None and dropout_p
     kw = dict(causal=causal, scale=scale, window=window, block_mask=block_mask, seqlens_q=seqlens_q,
-              seqlens_k=seqlens_k, dropout_p=dropout_p, seed=fresh_seed() if drawn else seed)
+              seqlens_k=seqlens_k, dropout_p=dropout_p, seed=fresh_seed() if drawn else seed, dtype=dtype)
     problem = _problem(q, k, v, kw)
     out, lse = _backend(problem, backend).forward(problem)
     result = (problem.unflatten(out, problem.q.shape[1:]),)
@@ -83,7 +87,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
                        block_mask=None, seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None,
-                       backend=None):
+                       dtype=None, backend=None):
     """Gradients of :func:`attention` by recomputation from the saved ``lse`` (FA2 Algorithm 2).
 
     Parameters
@@ -103,7 +107,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         raise ValueError("seed is required when dropout_p > 0: pass the seed the forward used "
                          "(returned by attention when it drew one)")
     kw = dict(causal=causal, scale=scale, window=window, block_mask=block_mask, seqlens_q=seqlens_q,
-              seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed)
+              seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed, dtype=dtype)
     problem = _problem(q, k, v, kw)
     dout_f, out_f, lse_f = check_backward(problem, dout, out, lse)
     dq, dk, dv = _backend(problem, backend).backward(problem, dout_f, out_f, lse_f)

@@ -13,6 +13,7 @@ from pathlib import Path
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_PRAGMA_ONCE = re.compile(r'^\s*#\s*pragma\s+once\s*$', re.M)
 
 
 def kernel_source(name: str) -> str:
@@ -31,7 +32,8 @@ def kernel_source(name: str) -> str:
             seen.add(str(inc))
             return f"// ---- begin {match.group(1)}\n{expand(inc)}\n// ---- end {match.group(1)}\n"
 
-        return _INCLUDE.sub(repl, path.read_text())
+        # Each header is inlined once, so its `#pragma once` has no job left (nvcc warns about it in a main file).
+        return _INCLUDE.sub(repl, _PRAGMA_ONCE.sub("", path.read_text()))
 
     return expand(KERNELS_DIR / name)
 

@@ -89,6 +89,11 @@ def dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
+def bf16_bits_to_float32(x):
+    """``uint16`` bfloat16 bit patterns → float32 (exact: bfloat16 is float32's top half)."""
+    return (x.astype(np.uint32) << 16).view(np.float32)
+
+
 def stats_dtype(dtype) -> np.dtype:
     """Softmax statistics and ``lse`` are float32, float64 for float64 inputs."""
     return np.dtype(np.float64) if dtype_name(dtype) == "float64" else np.dtype(np.float32)
@@ -121,6 +126,8 @@ class Problem:
     block_mask: Any  # BlockMask or None
     dropout_p: float = 0.0
     seed: Optional[int] = None
+    #: "bfloat16" when uint16 arrays carry bfloat16 bits (``dtype="bfloat16"``), else the dtype's name.
+    element_type: str = ""
 
     batch = property(lambda self: self.q.shape[0])
     seqlen_q = property(lambda self: self.q.shape[1])
@@ -128,8 +135,15 @@ class Problem:
     heads_q = property(lambda self: self.q.shape[2])
     heads_kv = property(lambda self: self.k.shape[2])
     head_dim = property(lambda self: self.q.shape[3])
-    dtype = property(lambda self: self.q.dtype)
+    dtype = property(lambda self: self.q.dtype)  # the arrays' dtype (uint16 for declared bfloat16 bits)
     group = property(lambda self: self.q.shape[2] // self.k.shape[2])
+
+    def host_float(self, x, dtype):
+        """A q/k/v-like array as a host array of ``dtype`` (decoding declared bfloat16 bits)."""
+        x = np.asarray(x.get() if _is_cupy(x) else x)
+        if dtype_name(x.dtype) == "uint16" and self.element_type == "bfloat16":
+            x = bf16_bits_to_float32(x)
+        return x.astype(dtype)
 
     @property
     def lengths(self):
@@ -162,7 +176,18 @@ def _flatten(x, n_batch: int):
     return x.reshape((math.prod(x.shape[:n_batch]),) + x.shape[n_batch:])
 
 
-def _check_qkv(q, k, v):
+def _check_element_type(q, dtype):
+    """The element type of q, k, v: their dtype, or bfloat16 declared over uint16 bits."""
+    if dtype is None:
+        return dtype_name(q.dtype)
+    if dtype != "bfloat16":
+        raise ValueError(f"dtype must be None or 'bfloat16' (for uint16 arrays holding bfloat16 bits), got {dtype!r}")
+    if dtype_name(q.dtype) not in ("uint16", "bfloat16"):
+        raise TypeError(f"dtype='bfloat16' declares uint16 arrays of bfloat16 bits, but q is {q.dtype}")
+    return "bfloat16"
+
+
+def _check_qkv(q, k, v, element_type):
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim < 3:
             raise ValueError(f"{name} must have shape (..., seqlen, heads, head_dim), got ndim={a.ndim}")
@@ -185,8 +210,9 @@ def _check_qkv(q, k, v):
     if len(dts) > 1:
         raise TypeError(f"q, k, v must share one dtype, got {dtype_name(q.dtype)}, "
                         f"{dtype_name(k.dtype)}, {dtype_name(v.dtype)}")
-    if dtype_name(q.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"q, k, v must be floating point ({', '.join(FLOAT_DTYPES)}), got {q.dtype}")
+    if element_type not in FLOAT_DTYPES:
+        raise TypeError(f"q, k, v must be floating point ({', '.join(FLOAT_DTYPES)}; uint16 bfloat16 bits "
+                        f"with dtype='bfloat16'), got {q.dtype}")
 
 
 def _check_scale(scale, head_dim):
@@ -246,10 +272,11 @@ def _check_dropout(dropout_p, seed):
 
 
 def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
-                 seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None) -> Problem:
+                 seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, dtype=None) -> Problem:
     """Validate the forward arguments and return the normalized :class:`Problem`."""
     xp = array_module(q, k, v, names=("q", "k", "v"))
-    _check_qkv(q, k, v)
+    element_type = _check_element_type(q, dtype)
+    _check_qkv(q, k, v, element_type)
     n_batch = q.ndim - 3
     batch_shape = tuple(q.shape[:n_batch])
     scale = _check_scale(scale, q.shape[-1])
@@ -265,7 +292,7 @@ def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=N
             raise TypeError(f"block_mask must be a cuflash.BlockMask, got {type(block_mask).__name__}")
         block_mask.check_fits(qf.shape[0], qf.shape[2], qf.shape[1], kf.shape[1])
     return Problem(xp, qf, kf, vf, batch_shape, scale, bool(causal), left, right, sq, sk,
-                   block_mask, dropout_p, seed)
+                   block_mask, dropout_p, seed, element_type)
 
 
 def check_backward(problem: Problem, dout, out, lse):

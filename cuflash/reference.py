@@ -15,37 +15,41 @@ import numpy as np
 from .problem import check_backward, make_problem
 
 
-def _host(x, dtype):
-    x = x.get() if hasattr(x, "get") else x
-    return np.asarray(x).astype(dtype)
-
-
 def _grouped(p, dtype):
     """q as (B, Hkv, G, Sq, D) and k, v as (B, Hkv, 1, Sk, D), in ``dtype`` on the host."""
     b, sq, hq, d = p.q.shape
     hkv = p.heads_kv
-    q = _host(p.q, dtype).transpose(0, 2, 1, 3).reshape(b, hkv, p.group, sq, d)
-    k = _host(p.k, dtype).transpose(0, 2, 1, 3)[:, :, None]
-    v = _host(p.v, dtype).transpose(0, 2, 1, 3)[:, :, None]
+    q = p.host_float(p.q, dtype).transpose(0, 2, 1, 3).reshape(b, hkv, p.group, sq, d)
+    k = p.host_float(p.k, dtype).transpose(0, 2, 1, 3)[:, :, None]
+    v = p.host_float(p.v, dtype).transpose(0, 2, 1, 3)[:, :, None]
     return q, k, v
 
 
 def _probabilities(p, q, k):
-    """S = scale·QKᵀ with invisible entries at -inf; P = softmax(S); lse per row (natural log)."""
-    s = q.dtype.type(p.scale) * (q @ np.swapaxes(k, -1, -2))
+    """S = scale·QKᵀ with invisible entries at -inf; P = softmax(S); lse per row (natural log).
+
+    Every intermediate is rounded to q's dtype, so with ``compute_dtype`` = the input dtype this
+    is the naive same-dtype computation (libraries such as ml_dtypes compute some ops wider).
+    """
+    r = _rounder(q.dtype)
+    s = r(q.dtype.type(p.scale) * r(q @ np.swapaxes(k, -1, -2)))
     keep = p.visible_mask()  # (B, Hq|1, Sq, Sk)
     keep = keep.reshape(keep.shape[0], -1, 1, *keep.shape[2:]) if keep.shape[1] == 1 else \
         keep.reshape(keep.shape[0], p.heads_kv, p.group, *keep.shape[2:])
-    s = np.where(keep, s, -np.inf)
+    s = np.where(keep, s, s.dtype.type(-np.inf))
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    m_safe = np.where(np.isfinite(m), m, s.dtype.type(0))  # rows that see nothing: avoid (-inf) - (-inf)
-    e = np.exp(s - m_safe)
-    l = e.sum(axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, s.dtype.type(0))  # rows that see nothing: no (-inf) - (-inf)
+    e = r(np.exp(r(s - m_safe)))
+    l = r(e.sum(axis=-1, keepdims=True))
     with np.errstate(divide="ignore", invalid="ignore"):
         one = l.dtype.type(1)
-        prob = np.where(l > 0, e / np.where(l > 0, l, one), l.dtype.type(0))
-        lse = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, one)), l.dtype.type(-np.inf))[..., 0]
+        prob = r(np.where(l > 0, e / np.where(l > 0, l, one), l.dtype.type(0)))
+        lse = r(np.where(l > 0, m_safe + np.log(np.where(l > 0, l, one)), l.dtype.type(-np.inf))[..., 0])
     return prob, lse
+
+
+def _rounder(dtype):
+    return lambda x: np.asarray(x).astype(dtype, copy=False)
 
 
 def _ungroup(x, p):
@@ -56,7 +60,7 @@ def _ungroup(x, p):
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
               seqlens_q=None, seqlens_k=None, return_lse=False, dropout_mask=None, dropout_p=0.0,
-              compute_dtype=np.float64):
+              compute_dtype=np.float64, dtype=None):
     """Float64 attention with every cuflash option; see :func:`cuflash.attention`.
 
     ``dropout_mask`` (bool, broadcastable to ``(..., heads, Sq, Sk)``) and ``dropout_p`` apply
@@ -64,18 +68,18 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
     Returns ``out`` (and ``lse``, ``(..., heads, Sq)``) in ``compute_dtype`` (float64 by default).
     """
     p = make_problem(q, k, v, causal=causal, scale=scale, window=window, block_mask=block_mask,
-                     seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+                     seqlens_q=seqlens_q, seqlens_k=seqlens_k, dtype=dtype)
     qg, kg, vg = _grouped(p, np.dtype(compute_dtype))
     prob, lse = _probabilities(p, qg, kg)
     prob = _apply_dropout(prob, p, dropout_mask, dropout_p)
-    out = p.unflatten(_ungroup(prob @ vg, p), p.q.shape[1:])
+    out = p.unflatten(_ungroup(_rounder(vg.dtype)(prob @ vg), p), p.q.shape[1:])
     lse = p.unflatten(lse.reshape(p.batch, p.heads_q, p.seqlen_q), (p.heads_q, p.seqlen_q))
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale=None, window=None,
                        block_mask=None, seqlens_q=None, seqlens_k=None, dropout_mask=None, dropout_p=0.0,
-                       compute_dtype=np.float64):
+                       compute_dtype=np.float64, dtype=None):
     """Analytic float64 gradients ``(dq, dk, dv)`` of :func:`attention`.
 
     dP = dO Vᵀ, D = rowsum(dO∘O), dS = P∘(dP − D), dQ = scale·dS K, dK = scale·dSᵀQ, dV = PᵀdO,
@@ -83,23 +87,24 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale
     signature parity and ignored: the reference recomputes everything in float64.
     """
     p = make_problem(q, k, v, causal=causal, scale=scale, window=window, block_mask=block_mask,
-                     seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+                     seqlens_q=seqlens_q, seqlens_k=seqlens_k, dtype=dtype)
     if out is not None and lse is not None:
         check_backward(p, dout, out, lse)
     qg, kg, vg = _grouped(p, np.dtype(compute_dtype))
     prob, _ = _probabilities(p, qg, kg)
     pd = _apply_dropout(prob, p, dropout_mask, dropout_p)
+    r = _rounder(qg.dtype)
     b, sq, hq, d = p.q.shape
-    do = _host(dout, qg.dtype).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
-    o = pd @ vg
-    dv = np.swapaxes(pd, -1, -2) @ do
-    dpd = do @ np.swapaxes(vg, -1, -2)
+    do = p.host_float(dout, qg.dtype).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
+    o = r(pd @ vg)
+    dv = r(np.swapaxes(pd, -1, -2) @ do)
+    dpd = r(do @ np.swapaxes(vg, -1, -2))
     dprob = _apply_dropout(dpd, p, dropout_mask, dropout_p)  # d(P∘Z/(1-p))/dP
-    big_d = (do * o).sum(axis=-1, keepdims=True)
-    ds = prob * (dprob - big_d)
+    big_d = r((do * o).sum(axis=-1, keepdims=True))
+    ds = r(prob * r(dprob - big_d))
     scale = qg.dtype.type(p.scale)
-    dq = scale * (ds @ kg)
-    dk = scale * (np.swapaxes(ds, -1, -2) @ qg)
+    dq = r(scale * r(ds @ kg))
+    dk = r(scale * r(np.swapaxes(ds, -1, -2) @ qg))
     shape_q, shape_k = p.q.shape[1:], p.k.shape[1:]
     return (p.unflatten(_ungroup(dq, p), shape_q),
             p.unflatten(_ungroup(dk.sum(axis=2, keepdims=True), p), shape_k),
@@ -107,7 +112,7 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale
 
 
 def term_magnitudes(q, k, v, dout=None, *, causal=False, scale=None, window=None, block_mask=None,
-                    seqlens_q=None, seqlens_k=None, dropout_mask=None, dropout_p=0.0):
+                    seqlens_q=None, seqlens_k=None, dropout_mask=None, dropout_p=0.0, dtype=None):
     """Largest magnitude of the terms each result is summed from, in float64.
 
     ``out = P V`` sums terms ``P_ij V_j``; the lse sums ``exp`` of scores ``S_ij``; ``dQ = scale·dS K``,
@@ -120,7 +125,7 @@ def term_magnitudes(q, k, v, dout=None, *, causal=False, scale=None, window=None
     Returns a dict with keys ``out``, ``lse`` and, given ``dout``, ``dq``, ``dk``, ``dv``.
     """
     p = make_problem(q, k, v, causal=causal, scale=scale, window=window, block_mask=block_mask,
-                     seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+                     seqlens_q=seqlens_q, seqlens_k=seqlens_k, dtype=dtype)
     qg, kg, vg = _grouped(p, np.dtype(np.float64))
     prob, lse = _probabilities(p, qg, kg)
     s = np.abs(p.scale * (qg @ np.swapaxes(kg, -1, -2))) * (prob > 0)
@@ -128,7 +133,7 @@ def term_magnitudes(q, k, v, dout=None, *, causal=False, scale=None, window=None
     mags = {"out": (prob @ np.abs(vg)).max(initial=0), "lse": cond}
     if dout is not None:
         b, sq, hq, d = p.q.shape
-        do = _host(dout, np.float64).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
+        do = p.host_float(dout, np.float64).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
         dp = do @ np.swapaxes(vg, -1, -2)
         # dS = P∘(dP − D) cancels (exactly, for a single key): its operands set the magnitude.
         ds = prob * (np.abs(dp) + np.abs((do * (prob @ vg)).sum(axis=-1, keepdims=True)))
@@ -146,4 +151,4 @@ def _apply_dropout(x, p, mask, dropout_p):
         return x
     m = np.broadcast_to(np.asarray(mask), p.batch_shape + (p.heads_q, p.seqlen_q, p.seqlen_k))
     m = m.reshape(p.batch, p.heads_kv, p.group, p.seqlen_q, p.seqlen_k)
-    return x * m / x.dtype.type(1.0 - dropout_p)
+    return _rounder(x.dtype)(x * m / x.dtype.type(1.0 - dropout_p))

@@ -38,7 +38,9 @@ def _dtype(name):
 def rounding(dtype) -> float:
     """One ulp at 1.0 (machine epsilon) of ``dtype``: the size of one rounding, relative."""
     name = np.dtype(dtype).name
-    return {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}.get(name, float(np.finfo(dtype).eps))
+    if name == "bfloat16":
+        return 2.0 ** -7
+    return float(np.finfo(dtype).eps)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from cuflash.blockmask import BlockMask
-from cuflash.testing import Case
+from cuflash.testing import Case, check_forward  # noqa: F401  (re-exported for the kernel tests)
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 
@@ -92,51 +92,3 @@ def golden_cases(dtype=np.float16):
         q, k, v, dout = (z[n].astype(dtype) for n in ("q", "k", "v", "dout"))
         out.append((path.stem, Case(q, k, v, dout, options=kw), z["out"], z["lse"]))
     return out
-
-
-def _bf16_rule_works() -> bool:
-    """Whether cuflash.testing's rule handles bfloat16 today. Two gaps were found (reported to the
-    owner of cuflash/testing.py and reference.py): ``rounding()`` evaluates ``np.finfo(bfloat16)``,
-    which raises, and the reference's naive bfloat16 computation runs its matmuls in float32
-    (ml_dtypes promotes), so its "same-dtype error" is ~0."""
-    from cuflash import reference, testing
-
-    try:
-        testing.rounding(bf16())
-    except ValueError:
-        return False
-    x = np.ones((1, 2, 1, 2), dtype=bf16())
-    return reference.attention(x, x, x, compute_dtype=x.dtype).dtype == x.dtype
-
-
-def check_forward(fn, case: Case):
-    """cuflash.testing.check_forward (the 2x same-dtype rule). For bfloat16, while the rule cannot
-    handle it (see _bf16_rule_works), the same rule written out with the bfloat16 constants: the
-    baseline ``out`` rounded once to bfloat16, floor two bfloat16 roundings (2 * 2**-7) at the term
-    magnitude; the lse (float32 in both) against the float32-computed baseline with a float32 floor."""
-    from cuflash import reference, testing
-
-    if case.q.dtype.name != "bfloat16" or _bf16_rule_works():
-        return testing.check_forward(fn, case)
-    out, lse = fn(case.q, case.k, case.v, **case.options)
-    ref, ref_lse = reference.attention(case.q, case.k, case.v, return_lse=True, **case.options)
-    base, base_lse = reference.attention(case.q, case.k, case.v, return_lse=True, compute_dtype=case.q.dtype,
-                                         **case.options)
-    mags = reference.term_magnitudes(case.q, case.k, case.v, **case.options)
-    close_bf16(out, ref, base, mags["out"])
-    testing.assert_attention_close(lse, ref_lse, np.asarray(base_lse, np.float32), name="lse", magnitude=mags["lse"])
-    return out, lse
-
-
-def close_bf16(actual, ref64, baseline, magnitude, mult=2.0):
-    actual = np.asarray(actual.get() if hasattr(actual, "get") else actual).astype(np.float64)
-    baseline = np.asarray(baseline).astype(bf16()).astype(np.float64)
-    assert not np.isnan(actual).any(), "out: NaN in the result"
-    inf_ref = np.isinf(ref64)
-    assert np.array_equal(np.isinf(actual), inf_ref)
-    fin = ~inf_ref
-    if fin.any():
-        err = np.abs(actual[fin] - ref64[fin]).max()
-        base = np.abs(baseline[fin] - ref64[fin]).max()
-        floor = 2 * 2.0 ** -7 * magnitude
-        assert err <= mult * base + floor, f"out: max error {err:.3e} > {mult} x {base:.3e} + {floor:.3e} (bf16)"

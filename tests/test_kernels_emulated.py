@@ -15,7 +15,7 @@ from cuflash.launch import LaunchSpec, kernel_source
 from cuflash.problem import key_range, make_problem, visible
 from cuflash.testing import Case, assert_attention_close, attention_cases
 
-from fwd_cases import bf16, check_forward, close_bf16, feature_cases, golden_cases, make_case
+from fwd_cases import bf16, check_forward, feature_cases, golden_cases, make_case
 
 _ok, _why = emulate.available()
 pytestmark = [pytest.mark.emulate, pytest.mark.skipif(not _ok, reason=f"CPU emulation unavailable: {_why}")]

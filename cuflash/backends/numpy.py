@@ -93,6 +93,9 @@ def _dropout_scale(problem, tile, dtype):
 
 def check(problem: Problem):
     name = dtype_name(problem.dtype)
+    if name == "uint16":
+        raise TypeError("the numpy backend takes bfloat16 as ml_dtypes.bfloat16 arrays; dtype='bfloat16' over "
+                        "uint16 bits is the fallback for CuPy versions without bfloat16")
     if name not in SUPPORTED_DTYPES:
         raise TypeError(f"the numpy backend supports {', '.join(SUPPORTED_DTYPES)}, got {name}")
 
