@@ -92,10 +92,10 @@ class Case:
     impls: tuple = ()
 
     @property
-    def key(self) -> tuple:
-        """Identity of the problem, shared by every impl measured on it."""
-        return (self.figure, self.device, self.op, self.dtype, self.batch, self.heads, self.seqlen_q,
-                self.seqlen_k, self.head_dim, self.causal, self.density, self.block_k)
+    def inputs_key(self) -> tuple:
+        """What the input arrays depend on: cases sharing it share their inputs."""
+        return (self.device, self.dtype, self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.head_dim,
+                self.density, self.mask_block)
 
     @property
     def flops(self) -> float:
@@ -191,7 +191,7 @@ def _suite_spec(device: str, mode: str) -> SuiteSpec:
     from .backends.numpy import BLOCK_K, BLOCK_Q
 
     if mode == "smoke":  # the quick code paths at toy sizes, for tests
-        return SuiteSpec(256, 64, "float32", (128, 256), (32,), (False, True), OPS, (128, 256), 32,
+        return SuiteSpec(256, 64, "float32", (128,), (32,), (False, True), OPS, (128, 256), 32,
                          256, (1.0, 0.5), (64, 64), 256, (32,), (64, 128), (512,), (1, 4), 1, 2, 32)
     if mode == "full":
         return SuiteSpec(4096, 256, "float32", (512, 1024, 2048, 4096), (64, 128), (False, True), OPS,
@@ -530,9 +530,9 @@ def _module_of(a):
 
 def causal_bias(xp, seqlen_q: int, seqlen_k: int, dtype):
     """``(Sq, Sk)`` additive mask, 0 where bottom-right causal attention sees a key, -inf elsewhere."""
-    i = xp.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
-    j = xp.arange(seqlen_k)[None, :]
-    return xp.where(j <= i, 0, -xp.inf).astype(dtype)
+    i = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+    j = np.arange(seqlen_k)[None, :]
+    return xp.asarray(np.where(j <= i, 0, -np.inf).astype(dtype))  # built on the host, then moved once
 
 
 def _check_standard(device: str):
@@ -562,7 +562,8 @@ def _check_torch(device: str):
 
 
 def _torch_tensors(case: Case, x: Inputs, grad: bool):
-    """Zero-copy DLPack views of q, k, v, dout as torch ``(B, H, S, d)`` (strided) tensors."""
+    """Zero-copy DLPack views of q, k, v, dout, ``(B, S, H, d)`` like the arrays; q, k, v are the
+    leaves gradients are taken for."""
     import torch
 
     def view(a, leaf):
@@ -628,8 +629,8 @@ def _jax_array(a):
 
     try:
         return jax.dlpack.from_dlpack(a)  # zero-copy from CuPy
-    except Exception:  # older jax: only capsules
-        return jax.device_put(_host(a), jax.devices("gpu")[0])
+    except Exception:  # noqa: BLE001 -- older jax takes only capsules: copy (outside the timing)
+        return jax.device_put(_host(a))
 
 
 def _build_jax(name: str):
@@ -638,6 +639,8 @@ def _build_jax(name: str):
 
         import jax
 
+        if case.causal and case.seqlen_q != case.seqlen_k:
+            raise Skip("jax's is_causal is top-left aligned; cuflash's bottom-right")
         attn = functools.partial(jax.nn.dot_product_attention, is_causal=case.causal,
                                  implementation=JAX_IMPLS[name])
         q, k, v, do = (_jax_array(a) for a in (x.q, x.k, x.v, x.dout))
@@ -705,7 +708,7 @@ class Timing:
 
 TIMINGS = {"smoke": Timing(warmup=0, min_repeats=1, max_repeats=2, budget_s=0.0),
            "quick": Timing(warmup=0, min_repeats=3, max_repeats=9, budget_s=0.15),
-           "full": Timing(warmup=1, min_repeats=3, max_repeats=25, budget_s=0.25)}
+           "full": Timing(warmup=1, min_repeats=3, max_repeats=15, budget_s=0.15)}
 
 
 class Timer:
@@ -820,11 +823,14 @@ def _torch_reset_peak() -> int:
     return torch.cuda.memory_allocated()
 
 
-def release_memory(device: str):
-    """Hand cached device memory back between cases, so one library's cache cannot starve another."""
-    gc.collect()
+def release_memory(device: str, *, collect: bool = True):
+    """Hand cached device memory back, so one library's cache cannot starve another. ``collect``
+    also runs the garbage collector first (between cases; it costs tens of ms with torch loaded).
+    On the CPU reference counting already frees a case's arrays."""
     if device != "cuda":
         return
+    if collect:
+        gc.collect()  # autograd graphs and JAX buffers can sit in reference cycles
     import cupy
 
     cupy.get_default_memory_pool().free_all_blocks()
@@ -879,8 +885,9 @@ class Record:
 
 def model_io_bytes(case: Case, impl: Impl) -> Optional[int]:
     """:func:`cuflash.io_cost` for the impl's algorithm: GPU only (a CPU has no HBM/SRAM split the
-    ledger describes), tiled ledger with the CUDA kernel's tiles, standard ledger for Algorithm 0."""
-    if case.device != "cuda" or impl.io_model is None:
+    ledger describes); Algorithm 0's ledger for standard attention, the tiled ledger with the CUDA
+    forward kernel's tiles for cuflash's forward (the backward kernel's tiles are its own)."""
+    if case.device != "cuda" or impl.io_model is None or (impl.io_model == "tiled" and case.op != "fwd"):
         return None
     from .io_cost import io_cost
 
@@ -958,18 +965,20 @@ def run_cases(cases: list[Case], *, timing: Timing, deadline: Optional[float] = 
         if why is not None:
             result.skipped.append((case.figure, _skip_entry(case, name, why)))
             continue
-        if inputs_key != case.key:
+        if inputs_key != case.inputs_key:
             inputs = None
             release_memory(case.device)
-            inputs, inputs_key = make_inputs(case), case.key
+            inputs, inputs_key = make_inputs(case), case.inputs_key
+        failed = False
         try:
             result.records.append((case.figure, measure(case, IMPLS[name], inputs, timing=timing)))
         except Exception as exc:  # noqa: BLE001 -- a baseline failing must not end the run
+            failed = True
             if is_oom(exc):
                 oom_at[(case.figure, name)] = min(oom_at.get((case.figure, name), 1 << 62), case.seqlen_k)
             result.skipped.append((case.figure, _skip_entry(case, name, _reason(exc))))
-        if case.device == "cuda":
-            release_memory(case.device)
+        # after a failure the traceback's frames (holding the big temporaries) sit in a cycle
+        release_memory(case.device, collect=failed)
     bar.close()
     return result
 
@@ -1259,7 +1268,9 @@ PLOTTERS = {"product": _plot_product, "throughput": _plot_throughput, "memory": 
 # ================================================================================================
 # Command line
 # ================================================================================================
-DEFAULT_TIME_LIMIT = {"smoke": None, "quick": 50.0, "full": 540.0}
+#: Seconds of measuring after which the remaining pairs are skipped: a quick CPU run must end within a
+#: minute, a full GPU run within one 10-minute device call (imports, compilation and plots included).
+DEFAULT_TIME_LIMIT = {"smoke": None, "quick": 50.0, "full": 500.0}
 
 
 def replot(folder: Path) -> int:
@@ -1295,7 +1306,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, help=f"comma-separated figures from {', '.join(FIGURES)}")
     p.add_argument("--impl", default=None, help="comma-separated impls to run (default: all importable)")
     p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds after which remaining cases are skipped (quick 50, full 540)")
+                   help="seconds after which remaining cases are skipped (quick 50, full 500)")
     p.add_argument("--no-plot", action="store_true", help="write JSON only")
     p.add_argument("--replot", type=Path, default=None, metavar="DIR",
                    help="only redraw the PNGs of the result JSON files in DIR, measuring nothing")

@@ -213,3 +213,32 @@ def test_plots_when_matplotlib_is_there(tmp_path):
                        "--no-progress"]) == 0
     assert (tmp_path / "fig4_tiles.png").stat().st_size > 0
     assert bench.main(["--replot", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("impl", ["cuflash", "numpy", "numpy-inplace", "torch-flash", "torch-math", "jax-xla"])
+@pytest.mark.parametrize("op", bench.OPS)
+def test_every_cpu_capable_baseline_computes_attention(impl, op):
+    """Each impl's timed call computes causal attention (or its gradients); baselines that are not
+    installed skip. JAX runs its XLA path on the CPU here (the runner uses JAX on GPUs only)."""
+    if impl.startswith("torch"):
+        pytest.importorskip("torch")
+    if impl.startswith("jax"):
+        pytest.importorskip("jax")
+    case = bench.Case("throughput", "cpu", op, "float32", 2, 3, 64, 64, 16, causal=True)
+    if op not in bench.IMPLS[impl].ops:
+        pytest.skip(f"{impl} has no {op}")
+    x = bench.make_inputs(case)
+    run, sync = bench.IMPLS[impl].build(case, x)
+    got = run()
+    sync(got)
+    def layout(a):
+        return np.asarray(a.detach() if hasattr(a, "detach") else a)
+
+    if op == "fwd":
+        want = reference.attention(x.q, x.k, x.v, causal=True)
+        out = layout(got)
+        out = out.transpose(0, 2, 1, 3) if impl.startswith("torch") else out  # torch returns (B, H, S, d)
+        np.testing.assert_allclose(out, want, atol=2e-5)
+    else:
+        for g, w in zip(got, reference.attention_backward(x.dout, x.q, x.k, x.v, causal=True)):
+            np.testing.assert_allclose(layout(g), w, atol=2e-5)
