@@ -17,28 +17,44 @@ namespace emu {
 
 using ::cuflash_emu::Fiber;
 
-// fp16 -> fp32 through a table: the toolkit's host conversion is exact but slow, and an mma unpacks 384 values.
-inline const float* half_table() {
-  static float* table = [] {
-    float* t = new float[65536];
-    for (unsigned i = 0; i < 65536; ++i) {
-      __half_raw r;
-      r.x = static_cast<unsigned short>(i);
-      t[i] = __half2float(__half(r));
-    }
-    return t;
-  }();
-  return table;
+// fp16 -> fp32, exact, in a few integer operations (the toolkit's host conversion is exact but slow, and a
+// 256 KiB table thrashes the cache): move exponent and mantissa into place and rebias; subnormals are
+// renormalized by one float subtraction, Inf/NaN get the all-ones exponent.
+// (optimize("O3") like mma_fn, its caller: GCC does not inline across differing optimization attributes.)
+__attribute__((optimize("O3"))) inline float half_bits_to_float(uint16_t h) {
+  const uint32_t exp_mask = 0x7c00u << 13;
+  uint32_t o = uint32_t(h & 0x7fffu) << 13;
+  uint32_t exp = o & exp_mask;
+  o += (127 - 15) << 23;
+  float f;
+  if (exp == exp_mask) {
+    o += (128 - 16) << 23;
+    memcpy(&f, &o, 4);
+  } else if (exp == 0) {
+    o += 1u << 23;
+    const uint32_t magic_bits = 113u << 23;
+    float magic;
+    memcpy(&f, &o, 4);
+    memcpy(&magic, &magic_bits, 4);
+    f -= magic;
+  } else {
+    memcpy(&f, &o, 4);
+  }
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u |= uint32_t(h & 0x8000u) << 16;
+  memcpy(&f, &u, 4);
+  return f;
 }
 
 template <typename T>
 inline float to_float(uint16_t bits);
 template <>
-inline float to_float<__half>(uint16_t bits) {
-  return half_table()[bits];
+__attribute__((optimize("O3"))) inline float to_float<__half>(uint16_t bits) {
+  return half_bits_to_float(bits);
 }
 template <>
-inline float to_float<__nv_bfloat16>(uint16_t bits) {
+__attribute__((optimize("O3"))) inline float to_float<__nv_bfloat16>(uint16_t bits) {
   uint32_t u = uint32_t(bits) << 16;  // bf16 is the top half of an fp32
   float f;
   memcpy(&f, &u, 4);
@@ -54,8 +70,10 @@ struct MmaIn {
 // Unpacks every lane's fragments into plain matrices, multiplies in fp32 (products of two 11- or 8-bit
 // significands are exact in fp32), accumulates in k order, and scatters D back. C is read completely before D
 // is written, so d may alias c as in mma(acc, a, b, acc).
+// Half of an emulated forward pass is spent here, and the build is -O1 (no vectorizer): this one function asks
+// for more. The j loop is innermost so SIMD lanes are output columns; each element still sums in k order.
 template <typename T>
-void mma_fn(Fiber* const* lanes, uint32_t) {
+__attribute__((optimize("O3"))) void mma_fn(Fiber* const* lanes, uint32_t) {
   float A[16][16], B[16][8], C[16][8];
   for (int l = 0; l < 32; ++l) {
     auto* in = static_cast<const MmaIn*>(lanes[l]->win);
@@ -73,11 +91,8 @@ void mma_fn(Fiber* const* lanes, uint32_t) {
     for (int r = 0; r < 4; ++r) C[g + 8 * (r >> 1)][2 * t + (r & 1)] = in->c[r];
   }
   for (int i = 0; i < 16; ++i)
-    for (int j = 0; j < 8; ++j) {
-      float acc = C[i][j];
-      for (int k = 0; k < 16; ++k) acc += A[i][k] * B[k][j];
-      C[i][j] = acc;
-    }
+    for (int k = 0; k < 16; ++k)
+      for (int j = 0; j < 8; ++j) C[i][j] += A[i][k] * B[k][j];
   for (int l = 0; l < 32; ++l) {
     float* d = static_cast<float*>(lanes[l]->wout);
     int g = l >> 2, t = l & 3;

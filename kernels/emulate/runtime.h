@@ -142,6 +142,13 @@ inline bool in_shared(const void* p, size_t n) {
 
 // ---------------------------------------------------------------------------------------------- switching
 
+// Without -mpopcnt, __builtin_popcount is a libgcc call; this is on the path of every warp collective.
+inline unsigned popc(uint32_t x) {
+  x = x - ((x >> 1) & 0x55555555u);
+  x = (x & 0x33333333u) + ((x >> 2) & 0x33333333u);
+  return (((x + (x >> 4)) & 0x0f0f0f0fu) * 0x01010101u) >> 24;
+}
+
 inline void set_state(Fiber* f, int state) {
   g.nready += (state == kReady) - (f->state == kReady);
   f->state = state;
@@ -266,7 +273,7 @@ inline int syncthreads_at(const char* file, int line, int pred = 0, int reduce =
 inline bool try_complete(Fiber* f) {
   unsigned w = f->warp;
   uint32_t need = f->wmask & g.warp_exists[w] & ~g.warp_exited[w];
-  if (unsigned(__builtin_popcount(need)) > g.warp_waiting[w]) return false;
+  if (popc(need) > g.warp_waiting[w]) return false;
   Fiber* base = &g.fibers[w * 32];
   Fiber* lanes[32] = {};
   for (uint32_t m = need; m; m &= m - 1) {
@@ -282,7 +289,7 @@ inline bool try_complete(Fiber* f) {
          f->wmask);
   f->wfn(lanes, need);
   for (uint32_t m = need; m; m &= m - 1) set_state(base + __builtin_ctz(m), kReady);
-  g.warp_waiting[w] -= unsigned(__builtin_popcount(need));
+  g.warp_waiting[w] -= popc(need);
   return true;
 }
 

@@ -117,3 +117,13 @@ def test_pack2_rounds_and_orders_halves(dtype):
     emu.launch(spec("arch_tests.cu", f"pack2_kernel<{dtype}>", (x, out, np.int32(32))))
     bits = DTYPES[dtype][0](x).astype(np.uint32)
     np.testing.assert_array_equal(out, bits[0::2] | (bits[1::2] << 16))
+
+
+def test_mma_fp16_decoder_is_exact_for_every_bit_pattern():
+    """Subnormals, infinities and NaNs included: the emulated mma must see exactly the fp16 values."""
+    out = np.zeros(65536, np.float32)
+    emu.launch(spec("arch_tests.cu", "half_decode_kernel", (out,)))
+    expected = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32)[~np.isnan(expected)],
+                                  expected.view(np.uint32)[~np.isnan(expected)])
+    assert np.isnan(out[np.isnan(expected)]).all()

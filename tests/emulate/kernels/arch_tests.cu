@@ -112,3 +112,11 @@ __global__ void pack2_kernel(const float* x, uint32_t* out, int n) {
 }
 template __global__ void pack2_kernel<__half>(const float*, uint32_t*, int);
 template __global__ void pack2_kernel<__nv_bfloat16>(const float*, uint32_t*, int);
+
+#ifdef CUFLASH_EMULATE
+// The emulated mma's fp16 decoder, over every bit pattern (emulation only: it is not a CUDA function).
+extern "C" __global__ void half_decode_kernel(float* out) {
+  for (int i = threadIdx.x; i < 65536; i += blockDim.x)
+    out[i] = cuflash::arch::emu::to_float<__half>(static_cast<uint16_t>(i));
+}
+#endif
