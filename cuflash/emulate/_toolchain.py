@@ -27,13 +27,42 @@ def _cuda_include_candidates() -> list[Path]:
     return found
 
 
+def _nv_target_dirs() -> list[Path]:
+    """Where <nv/target> (CCCL, included by recent cuda_fp16.h) may live besides the main include dir."""
+    dirs = []
+    for entry in sys.path:
+        dirs += [Path(p).parents[1] for p in glob.glob(os.path.join(entry, "nvidia", "*", "include", "nv", "target"))]
+    return dirs
+
+
 def _cuda_includes() -> tuple[str, ...] | None:
     for inc in _cuda_include_candidates():
         if (inc / "cuda_fp16.h").is_file() and (inc / "vector_types.h").is_file():
-            # CUDA 13 keeps <nv/target> (used by cuda_fp16.h) under include/cccl.
+            # CUDA 13 keeps <nv/target> under include/cccl; with pip wheels it is in nvidia-cuda-cccl.
             extra = [inc / "cccl"] if (inc / "cccl").is_dir() else []
+            if not (inc / "nv" / "target").exists() and not extra:
+                extra = _nv_target_dirs()[:1]
             return tuple(str(p) for p in [inc, *extra])
     return None
+
+
+_PROBE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\nfloat probe(float x) { return __half2float(__float2half_rn(x)); }\n"
+
+
+def _headers_compile(cxx: str, includes: tuple[str, ...]) -> str | None:
+    """None if the CUDA fp16/bf16 headers compile in host mode with this compiler, else the compiler's complaint.
+
+    Only the toolkit is probed, not the emulator's own headers: a bug there must fail the tests, not skip them.
+    """
+    try:
+        proc = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-x", "c++", "-", *[f"-I{d}" for d in includes]],
+                              input=_PROBE, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    if proc.returncode == 0:
+        return None
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    return (errors or proc.stderr.splitlines() or ["unknown error"])[0]
 
 
 def _compiler() -> tuple[str, str] | None:
@@ -59,4 +88,7 @@ def find() -> tuple[Toolchain | None, str]:
     if includes is None:
         return None, ("no CUDA headers (cuda_fp16.h) found in CUDA_PATH, CUDA_HOME, /usr/local/cuda "
                       "or the nvidia runtime wheels")
+    problem = _headers_compile(compiler[0], includes)
+    if problem is not None:
+        return None, f"the CUDA headers in {includes[0]} do not compile with {compiler[1]}: {problem}"
     return Toolchain(compiler[0], compiler[1], includes), f"{compiler[1]}; CUDA headers in {includes[0]}"

@@ -304,3 +304,18 @@ def test_stack_overflow_names_the_remedy():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "fiber stack overflow in block (0,0,0)" in proc.stderr and "CUFLASH_EMULATE_STACK_KIB" in proc.stderr
+
+
+def test_device_intrinsics(capfd):
+    from emu_helpers import from_bf16_bits, to_bf16_bits
+
+    x = np.array([0.7, 1.9, 3.25], np.float32)
+    out, dsum, imax = np.zeros(16, np.float32), np.zeros(1), np.zeros(2, np.int32)
+    run("intrinsics_kernel", (x, out, dsum, imax), block=(64, 1, 1))
+    a, b = x[0], x[1]
+    bf16 = from_bf16_bits(to_bf16_bits(x[:2]))
+    expected = [np.exp2(a), np.exp(a), np.exp(a), np.log(b), np.log2(b), b, a / b, np.float16(a), np.float16(a),
+                np.float16(b), bf16[0], bf16[0], bf16[1], x[2], 1 / np.sqrt(b), 8]
+    np.testing.assert_allclose(out, np.array(expected, np.float32), rtol=1e-6)
+    assert dsum[0] == sum(range(64)) and list(imax) == [63, 7]
+    assert "emulated printf 42" in capfd.readouterr().out

@@ -169,3 +169,22 @@ extern "C" __global__ void big_stack_kernel(float* out, int n) {
   for (int i = 0; i < n; ++i) big[i] = float(i);
   out[threadIdx.x] = big[n - 1];
 }
+
+// The device intrinsics a kernel may use that have no plain host version (or whose host version lives in the
+// toolkit headers): out[0..15], plus atomics on double and int, printf and assert.
+extern "C" __global__ void intrinsics_kernel(const float* x, float* out, double* dsum, int* imax) {
+  float a = x[0], b = x[1];
+  if (threadIdx.x == 0) {
+    out[0] = exp2f(a), out[1] = __expf(a), out[2] = expf(a), out[3] = __logf(b), out[4] = log2f(b);
+    out[5] = fmaxf(a, b), out[6] = __fdividef(a, b), out[7] = __half2float(__float2half_rn(a));
+    out[8] = __low2float(__floats2half2_rn(a, b)), out[9] = __high2float(__float22half2_rn(make_float2(a, b)));
+    out[10] = __bfloat162float(__float2bfloat16_rn(a)), out[11] = __low2float(__floats2bfloat162_rn(a, b));
+    out[12] = __high2float(__float22bfloat162_rn(make_float2(a, b))), out[13] = __ldg(&x[2]);
+    out[14] = rsqrtf(b), out[15] = float(__popc(0xF0F0u));
+    printf("emulated printf %d\n", 42);
+  }
+  assert(b > 0.f);
+  atomicAdd(dsum, double(threadIdx.x));
+  atomicMax(imax, int(threadIdx.x));
+  atomicCAS(imax + 1, 0, 7);
+}
