@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import cuflash
-from cuflash import emulate, kernels_bwd, reference, testing
+from cuflash import emulate, kernels_bwd, reference
 from cuflash.backends import emulate as emulate_backend
 from cuflash.blockmask import BlockMask
 from cuflash.kernels_bwd import BwdSpec, DqSpec
@@ -19,6 +19,7 @@ from cuflash.problem import check_backward as flatten_backward
 from cuflash.problem import make_problem
 from cuflash.testing import Case, attention_cases
 
+import bwd_cases
 from fwd_cases import bf16, feature_cases, golden_cases, make_case
 
 _ok, _why = emulate.available()
@@ -49,36 +50,10 @@ def emulated_backward(deterministic=False, **kw):
     return fn
 
 
-def _bf16_rule_works() -> bool:
-    try:
-        testing.rounding(bf16())
-    except ValueError:
-        return False
-    x = np.ones((1, 2, 1, 2), dtype=bf16())
-    return reference.attention(x, x, x, compute_dtype=x.dtype).dtype == x.dtype
-
-
 def check_backward(fn, case: Case):
-    """cuflash.testing.check_backward (3x the naive same-dtype error + a floor of two roundings at the
-    term magnitude). For bfloat16, while cuflash.testing cannot handle it (rounding() calls np.finfo on
-    bfloat16, and the naive bfloat16 reference runs its matmuls in float32; see fwd_cases), the same rule with
-    the bfloat16 constants: the naive baseline rounded to bfloat16 once, the floor 2 * 2**-7 * magnitude."""
+    """The 3x same-dtype rule (bwd_cases.check_backward) with out and lse from the emulated forward kernel."""
     out, lse = forward(case)
-    if case.q.dtype.name != "bfloat16" or _bf16_rule_works():
-        return testing.check_backward(fn, case, out, lse)
-    grads = fn(case.dout, case.q, case.k, case.v, out, lse, **case.options)
-    refs = reference.attention_backward(case.dout, case.q, case.k, case.v, **case.options)
-    bases = reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=case.q.dtype,
-                                         **case.options)
-    mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **case.options)
-    for name, g, r, b in zip(("dq", "dk", "dv"), grads, refs, bases):
-        g = np.asarray(g).astype(np.float64)
-        assert g.shape == r.shape and not np.isnan(g).any(), name
-        err = np.abs(g - r).max(initial=0.0)
-        base = np.abs(np.asarray(b).astype(bf16()).astype(np.float64) - r).max(initial=0.0)
-        floor = 2 * 2.0 ** -7 * mags[name]
-        assert err <= 3 * base + floor, f"{name}: max error {err:.3e} > 3 x {base:.3e} + {floor:.3e} (bf16)"
-    return grads
+    return bwd_cases.check_backward(fn, case, out, lse)
 
 
 def as_dtype(case, dtype):
