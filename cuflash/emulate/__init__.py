@@ -7,7 +7,8 @@ emulated twin following the PTX ISA fragment layouts. This is test infrastructur
 
 Environment variables: ``CUFLASH_EMULATE_SCHEDULE`` (forward|reverse|random), ``CUFLASH_EMULATE_SEED``,
 ``CUFLASH_EMULATE_STACK_KIB`` (fiber stack, default 256), ``CUFLASH_EMULATE_CACHE`` (library cache directory),
-``CUFLASH_EMULATE_DEBUG=1`` (build with -O0 -g), ``CUFLASH_EMULATE_CXX`` (compiler).
+``CUFLASH_EMULATE_DEBUG=1`` (build with -O0 -g), ``CUFLASH_EMULATE_PCH=0`` (no precompiled shim),
+``CUFLASH_EMULATE_CXX`` (compiler).
 """
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ import numpy as np
 OTHER, POINTER, SIGNED, UNSIGNED, FLOAT, BOOL = range(6)
 SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
 MAX_PARAMS = 256
+# One launch at a time in the process: a launch installs a process-wide SIGSEGV hook, and one library's runtime
+# state is global to it.
+_LAUNCH_LOCK = threading.Lock()
 
 
 class EmulationError(RuntimeError):
@@ -46,12 +49,11 @@ def _spelled(pretty: str) -> str:
 
 
 class Library:
-    """One compiled kernel: its signature and a launcher. Launches are serialized (the runtime is global)."""
+    """One compiled kernel: its signature and a launcher."""
 
     def __init__(self, path: Path):
         self.path = path
         self._lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
-        self._lock = threading.Lock()
         self.params = self._signature()
 
     def _signature(self) -> list[Param]:
@@ -71,7 +73,7 @@ class Library:
         fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
                        ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_char_p,
                        ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_int)]
-        with self._lock:
+        with _LAUNCH_LOCK:
             rc = fn(argv, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, schedule, seed,
                     stack_bytes, err, len(err), where)
         if rc:
