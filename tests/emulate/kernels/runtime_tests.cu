@@ -1,4 +1,9 @@
 // Test kernels for the emulator's own semantics: shuffles, votes, barriers, shared memory, atomics, errors.
+// They are valid CUDA too (nvcc -arch=sm_80 -cubin compiles them), so they say nothing only the emulator means.
+#include <cassert>
+#include <cstdio>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 // out[i] = shuffle of in[i] across the warp. kind: 0 idx, 1 up, 2 down, 3 xor.
 extern "C" __global__ void shuffle_kernel(const int* in, int* out, int kind, int arg, int width) {
