@@ -483,11 +483,31 @@ def _tile_forward(case: Case, x: Inputs):
     from . import kernels
     from .backends import cuda as backend
 
-    if "spec" not in inspect.signature(backend.forward).parameters:
-        raise Skip("the cuda backend's forward takes no tile choice (no `spec` argument)")
     table = kernels.select_spec(case.dtype, case.head_dim)
     spec = replace(table, block_n=case.block_k)  # KernelSpec validates the combination
-    return lambda: backend.forward(problem, spec=spec)
+    if "spec" in inspect.signature(backend.forward).parameters:
+        return lambda: backend.forward(problem, spec=spec)
+    return _cuda_forward_with(problem, spec)
+
+
+def _cuda_forward_with(problem, spec):
+    """The cuda backend's forward with another kernel specialization: the same launch description
+    (``kernels.forward_launch(..., spec=...)``) and compiled kernel (``cuda.kernel``), while the
+    backend itself always takes the tile table's choice."""
+    import cupy
+
+    from . import kernels
+    from .backends import cuda as backend
+
+    max_smem = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+
+    def run():
+        fl = kernels.forward_launch(problem, max_smem=max_smem, spec=spec)
+        if fl.spec is not None:
+            args = tuple(np.uint64(0) if a is None else a for a in fl.spec.args)  # None: a null pointer
+            backend.kernel(fl.kernel)(fl.spec.grid, fl.spec.block, args, shared_mem=fl.spec.shared_bytes)
+        return fl.result()
+    return run
 
 
 # ---------------------------------------------------------------------------------- standard attention
@@ -886,8 +906,8 @@ class Record:
 def model_io_bytes(case: Case, impl: Impl) -> Optional[int]:
     """:func:`cuflash.io_cost` for the impl's algorithm: GPU only (a CPU has no HBM/SRAM split the
     ledger describes); Algorithm 0's ledger for standard attention, the tiled ledger with the CUDA
-    forward kernel's tiles for cuflash's forward (the backward kernel's tiles are its own)."""
-    if case.device != "cuda" or impl.io_model is None or (impl.io_model == "tiled" and case.op != "fwd"):
+    kernels' tile tables (or the swept key tile) for cuflash."""
+    if case.device != "cuda" or impl.io_model is None:
         return None
     from .io_cost import io_cost
 
@@ -947,13 +967,16 @@ def plan_work(cases: list[Case], *, impl_filter: Optional[set] = None) -> list[t
 
 
 def run_cases(cases: list[Case], *, timing: Timing, deadline: Optional[float] = None,
-              impl_filter: Optional[set] = None, progress: bool = True) -> RunResult:
+              impl_filter: Optional[set] = None, progress: bool = True,
+              checkpoint: Optional[Callable] = None, checkpoint_s: float = 60.0) -> RunResult:
     """Measure every applicable (case, impl) pair; failures become ``skipped`` entries with the reason.
 
     ``deadline`` (``time.monotonic()`` value): pairs not started by then are skipped. Once an impl
-    runs out of memory on a figure, its larger cases on that figure are skipped.
+    runs out of memory on a figure, its larger cases on that figure are skipped. ``checkpoint(result)``
+    is called every ``checkpoint_s`` seconds, so a run killed from outside still leaves its results.
     """
     result = RunResult()
+    last_checkpoint = time.monotonic()
     work = plan_work(cases, impl_filter=impl_filter)
     bar = Progress(len(work), enabled=progress)
     unusable: dict[str, str] = {}      # impl -> why (not installed, no GPU support)
@@ -979,6 +1002,9 @@ def run_cases(cases: list[Case], *, timing: Timing, deadline: Optional[float] = 
             result.skipped.append((case.figure, _skip_entry(case, name, _reason(exc))))
         # after a failure the traceback's frames (holding the big temporaries) sit in a cycle
         release_memory(case.device, collect=failed)
+        if checkpoint is not None and time.monotonic() - last_checkpoint > checkpoint_s:
+            checkpoint(result)
+            last_checkpoint = time.monotonic()
     bar.close()
     return result
 
@@ -1340,15 +1366,21 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown impl(s) {sorted(impls - set(IMPLS))}; choose from {', '.join(IMPLS)}")
     limit = DEFAULT_TIME_LIMIT[args.mode] if args.time_limit is None else args.time_limit
     print(f"cuflash bench --{args.mode} on {info['name']} ({device}); {len(cases)} cases", file=sys.stderr)
-    t0 = time.monotonic()
-    result = run_cases(cases, timing=TIMINGS[args.mode], impl_filter=impls, progress=not args.no_progress,
-                       deadline=None if limit is None else t0 + limit)
-    commit, dirty = git_commit()
-    meta = {"mode": args.mode, "device": info, "host": cpu_info(), "commit": commit, "dirty": dirty,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "versions": versions(device), "seconds": round(time.monotonic() - t0, 1)}
-    print(table(result))
     out_dir = args.out or Path("benchmarks") / "results" / device_slug(info)
-    written = write_results(payloads(result, meta=meta), out_dir, plots=not args.no_plot)
-    print(f"\n{len(result.records)} records in {meta['seconds']} s; wrote {len(written)} files to {out_dir}")
+    commit, dirty = git_commit()
+    t0 = time.monotonic()
+
+    def meta():
+        return {"mode": args.mode, "device": info, "host": cpu_info(), "commit": commit, "dirty": dirty,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "versions": versions(device), "seconds": round(time.monotonic() - t0, 1)}
+
+    result = run_cases(cases, timing=TIMINGS[args.mode], impl_filter=impls, progress=not args.no_progress,
+                       deadline=None if limit is None else t0 + limit,
+                       checkpoint=lambda r: write_results(payloads(r, meta=dict(meta(), partial=True)), out_dir,
+                                                          plots=False))
+    final = meta()
+    print(table(result))
+    written = write_results(payloads(result, meta=final), out_dir, plots=not args.no_plot)
+    print(f"\n{len(result.records)} records in {final['seconds']} s; wrote {len(written)} files to {out_dir}")
     return 0

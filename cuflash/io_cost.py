@@ -40,18 +40,16 @@ class IOCost:
     """HBM traffic of one attention call, in bytes.
 
     ``standard`` and ``tiled`` are totals; the ledgers map each line of the seeds' tables
-    (``"write S"``, ``"read K, V per visited tile"``, ...) to its bytes. ``block_q``/``block_k``
-    are the tile sizes the tiled ledger used and ``tiles_visited`` the number of
-    (query tile, key tile) pairs it computes, over all batches and heads.
+    (``"write S"``, ``"read K, V per visited tile"``, ...) to its bytes. ``tiles`` gives, per tiled
+    kernel (``"fwd"``, ``"bwd"``), the ``(block_q, block_k)`` its ledger used, and ``visited`` the
+    ``(visited, total)`` numbers of (query tile, key tile) pairs over all batches and heads.
     """
 
     op: str
     standard: int
     tiled: int
-    block_q: int
-    block_k: int
-    tiles_visited: int
-    tiles_total: int
+    tiles: dict = field(default_factory=dict)
+    visited: dict = field(default_factory=dict)
     standard_ledger: dict = field(default_factory=dict)
     tiled_ledger: dict = field(default_factory=dict)
 
@@ -61,11 +59,12 @@ class IOCost:
         return self.standard / self.tiled if self.tiled else math.inf
 
     def __str__(self):
+        tiles = ", ".join(f"{k} tiles {bq}x{bk}, {self.visited[k][0]}/{self.visited[k][1]} visited"
+                          for k, (bq, bk) in self.tiles.items())
         lines = [f"io_cost({self.op}): standard {self.standard / 1e6:,.1f} MB, tiled {self.tiled / 1e6:,.1f} MB "
-                 f"({self.ratio:.1f}x less; tiles {self.block_q}x{self.block_k}, "
-                 f"{self.tiles_visited}/{self.tiles_total} visited)"]
+                 f"({self.ratio:.1f}x less; {tiles})"]
         for title, ledger in (("standard", self.standard_ledger), ("tiled", self.tiled_ledger)):
-            lines += [f"  {title:8s} {name:46s} {b / 1e6:>14,.1f} MB" for name, b in ledger.items()]
+            lines += [f"  {title:8s} {name:56s} {b / 1e6:>14,.1f} MB" for name, b in ledger.items()]
         return "\n".join(lines)
 
 
@@ -83,11 +82,18 @@ def _sizes(dtype) -> _Sizes:
     return _Sizes(item, 8 if name == "float64" else 4)
 
 
-def default_tiles(head_dim: int) -> tuple[int, int]:
-    """The CUDA forward kernel's ``(block_m, block_n)`` for ``head_dim`` (THE tile table)."""
-    from .kernels import select_spec
+def default_tiles(head_dim: int, op: str = "fwd") -> tuple[int, int]:
+    """``(query rows, keys)`` per tile of the CUDA kernel for ``head_dim``: the forward's
+    ``(block_m, block_n)`` from THE tile table, or the backward main kernel's (a thread block owns
+    ``block_n`` keys and visits query tiles of ``block_m`` rows)."""
+    if op == "fwd":
+        from .kernels import select_spec
 
-    spec = select_spec("float16", head_dim)
+        spec = select_spec("float16", head_dim)
+    else:
+        from .kernels_bwd import select_specs
+
+        spec = select_specs("float16", head_dim)[0]
     return spec.block_m, spec.block_n
 
 
@@ -168,16 +174,18 @@ def _tiled_fwd(visit, n_bh, rows, cols, d, s: _Sizes, order: str) -> dict:
 
 
 def _tiled_bwd(visit, n_bh, rows, cols, d, s: _Sizes) -> dict:
-    """FA2 backward: a thread block per key tile, query tiles streamed; dQ accumulated in fp32."""
+    """FA2 backward as ``kernels/flash_bwd.cu`` runs it: a preprocess pass, a thread block per key
+    tile streaming the query tiles that see it (dQ added to an fp32 workspace by atomics), and a
+    pass converting the workspace to dQ."""
     sq, sk = n_bh * float(rows.sum()), n_bh * float(cols.sum())
     pairs_rows = float((visit * rows[:, None]).sum())
-    return {"D = rowsum(dO*O): read dO, O; write D": 2 * sq * d * s.x + sq * s.f,
+    return {"preprocess: read dO, O, lse; write D, L, zero dQ acc": 2 * sq * d * s.x + 3 * sq * s.f + sq * d * s.f,
             "read K, V": 2 * sk * d * s.x,
             "read Q, dO per visited tile": 2 * pairs_rows * d * s.x,
-            "read lse, D per visited tile": 2 * pairs_rows * s.f,
-            "dQ accumulator: read+write per visited tile": 2 * pairs_rows * d * s.f,
+            "read L, D per visited tile": 2 * pairs_rows * s.f,
+            "dQ acc: read+write per visited tile": 2 * pairs_rows * d * s.f,
             "write dK, dV": 2 * sk * d * s.x,
-            "dQ: read accumulator, write dQ": sq * d * (s.f + s.x)}
+            "convert: read dQ acc, write dQ": sq * d * (s.f + s.x)}
 
 
 def _visit_counts(keep: np.ndarray, n_bh: int, density: Optional[float]) -> np.ndarray:
@@ -200,8 +208,8 @@ def _tile_extent(n: int, block: int) -> np.ndarray:
 def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, batch: int = 1, heads: int = 1,
             dtype="float16", op: str = "fwd", causal: bool = False, window=None, block_mask=None,
             density: Optional[float] = None, block_q: Optional[int] = None, block_k: Optional[int] = None,
-            order: str = "fa2") -> IOCost:
-    """HBM bytes of standard attention and of the tiled kernel for one attention call.
+            bwd_block_q: Optional[int] = None, bwd_block_k: Optional[int] = None, order: str = "fa2") -> IOCost:
+    """HBM bytes of standard attention and of the tiled kernels for one attention call.
 
     Parameters
     ----------
@@ -214,12 +222,14 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
     op : {"fwd", "bwd", "fwd_bwd"}
         ``fwd_bwd`` adds the two; the standard backward reuses the forward's stored P.
     causal, window, block_mask
-        As for :func:`cuflash.attention`; they remove tile pairs from the tiled ledger.
+        As for :func:`cuflash.attention`; they remove tile pairs from the tiled ledgers.
     density : float, optional
         Fraction of tile pairs visited, when no ``block_mask`` is given (Proposition 4's ``s``).
     block_q, block_k : int, optional
-        Tile sizes (rows of Q, rows of K/V per tile); default: the CUDA kernel's tile table
-        for ``head_dim``.
+        Forward tile: query rows and keys per tile; default: the CUDA forward kernel's tile table.
+    bwd_block_q, bwd_block_k : int, optional
+        Backward tile: query rows per streamed tile and keys per thread block; default: the CUDA
+        backward kernel's tile table.
     order : {"fa2", "fa1"}
         Loop order of the tiled forward: FA2's (the cuflash kernel) or Algorithm 1's (Theorem 2).
 
@@ -228,44 +238,62 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
     IOCost
         Totals and per-line ledgers in bytes.
     """
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
-    for name, val in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("head_dim", head_dim),
-                      ("batch", batch), ("heads", heads)):
-        if not isinstance(val, (int, np.integer)) or val < 1:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
-    if density is not None and not 0.0 <= float(density) <= 1.0:
-        raise ValueError(f"density must lie in [0, 1], got {density}")
-    if block_q is None or block_k is None:
-        dq, dk = default_tiles(head_dim)
-        block_q, block_k = block_q or dq, block_k or dk
+    _check_args(op=op, order=order, density=density, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
+                batch=batch, heads=heads)
     left, right = (None, None) if window is None else window
     if causal:
         right = 0 if right is None else min(right, 0)
-    sizes = _sizes(dtype)
-    n_bh = batch * heads
-    keep = _visited(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_q=block_q,
-                    block_k=block_k, left=left, right=right, block_mask=block_mask)
-    visit = _visit_counts(keep, n_bh, density)
-    rows, cols = _tile_extent(seqlen_q, block_q), _tile_extent(seqlen_k, block_k)
+    sizes, n_bh = _sizes(dtype), batch * heads
+    shape = dict(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, left=left, right=right,
+                 block_mask=block_mask, density=density)
     masked = causal or window is not None or block_mask is not None or density is not None
-    std, tiled = {}, {}
+    std, tiled, tiles, visited = {}, {}, {}, {}
     if op in ("fwd", "fwd_bwd"):
+        bq, bk = _tiles(head_dim, "fwd", block_q, block_k)
+        visit, rows, cols = _tiling(bq, bk, **shape)
         std.update(_per_bh(_standard_fwd(seqlen_q, seqlen_k, head_dim, sizes, masked), n_bh, "fwd: "))
         tiled.update(_prefixed(_tiled_fwd(visit, n_bh, rows, cols, head_dim, sizes, order), "fwd: "))
+        tiles["fwd"], visited["fwd"] = (bq, bk), (int(round(float(visit.sum()))), n_bh * visit.size)
     if op in ("bwd", "fwd_bwd"):
+        bq, bk = _tiles(head_dim, "bwd", bwd_block_q, bwd_block_k)
+        visit, rows, cols = _tiling(bq, bk, **shape)
         std.update(_per_bh(_standard_bwd(seqlen_q, seqlen_k, head_dim, sizes), n_bh, "bwd: "))
         tiled.update(_prefixed(_tiled_bwd(visit, n_bh, rows, cols, head_dim, sizes), "bwd: "))
+        tiles["bwd"], visited["bwd"] = (bq, bk), (int(round(float(visit.sum()))), n_bh * visit.size)
     if op != "fwd_bwd":  # one op: drop the "fwd: " / "bwd: " prefixes
         std = {k.split(": ", 1)[1]: b for k, b in std.items()}
         tiled = {k.split(": ", 1)[1]: b for k, b in tiled.items()}
     tiled = {k: int(round(b)) for k, b in tiled.items()}
-    return IOCost(op=op, standard=sum(std.values()), tiled=sum(tiled.values()), block_q=int(block_q),
-                  block_k=int(block_k), tiles_visited=int(round(float(visit.sum()))),
-                  tiles_total=n_bh * len(rows) * len(cols), standard_ledger=std, tiled_ledger=tiled)
+    return IOCost(op=op, standard=sum(std.values()), tiled=sum(tiled.values()), tiles=tiles, visited=visited,
+                  standard_ledger=std, tiled_ledger=tiled)
+
+
+def _check_args(*, op, order, density, **sizes):
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    for name, val in sizes.items():
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if density is not None and not 0.0 <= float(density) <= 1.0:
+        raise ValueError(f"density must lie in [0, 1], got {density}")
+
+
+def _tiles(head_dim, op, block_q, block_k) -> tuple[int, int]:
+    if block_q is None or block_k is None:
+        dq, dk = default_tiles(head_dim, op)
+        block_q, block_k = block_q or dq, block_k or dk
+    return int(block_q), int(block_k)
+
+
+def _tiling(block_q, block_k, *, batch, heads, seqlen_q, seqlen_k, left, right, block_mask, density):
+    """``(visits (nq, nk) summed over batch and heads, query tile heights, key tile widths)``."""
+    keep = _visited(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_q=block_q,
+                    block_k=block_k, left=left, right=right, block_mask=block_mask)
+    visit = _visit_counts(keep, batch * heads, density)
+    return visit, _tile_extent(seqlen_q, block_q), _tile_extent(seqlen_k, block_k)
 
 
 def _per_bh(ledger: dict, n_bh: int, prefix: str) -> dict:

@@ -33,7 +33,7 @@ def test_algorithm1_order_is_theorem2_ledger_with_real_tiles():
     # T_c (2 B_c d + T_r (3 B_r d + 4 B_r)) elements, with the real (ragged) tile extents
     elements = 2 * n * d + tc * (3 * n * d + 4 * n)
     assert cost.tiled == elements * 4
-    assert cost.tiles_visited == cost.tiles_total == tr * tc
+    assert cost.visited["fwd"] == (tr * tc, tr * tc) and cost.tiles == {"fwd": (br, bc)}
 
 
 def test_theorem2_scaling_with_sram_sized_tiles():
@@ -58,7 +58,7 @@ def test_fa2_reads_q_once_and_kv_once_per_query_tile():
 
 def test_causal_visits_the_lower_triangle_of_tiles():
     cost = io_cost(seqlen_q=1024, head_dim=64, causal=True, block_q=64, block_k=64)
-    assert cost.tiles_visited == 16 * 17 // 2 and cost.tiles_total == 256
+    assert cost.visited["fwd"] == (16 * 17 // 2, 256)
 
 
 def test_block_sparse_scales_tiled_kv_traffic_by_density():
@@ -80,10 +80,21 @@ def test_fwd_bwd_is_the_sum_and_defaults_come_from_the_tile_table():
     fwd, bwd, both = (io_cost(op=op, **kw) for op in ("fwd", "bwd", "fwd_bwd"))
     assert both.standard == fwd.standard + bwd.standard and both.tiled == fwd.tiled + bwd.tiled
     from cuflash.kernels import select_spec
+    from cuflash.kernels_bwd import select_specs
 
-    spec = select_spec("float16", 128)
-    assert (fwd.block_q, fwd.block_k) == (spec.block_m, spec.block_n)
+    spec, bwd_spec = select_spec("float16", 128), select_specs("float16", 128)[0]
+    assert both.tiles == {"fwd": (spec.block_m, spec.block_n), "bwd": (bwd_spec.block_m, bwd_spec.block_n)}
     assert "standard" in str(fwd) and "read Q" in str(fwd)
+
+
+def test_backward_ledger_counts_query_tiles_per_key_block():
+    n, d = 1024, 64
+    cost = io_cost(seqlen_q=n, head_dim=d, op="bwd", dtype="float16", bwd_block_q=64, bwd_block_k=128)
+    nk = n // 128
+    assert cost.tiles == {"bwd": (64, 128)} and cost.visited["bwd"] == (16 * nk, 16 * nk)
+    assert cost.tiled_ledger["read K, V"] == 2 * n * d * 2                  # once per key block
+    assert cost.tiled_ledger["read Q, dO per visited tile"] == nk * 2 * n * d * 2
+    assert cost.tiled_ledger["dQ acc: read+write per visited tile"] == nk * 2 * n * d * 4
 
 
 @pytest.mark.parametrize("kw, match", [(dict(op="both"), "op must be"), (dict(seqlen_q=0), "seqlen_q"),
@@ -172,6 +183,9 @@ def test_unavailable_and_late_pairs_are_skipped_with_a_reason():
     result = bench.run_cases([case], timing=bench.TIMINGS["smoke"], progress=False)
     assert [r.impl for _, r in result.records] == ["cuflash"]
     assert "does not run on cpu" in result.skipped[0][1]["reason"]
+    saved = []
+    bench.run_cases([case], timing=bench.TIMINGS["smoke"], progress=False, checkpoint=saved.append, checkpoint_s=0)
+    assert len(saved) == 1 and saved[-1].records  # after each measured pair: a killed run leaves its results
     late = bench.run_cases([case], timing=bench.TIMINGS["smoke"], progress=False, deadline=0.0)
     assert late.records == [] and any("time limit" in e["reason"] for _, e in late.skipped)
     assert bench.is_oom(MemoryError()) and bench.is_oom(RuntimeError("CUDA out of memory. Tried"))
