@@ -127,3 +127,21 @@ def test_mma_fp16_decoder_is_exact_for_every_bit_pattern():
     np.testing.assert_array_equal(out.view(np.uint32)[~np.isnan(expected)],
                                   expected.view(np.uint32)[~np.isnan(expected)])
     assert np.isnan(out[np.isnan(expected)]).all()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_real_ptx_wrappers_compile_with_nvcc(arch, tmp_path):
+    """The other half of arch.cuh: the test kernels use every wrapper, and ptxas checks the inline PTX."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from cuflash.launch import KERNELS_DIR
+
+    nvcc = shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin"))
+    if not nvcc:
+        pytest.skip("nvcc not found")
+    src = Path(__file__).parent / "kernels" / "arch_tests.cu"
+    proc = subprocess.run([nvcc, f"-arch={arch}", "-cubin", f"-I{KERNELS_DIR}", str(src), "-o",
+                           str(tmp_path / "arch_tests.cubin")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
