@@ -87,7 +87,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
                        block_mask=None, seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None,
-                       dtype=None, backend=None):
+                       dtype=None, deterministic=False, backend=None):
     """Gradients of :func:`attention` by recomputation from the saved ``lse`` (FA2 Algorithm 2).
 
     Parameters
@@ -96,6 +96,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         Gradient of the loss with respect to ``out``.
     q, k, v : arrays as for :func:`attention`
     out, lse : the forward's results (``attention(..., return_lse=True)``) for the same options.
+    deterministic : bool, default False
+        On the ``cuda`` backend, dQ is accumulated with fp32 atomics by default, so its last bits
+        may differ from run to run (dK and dV never do). ``True`` computes dQ in a second pass
+        over query blocks without atomics: bitwise reproducible, at the cost of recomputing S, P
+        and dP once more. The ``numpy`` backend is always bitwise reproducible.
     {options}
 
     Returns
@@ -110,7 +115,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
               seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed, dtype=dtype)
     problem = _problem(q, k, v, kw)
     dout_f, out_f, lse_f = check_backward(problem, dout, out, lse)
-    dq, dk, dv = _backend(problem, backend).backward(problem, dout_f, out_f, lse_f)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    dq, dk, dv = _backend(problem, backend).backward(problem, dout_f, out_f, lse_f, deterministic=deterministic)
     return (problem.unflatten(dq, problem.q.shape[1:]), problem.unflatten(dk, problem.k.shape[1:]),
             problem.unflatten(dv, problem.v.shape[1:]))
 
@@ -118,18 +125,21 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
 def attention_vjp(q, k, v, **options):
     """JAX-style ``(out, vjp)``: ``vjp(dout)`` returns ``(dq, dk, dv)``.
 
-    Takes the options of :func:`attention` (except ``return_lse``); keeps ``out`` and ``lse``
+    Takes the options of :func:`attention` (except ``return_lse``) and ``deterministic`` of
+    :func:`attention_backward`; keeps ``out`` and ``lse``
     alive for the backward, nothing of size N². With dropout and no seed, one is drawn and
     kept for the backward (read it back as ``vjp.seed``).
     """
     if "return_lse" in options:
         raise TypeError("attention_vjp does not take return_lse: the lse is kept inside vjp")
+    options = dict(options)
+    deterministic = options.pop("deterministic", False)
     if options.get("dropout_p") and options.get("seed") is None:
-        options = dict(options, seed=fresh_seed())  # the backward must regenerate the same mask
+        options["seed"] = fresh_seed()  # the backward must regenerate the same mask
     out, lse = attention(q, k, v, return_lse=True, **options)
 
     def vjp(dout):
-        return attention_backward(dout, q, k, v, out, lse, **options)
+        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
 
     vjp.seed = options.get("seed")
     return out, vjp

@@ -146,8 +146,10 @@ def forward(problem: Problem, *, block_q=None, block_k=None, plan=None):
             lse.reshape(problem.batch, problem.heads_q, problem.seqlen_q))
 
 
-def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, plan=None):
-    """FA2 Algorithm 2: ``(dq, dk, dv)`` by recomputing P from ``lse``; no N×N buffer."""
+def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, plan=None, deterministic=False):
+    """FA2 Algorithm 2: ``(dq, dk, dv)`` by recomputing P from ``lse``; no N×N buffer.
+
+    Always bitwise reproducible (``deterministic`` is accepted for the API's sake)."""
     check(problem)
     wt = _work_dtype(problem)
     plan = plan or Plan(problem, block_q or BLOCK_Q, block_k or BLOCK_K)
