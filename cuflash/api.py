@@ -39,11 +39,14 @@ def _problem(q, k, v, kw):
     return make_problem(q, k, v, **kw)
 
 
-def _backend(problem, name):
+def _backend(problem, name, direction):
+    """The backend module; ``direction`` ("forward"/"backward") picks its dropout capability flag
+    (``supports_dropout`` / ``supports_dropout_backward``)."""
     module = backends.select(problem, name)
-    if problem.dropout_p and not getattr(module, "supports_dropout", False):
-        raise NotImplementedError(f"dropout is not implemented on the {module.__name__.rsplit('.', 1)[-1]} "
-                                  f"backend yet; use dropout_p=0 or the numpy backend")
+    flag = "supports_dropout" if direction == "forward" else "supports_dropout_backward"
+    if problem.dropout_p and not getattr(module, flag, False):
+        raise NotImplementedError(f"dropout in the {direction} is not implemented on the "
+                                  f"{module.__name__.rsplit('.', 1)[-1]} backend yet; use dropout_p=0 or the numpy backend")
     return module
 
 
@@ -76,7 +79,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
     kw = dict(causal=causal, scale=scale, window=window, block_mask=block_mask, seqlens_q=seqlens_q,
               seqlens_k=seqlens_k, dropout_p=dropout_p, seed=fresh_seed() if drawn else seed, dtype=dtype)
     problem = _problem(q, k, v, kw)
-    out, lse = _backend(problem, backend).forward(problem)
+    out, lse = _backend(problem, backend, "forward").forward(problem)
     result = (problem.unflatten(out, problem.q.shape[1:]),)
     if return_lse:
         result += (problem.unflatten(lse, (problem.heads_q, problem.seqlen_q)),)
@@ -117,7 +120,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     dout_f, out_f, lse_f = check_backward(problem, dout, out, lse)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    dq, dk, dv = _backend(problem, backend).backward(problem, dout_f, out_f, lse_f, deterministic=deterministic)
+    dq, dk, dv = _backend(problem, backend, "backward").backward(problem, dout_f, out_f, lse_f, deterministic=deterministic)
     return (problem.unflatten(dq, problem.q.shape[1:]), problem.unflatten(dk, problem.k.shape[1:]),
             problem.unflatten(dv, problem.v.shape[1:]))
 

@@ -24,7 +24,7 @@ from ..problem import Problem, dtype_name, stats_dtype
 #: heads) stays cache-sized.
 BLOCK_Q, BLOCK_K = 256, 512
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
-supports_dropout = True
+supports_dropout = supports_dropout_backward = True
 
 
 def available():
