@@ -56,11 +56,13 @@ def _work_dtype(problem):
 
 
 def _grouped(x, problem, dtype):
-    """(B, S, H, D) → contiguous (B, Hkv, H/Hkv, S, D) in the working dtype (one O(N·d) copy)."""
+    """(B, S, H, D) → (B, Hkv, H/Hkv, S, D) in the working dtype.
+
+    A view when the dtype already matches: BLAS takes each (S, D) slice with its row stride as
+    the leading dimension, so no copy is needed; float16/bfloat16 are upcast once, O(N·d).
+    """
     b, s, h, d = x.shape
-    g = h // problem.heads_kv
-    y = np.ascontiguousarray(x.transpose(0, 2, 1, 3), dtype=dtype)
-    return y.reshape(b, problem.heads_kv, g, s, d)
+    return x.transpose(0, 2, 1, 3).astype(dtype, copy=False).reshape(b, problem.heads_kv, h // problem.heads_kv, s, d)
 
 
 def _ungroup(x):
@@ -109,8 +111,7 @@ def forward(problem: Problem, *, block_q=None, block_k=None, plan=None):
     # scores an extra rounding that the naive computation does not have.
     q = _grouped(problem.q, problem, wt)
     scale = wt.type(problem.scale)
-    k = _grouped(problem.k, problem, wt)
-    kt = np.ascontiguousarray(np.swapaxes(k, -1, -2))
+    kt = np.swapaxes(_grouped(problem.k, problem, wt), -1, -2)
     v = _grouped(problem.v, problem, wt)
     out = np.zeros(q.shape, dtype=wt)
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
@@ -155,7 +156,7 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, pl
     plan = plan or Plan(problem, block_q or BLOCK_Q, block_k or BLOCK_K)
     q = _grouped(problem.q, problem, wt)
     k = _grouped(problem.k, problem, wt)
-    kt = np.ascontiguousarray(np.swapaxes(k, -1, -2))
+    kt = np.swapaxes(k, -1, -2)
     v = _grouped(problem.v, problem, wt)
     do = _grouped(dout, problem, wt)
     o = _grouped(out, problem, wt)
