@@ -3,8 +3,8 @@
 A :class:`KernelSpec` is the small frozen value that picks one instantiation of a kernel family
 (``kernels/flash_fwd.cu``): only what changes generated code is in it (element type, head_dim,
 tile sizes, warps). Everything else — lengths, strides, causal/window, seqlens, GQA, BlockMask,
-scale — is a runtime argument, so one specialization per (dtype, head_dim) serves every mask
-feature and the compile check stays small.
+scale, dropout (:func:`dropout_args`) — is a runtime argument, so one specialization per (dtype,
+head_dim) serves every mask feature and the compile check stays small.
 
 :func:`forward_launch` is the one place that turns a :class:`~cuflash.problem.Problem` into a
 :class:`~cuflash.launch.LaunchSpec` (grid, block, shared memory, argument list); the CUDA backend
@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import dropout
 from .launch import LaunchSpec, kernel_source
 
 FWD_SOURCE = "flash_fwd.cu"
@@ -243,6 +244,20 @@ def _elem_strides(a):
     return [np.int64(s // a.dtype.itemsize) for s in a.strides[:3]]  # batch, row, head
 
 
+def dropout_args(problem) -> tuple:
+    """``(seed_lo, seed_hi, threshold)`` as uint32 and ``rescale = 1/(1-p)`` as float32: the kernels' dropout
+    arguments (:mod:`cuflash.dropout`'s keep-mask). Without dropout ``(0, 0, 0, 1.0)``: threshold 0 keeps
+    every element and the kernels skip the generator."""
+    p = problem.dropout_p
+    if not p:
+        return np.uint32(0), np.uint32(0), np.uint32(0), np.float32(1.0)
+    if problem.seed is None:
+        raise ValueError("dropout_p > 0 needs a seed (cuflash.attention draws one when seed=None)")
+    seed = int(problem.seed)
+    return (np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), np.uint32(dropout.threshold(p)),
+            np.float32(1.0 / (1.0 - p)))
+
+
 def forward_launch(problem, *, max_smem: int = SMEM_LIMIT[80], spec: Optional[KernelSpec] = None) -> ForwardLaunch:
     """The launch description of the forward kernel for ``problem`` (CuPy or NumPy arrays alike).
 
@@ -300,6 +315,7 @@ def forward_launch(problem, *, max_smem: int = SMEM_LIMIT[80], spec: Optional[Ke
         np.float32(problem.scale * np.log2(np.e)), i32(left), i32(right),
         counts, lists, i64(t_b), i64(t_h), i32(list_len),
         cells, i64(c_b), i64(c_h), i32(mbq), i32(mbk), i32(mnk),
+        *dropout_args(problem),
     )
     launch = LaunchSpec(
         source=fwd_source(),

@@ -11,13 +11,15 @@
 //
 // One specialization serves every mask feature: causal, window, seqlens, BlockMask and GQA are runtime arguments
 // whose cost is a few integer operations per key tile, never per score on interior tiles (the element mask runs
-// only on boundary tiles: the split loop of FA2, written as a uniform branch per tile).
+// only on boundary tiles: the split loop of FA2, written as a uniform branch per tile). Dropout likewise: a runtime
+// threshold, one uniform branch per tile, the keep bits generated in registers (dropout.cuh).
 #include "kernel_traits.cuh"
 #include "mask.cuh"
 #include "block_info.cuh"
 #include "tile.cuh"
 #include "warp_gemm.cuh"
 #include "softmax.cuh"
+#include "dropout.cuh"
 
 namespace cuflash {
 
@@ -30,6 +32,9 @@ namespace cuflash {
 //   tile_counts (Bm, Hm, n_m_tiles) and tile_lists (..., list_len): the BlockMask as kept key tiles per query tile
 //     (sorted; ~n for a tile kept only partly), strides 0 over a broadcast batch/head; null without a BlockMask.
 //   mask_cells (Bm, Hm, nq, nk) uint8 with blocks of mask_block_q x mask_block_k: consulted only in partial tiles.
+//   dropout_seed_lo/hi, dropout_threshold: the keep-mask of cuflash/dropout.py (keep iff Philox bits >= threshold);
+//     threshold 0 keeps everything and skips the generator. dropout_rescale: 1/(1-p) (1 without dropout), folded
+//     into the final 1/l; the lse stays that of the undropped scores.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
@@ -45,7 +50,9 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  const int* __restrict__ tile_counts, const int* __restrict__ tile_lists,
                  long long tiles_batch_stride, long long tiles_head_stride, int list_len,
                  const unsigned char* __restrict__ mask_cells, long long cells_batch_stride,
-                 long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks) {
+                 long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks,
+                 unsigned int dropout_seed_lo, unsigned int dropout_seed_hi, unsigned int dropout_threshold,
+                 float dropout_rescale) {
   using Traits = FwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   constexpr int kMTiles = Traits::kMTiles;
 
@@ -106,8 +113,16 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     }
   }
 
+  const DropoutRng rng{dropout_seed_lo, dropout_seed_hi, dropout_threshold};
   while (n >= 0) {
     const int key0 = n * kBlockN;
+    // Dropout keep bits of this tile (dropout.cuh): integer work that overlaps the wait for K_j, done while S is
+    // not live yet. Uniform branch (a kernel argument); threshold 0 keeps every element.
+    unsigned int keep_bits[2] = {~0u, ~0u};
+    if (dropout_threshold != 0u) {
+      dropout_keep_bits<kMTiles, Traits::kNTilesS>(keep_bits, rng, blk.batch, blk.head, blk.row_begin + warp_row,
+                                                   key0, lane);
+    }
     arch::cp_async_wait<0>();
     __syncthreads();  // K_j is in smem; every warp is done with V_{j-1}
     load_tile<Traits, kBlockN>(sV, v_bh + key0 * v_row_stride, v_row_stride, blk.len_k - key0, head_dim, tid);
@@ -139,15 +154,18 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       arch::cp_async_commit();
     }
 
-    // Lines 9-10: m_i, P = exp2(S - m_i), l_i, and acc rescaled; then acc += P V_j.
+    // Lines 9-10: m_i, P = exp2(S - m_i), l_i, and acc rescaled; then acc += P V_j. With dropout, l_i has summed
+    // the undropped P (so lse is dropout-free) before the dropped entries are zeroed: acc += (P o Z) V_j.
     softmax.update(S, acc);
+    if (dropout_threshold != 0u) apply_keep_bits<kMTiles, Traits::kNTilesS>(S, keep_bits);
     gemm_pv<Traits>(acc, S, sV, lane);
 
     n = n_next;
     partial = next_partial;
   }
 
-  // Lines 12-15: O_i = diag(l_i)^-1 acc and L_i = m_i + log(l_i), written once.
+  // Lines 12-15: O_i = diag(l_i)^-1 acc and L_i = m_i + log(l_i), written once. With dropout the 1/(1-p) is folded
+  // into the per-row factor diag(l_i)^-1 (one multiply per row instead of one per score).
   float inv_l[2 * kMTiles], lse_row[2 * kMTiles];
   bool row_valid[2 * kMTiles];
 #pragma unroll
@@ -156,6 +174,8 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     row_valid[r] = row < blk.len_q;
   }
   softmax.finalize(inv_l, lse_row, row_valid);
+#pragma unroll
+  for (int r = 0; r < 2 * kMTiles; ++r) inv_l[r] *= dropout_rescale;  // exact (x * 1) without dropout
 
   T* o_i = out + blk.batch * o_batch_stride + blk.head * o_head_stride;
   float* lse_i = lse + blk.batch * lse_batch_stride + blk.head * lse_head_stride;

@@ -1,0 +1,119 @@
+"""Dropout in the CUDA forward kernel (kernels/dropout.cuh), run unchanged on the CPU by cuflash.emulate.
+
+- every feature with dropout, fp16 and bf16, against the float64 reference given the explicit keep-mask
+  (cuflash.testing.check_forward): out scaled by 1/(1-p), lse of the undropped scores;
+- the *same bits* as cuflash.dropout_mask and the NumPy backend: with q = k = 0 (uniform P) and V one-hot in the
+  key index modulo head_dim under a window no wider than head_dim, out[i, j mod d] is nonzero exactly when key j
+  is kept, so the kernel's keep-mask is read back element by element, over several key and query tiles, both
+  fragment layouts (32 and 16 rows per warp) and a seed with both 32-bit halves nonzero;
+- same seed -> bitwise identical output, different seed -> different output; a p so small that its threshold is 0
+  takes the generator-free path and equals p = 0 bitwise;
+- the backward kernel refuses dropout with a clear error until it supports it.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import cuflash
+from cuflash import emulate, kernels
+from cuflash.backends import emulate as emulate_backend
+from cuflash.dropout import threshold
+from cuflash.problem import make_problem
+from cuflash.testing import attention_cases
+
+from dropout_cases import SEED, check_keep_mask, dropout_case, dropout_feature_cases
+from fwd_cases import bf16, check_forward, make_case
+
+_ok, _why = emulate.available()
+pytestmark = [pytest.mark.emulate, pytest.mark.skipif(not _ok, reason=f"CPU emulation unavailable: {_why}")]
+
+try:
+    import ml_dtypes  # noqa: F401
+
+    DTYPES = [np.float16, "bfloat16"]
+except ImportError:  # bf16 NumPy arrays need ml_dtypes (extra "bf16")
+    DTYPES = [np.float16, pytest.param("bfloat16", marks=pytest.mark.skip(reason="ml_dtypes not installed"))]
+
+
+def emulated(q, k, v, **options):
+    return cuflash.attention(q, k, v, return_lse=True, backend="emulate", **options)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,case", dropout_feature_cases(), ids=[n for n, _ in dropout_feature_cases()])
+def test_feature_with_dropout(name, case, dtype):
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    case.q, case.k, case.v = (a.astype(dt) for a in (case.q, case.k, case.v))
+    out, lse = check_forward(emulated, case)
+    assert out.dtype == dt and out.shape == case.q.shape and lse.dtype == np.float32
+
+
+def test_small_smem_specialization_with_dropout():
+    """The 99 KB-GPU row (256, 64, 32, 4): 4 n-tiles per key tile, 16 rows per warp."""
+    spec = kernels.KernelSpec("float16", 256, 64, 32, 4)
+    case = dropout_case(1, 70, 75, 2, 1, 250, causal=True, p=0.5, seed=SEED)
+    check_forward(lambda q, k, v, **o: emulate_backend.forward(make_problem(q, k, v, **o), spec=spec), case)
+
+
+@settings(max_examples=max(4, settings.default.max_examples // 4))  # ci: 5 examples, dev: 10
+@given(attention_cases(dtypes=("float16", "bfloat16") if isinstance(DTYPES[1], str) else ("float16",),
+                       max_seqlen=160, max_head_dim=136, block_sizes=(16, 32, 64, 128), dropout=True))
+def test_hypothesis_with_dropout(case):
+    if not case.options.get("dropout_p"):
+        case.options.update(dropout_p=0.5, seed=SEED)
+    check_forward(emulated, case)
+
+
+# ------------------------------------------------------------------------------------------------
+# The same bits as cuflash.dropout_mask and the NumPy backend
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d,window,p", [(64, (31, 32), 0.5),    # 32 rows per warp (2 m-tiles), block_n 64
+                                        (128, (100, 27), 0.2),  # 16 rows per warp
+                                        (64, (63, 0), 0.9)],    # causal-like band, most keys dropped
+                         ids=["d64_two_mtiles", "d128_one_mtile", "d64_p0.9"])
+def test_kernel_keep_mask_is_bit_equal_to_dropout_mask(d, window, p):
+    check_keep_mask(emulated, batch=2, sq=300, sk=290, hq=2, hkv=1, d=d, window=window, p=p)
+
+
+# ------------------------------------------------------------------------------------------------
+# Seeds, the threshold-0 path, and the backward's refusal
+# ------------------------------------------------------------------------------------------------
+def test_same_seed_same_bits_different_seed_different_output():
+    case = make_case(1, 130, 150, 2, 1, 64, causal=True)
+    runs = [emulated(case.q, case.k, case.v, causal=True, dropout_p=0.3, seed=s)[0] for s in (SEED, SEED, SEED + 1)]
+    assert np.array_equal(runs[0].view(np.uint16), runs[1].view(np.uint16))
+    assert (runs[0] != runs[2]).mean() > 0.5
+    # a seed differing only in its high 32 bits gives a different mask too
+    hi = emulated(case.q, case.k, case.v, causal=True, dropout_p=0.3, seed=SEED ^ (1 << 40))[0]
+    assert (runs[0] != hi).mean() > 0.5
+
+
+def test_threshold_zero_equals_no_dropout_bitwise():
+    p = 1e-12  # floor(p * 2**32) = 0: nothing can be dropped, the kernel skips the generator; 1/(1-p) rounds to 1
+    assert threshold(p) == 0 and np.float32(1 / (1 - p)) == 1
+    case = make_case(1, 100, 120, 2, 2, 64, window=(40, 3))
+    a, lse_a = emulated(case.q, case.k, case.v, window=(40, 3), dropout_p=p, seed=5)
+    b, lse_b = emulated(case.q, case.k, case.v, window=(40, 3))
+    assert np.array_equal(a.view(np.uint16), b.view(np.uint16)) and np.array_equal(lse_a, lse_b)
+
+
+def test_forward_launch_dropout_arguments():
+    case = make_case(1, 8, 8, 1, 1, 32)
+    args = kernels.forward_launch(make_problem(case.q, case.k, case.v, dropout_p=0.25, seed=SEED)).spec.args[-4:]
+    assert [type(a) for a in args] == [np.uint32, np.uint32, np.uint32, np.float32]
+    assert (int(args[0]), int(args[1]), int(args[2])) == (SEED & 0xFFFFFFFF, SEED >> 32, 2 ** 30)
+    assert args[3] == np.float32(1 / 0.75)
+    none = kernels.forward_launch(make_problem(case.q, case.k, case.v)).spec.args[-4:]
+    assert [int(a) for a in none[:3]] == [0, 0, 0] and none[3] == 1
+
+
+def test_backward_with_dropout_is_refused_clearly():
+    if getattr(emulate_backend, "supports_dropout_backward", False):
+        pytest.skip("the backward kernel supports dropout: its own tests cover it")
+    case = make_case(1, 16, 16, 1, 1, 32)
+    out, lse = emulated(case.q, case.k, case.v, dropout_p=0.5, seed=1)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        cuflash.attention_backward(case.dout, case.q, case.k, case.v, out, lse, dropout_p=0.5, seed=1,
+                                   backend="emulate")
+    with pytest.raises(NotImplementedError, match="dropout is not implemented in the CUDA backward kernel"):
+        emulate_backend.backward(make_problem(case.q, case.k, case.v, dropout_p=0.5, seed=1), case.dout, out, lse)
