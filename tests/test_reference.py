@@ -1,0 +1,237 @@
+"""The float64 oracle against an independent brute force, and finite differences of the backwards.
+
+The brute force below writes the visibility rule from ../shared/README.md directly (no cuflash
+code) and computes each row with ``math.fsum``. The finite-difference checks differentiate
+``L = sum(dout * out)`` numerically, for the reference's backward and for the NumPy backend's.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import cuflash
+from cuflash import BlockMask, reference
+from cuflash.testing import attention_cases
+
+EPS = np.finfo(np.float64).eps
+N_EXAMPLES = settings.default.max_examples
+
+
+# ----------------------------------------------------------------------------- brute force
+def sees(i, j, len_q, len_k, causal, window):
+    """README semantics: bottom-right aligned diagonal; window=(left, right) around it."""
+    if not (i < len_q and j < len_k):
+        return False
+    diag = i + (len_k - len_q)
+    if causal and j > diag:
+        return False
+    if window is not None:
+        left, right = window
+        if left is not None and j < diag - left:
+            return False
+        if right is not None and j > diag + right:
+            return False
+    return True
+
+
+def brute_force(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
+                seqlens_q=None, seqlens_k=None):
+    """Per-row Python loop: ``(out, lse)`` with the layouts of :func:`cuflash.attention`."""
+    batch_shape = q.shape[:-3]
+    sq, hq, d = q.shape[-3:]
+    sk, hkv, _ = k.shape[-3:]
+    qf, kf, vf = (x.reshape((-1,) + x.shape[-3:]).astype(np.float64) for x in (q, k, v))
+    nb = qf.shape[0]
+    lq = np.full(nb, sq) if seqlens_q is None else np.asarray(seqlens_q).reshape(-1)
+    lk = np.full(nb, sk) if seqlens_k is None else np.asarray(seqlens_k).reshape(-1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = np.zeros((nb, sq, hq, d))
+    lse = np.full((nb, hq, sq), -np.inf)
+    for b in range(nb):
+        for h in range(hq):
+            hk = h // (hq // hkv)
+            for i in range(sq):
+                scores = {}
+                for j in range(sk):
+                    if not sees(i, j, lq[b], lk[b], causal, window):
+                        continue
+                    if block_mask is not None:
+                        g = block_mask.grid
+                        bq, bk = block_mask.block
+                        if not g[b if g.shape[0] > 1 else 0, h if g.shape[1] > 1 else 0, i // bq, j // bk]:
+                            continue
+                    scores[j] = scale * math.fsum(qf[b, i, h, c] * kf[b, j, hk, c] for c in range(d))
+                if not scores:
+                    continue
+                m = max(scores.values())
+                w = {j: math.exp(s - m) for j, s in scores.items()}
+                total = math.fsum(w.values())
+                for c in range(d):
+                    out[b, i, h, c] = math.fsum(w[j] * vf[b, j, hk, c] for j in w) / total
+                lse[b, h, i] = m + math.log(total)
+    return out.reshape(batch_shape + (sq, hq, d)), lse.reshape(batch_shape + (hq, sq))
+
+
+def assert_close64(actual, expected, magnitude, name):
+    """Float64: -inf where expected is, elsewhere within two roundings at the term magnitude."""
+    actual, expected = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, name
+    inf = np.isinf(expected)
+    assert np.array_equal(np.isinf(actual), inf) and np.array_equal(actual[inf], expected[inf]), \
+        f"{name}: infinite entries differ"
+    if (~inf).any():
+        err = np.abs(actual[~inf] - expected[~inf]).max()
+        assert err <= 2 * EPS * magnitude, f"{name}: error {err:.3e} > {2 * EPS * magnitude:.3e}"
+
+
+TINY = dict(dtypes=("float64",), max_seqlen=12, max_head_dim=5, max_batch_dims=2, block_sizes=(1, 2, 3))
+
+
+@given(attention_cases(**TINY))
+def test_reference_matches_brute_force(case):
+    out, lse = reference.attention(case.q, case.k, case.v, return_lse=True, **case.options)
+    b_out, b_lse = brute_force(case.q, case.k, case.v, **case.options)
+    mags = reference.term_magnitudes(case.q, case.k, case.v, **case.options)
+    assert_close64(out, b_out, mags["out"], "out")
+    assert_close64(lse, b_lse, mags["lse"], "lse")
+
+
+@pytest.mark.parametrize("sq, sk", [(5, 9), (9, 5), (7, 7)])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(2, 1)), dict(window=(None, 3)),
+                                     dict(window=(0, None), causal=True), dict(window=(0, 0))],
+                         ids=["causal", "win2-1", "winNone-3", "win0-None-causal", "win0-0"])
+def test_brute_force_visibility_directed(sq, sk, options):
+    """Fixed cases for the diagonal alignment, both Sq < Sk and Sq > Sk, with seqlens."""
+    rng = np.random.default_rng(sq * 10 + sk)
+    q, k, v = (rng.standard_normal(s) for s in ((2, sq, 2, 3), (2, sk, 1, 3), (2, sk, 1, 3)))
+    for extra in ({}, dict(seqlens_q=np.array([sq, sq - 2]), seqlens_k=np.array([sk - 3, sk]))):
+        out, lse = reference.attention(q, k, v, return_lse=True, **options, **extra)
+        b_out, b_lse = brute_force(q, k, v, **options, **extra)
+        mags = reference.term_magnitudes(q, k, v, **options, **extra)
+        assert_close64(out, b_out, mags["out"], "out")
+        assert_close64(lse, b_lse, mags["lse"], "lse")
+
+
+# ----------------------------------------------------------------------------- finite differences
+H = 1e-5
+
+
+def finite_difference(forward, dout, arrays, options):
+    """Central differences of ``L = sum(dout * forward(q, k, v))`` for every input element."""
+    grads = []
+    for which in range(3):
+        g = np.zeros_like(arrays[which])
+        for idx in np.ndindex(arrays[which].shape):
+            vals = []
+            for sign in (1, -1):
+                xs = [a.copy() for a in arrays]
+                xs[which][idx] += sign * H
+                vals.append(np.sum(dout * forward(*xs, **options)))
+            g[idx] = (vals[0] - vals[1]) / (2 * H)
+        grads.append(g)
+    return grads
+
+
+def assert_fd_close(analytic, numeric, mags):
+    # Central differences err by O(H^2 L''') + O(eps |L| / H), ~1e-11 of the magnitude here; a wrong
+    # gradient (scale, mask, head mapping, group sum) errs by O(1) of the magnitude.
+    for name, a, n in zip(("dq", "dk", "dv"), analytic, numeric):
+        err = np.abs(a - n).max(initial=0)
+        assert err <= 1e-8 * mags[name], f"{name}: analytic vs finite difference {err:.3e} (magnitude {mags[name]:.3e})"
+
+
+def _numpy_forward(q, k, v, **options):
+    return cuflash.attention(q, k, v, backend="numpy", **options)
+
+
+def _check_fd(case):
+    arrays = [case.q, case.k, case.v]
+    mags = reference.term_magnitudes(*arrays, case.dout, **case.options)
+    mags = {n: max(m, 1.0) for n, m in mags.items()}
+    ref_grads = reference.attention_backward(case.dout, *arrays, **case.options)
+    assert_fd_close(ref_grads, finite_difference(reference.attention, case.dout, arrays, case.options), mags)
+    out, lse = cuflash.attention(*arrays, return_lse=True, backend="numpy", **case.options)
+    np_grads = cuflash.attention_backward(case.dout, *arrays, out, lse, backend="numpy", **case.options)
+    assert_fd_close(np_grads, finite_difference(_numpy_forward, case.dout, arrays, case.options), mags)
+
+
+FD_TINY = dict(dtypes=("float64",), max_seqlen=6, max_head_dim=3, max_batch_dims=1, block_sizes=(2, 3))
+
+
+@settings(max_examples=max(2, N_EXAMPLES // 2))
+@given(attention_cases(**FD_TINY))
+def test_finite_differences(case):
+    _check_fd(case)
+
+
+FD_DIRECTED = {
+    "causal": dict(causal=True),
+    "window": dict(window=(1, 2)),
+    "causal_window_seqlens": dict(causal=True, window=(2, None), seqlens_q=np.array([5, 3]),
+                                  seqlens_k=np.array([4, 6])),
+    "block_mask": dict(block_mask=BlockMask(np.array([[True, False], [True, True], [False, True]]),
+                                            block=(2, 3), seqlen_q=5, seqlen_k=6), scale=0.7),
+}
+
+
+@pytest.mark.parametrize("name", FD_DIRECTED)
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1)], ids=["gqa", "mqa"])
+def test_finite_differences_directed(name, heads):
+    from cuflash.testing import Case
+
+    rng = np.random.default_rng(len(name))
+    hq, hkv = heads
+    q, k, v, do = (rng.standard_normal(s) for s in ((2, 5, hq, 3), (2, 6, hkv, 3), (2, 6, hkv, 3), (2, 5, hq, 3)))
+    _check_fd(Case(q, k, v, do, dict(FD_DIRECTED[name])))
+
+
+# ----------------------------------------------------------------------------- reference bugs
+@pytest.mark.xfail(strict=True, reason="reference._probabilities: keep.reshape(keep.shape[0], -1, 1, ...) "
+                   "cannot infer -1 when the mask is empty (seqlen_q = 0, seqlen_k = 0 or a batch dim 0)")
+@pytest.mark.parametrize("shape_q, shape_k", [((2, 0, 3, 4), (2, 5, 3, 4)), ((2, 4, 3, 4), (2, 0, 3, 4)),
+                                              ((0, 3, 5, 2, 4), (0, 3, 6, 2, 4))], ids=["sq0", "sk0", "batch0"])
+def test_reference_zero_lengths(shape_q, shape_k):
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal(s) for s in (shape_q, shape_k, shape_k, shape_q))
+    out, lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == shape_q[:-3] + (shape_q[-2], shape_q[-3])
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+    grads = reference.attention_backward(do, q, k, v, causal=True)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and all(np.all(g == 0) for g in grads)
+
+
+@pytest.mark.xfail(strict=True, reason="reference._probabilities: a NaN score makes l = NaN and "
+                   "`np.where(l > 0, ...)` turns the row into a 'sees no key' row (out = 0, lse = -inf) "
+                   "instead of propagating NaN")
+def test_reference_propagates_nan():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 12, 1, 4)) for _ in range(3))
+    k[0, 5, 0, 1] = np.nan
+    with np.errstate(invalid="ignore"):
+        out, lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert np.isnan(out[0, 5:]).all() and np.isnan(lse[0, 0, 5:]).all()
+    assert np.isfinite(out[0, :5]).all() and np.isfinite(lse[0, 0, :5]).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
+def test_compute_dtype_is_the_computation_dtype(dtype):
+    """``compute_dtype`` is the naive computation in that dtype: results come back in it (the
+    tolerance rule reads the floor off their dtype), rounded to it at every step (ml_dtypes'
+    bfloat16 matmul alone would return float32)."""
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dt = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dt = np.dtype(dtype)
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((1, 9, 2, 8)).astype(dt) for _ in range(4))
+    out, lse = reference.attention(q, k, v, return_lse=True, compute_dtype=dt)
+    assert out.dtype == dt and lse.dtype == dt
+    assert all(g.dtype == dt for g in reference.attention_backward(do, q, k, v, compute_dtype=dt))
+    # and it is not the float64 computation rounded once at the end: its error is of the dtype's size
+    ref = reference.attention(q, k, v)
+    err = np.abs(out.astype(np.float64) - ref).max()
+    assert err > 0 and err > np.abs(ref.astype(dt).astype(np.float64) - ref).max()
