@@ -309,8 +309,10 @@ def check_backward(problem: Problem, dout, out, lse):
     want_lse = problem.batch_shape + (problem.heads_q, problem.seqlen_q)
     if tuple(lse.shape) != want_lse:
         raise ValueError(f"lse must have shape (..., heads, seqlen_q) = {want_lse}, got {tuple(lse.shape)}")
-    if lse.dtype.kind != "f":
-        raise TypeError(f"lse must be a float32/float64 array, got {lse.dtype}")
+    want_dtype = stats_dtype(problem.dtype)
+    if lse.dtype != want_dtype:
+        raise TypeError(f"lse must be {want_dtype} for {problem.element_type} inputs (what the forward returns), "
+                        f"got {lse.dtype}")
     flat = lambda a, tail: a.reshape((problem.batch,) + tail)  # noqa: E731
     return (flat(dout, problem.q.shape[1:]), flat(out, problem.q.shape[1:]),
             flat(lse, (problem.heads_q, problem.seqlen_q)))

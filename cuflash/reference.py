@@ -34,8 +34,8 @@ def _probabilities(p, q, k):
     r = _rounder(q.dtype)
     s = r(q.dtype.type(p.scale) * r(q @ np.swapaxes(k, -1, -2)))
     keep = p.visible_mask()  # (B, Hq|1, Sq, Sk)
-    keep = keep.reshape(keep.shape[0], -1, 1, *keep.shape[2:]) if keep.shape[1] == 1 else \
-        keep.reshape(keep.shape[0], p.heads_kv, p.group, *keep.shape[2:])
+    heads = (1, 1) if keep.shape[1] == 1 else (p.heads_kv, p.group)
+    keep = keep.reshape((keep.shape[0],) + heads + keep.shape[2:])
     s = np.where(keep, s, s.dtype.type(-np.inf))
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     m_safe = np.where(np.isfinite(m), m, s.dtype.type(0))  # rows that see nothing: no (-inf) - (-inf)
@@ -43,8 +43,9 @@ def _probabilities(p, q, k):
     l = r(e.sum(axis=-1, keepdims=True))
     with np.errstate(divide="ignore", invalid="ignore"):
         one = l.dtype.type(1)
-        prob = r(np.where(l > 0, e / np.where(l > 0, l, one), l.dtype.type(0)))
-        lse = r(np.where(l > 0, m_safe + np.log(np.where(l > 0, l, one)), l.dtype.type(-np.inf))[..., 0])
+        seen = l != 0  # not `l > 0`: a NaN sum must propagate, not pass for "sees no key"
+        prob = r(np.where(seen, e / np.where(seen, l, one), l.dtype.type(0)))
+        lse = r(np.where(seen, m_safe + np.log(np.where(seen, l, one)), l.dtype.type(-np.inf))[..., 0])
     return prob, lse
 
 
@@ -134,9 +135,11 @@ def term_magnitudes(q, k, v, dout=None, *, causal=False, scale=None, window=None
     if dout is not None:
         b, sq, hq, d = p.q.shape
         do = p.host_float(dout, np.float64).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
-        dp = do @ np.swapaxes(vg, -1, -2)
-        # dS = P∘(dP − D) cancels (exactly, for a single key): its operands set the magnitude.
-        ds = prob * (np.abs(dp) + np.abs((do * (prob @ vg)).sum(axis=-1, keepdims=True)))
+        # dS = P∘(dP − D) cancels (exactly, for a single key), and so may the sums dP = dO·Vᵀ and
+        # D = rowsum(dO∘O): the magnitudes of all their terms bound the rounding.
+        dp_terms = np.abs(do) @ np.swapaxes(np.abs(vg), -1, -2)
+        d_terms = (np.abs(do) * (prob @ np.abs(vg))).sum(axis=-1, keepdims=True)
+        ds = prob * (dp_terms + d_terms)
         mags["dq"] = abs(p.scale) * (ds @ np.abs(kg)).max(initial=0)
         mags["dk"] = abs(p.scale) * (np.swapaxes(ds, -1, -2) @ np.abs(qg)).sum(axis=2).max(initial=0)
         mags["dv"] = (np.swapaxes(prob, -1, -2) @ np.abs(do)).sum(axis=2).max(initial=0)

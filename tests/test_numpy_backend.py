@@ -57,9 +57,6 @@ def test_forward_backward_match_reference(dtype, data):
         assert g.dtype == x.dtype and g.shape == x.shape
 
 
-@pytest.mark.xfail(strict=True, reason="reference.term_magnitudes sizes dS by |dP| + |D|, but dP = dO·Vᵀ and "
-                   "D = rowsum(dO∘O) are sums that cancel: the floor can be ~0 while a correct float64 "
-                   "dq carries a rounding of the terms (~3% of single-key float64 cases; hypothesis finds it)")
 def test_single_key_float64_gradients():
     """One key per row: dS = P(dP - D) is exactly 0, so dq, dk are pure rounding of dP - D."""
     failures = []
@@ -200,8 +197,6 @@ def test_threads_same_count_reproducible(monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.xfail(strict=True, reason="backends/numpy.py backward: dQ is summed per worker "
-                   "(columns[w::workers]), so its summation order depends on CUFLASH_NUM_THREADS")
 def test_threads_backward_bitwise(monkeypatch):
     p, do = _thread_problem()
     one = _run_all(monkeypatch, 1, p, do, 16)
@@ -321,8 +316,6 @@ def test_nan_row_poisons_only_rows_that_see_it(where):
     np.testing.assert_array_equal(lse[0][:, ~hit], clean_lse[0][:, ~hit])
 
 
-@pytest.mark.xfail(strict=True, reason="backends/numpy.py forward: `seen = l_i > 0` is False for a NaN "
-                   "row sum, so a NaN row gets lse = -inf (the 'sees no key' value) instead of NaN")
 def test_nan_key_row_lse():
     (_, _, _), (q, k, v) = _poisoned("k", np.nan, 20)
     with np.errstate(invalid="ignore"):

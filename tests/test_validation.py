@@ -212,9 +212,6 @@ def test_bad_backward_arguments(changes, exc, match):
         cuflash.attention_backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"])
 
 
-@pytest.mark.xfail(strict=True, reason="problem.check_backward accepts any float lse (`lse.dtype.kind != 'f'`): "
-                   "a float16 lse, or a float32 lse for float64 inputs, silently degrades the gradients "
-                   "(P = exp(S - lse) inherits lse's rounding)")
 @pytest.mark.parametrize("dtype, lse_dtype", [(np.float32, np.float16), (np.float64, np.float32),
                                               (np.float16, np.float16)])
 def test_backward_lse_must_have_the_statistics_dtype(dtype, lse_dtype):

@@ -23,6 +23,8 @@ from ..problem import Problem, dtype_name, stats_dtype
 #: the matrix products efficient, while one score tile per worker (B·H·256·512 floats for few
 #: heads) stays cache-sized.
 BLOCK_Q, BLOCK_K = 256, 512
+#: dQ accumulators of the backward: a constant, so dQ's summation order never depends on threads.
+DQ_CHUNKS = 4
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 supports_dropout = supports_dropout_backward = True
 
@@ -138,7 +140,7 @@ def forward(problem: Problem, *, block_q=None, block_k=None, plan=None):
             acc *= alpha[..., None]
             acc += s @ v[..., t.k0:t.k1, :]
             m_i = m_new
-        seen = l_i > 0
+        seen = l_i != 0  # a NaN sum propagates; only rows that saw no key get 0 and -inf
         out[..., i0:i1, :] = acc / np.where(seen, l_i, 1)[..., None]
         lse[..., i0:i1] = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
 
@@ -191,17 +193,17 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, pl
         dk[..., k0:k1, :] = dk_j.sum(axis=2, keepdims=True) * scale
         dv[..., k0:k1, :] = dv_j.sum(axis=2, keepdims=True)
 
-    # Worker w owns key tiles w, w+T, ... and its own dQ accumulator (O(N·d) each); the
-    # accumulators are summed in worker order, so dQ is bitwise reproducible run to run.
+    # Key tiles are dealt round-robin to a fixed number of dQ accumulators (O(N·d) each), summed
+    # in a fixed order: dQ is bitwise the same whatever the thread count or schedule.
     columns = plan.by_key()
-    workers = max(1, min(_threads(), len(columns)))
+    chunks = max(1, min(DQ_CHUNKS, len(columns)))
 
-    def worker(w):
+    def chunk(c):
         dq_acc = np.zeros(q.shape, dtype=wt)
-        for tiles in columns[w::workers]:
+        for tiles in columns[c::chunks]:
             column(tiles, dq_acc)
         return dq_acc
 
-    dq = sum(_map(worker, range(workers)), np.zeros(q.shape, dtype=wt)) * scale
+    dq = sum(_map(chunk, range(chunks)), np.zeros(q.shape, dtype=wt)) * scale
     cast = lambda x: _ungroup(x).astype(problem.dtype, copy=False)  # noqa: E731
     return cast(dq), cast(dk), cast(dv)
