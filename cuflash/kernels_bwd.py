@@ -13,6 +13,10 @@ happen in whatever order the GPU schedules the key tiles, so dQ may differ in th
 run to run (dK and dV never do: each key tile is summed by one thread block in a fixed order).
 ``deterministic=True`` is bitwise reproducible for dQ, dK and dV, at the price of recomputing
 S, P and dP once more in a second pass over query tiles.
+
+Dropout: the main and dq kernels take the forward's dropout arguments
+(:func:`cuflash.kernels.dropout_args`: seed halves, threshold, 1/(1-p)) and regenerate the
+keep bits of every recomputed P tile in registers; no mask is stored.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .kernels import (CTYPES, MAX_SEQLEN, NATIVE_HEAD_DIMS, SMEM_LIMIT, SUPPORTED_DTYPES, UNBOUNDED,
-                      _elem_strides, _prepare, dtype_of, native_head_dim, tile_lists)
+                      _elem_strides, _prepare, dropout_args, dtype_of, native_head_dim, tile_lists)
 from .launch import LaunchSpec, kernel_source
 
 BWD_SOURCE = "flash_bwd.cu"
@@ -42,7 +46,9 @@ class BwdSpec:
 
     A block owns ``block_n`` keys (16 per warp row group) and visits query tiles of ``block_m``
     rows; ``split = warps / (block_n / 16)`` parts share the query columns of S and the head-dim
-    columns of dK/dV (kernels/bwd_traits.cuh).
+    columns of dK/dV (kernels/bwd_traits.cuh). A warp's S^T is at most 64 query columns wide
+    (``block_m / split <= 64``): its dropout keep bits fill one 32-bit register per lane
+    (kernels/bwd_dropout.cuh), and wider warp tiles run out of registers anyway.
     """
 
     dtype: str
@@ -54,7 +60,8 @@ class BwdSpec:
     def __post_init__(self):
         if self.dtype not in CTYPES or self.head_dim not in NATIVE_HEAD_DIMS or self.block_n % 16 \
                 or self.warps % (self.block_n // 16) or self.split not in (1, 2, 4) \
-                or (self.block_m // self.split) % 16 or (self.head_dim // self.split) % 16:
+                or (self.block_m // self.split) % 16 or self.block_m // self.split > 64 \
+                or (self.head_dim // self.split) % 16:
             raise ValueError(f"invalid backward specialization {self}")
 
     @property
@@ -120,37 +127,42 @@ class Tile:
 
 
 # ------------------------------------------------------------------------------------------------
-# THE backward tile table. Register counts are ptxas -v on sm_80 / sm_90 (CUDA 13); no spills allowed
-# (`python -m cuflash.build --check`). Per thread the main kernel holds dK and dV of 16 keys x
-# head_dim/split columns (head_dim/split fp32 registers) for the whole block, plus S^T and dP^T of
-# 16 keys x block_m/split queries (block_m/split registers) while a query tile is processed.
+# THE backward tile table. Register counts are ptxas -v on sm_80 / sm_90 (CUDA 13, with the dropout
+# path); no spills allowed (`python -m cuflash.build --check`). Per thread the main kernel holds dK and
+# dV of 16 keys x head_dim/split columns (head_dim/split fp32 registers) for the whole block, plus S^T
+# and dP^T of 16 keys x block_m/split queries (block_m/split registers) while a query tile is processed.
 # ------------------------------------------------------------------------------------------------
 BWD_TILES_LARGE_SMEM = {
-    32: Tile(64, 128, 8, "split 1: dK,dV 32 + S,dP 64 regs (174/171 regs); 128 keys per block halve the Q/dO "
-                         "reloads per key; block_m 128 reaches 255 regs and spills on sm_80; 50 KB smem"),
+    32: Tile(64, 128, 8, "split 1: dK,dV 32 + S,dP 64 regs (168/170 regs); 128 keys per block halve the Q/dO "
+                         "reloads per key; block_m 128 would be 128 query columns per warp (S,dP 128 regs); "
+                         "50 KB smem"),
     64: Tile(64, 128, 8, "split 1 (FA2's 128 x 128 would need S,dP 128 regs): dK,dV 64 + S,dP 64 regs "
-                         "(212/210 regs); P^T and dS^T feed dV, dK from registers; 74 KB smem"),
-    96: Tile(64, 64, 8, "split 1 (64 x 128) spills 32 B on sm_80 at 255 regs; split 2: dK,dV 96 + S,dP 32 regs "
-                        "(178/177), P^T and dS^T shared through smem; 72 KB smem"),
-    128: Tile(64, 64, 8, "split 1 (64 x 128, FA2's layout) spills 84 B on sm_90; split 2: dK,dV 128 + S,dP 32 "
-                         "(217/221 regs); 89 KB smem, two blocks per SM on H100"),
-    192: Tile(64, 64, 8, "split 2: dK,dV 192 + S,dP 32 regs (253/252 regs, no spill); 121 KB smem"),
-    256: Tile(64, 32, 8, "split 2 (64 x 64) spills; split 4 over 32 keys: dK,dV 128 + S,dP 16 regs (238/242); "
-                         "111 KB smem (needs the >= 163 KB opt-in of sm_80/sm_90)"),
+                         "(214/218 regs); P^T and dS^T feed dV, dK from registers; 74 KB smem"),
+    96: Tile(64, 64, 8, "split 1 (64 x 128) at the register limit (253/255; it spilled 32 B without the dropout "
+                        "path); split 2: dK,dV 96 + S,dP 32 regs (161/152), P^T and dS^T shared through smem; "
+                        "72 KB smem"),
+    128: Tile(64, 64, 8, "split 1 (64 x 128, FA2's layout) spills 228/28 B; split 2: dK,dV 128 + S,dP 32 "
+                         "(171/171 regs); 89 KB smem, two blocks per SM on H100"),
+    192: Tile(64, 64, 8, "split 2: dK,dV 192 + S,dP 32 regs (224/232 regs, no spill); 121 KB smem"),
+    256: Tile(64, 32, 8, "split 2 (64 x 64) spilled without the dropout path (245 regs with it); split 4 over "
+                         "32 keys: dK,dV 128 + S,dP 16 regs (166/156); 111 KB smem (needs the >= 163 KB opt-in "
+                         "of sm_80/sm_90)"),
 }
 BWD_TILES_SMALL_SMEM = {  # 99 KB per block (sm_86, sm_89)
-    192: Tile(64, 32, 8, "64 x 64 needs 121 KB; split 4 over 32 keys: 87 KB, 202/206 regs"),
-    # 256: no tile fits in 99 KB without spilling (32 x 32 x 4 warps spills 68 B): backward_launch says so.
+    192: Tile(64, 32, 8, "64 x 64 needs 121 KB; split 4 over 32 keys: 87 KB, 161 regs"),
+    # 256: no tile (32 x 32 x 4 warps, 73 KB, spilled 68 B without the dropout path; 244/248 regs and no spill
+    # with it, not yet run on a GPU): backward_launch says so.
 }
 #: the deterministic dQ pass (forward orientation: 16 query rows per warp; dQ 16 x head_dim in registers)
 DQ_TILES = {
-    32: Tile(64, 64, 4, "dQ 16 + S,dP 32 regs (168 regs); 27 KB smem"),
-    64: Tile(128, 64, 8, "64 x 64 x 4 warps spills 4 B (ptxas caps it at 168 regs); 8 warps of 16 rows: 168/176 "
+    32: Tile(64, 64, 4, "dQ 16 + S,dP 32 regs (160/157 regs); 27 KB smem"),
+    64: Tile(128, 64, 8, "64 x 64 x 4 warps spills 8/12 B (ptxas caps it at 168 regs); 8 warps of 16 rows: 170/171 "
                          "regs, 55 KB smem"),
-    96: Tile(64, 32, 4, "dQ 48 + S,dP 16 regs (168 regs); 40 KB smem"),
-    128: Tile(64, 32, 4, "dQ 64 + S,dP 16 regs (187/168 regs); 52 KB smem"),
-    192: Tile(64, 32, 4, "dQ 96 + S,dP 16 regs (245 regs); 77 KB smem, fits 99 KB GPUs"),
-    256: Tile(64, 16, 4, "dQ 128 regs; 32-key tiles spill, 16-key tiles: 245/249 regs; 85 KB smem"),
+    96: Tile(64, 32, 4, "dQ 48 + S,dP 16 regs (162 regs); 40 KB smem"),
+    128: Tile(64, 32, 4, "dQ 64 + S,dP 16 regs (167/168 regs); 52 KB smem"),
+    192: Tile(64, 32, 4, "dQ 96 + S,dP 16 regs (207/212 regs); 77 KB smem, fits 99 KB GPUs"),
+    256: Tile(64, 16, 4, "dQ 128 regs; 32-key tiles spilled without the dropout path (244 regs with it), "
+                         "16-key tiles: 244/244 regs; 85 KB smem"),
 }
 
 
@@ -248,7 +260,8 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
     ``dout``, ``out`` are ``(B, Sq, Hq, D)`` in the input dtype and ``lse`` ``(B, Hq, Sq)`` (the
     flattened arrays of :func:`cuflash.problem.check_backward`). Allocates dq, dk, dv and the fp32
     workspaces (L, D: O(B·H·Sq); the dQ accumulator: O(B·Sq·H·D), default mode only) on
-    ``problem.xp``; nothing of size N².
+    ``problem.xp``; nothing of size N². With ``problem.dropout_p > 0`` the kernels regenerate the
+    forward's keep-mask from ``problem.seed``.
     """
     xp = problem.xp
     dtype = dtype_of(problem.q)
@@ -298,6 +311,7 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
 
     common_tail = (i32(sq), i32(sk), i32(d8), i32(hq // hkv), problem.seqlens_q, problem.seqlens_k,
                    scale_log2, scale, i32(left), i32(right))
+    drop = dropout_args(problem)  # seed_lo, seed_hi, threshold, 1/(1-p): the forward's keep-mask
     n_n = -(-sk // spec.block_n)
     launches.append(LaunchSpec(
         source=src, name_expression=spec.name_expression, grid=(n_n, hkv, b), block=(spec.threads, 1, 1),
@@ -305,7 +319,7 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
         args=(q, k, v, do, dk, dv, acc, lse_log2, dsum,
               *_elem_strides(q), *_elem_strides(k), *_elem_strides(v), *_elem_strides(do),
               *_elem_strides(dk), *_elem_strides(dv), *acc_strides, *lse_strides, *common_tail,
-              *_mask_args(xp, problem.block_mask, spec.block_m, spec.block_n, sq, sk, transposed=True))))
+              *_mask_args(xp, problem.block_mask, spec.block_m, spec.block_n, sq, sk, transposed=True), *drop)))
     if deterministic:
         n_m = -(-sq // dq_spec.block_m)
         launches.append(LaunchSpec(
@@ -314,7 +328,8 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
             args=(q, k, v, do, dq, lse_log2, dsum,
                   *_elem_strides(q), *_elem_strides(k), *_elem_strides(v), *_elem_strides(do),
                   *_elem_strides(dq), *lse_strides, *common_tail,
-                  *_mask_args(xp, problem.block_mask, dq_spec.block_m, dq_spec.block_n, sq, sk, transposed=False))))
+                  *_mask_args(xp, problem.block_mask, dq_spec.block_m, dq_spec.block_n, sq, sk, transposed=False),
+                  *drop)))
     else:
         launches.append(LaunchSpec(
             source=src, name_expression=f"{NS}flash_bwd_convert_dq_kernel<{ctype}>", grid=rows_grid,

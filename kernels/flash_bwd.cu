@@ -18,6 +18,12 @@
 // Masks, lengths, GQA and 64-bit strides follow the forward (flash_fwd.cu): the element rule of mask.cuh on
 // boundary tiles only, BlockMask index lists (transposed for the main kernel), per-sequence lengths with
 // zero-filled ragged tails, kv head = query head / heads_per_kv.
+//
+// Dropout (runtime arguments, one uniform branch per tile on dropout_threshold != 0): the keep bits Z of each
+// recomputed P tile are regenerated in registers (dropout.cuh in the forward's orientation, bwd_dropout.cuh in the
+// main kernel's transposed one), from (batch, QUERY head, query row, key column) as in the forward. With
+// rescale = 1/(1-p): dV_j += (P o Z)^T dO_i * rescale (the rescale applied once, to dV at the end),
+// dS = P o (dP o Z * rescale - D) (P undropped; one fma per element, dP * 1 - D exactly without dropout).
 #include "kernel_traits.cuh"
 #include "mask.cuh"
 #include "block_info.cuh"
@@ -26,10 +32,17 @@
 #include "bwd_traits.cuh"
 #include "bwd_block_info.cuh"
 #include "bwd_gemm.cuh"
+#include "dropout.cuh"
+#include "bwd_dropout.cuh"
 
 namespace cuflash {
 
 constexpr float kLog2e = 1.4426950408889634f;
+
+template <bool B>
+struct BoolConstant {  // a compile-time bool to instantiate a generic lambda per case (no <type_traits> in NVRTC)
+  static constexpr bool value = B;
+};
 
 // ---------------------------------------------------------------------------------------------------------------
 // Preprocess: one warp per query row. lse, L, D are (B, Hq, Sq) fp32 with row stride 1.
@@ -97,6 +110,8 @@ flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum, T* __restrict__ 
 //   tile_counts (Bm, Hm, n_key_tiles) and tile_lists (..., list_len): per key tile the sorted query tiles a
 //     BlockMask keeps (~m for a tile kept only partly), head stride 0 for a mask shared by the heads; null without.
 //   mask_cells: the BlockMask grid (uint8, original orientation), consulted only in partly kept tiles.
+//   dropout_seed_lo/hi, dropout_threshold, dropout_rescale: the forward's dropout (kernels.dropout_args);
+//     threshold 0 skips the generator, rescale 1 then.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -117,7 +132,9 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  const int* __restrict__ tile_counts, const int* __restrict__ tile_lists,
                  long long tiles_batch_stride, long long tiles_head_stride, int list_len,
                  const unsigned char* __restrict__ mask_cells, long long cells_batch_stride,
-                 long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks) {
+                 long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks,
+                 unsigned int dropout_seed_lo, unsigned int dropout_seed_hi, unsigned int dropout_threshold,
+                 float dropout_rescale) {
   using Tr = BwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   using SdP = typename Tr::SdP;
   using Load = typename Tr::Load;
@@ -190,9 +207,18 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const T* sK_warp = sK + 16 * key_group * Tr::kStride;
   const T* sV_warp = sV + 16 * key_group * Tr::kStride;
   QFrags<SdP> no_frags;  // A operands come from smem (SmemATraits)
+  const DropoutRng rng{dropout_seed_lo, dropout_seed_hi, dropout_threshold};
+  const bool dropout = dropout_threshold != 0u;
 
   while (m >= 0) {
     const int row0 = m * kBlockM;
+    // Dropout keep bits of this warp's S^T tile (rows keys, columns queries of `head`), while S is not live and the
+    // loads of Q_i, dO_i are in flight.
+    unsigned int keep_bits = ~0u;
+    if (dropout) {
+      keep_bits = dropout_keep_bits_t<kNTilesS>(rng, blk.batch, head, blk.key_begin + 16 * key_group,
+                                                row0 + q_col0, lane);
+    }
     arch::cp_async_wait<0>();
     __syncthreads();  // Q_i, dO_i, L_i, D_i (and K_j, V_j) are in smem; every warp is done with the last dS
 
@@ -211,46 +237,62 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       }
       apply_mask_t<kNTilesS>(S, blk.key_begin + 16 * key_group, row0 + q_col0, lane, blk.vis, tile_cells);
     }
+    // Lines 13-21 for this tile, compiled twice: with dropout (kDrop) and without, picked by a uniform branch per
+    // tile, so that the path without dropout is exactly the code without it (one scheduling region, no dropout
+    // instructions).
+    auto backprop_tile = [&](auto drop) {
+      constexpr bool kDrop = decltype(drop)::value;
 #pragma unroll
-    for (int nj = 0; nj < kNTilesS; ++nj) {
-      const float2 L = *reinterpret_cast<const float2*>(sL + q_col0 + 8 * nj + 2 * (lane & 3));
-      S[0][nj][0] = exp2f(S[0][nj][0] - L.x);
-      S[0][nj][1] = exp2f(S[0][nj][1] - L.y);
-      S[0][nj][2] = exp2f(S[0][nj][2] - L.x);
-      S[0][nj][3] = exp2f(S[0][nj][3] - L.y);
-    }
+      for (int nj = 0; nj < kNTilesS; ++nj) {
+        const float2 L = *reinterpret_cast<const float2*>(sL + q_col0 + 8 * nj + 2 * (lane & 3));
+        S[0][nj][0] = exp2f(S[0][nj][0] - L.x);
+        S[0][nj][1] = exp2f(S[0][nj][1] - L.y);
+        S[0][nj][2] = exp2f(S[0][nj][2] - L.x);
+        S[0][nj][3] = exp2f(S[0][nj][3] - L.y);
+      }
 
-    // Line 16: dV_j += P^T dO_i (straight from registers when the warp holds every query column).
-    if constexpr (kSplit == 1) {
-      gemm_pv<SdP>(acc_dv, S, sdO, lane);
-    } else {
-      store_frags_smem<T, kNTilesS, Tr::kStrideS>(sP + 16 * key_group * Tr::kStrideS + q_col0, S, lane);
-    }
-
-    // Lines 17-19: dP^T = V_j dO_i^T, dS^T = P^T o (dP^T - D_i).
-    float dP[1][kNTilesS][4];
-    gemm_qk<SdP>(dP, no_frags, sV_warp, sdO + q_col0 * Tr::kStride, lane);
+      // Lines 17-19: dP^T = V_j dO_i^T (with dropout: that of the dropped P, dP^T o Z^T / (1-p)),
+      // dS^T = P^T o (dP^T - D_i) with the undropped P^T.
+      float dP[1][kNTilesS][4];
+      gemm_qk<SdP>(dP, no_frags, sV_warp, sdO + q_col0 * Tr::kStride, lane);
+      if constexpr (kDrop) apply_keep_bits_t<kNTilesS>(dP, keep_bits);
 #pragma unroll
-    for (int nj = 0; nj < kNTilesS; ++nj) {
-      const float2 D = *reinterpret_cast<const float2*>(sD + q_col0 + 8 * nj + 2 * (lane & 3));
-      dP[0][nj][0] = S[0][nj][0] * (dP[0][nj][0] - D.x);
-      dP[0][nj][1] = S[0][nj][1] * (dP[0][nj][1] - D.y);
-      dP[0][nj][2] = S[0][nj][2] * (dP[0][nj][2] - D.x);
-      dP[0][nj][3] = S[0][nj][3] * (dP[0][nj][3] - D.y);
-    }
-    if (kSplit > 1 || accum_dq) {
-      store_frags_smem<T, kNTilesS, Tr::kStrideS>(sdS + 16 * key_group * Tr::kStrideS + q_col0, dP, lane);
-    }
+      for (int nj = 0; nj < kNTilesS; ++nj) {
+        const float2 D = *reinterpret_cast<const float2*>(sD + q_col0 + 8 * nj + 2 * (lane & 3));
+        const float rescale = kDrop ? dropout_rescale : 1.f;
+        dP[0][nj][0] = S[0][nj][0] * fmaf(dP[0][nj][0], rescale, -D.x);
+        dP[0][nj][1] = S[0][nj][1] * fmaf(dP[0][nj][1], rescale, -D.y);
+        dP[0][nj][2] = S[0][nj][2] * fmaf(dP[0][nj][2], rescale, -D.x);
+        dP[0][nj][3] = S[0][nj][3] * fmaf(dP[0][nj][3], rescale, -D.y);
+      }
 
-    // Line 21: dK_j += dS^T Q_i (scaled once at the end).
-    if constexpr (kSplit == 1) {
-      gemm_pv<SdP>(acc_dk, dP, sQ, lane);
+      // Line 16: dV_j += (P^T o Z^T) dO_i (straight from registers when the warp holds every query column); after
+      // dS, which needs the undropped P. The 1/(1-p) is applied to dV once, at the end.
+      if constexpr (kDrop) apply_keep_bits_t<kNTilesS>(S, keep_bits);
+      if constexpr (kSplit == 1) {
+        gemm_pv<SdP>(acc_dv, S, sdO, lane);
+      } else {
+        store_frags_smem<T, kNTilesS, Tr::kStrideS>(sP + 16 * key_group * Tr::kStrideS + q_col0, S, lane);
+      }
+      if (kSplit > 1 || accum_dq) {
+        store_frags_smem<T, kNTilesS, Tr::kStrideS>(sdS + 16 * key_group * Tr::kStrideS + q_col0, dP, lane);
+      }
+
+      // Line 21: dK_j += dS^T Q_i (scaled once at the end).
+      if constexpr (kSplit == 1) {
+        gemm_pv<SdP>(acc_dk, dP, sQ, lane);
+      } else {
+        __syncthreads();  // the other part's P^T and dS^T columns are in smem
+        gemm_smem_a<SdP, kBlockM / 16, Tr::kDNTiles, Tr::kStrideS>(acc_dv, sP + 16 * key_group * Tr::kStrideS,
+                                                                  sdO + d_col0, lane);
+        gemm_smem_a<SdP, kBlockM / 16, Tr::kDNTiles, Tr::kStrideS>(acc_dk, sdS + 16 * key_group * Tr::kStrideS,
+                                                                  sQ + d_col0, lane);
+      }
+    };
+    if (dropout) {
+      backprop_tile(BoolConstant<true>{});
     } else {
-      __syncthreads();  // the other part's P^T and dS^T columns are in smem
-      gemm_smem_a<SdP, kBlockM / 16, Tr::kDNTiles, Tr::kStrideS>(acc_dv, sP + 16 * key_group * Tr::kStrideS,
-                                                                sdO + d_col0, lane);
-      gemm_smem_a<SdP, kBlockM / 16, Tr::kDNTiles, Tr::kStrideS>(acc_dk, sdS + 16 * key_group * Tr::kStrideS,
-                                                                sQ + d_col0, lane);
+      backprop_tile(BoolConstant<false>{});
     }
     __syncthreads();  // dS^T complete in smem; every warp is done with Q_i, dO_i, L_i, D_i
 
@@ -271,19 +313,22 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     partial = next_partial;
   }
 
-  // Line 24: dK_j = scale * sum dS^T Q, dV_j, written once (zeros for keys no query sees; rows < seqlen_k).
+  // Line 24: dK_j = scale * sum dS^T Q, dV_j (times 1/(1-p)), written once (zeros for keys no query sees; rows <
+  // seqlen_k).
   const int key0 = blk.key_begin + 16 * key_group;
   T* dk_w = dk + blk.batch * dk_batch_stride + blk.head_kv * dk_head_stride + key0 * dk_row_stride + d_col0;
   T* dv_w = dv + blk.batch * dv_batch_stride + blk.head_kv * dv_head_stride + key0 * dv_row_stride + d_col0;
   store_acc_tile<T, Tr::kDNTiles>(dk_w, dk_row_stride, seqlen_k - key0, head_dim - d_col0, acc_dk, scale, lane);
-  store_acc_tile<T, Tr::kDNTiles>(dv_w, dv_row_stride, seqlen_k - key0, head_dim - d_col0, acc_dv, 1.f, lane);
+  store_acc_tile<T, Tr::kDNTiles>(dv_w, dv_row_stride, seqlen_k - key0, head_dim - d_col0, acc_dv, dropout_rescale,
+                                  lane);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Deterministic dQ: grid (query tiles, query heads, batch), the forward's orientation and block info. Warps own
 // 16-row m-tiles of the query tile; per visible key tile: S = Q_i K_j^T, P = exp2(S*scale*log2e - L),
 // dP = dO_i V_j^T, dS = P o (dP - D), dQ_i += dS K_j in registers. The key tiles and their BlockMask lists are
-// the forward's (tile_lists at this kernel's tiles). No atomics: bitwise reproducible.
+// the forward's (tile_lists at this kernel's tiles). No atomics: bitwise reproducible. Dropout as in the main kernel
+// (dS = P o (dP o Z / (1-p) - D)), the keep bits made like the forward's (dropout.cuh).
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -302,7 +347,9 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     const int* __restrict__ tile_counts, const int* __restrict__ tile_lists,
                     long long tiles_batch_stride, long long tiles_head_stride, int list_len,
                     const unsigned char* __restrict__ mask_cells, long long cells_batch_stride,
-                    long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks) {
+                    long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks,
+                    unsigned int dropout_seed_lo, unsigned int dropout_seed_hi, unsigned int dropout_threshold,
+                    float dropout_rescale) {
   using Tr = SmemATraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   constexpr int kMTiles = Tr::kMTiles;
 
@@ -366,6 +413,9 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
     arch::cp_async_commit();
   }
 
+  const DropoutRng rng{dropout_seed_lo, dropout_seed_hi, dropout_threshold};
+  const bool dropout = dropout_threshold != 0u;
+
   while (n >= 0) {
     const int key0 = n * kBlockN;
     arch::cp_async_wait<0>();
@@ -401,12 +451,22 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
                              blk.len_k - n_next * kBlockN, head_dim, tid);
       arch::cp_async_commit();
     }
+    if (dropout) {
+      // dP of the dropped P: dP o Z, times 1/(1-p) in the fma below. The keep bits are made here, while the next V
+      // tile loads, not at the top of the loop: there ptxas gave the head_dim 32 specialization a lower register
+      // budget and a 28-byte spill on sm_80.
+      unsigned int keep_bits[2];
+      dropout_keep_bits<kMTiles, Tr::kNTilesS>(keep_bits, rng, blk.batch, blk.head, blk.row_begin + warp_row, key0,
+                                               lane);
+      apply_keep_bits<kMTiles, Tr::kNTilesS>(dP, keep_bits);
+    }
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
       for (int nj = 0; nj < Tr::kNTilesS; ++nj)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) dP[mi][nj][r] = S[mi][nj][r] * (dP[mi][nj][r] - Dr[2 * mi + r / 2]);
+        for (int r = 0; r < 4; ++r)
+          dP[mi][nj][r] = S[mi][nj][r] * fmaf(dP[mi][nj][r], dropout_rescale, -Dr[2 * mi + r / 2]);
 
     gemm_pv<Tr>(acc, dP, sK, lane);  // dQ_i += dS K_j: K_j read like V in the forward
     if (n_next >= 0) {

@@ -47,9 +47,9 @@ def _device():
     return (dev.id,) + info
 
 
-#: the forward kernel applies dropout (kernels/dropout.cuh); the backward kernel does not yet
+#: the kernels apply dropout forward (kernels/dropout.cuh) and backward (the same keep bits, regenerated)
 supports_dropout = True
-supports_dropout_backward = False
+supports_dropout_backward = True
 
 
 def available():
@@ -69,7 +69,7 @@ def available():
     return True, f"CuPy {cupy.__version__}, sm_{cc}"
 
 
-def _check(problem: Problem, dropout: bool = False):
+def _check(problem: Problem):
     ok, why = available()
     if not ok:
         raise RuntimeError(f"backend 'cuda' is not available: {why}")
@@ -77,9 +77,6 @@ def _check(problem: Problem, dropout: bool = False):
     if dtype not in kernels.SUPPORTED_DTYPES:
         raise TypeError(f"the CUDA kernels take float16 or bfloat16 inputs (bfloat16 as ml_dtypes.bfloat16 or "
                         f"uint16 bits), got {problem.q.dtype}; use backend='numpy' for float32/float64")
-    if problem.dropout_p and not dropout:
-        raise NotImplementedError("dropout is not implemented in the CUDA backward kernel yet; use backend='numpy' "
-                                  "for gradients with dropout_p > 0")
 
 
 def kernel(spec: kernels.KernelSpec):
@@ -111,7 +108,7 @@ def _device_args(args):
 
 def forward(problem: Problem):
     """``(out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) float32)`` on the current CuPy stream."""
-    _check(problem, dropout=True)  # the forward kernel applies dropout
+    _check(problem)
     _, _, max_smem = _device()
     fl = kernels.forward_launch(problem, max_smem=max_smem)
     if fl.spec is not None:

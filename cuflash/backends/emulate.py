@@ -15,9 +15,9 @@ from ..problem import Problem
 #: the GPU whose shared-memory limit picks the tile table row (default an A100/H100-class sm_80)
 ARCH = int(os.environ.get("CUFLASH_EMULATE_ARCH", "80"))
 
-#: the forward kernel applies dropout (kernels/dropout.cuh); the backward kernel does not yet
+#: the kernels apply dropout forward (kernels/dropout.cuh) and backward (the same keep bits, regenerated)
 supports_dropout = True
-supports_dropout_backward = False
+supports_dropout_backward = True
 
 
 def available():
@@ -28,13 +28,10 @@ def available():
     return emulate.available()
 
 
-def _check(problem: Problem, dropout: bool = False):
+def _check(problem: Problem):
     dtype = kernels.dtype_of(problem.q)
     if dtype not in kernels.SUPPORTED_DTYPES:
         raise TypeError(f"the CUDA kernels (and so backend='emulate') take float16 or bfloat16 inputs, got {dtype}")
-    if problem.dropout_p and not dropout:
-        raise NotImplementedError("dropout is not implemented in the CUDA backward kernel yet; use backend='numpy' "
-                                  "for gradients with dropout_p > 0")
 
 
 def forward(problem: Problem, *, schedule=None, seed=None, spec=None):
@@ -44,7 +41,7 @@ def forward(problem: Problem, *, schedule=None, seed=None, spec=None):
     """
     from .. import emulate
 
-    _check(problem, dropout=True)  # the forward kernel applies dropout
+    _check(problem)
     fl = kernels.forward_launch(problem, max_smem=kernels.SMEM_LIMIT[ARCH], spec=spec)
     if fl.spec is not None:
         emulate.launch(fl.spec, schedule=schedule, seed=seed)
