@@ -46,7 +46,13 @@ MAX_SEQLEN = UNBOUNDED - 1
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One forward specialization: ``flash_fwd_kernel<T, head_dim, block_m, block_n, warps>``."""
+    """One forward specialization: ``flash_fwd_kernel<T, head_dim, block_m, block_n, warps>``.
+
+    Subclasses with the same template shape (the backward's dQ pass) change only ``kernel`` and
+    :attr:`smem_bytes`.
+    """
+
+    kernel = FWD_KERNEL  # a class attribute, not a field
 
     dtype: str       # "float16" | "bfloat16"
     head_dim: int    # native (padded) head dim
@@ -64,7 +70,7 @@ class KernelSpec:
 
     @property
     def name_expression(self) -> str:
-        return (f"{FWD_KERNEL}<{CTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, "
+        return (f"{self.kernel}<{CTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, "
                 f"{self.block_n}, {self.warps}>")
 
     @property

@@ -26,8 +26,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .kernels import (CTYPES, MAX_SEQLEN, NATIVE_HEAD_DIMS, SMEM_LIMIT, SUPPORTED_DTYPES, UNBOUNDED,
-                      _elem_strides, _prepare, dropout_args, dtype_of, native_head_dim, tile_lists)
+from .kernels import (CTYPES, MAX_SEQLEN, NATIVE_HEAD_DIMS, SMEM_LIMIT, SUPPORTED_DTYPES, UNBOUNDED, KernelSpec,
+                      Tile, _elem_strides, _prepare, dropout_args, dtype_of, native_head_dim, tile_lists)
 from .launch import LaunchSpec, kernel_source
 
 BWD_SOURCE = "flash_bwd.cu"
@@ -88,42 +88,16 @@ class BwdSpec:
 
 
 @dataclass(frozen=True)
-class DqSpec:
+class DqSpec(KernelSpec):
     """The deterministic dQ kernel: ``flash_bwd_dq_kernel<T, head_dim, block_m, block_n, warps>``
     (the forward's orientation: ``block_m`` query rows, 16 per warp, ``block_n`` keys per tile)."""
 
-    dtype: str
-    head_dim: int
-    block_m: int
-    block_n: int
-    warps: int
-
-    def __post_init__(self):
-        rows = self.block_m // self.warps
-        if self.dtype not in CTYPES or self.head_dim not in NATIVE_HEAD_DIMS or rows * self.warps != self.block_m \
-                or rows not in (16, 32) or self.block_n % 16:
-            raise ValueError(f"invalid dq specialization {self}")
-
-    @property
-    def name_expression(self) -> str:
-        return (f"{NS}flash_bwd_dq_kernel<{CTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{self.warps}>")
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
+    kernel = NS + "flash_bwd_dq_kernel"
 
     @property
     def smem_bytes(self) -> int:
+        """Q, dO [block_m] and K, V [block_n] rows of head_dim + 8 elements."""
         return 2 * (2 * self.block_m + 2 * self.block_n) * (self.head_dim + 8)
-
-
-@dataclass(frozen=True)
-class Tile:
-    block_m: int
-    block_n: int
-    warps: int
-    why: str
 
 
 # ------------------------------------------------------------------------------------------------

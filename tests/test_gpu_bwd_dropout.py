@@ -21,28 +21,9 @@ from bwd_dropout_cases import check_dv_keep_mask
 from dropout_cases import SEED, dropout_case, dropout_feature_cases
 from fwd_cases import bf16, make_case
 
-cp = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
+import gpu_support  # noqa: E402
 
-
-def _gpu_status():
-    from cuflash.backends import cuda
-
-    return cuda.available()
-
-
-_OK, _WHY = _gpu_status()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"no usable GPU: {_WHY}")]
-
-
-def _cupy_takes_bf16() -> bool:
-    try:
-        cp.asarray(np.zeros(2, bf16()))
-        return True
-    except Exception:
-        return False
-
-
-DTYPES = ("float16", "bfloat16") if _OK and _cupy_takes_bf16() else ("float16",)
+cp, pytestmark, DTYPES = gpu_support.setup()
 MODES = pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 
 

@@ -15,28 +15,9 @@ from cuflash.testing import attention_cases
 from dropout_cases import SEED, check_keep_mask, dropout_feature_cases
 from fwd_cases import bf16, check_forward, make_case
 
-cp = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
+import gpu_support  # noqa: E402
 
-
-def _gpu_status():
-    from cuflash.backends import cuda
-
-    return cuda.available()
-
-
-_OK, _WHY = _gpu_status()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"no usable GPU: {_WHY}")]
-
-
-def _cupy_takes_bf16() -> bool:
-    try:
-        cp.asarray(np.zeros(2, bf16()))
-        return True
-    except Exception:
-        return False
-
-
-DTYPES = ("float16", "bfloat16") if _OK and _cupy_takes_bf16() else ("float16",)
+cp, pytestmark, DTYPES = gpu_support.setup()
 
 
 def on_gpu(q, k, v, **options):

@@ -16,31 +16,9 @@ from cuflash.testing import Case, assert_attention_close, attention_cases
 
 from fwd_cases import bf16, check_forward, feature_cases, golden_cases, make_case
 
-cp = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
+import gpu_support  # noqa: E402
 
-
-def _gpu_status():
-    from cuflash.backends import cuda
-
-    return cuda.available()
-
-
-_OK, _WHY = _gpu_status()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"no usable GPU: {_WHY}")]
-
-
-def _cupy_takes_bf16() -> bool:
-    try:
-        import ml_dtypes
-
-        cp.asarray(np.zeros(2, ml_dtypes.bfloat16))
-        return True
-    except Exception:
-        return False
-
-
-BF16 = _OK and _cupy_takes_bf16()
-DTYPES = ("float16", "bfloat16") if BF16 else ("float16",)
+cp, pytestmark, DTYPES = gpu_support.setup()
 
 
 def on_gpu(q, k, v, **options):
