@@ -8,6 +8,7 @@ over a small thread pool: NumPy's ufuncs and BLAS release the GIL on large tiles
 """
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -95,6 +96,19 @@ def _dropout_scale(problem, tile, dtype):
     return z.reshape(problem.batch, problem.heads_kv, problem.group, *z.shape[2:])
 
 
+def _scaled_q(problem, wt):
+    """Q, and the scale still to apply to S (None when folded into Q).
+
+    Folding the scale into Q saves a pass over every score tile, but rounds each q·scale: an
+    extra rounding the naive computation does not have. A power-of-two scale (1/8 for head_dim
+    64) folds exactly, so only then is it folded.
+    """
+    q = _grouped(problem.q, problem, wt)
+    if problem.scale != 0 and math.frexp(problem.scale)[0] in (0.5, -0.5):
+        return q * wt.type(problem.scale), None
+    return q, wt.type(problem.scale)
+
+
 def check(problem: Problem):
     name = dtype_name(problem.dtype)
     if name == "uint16":
@@ -109,10 +123,7 @@ def forward(problem: Problem, *, block_q=None, block_k=None, plan=None):
     check(problem)
     wt = _work_dtype(problem)
     plan = plan or Plan(problem, block_q or BLOCK_Q, block_k or BLOCK_K)
-    # The scale multiplies S, not Q: folding it into Q would round every q·scale and cost the
-    # scores an extra rounding that the naive computation does not have.
-    q = _grouped(problem.q, problem, wt)
-    scale = wt.type(problem.scale)
+    q, scale = _scaled_q(problem, wt)
     kt = np.swapaxes(_grouped(problem.k, problem, wt), -1, -2)
     v = _grouped(problem.v, problem, wt)
     out = np.zeros(q.shape, dtype=wt)
@@ -126,7 +137,8 @@ def forward(problem: Problem, *, block_q=None, block_k=None, plan=None):
         acc = np.zeros(q_i.shape, dtype=wt)
         for t in tiles:
             s = q_i @ kt[..., t.k0:t.k1]
-            s *= scale
+            if scale is not None:
+                s *= scale
             _mask_scores(s, plan, t, problem)
             m_new = np.maximum(m_i, s.max(axis=-1))
             m_safe = np.where(m_new == -np.inf, 0, m_new)  # a row that saw nothing yet: no -inf - -inf
@@ -156,7 +168,7 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, pl
     check(problem)
     wt = _work_dtype(problem)
     plan = plan or Plan(problem, block_q or BLOCK_Q, block_k or BLOCK_K)
-    q = _grouped(problem.q, problem, wt)
+    q, s_scale = _scaled_q(problem, wt)  # S recomputed exactly as the forward computed it
     k = _grouped(problem.k, problem, wt)
     kt = np.swapaxes(k, -1, -2)
     v = _grouped(problem.v, problem, wt)
@@ -177,7 +189,8 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, pl
         for t in tiles:
             q_i, do_i = q[..., t.i0:t.i1, :], do[..., t.i0:t.i1, :]
             s = q_i @ kt[..., k0:k1]  # bit-identical to the forward's S, so P = exp(S - lse) is too
-            s *= scale
+            if s_scale is not None:
+                s *= s_scale
             _mask_scores(s, plan, t, problem)
             s -= lse_g[..., t.i0:t.i1, None]
             p = np.exp(s, out=s)
@@ -190,7 +203,8 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, pl
             ds = np.multiply(p, dp, out=dp)
             dq_acc[..., t.i0:t.i1, :] += ds @ k_j
             dk_j += np.swapaxes(ds, -1, -2) @ q_i
-        dk[..., k0:k1, :] = dk_j.sum(axis=2, keepdims=True) * scale
+        dk_j = dk_j.sum(axis=2, keepdims=True)
+        dk[..., k0:k1, :] = dk_j if s_scale is None else dk_j * scale  # a folded Q carries the scale
         dv[..., k0:k1, :] = dv_j.sum(axis=2, keepdims=True)
 
     # Key tiles are dealt round-robin to a fixed number of dQ accumulators (O(N·d) each), summed
