@@ -188,7 +188,7 @@ def test_finite_differences_directed(name, heads):
     _check_fd(Case(q, k, v, do, dict(FD_DIRECTED[name])))
 
 
-# ----------------------------------------------------------------------------- reference bugs
+# ----------------------------------------------------------------------------- edge cases
 @pytest.mark.parametrize("shape_q, shape_k", [((2, 0, 3, 4), (2, 5, 3, 4)), ((2, 4, 3, 4), (2, 0, 3, 4)),
                                               ((0, 3, 5, 2, 4), (0, 3, 6, 2, 4))], ids=["sq0", "sk0", "batch0"])
 def test_reference_zero_lengths(shape_q, shape_k):
