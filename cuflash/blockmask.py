@@ -44,6 +44,7 @@ class BlockMask:
         grid = np.asarray(grid)
         if grid.dtype != np.bool_:
             raise TypeError(f"grid must be a boolean array, got dtype {grid.dtype}")
+        grid = grid.copy()  # the mask is a value: later changes to the caller's array must not leak in
         if not 2 <= grid.ndim <= 4:
             raise ValueError(f"grid must have shape (batch|1, heads|1, n_q_blocks, n_k_blocks), got {grid.shape}")
         self.grid = grid.reshape((1,) * (4 - grid.ndim) + grid.shape)
