@@ -10,7 +10,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+def _kernels_dir() -> Path:
+    """``kernels/`` of a source checkout, else the copy a wheel installs as ``cuflash/_kernels``."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "kernels"
+    return checkout if (checkout / "flash_fwd.cu").is_file() else here / "_kernels"
+
+
+KERNELS_DIR = _kernels_dir()
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _PRAGMA_ONCE = re.compile(r'^\s*#\s*pragma\s+once\s*$', re.M)
