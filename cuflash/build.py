@@ -6,7 +6,8 @@ forward specializations of :mod:`cuflash.kernels` and the backward ones of :mod:
 concurrently), parses ``ptxas -v`` and prints
 a table (kernel, arch, registers, spill bytes, shared bytes). It exits non-zero on any spill, any
 local-memory stack frame, or shared memory (static + dynamic) above what the GPUs that select the
-specialization allow. Needs only nvcc (no GPU, no CuPy).
+specialization allow. Needs only nvcc (no GPU, no CuPy). ``--nvrtc`` adds the NVRTC compile of
+:mod:`cuflash.nvrtc` (what CuPy will run on the GPU machine).
 """
 from __future__ import annotations
 
@@ -193,12 +194,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cuflash.build", description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compile every specialization; fail on spills/smem")
     ap.add_argument("--nvcc", default=None, help="path to nvcc (default: CUDA_PATH, /usr/local/cuda, PATH)")
+    ap.add_argument("--nvrtc", action="store_true",
+                    help="also compile every specialization with NVRTC and CuPy's options (cuflash.nvrtc)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the raw ptxas output")
     args = ap.parse_args(argv)
-    if not args.check:
+    if not (args.check or args.nvrtc):
         ap.print_help()
         return 0
-    return check(args.nvcc, args.verbose)
+    rc = check(args.nvcc, args.verbose) if args.check else 0
+    if args.nvrtc:
+        from . import nvrtc
+
+        rc |= 1 if nvrtc.check() else 0
+    return rc
 
 
 if __name__ == "__main__":

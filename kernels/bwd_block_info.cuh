@@ -119,7 +119,7 @@ __device__ __forceinline__ void apply_mask_t(float (&S)[1][kNTiles][4], int key0
     for (int r = 0; r < 4; ++r) {
       const int j = key0 + (lane >> 2) + 8 * (r >> 1);
       const int i = q0 + 8 * nj + 2 * (lane & 3) + (r & 1);
-      if (!(vis(i, j) && grid.kept(i, j))) S[0][nj][r] = -INFINITY;
+      if (!(vis(i, j) && grid.kept(i, j))) S[0][nj][r] = neg_inf();
     }
   }
 }

@@ -73,7 +73,7 @@ flash_bwd_preprocess_kernel(const T* __restrict__ out, const T* __restrict__ dou
     dsum[at] = sum;
     // A row past its sequence's length, or one that sees no key (lse = -inf), has P = 0: exp2(S - +inf) = 0 for
     // every finite or -inf score. (S - -inf would give +inf.)
-    lse_log2[at] = (row < len_q && l != -INFINITY) ? l * kLog2e : INFINITY;
+    lse_log2[at] = (row < len_q && l != neg_inf()) ? l * kLog2e : pos_inf();
   }
   if (dq_accum != nullptr) {
     float* acc_row = dq_accum + batch * acc_batch_stride + row * acc_row_stride + head * acc_head_stride;
@@ -182,7 +182,7 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     const long long at = blk.batch * lse_batch_stride + head * lse_head_stride + row0;
     for (int r = tid; r < kBlockM; r += Tr::kThreads) {
       const bool in = row0 + r < seqlen_q;
-      sL[r] = in ? lse_log2[at + r] : INFINITY;
+      sL[r] = in ? lse_log2[at + r] : pos_inf();
       sD[r] = in ? dsum[at + r] : 0.f;
     }
   };
@@ -385,7 +385,7 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
   for (int r = 0; r < 2 * kMTiles; ++r) {
     const int row = blk.row_begin + warp_row + 16 * (r / 2) + (lane / 4) + 8 * (r % 2);
     const long long at = blk.batch * lse_batch_stride + blk.head * lse_head_stride + row;
-    L[r] = row < seqlen_q ? lse_log2[at] : INFINITY;
+    L[r] = row < seqlen_q ? lse_log2[at] : pos_inf();
     Dr[r] = row < seqlen_q ? dsum[at] : 0.f;
   }
 

@@ -13,8 +13,9 @@ namespace cuflash {
 // (-2^30, 2^30) and off -/+ a clamped bound fits in int32 (see Visibility::make).
 constexpr int kUnbounded = 1 << 30;
 
-// The score of a masked element (no INFINITY macro: NVRTC has no <math.h>).
+// The score of a masked element, and +inf (no INFINITY macro: NVRTC has no <math.h>).
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 
 struct Visibility {
   int len_q, len_k;

@@ -48,3 +48,31 @@ def test_compile_check_all_specializations():
     print(res.stdout)
     assert res.returncode == 0, res.stdout + res.stderr
     assert " 0 failing" in res.stdout
+
+
+def test_nvrtc_compiles_every_specialization():
+    """CuPy compiles with NVRTC, which has no host headers: nvcc accepting the source proves nothing
+    about it (an INFINITY from <math.h> once passed nvcc and the emulator and failed here)."""
+    from cuflash import nvrtc
+
+    lib, why = nvrtc.load()
+    if lib is None:
+        pytest.skip(f"NVRTC check not run: {why}")
+    if nvrtc.cuda_include() is None:
+        pytest.skip("NVRTC check not run: CUDA headers (cuda_fp16.h) not found")
+    results = nvrtc.compile_all(lib, nvrtc.cuda_include())
+    assert {(fam, arch) for fam, arch, _, _ in results} == {(f, a) for f in ("forward", "backward") for a in (80, 90)}
+    failures = [f"{fam} sm_{arch}:\n{log}" for fam, arch, _, log in results if log is not None]
+    assert not failures, "\n".join(failures)
+
+
+def test_nvrtc_reports_a_compile_error():
+    """Guard against a check that passes vacuously: a source NVRTC must reject is rejected."""
+    from cuflash import nvrtc
+
+    lib, why = nvrtc.load()
+    if lib is None or nvrtc.cuda_include() is None:
+        pytest.skip(f"NVRTC check not run: {why or 'no CUDA headers'}")
+    log = nvrtc.compile_source(lib, '__global__ void k(float* x) { x[0] = INFINITY; }', [], 80,
+                               nvrtc.cuda_include())
+    assert log is not None and "INFINITY" in log
