@@ -92,7 +92,7 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const float l = quad_sum(l_i[r]);
-      const bool seen = row_valid[r] && l > 0.f;
+      const bool seen = row_valid[r] && l != 0.f;  // not `l > 0`: a NaN sum propagates, as in the NumPy backend
       inv_l[r] = seen ? 1.f / l : 0.f;
       lse_row[r] = seen ? (m_i[r] + log2f(l)) * 0.69314718055994531f : neg_inf();
     }

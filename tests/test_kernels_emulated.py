@@ -177,3 +177,17 @@ def test_mask_cuh_matches_python_rule(sq, sk, len_q, len_k, left, right):
             cols = np.arange(n * bn, (n + 1) * bn)  # may run past sk: those keys are not visible
             full = bool(visible(rows[:, None], cols[None, :], len_q, len_k, left, right).all()) if rows.size else True
             assert bool(interior[m, n]) == full, (m, n)
+
+
+def test_nan_key_poisons_exactly_the_rows_that_see_it():
+    # IEEE propagation, as in the NumPy backend: a NaN score makes its row's out and lse NaN (not the
+    # "sees no key" 0 / -inf), and rows that do not see the key stay exact.
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 70, 2, 64)).astype(np.float16) for _ in range(3))
+    k[0, 33, 1, 7] = np.nan
+    out, lse = emulated(q, k, v, causal=True)
+    ref_out, ref_lse = cuflash.attention(q, k, v, causal=True, return_lse=True)  # numpy backend
+    assert np.isnan(lse[0, 1, 33:]).all() and np.isnan(out[0, 33:, 1]).all()
+    assert np.isfinite(lse[0, 1, :33]).all() and np.isfinite(out[0, :33, 1]).all()
+    assert np.isfinite(lse[0, 0]).all() and np.isfinite(out[0, :, 0]).all()  # the other kv head never sees it
+    assert np.array_equal(np.isnan(lse), np.isnan(ref_lse)) and np.array_equal(np.isnan(out), np.isnan(ref_out))
