@@ -133,6 +133,10 @@ def backward_kernels(spec, dq_spec):
         with _lock:
             fns = _bwd_modules.get(key)
             if fns is None:
+                for s in (spec, dq_spec):  # before compiling: get_function runs NVRTC over the whole family
+                    if s.smem_bytes > max_smem:
+                        raise ValueError(f"{s.name_expression} needs {s.smem_bytes} bytes of shared memory; "
+                                         f"this GPU allows {max_smem} per block")
                 ctype = kernels.CTYPES[spec.dtype]
                 names = [f"cuflash::flash_bwd_preprocess_kernel<{ctype}>",
                          f"cuflash::flash_bwd_convert_dq_kernel<{ctype}>", spec.name_expression,
@@ -141,9 +145,6 @@ def backward_kernels(spec, dq_spec):
                                         name_expressions=tuple(names))
                 fns = {n: module.get_function(n) for n in names}
                 for s in (spec, dq_spec):
-                    if s.smem_bytes > max_smem:
-                        raise ValueError(f"{s.name_expression} needs {s.smem_bytes} bytes of shared memory; "
-                                         f"this GPU allows {max_smem} per block")
                     if s.smem_bytes > 48 * 1024:
                         fns[s.name_expression].max_dynamic_shared_size_bytes = s.smem_bytes
                 _bwd_modules[key] = fns
