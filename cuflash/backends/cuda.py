@@ -69,7 +69,10 @@ def available():
     return True, f"CuPy {cupy.__version__}, sm_{cc}"
 
 
-def _check(problem: Problem):
+def _check(problem: Problem, **more):
+    """Usable GPU, supported dtype, and every array (q, k, v and ``more``) on the current device: the kernels
+    launch there, and CuPy checks (and enables) peer access for its own kernels but not for raw ones, so
+    another GPU's buffer would be an illegal address, a sticky error that ends the process's CUDA context."""
     ok, why = available()
     if not ok:
         raise RuntimeError(f"backend 'cuda' is not available: {why}")
@@ -77,6 +80,12 @@ def _check(problem: Problem):
     if dtype not in kernels.SUPPORTED_DTYPES:
         raise TypeError(f"the CUDA kernels take float16 or bfloat16 inputs (bfloat16 as ml_dtypes.bfloat16 or "
                         f"uint16 bits), got {problem.q.dtype}; use backend='numpy' for float32/float64")
+    dev = _device()[0]
+    for name, a in dict(q=problem.q, k=problem.k, v=problem.v, **more).items():
+        where = a.device.id
+        if where != dev:
+            raise ValueError(f"{name} is on GPU {where} but the current device is GPU {dev}: call cuflash inside "
+                             f"`with cupy.cuda.Device({where}):`")
 
 
 def kernel(spec: kernels.KernelSpec):
@@ -160,7 +169,7 @@ def backward(problem: Problem, dout, out, lse, *, deterministic=False):
     """
     from .. import kernels_bwd
 
-    _check(problem)
+    _check(problem, dout=dout, out=out, lse=lse)
     _, _, max_smem = _device()
     bl = kernels_bwd.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=max_smem)
     if bl.launches:
