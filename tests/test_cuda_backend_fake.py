@@ -1,0 +1,522 @@
+"""The ``cuda`` backend's Python code path without a GPU: CuPy replaced by tests/fake_cupy.py, kernels run by the
+CPU emulator.
+
+Everything in cuflash/backends/cuda.py that does not need hardware runs here: device and capability queries,
+``available()`` (no CuPy, no device, no driver, sm_75, several devices), the per-device compile caches
+(``kernel()``, ``backward_kernels()``) and their shared-memory opt-in, argument conversion (null pointers), the
+current stream, ``warmup()``, the forward and the backward in both ``deterministic`` modes, with dropout, GQA,
+BlockMask, seqlens, padded odd head dims, strided and misaligned inputs, and bfloat16 both as ``ml_dtypes`` arrays
+and as ``uint16`` bits with ``dtype="bfloat16"``, all through the public API and held to the float64 reference by
+the 2x/3x same-dtype rule. The fake enforces what CuPy and CUDA would (see its docstring), so a launch the backend
+gets wrong fails here as it would on a GPU.
+"""
+import io
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import cuflash
+from cuflash import backends, emulate, kernels, kernels_bwd
+from cuflash.backends import cuda
+from cuflash.kernels import KernelSpec
+from cuflash.testing import Case, attention_cases, check_forward
+
+import bwd_cases
+import fake_cupy
+from fwd_cases import bf16, feature_cases, make_case
+
+_ok, _why = emulate.available()
+pytestmark = [pytest.mark.emulate, pytest.mark.skipif(not _ok, reason=f"CPU emulation unavailable: {_why}")]
+
+try:
+    import ml_dtypes  # noqa: F401
+
+    HAVE_BF16 = True
+except ImportError:
+    HAVE_BF16 = False
+needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="ml_dtypes not installed")
+
+FEATURES = dict(feature_cases())
+NS = kernels_bwd.NS
+
+
+# ------------------------------------------------------------------------------------------------
+# Fixtures and helpers
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def make_fake(monkeypatch):
+    """``make_fake(gpus, **kw)``: a fresh fake CuPy in sys.modules["cupy"] (removed after the test), with the
+    cuda backend's device and kernel caches emptied (and restored after) so that nothing leaks between fakes."""
+
+    def build(*args, **kw):
+        fake = fake_cupy.install(monkeypatch, fake_cupy.make(*args, **kw))
+        for name in ("_devices", "_modules", "_bwd_modules"):
+            monkeypatch.setattr(cuda, name, {})
+        return fake
+
+    return build
+
+
+@pytest.fixture
+def cp(make_fake):
+    """One fake H100 (sm_90, 227 KiB of opt-in shared memory per block)."""
+    return make_fake()
+
+
+def on_device(cp, options):
+    """The case's options with seqlens moved to the device (as a CuPy user would pass them)."""
+    return {k: (cp.asarray(v) if k.startswith("seqlens") else v) for k, v in options.items()}
+
+
+def gpu_forward(cp):
+    """``fn(q, k, v, **options) -> (out, lse)`` through cuflash.attention on fake device arrays; host results."""
+
+    def fn(q, k, v, **options):
+        out, lse = cuflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True,
+                                     **on_device(cp, options))
+        assert isinstance(out, cp.ndarray) and isinstance(lse, cp.ndarray)
+        assert out.dtype == q.dtype and lse.dtype == np.float32 and out.shape == q.shape
+        return out.get(), lse.get()
+
+    return fn
+
+
+def gpu_backward(cp, deterministic):
+    """``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` through cuflash.attention_backward."""
+
+    def fn(dout, q, k, v, out, lse, **options):
+        grads = cuflash.attention_backward(*(cp.asarray(a) for a in (dout, q, k, v, out, lse)),
+                                           deterministic=deterministic, **on_device(cp, options))
+        assert all(isinstance(g, cp.ndarray) for g in grads)
+        return tuple(g.get() for g in grads)
+
+    return fn
+
+
+def names(launches):
+    return [launch.name for launch in launches]
+
+
+def bwd_names(dtype, d, deterministic, max_smem=227 * 1024):
+    main, dq = kernels_bwd.select_specs(dtype, d, max_smem)
+    ctype = kernels.CTYPES[dtype]
+    last = dq.name_expression if deterministic else f"{NS}flash_bwd_convert_dq_kernel<{ctype}>"
+    return [f"{NS}flash_bwd_preprocess_kernel<{ctype}>", main.name_expression, last]
+
+
+# ------------------------------------------------------------------------------------------------
+# available(): CuPy, devices, drivers, compute capability
+# ------------------------------------------------------------------------------------------------
+def test_available_on_a_supported_gpu(cp):
+    ok, why = cuda.available()
+    assert ok and why == f"CuPy {fake_cupy.__version__}, sm_90"
+    assert backends.status()["cuda"] == (True, why)
+
+
+def test_without_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+    ok, why = cuda.available()
+    assert not ok and why.startswith("CuPy is not installed") and "cuflash[cuda12]" in why
+    x = np.zeros((1, 8, 1, 32), np.float16)
+    with pytest.raises(RuntimeError, match="backend 'cuda' is not available: CuPy is not installed"):
+        cuflash.attention(x, x, x, backend="cuda")
+
+
+def test_without_device(make_fake):
+    make_fake(())
+    assert cuda.available() == (False, "no CUDA device")
+
+
+def test_without_driver(make_fake):
+    make_fake(device_count_error="cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+    ok, why = cuda.available()
+    assert not ok and why.startswith("no usable CUDA device (cudaErrorInsufficientDriver")
+
+
+def test_compute_capability_below_8_is_refused(make_fake):
+    cp = make_fake([fake_cupy.H100, fake_cupy.T4])
+    assert cuda.available()[0]
+    with cp.cuda.Device(1):
+        ok, why = cuda.available()
+        assert not ok
+        assert why.startswith("compute capability 7.5 is not supported: the kernels need 8.0 or newer")
+        x = cp.zeros((1, 8, 1, 32), cp.float16)
+        with pytest.raises(RuntimeError, match="backend 'cuda' is not available: compute capability 7.5 is not"):
+            cuflash.attention(x, x, x)
+        problem = cuflash.problem.make_problem(x, x, x)
+        with pytest.raises(RuntimeError, match="backend 'cuda' is not available: compute capability 7.5"):
+            cuda.forward(problem)
+        with pytest.raises(RuntimeError, match="cannot warm up the CUDA kernels: compute capability 7.5"):
+            cuda.warmup(progress=False)
+        assert backends.status()["cuda"] == (False, why)
+    assert cuda.available()[0]  # device 0 is still fine: capabilities are cached per device
+    assert cp._modules == [] and cp._launches == []
+
+
+def test_device_query_is_cached_per_device(make_fake):
+    cp = make_fake([fake_cupy.H100, fake_cupy.RTX_4090, fake_cupy.Gpu("86", None), fake_cupy.Gpu("87", None)])
+    assert cuda._device() == (0, 90, 227 * 1024)
+    cuda._device()
+    assert cp._attribute_reads == 1
+    with cp.cuda.Device(1):
+        assert cuda._device() == (1, 89, 99 * 1024)
+    with cp.cuda.Device(2):  # no opt-in attribute reported: the table's value for the architecture
+        assert cuda._device() == (2, 86, kernels.SMEM_LIMIT[86])
+    with cp.cuda.Device(3):  # an architecture the table does not know: the 48 KiB every GPU allows
+        assert cuda._device() == (3, 87, 48 * 1024)
+    assert cuda._device() == (0, 90, 227 * 1024) and cp._attribute_reads == 4
+
+
+def test_device_args_pass_null_pointers_as_64_bit_zero(cp):
+    x = cp.zeros(4, cp.float32)
+    args = cuda._device_args((None, x, np.int32(3), None))
+    assert args[1] is x and args[2] == 3 and type(args[2]) is np.int32
+    for a in (args[0], args[3]):
+        assert type(a) is np.uint64 and a == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The fake holds launches to CUDA's rules (so that the tests below mean something)
+# ------------------------------------------------------------------------------------------------
+def test_fake_enforces_cuda_rules(cp):
+    spec = kernels.select_spec("float16", 128)  # 70 KB of shared memory
+    module = cp.RawModule(code=kernels.fwd_source(), options=("-std=c++17",), name_expressions=(spec.name_expression,))
+    fn = module.get_function(spec.name_expression)
+    x = cp.zeros(8, cp.float16)
+    with pytest.raises(fake_cupy.CUDAError, match="named symbol not found"):
+        module.get_function(kernels.select_spec("float16", 64).name_expression)
+    with pytest.raises(TypeError, match="tuple"):
+        cp.RawModule(code=kernels.fwd_source(), options=["-std=c++17"], name_expressions=(spec.name_expression,))
+    with pytest.raises(fake_cupy.CUDAError, match="max_dynamic_shared_size_bytes"):
+        fn((1, 1, 1), (256, 1, 1), (x,), shared_mem=spec.smem_bytes)
+    with pytest.raises(fake_cupy.CUDAError, match="opt-in limit"):
+        fn.max_dynamic_shared_size_bytes = 228 * 1024
+    with pytest.raises(TypeError, match="expected tuple"):
+        fn([1, 1, 1], (256, 1, 1), (x,))
+    with pytest.raises(fake_cupy.CUDAError, match="limits"):
+        fn((1, 65536, 1), (256, 1, 1), (x,))
+    with pytest.raises(fake_cupy.CUDAError, match="empty dimension"):
+        fn((0, 1, 1), (256, 1, 1), (x,))
+    with pytest.raises(fake_cupy.CUDAError, match="1024 threads"):
+        fn((1, 1, 1), (1024, 2, 1), (x,))
+    with pytest.raises(TypeError, match="np.uint64"):
+        fn((1, 1, 1), (256, 1, 1), (x, None))
+    with pytest.raises(TypeError, match="host array"):
+        fn((1, 1, 1), (256, 1, 1), (x, np.zeros(1, np.int32)))
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.asarray(x)
+    assert cp._launches == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward: every feature case, fp16 (GQA, causal, windows, seqlens, BlockMask, odd head dims, scales)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(FEATURES))
+def test_forward_feature(cp, name):
+    case = FEATURES[name]
+    check_forward(gpu_forward(cp), case)
+    spec = kernels.select_spec("float16", case.q.shape[-1], 227 * 1024)
+    assert names(cp._launches) == [spec.name_expression]
+    launch = cp._launches[0]
+    assert launch.stream is cp.cuda.Stream.null and launch.device == 0
+    assert launch.block == (spec.threads, 1, 1) and launch.shared_mem == spec.smem_bytes
+
+
+def test_seqlens_as_host_arrays(cp):
+    """seqlens may be NumPy arrays next to CuPy q, k, v: they are moved to the device (a host pointer would
+    be refused by the fake, as CuPy refuses or mis-passes it)."""
+    case = FEATURES["seqlens"]
+    check_forward(lambda q, k, v, **o: _host_seqlens(cp, q, k, v, **o), case)
+
+
+def _host_seqlens(cp, q, k, v, **options):
+    out, lse = cuflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True, **options)
+    return out.get(), lse.get()
+
+
+def test_unsupported_dtype_is_a_clear_error(cp):
+    x = cp.zeros((1, 8, 1, 32), cp.float32)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        cuflash.attention(x, x, x)
+    assert cp._modules == []
+
+
+def test_strided_inputs_in_place_and_misaligned_inputs_copied(cp):
+    rng = np.random.default_rng(0)
+    qkv = cp.asarray(rng.standard_normal((1, 100, 3, 2, 64)).astype(np.float16))  # a fused projection
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    check_forward(lambda *a, **o: (out, lse), Case(q.get(), k.get(), v.get(), None, {"causal": True}))
+    args = cp._launches[-1].args
+    assert all(np.shares_memory(args[i], qkv._a) for i in range(3))  # 16-byte aligned strides: read in place
+
+    big = cp.asarray(rng.standard_normal((1, 90, 2, 65)).astype(np.float16))
+    q = big[..., 1:]  # head_dim 64, but 2 bytes off alignment and 130-byte rows
+    out, lse = cuflash.attention(q, q, q, return_lse=True)
+    host = q.get()
+    check_forward(lambda *a, **o: (out, lse), Case(host, host, host, None, {}))
+    args = cp._launches[-1].args
+    assert not any(np.shares_memory(args[i], big._a) for i in range(3))  # copied to aligned buffers
+
+
+def test_empty_problems_launch_nothing(cp):
+    q = cp.zeros((2, 0, 2, 40), cp.float16)
+    k = cp.zeros((2, 5, 2, 40), cp.float16)
+    out, lse = cuflash.attention(q, k, k, return_lse=True)
+    assert out.shape == (2, 0, 2, 40) and lse.shape == (2, 2, 0) and cp._launches == []
+
+    q = cp.asarray(np.ones((1, 4, 2, 40), np.float16))
+    k = cp.zeros((1, 0, 1, 40), cp.float16)
+    out, lse = cuflash.attention(q, k, k, return_lse=True)  # no keys: out 0, lse -inf
+    assert (out.get() == 0).all() and np.isneginf(lse.get()).all()
+    n = len(cp._launches)
+    dq, dk, dv = cuflash.attention_backward(q, q, k, k, out, lse)
+    assert len(cp._launches) == n  # nothing to compute
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape and (dq.get() == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward: both dQ modes, features, dropout
+# ------------------------------------------------------------------------------------------------
+BWD_FEATURES = ("gqa_mqa", "seqlens", "odd_head_dim_59", "window", "blockmask_finer_than_tile",
+                "blockmask_straddling")
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("name", BWD_FEATURES)
+def test_backward_feature(cp, name, deterministic):
+    case = FEATURES[name]
+    out, lse = gpu_forward(cp)(case.q, case.k, case.v, **case.options)
+    n = len(cp._launches)
+    dq, dk, dv = bwd_cases.check_backward(gpu_backward(cp, deterministic), case, out, lse)
+    assert dq.dtype == dk.dtype == dv.dtype == np.float16
+    assert names(cp._launches[n:]) == bwd_names("float16", case.q.shape[-1], deterministic)
+    main = kernels_bwd.select_specs("float16", case.q.shape[-1], 227 * 1024)[0]
+    assert cp._launches[n + 1].shared_mem == main.smem_bytes and cp._launches[n + 1].block == (main.threads, 1, 1)
+
+
+def test_deterministic_mode_is_bitwise_reproducible(cp):
+    case = make_case(1, 100, 90, 4, 2, 64, np.float16, causal=True)
+    out, lse = gpu_forward(cp)(case.q, case.k, case.v, causal=True)
+    runs = [gpu_backward(cp, True)(case.dout, case.q, case.k, case.v, out, lse, causal=True) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_dropout_forward_and_backward(cp, deterministic):
+    from cuflash import testing
+
+    case = make_case(2, 70, 90, 4, 2, 40, np.float16, causal=True, dropout_p=0.3,
+                     seqlens_q=np.array([70, 33], np.int32), seqlens_k=np.array([90, 51], np.int32))
+    case.options["seed"] = 2**40 + 12345  # both halves of the 64-bit seed matter
+    out, lse = check_forward(gpu_forward(cp), case)
+    testing.check_backward(gpu_backward(cp, deterministic), case, out, lse)
+
+
+def test_vjp_with_a_drawn_dropout_seed(cp):
+    from cuflash import testing
+
+    case = make_case(1, 64, 64, 2, 1, 32, np.float16)
+    out, vjp = cuflash.attention_vjp(*(cp.asarray(a) for a in (case.q, case.k, case.v)), dropout_p=0.25,
+                                     deterministic=True)
+    grads = vjp(cp.asarray(case.dout))
+    assert isinstance(vjp.seed, int)
+    case.options = {"dropout_p": 0.25, "seed": vjp.seed}  # the drawn seed reproduces the forward
+    out_again, lse = check_forward(gpu_forward(cp), case)
+    assert np.array_equal(out.get(), out_again)
+    testing.check_backward(lambda *a, **o: tuple(g.get() for g in grads), case, out_again, lse)
+
+
+def test_several_batch_dimensions(cp):
+    """(2, 3) batch dimensions: flattened for the kernels by CuPy reshapes, unflattened in the results;
+    seqlens of the batch shape."""
+    rng = np.random.default_rng(7)
+    q, k, v, dout = (rng.standard_normal((2, 3) + s).astype(np.float16)
+                     for s in ((45, 4, 40), (60, 2, 40), (60, 2, 40), (45, 4, 40)))
+    case = Case(q, k, v, dout, {"causal": True, "seqlens_q": rng.integers(0, 46, (2, 3)).astype(np.int32),
+                                "seqlens_k": rng.integers(0, 61, (2, 3)).astype(np.int32)})
+    out, lse = check_forward(gpu_forward(cp), case)
+    assert lse.shape == (2, 3, 4, 45)
+    dq, dk, dv = bwd_cases.check_backward(gpu_backward(cp, False), case, out, lse)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+    assert cp._launches[0].grid == (1, 4, 6)  # one query tile, 4 heads, 6 flattened sequences
+
+
+@settings(max_examples=max(6, settings.default.max_examples // 3), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(attention_cases(dtypes=("float16", "bfloat16") if HAVE_BF16 else ("float16",), max_seqlen=90,
+                       head_dims=(8, 40, 59, 64), block_sizes=(16, 32, 64), dropout=True))
+def test_hypothesis(cp, case):
+    """The shared strategies (GQA, causal, windows, seqlens, BlockMask, batch dims, dropout) through the fake."""
+    from cuflash import testing
+
+    out, lse = check_forward(gpu_forward(cp), case)
+    check = testing.check_backward if case.options.get("dropout_p") else bwd_cases.check_backward
+    check(gpu_backward(cp, deterministic=bool(case.q.shape[-1] % 2)), case, out, lse)
+
+
+# ------------------------------------------------------------------------------------------------
+# bfloat16: ml_dtypes arrays, and uint16 bits with dtype="bfloat16" (a CuPy without bfloat16)
+# ------------------------------------------------------------------------------------------------
+@needs_bf16
+@pytest.mark.parametrize("name", ["causal_long_q", "odd_head_dim_59", "blockmask_straddling"])
+def test_bf16_ml_dtypes(cp, name):
+    case = FEATURES[name]
+    case = Case(*(a.astype(bf16()) for a in (case.q, case.k, case.v, case.dout)), options=case.options)
+    out, lse = check_forward(gpu_forward(cp), case)
+    assert out.dtype == bf16()
+    dq, dk, dv = bwd_cases.check_backward(gpu_backward(cp, name == "odd_head_dim_59"), case, out, lse)
+    assert dq.dtype == bf16()
+
+
+@needs_bf16
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_bf16_as_uint16_bits(make_fake, deterministic):
+    """dtype="bfloat16" over uint16 arrays through the public API, on a CuPy that refuses ml_dtypes.bfloat16:
+    uint16 bits out, held to the bf16 rule, and bit-identical to the ml_dtypes path."""
+    case = make_case(2, 90, 70, 4, 1, 59, bf16(), causal=True, window=(40, None),
+                     seqlens_q=np.array([90, 41], np.int32), seqlens_k=np.array([70, 65], np.int32))
+    cp = make_fake()  # with bfloat16 support: the ml_dtypes path, for comparison
+    want = gpu_forward(cp)(case.q, case.k, case.v, **case.options)
+    want_grads = gpu_backward(cp, deterministic)(case.dout, case.q, case.k, case.v, *want, **case.options)
+
+    cp = make_fake(bf16=False)
+    with pytest.raises(ValueError, match="Unsupported dtype bfloat16"):
+        cp.asarray(case.q)
+    bits = lambda a: cp.asarray(a.view(np.uint16))  # noqa: E731
+    q, k, v, dout = (bits(a) for a in (case.q, case.k, case.v, case.dout))
+    opts = on_device(cp, case.options)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, dtype="bfloat16", **opts)
+    assert out.dtype == np.uint16 and lse.dtype == np.float32
+    host_out = out.get().view(bf16())
+    check_forward(lambda *a, **o: (host_out, lse.get()), case)
+    assert np.array_equal(out.get(), want[0].view(np.uint16)) and np.array_equal(lse.get(), want[1])
+
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, dtype="bfloat16", deterministic=deterministic, **opts)
+    assert all(g.dtype == np.uint16 for g in grads)
+    host_grads = tuple(g.get().view(bf16()) for g in grads)
+    bwd_cases.check_backward(lambda *a, **o: host_grads, case, host_out, lse.get())
+    if deterministic:  # the atomic dQ may differ in its last bits from run to run; dK, dV never do
+        assert np.array_equal(host_grads[0].view(np.uint16), want_grads[0].view(np.uint16))
+    for g, w in zip(host_grads[1:], want_grads[1:]):
+        assert np.array_equal(g.view(np.uint16), w.view(np.uint16))
+    with pytest.raises(TypeError, match="uint16 bfloat16 bits with dtype='bfloat16'"):  # uint16 alone is no float
+        cuflash.attention(q, k, v)
+
+
+# ------------------------------------------------------------------------------------------------
+# Streams, compile caches, shared-memory opt-in, several devices, warmup
+# ------------------------------------------------------------------------------------------------
+def test_launches_go_to_the_current_stream(cp):
+    case = make_case(1, 70, 70, 2, 2, 64, np.float16)
+    q, k, v, dout = (cp.asarray(a) for a in (case.q, case.k, case.v, case.dout))
+    with cp.cuda.Stream(non_blocking=True) as stream:
+        out, lse = cuflash.attention(q, k, v, return_lse=True)
+        cuflash.attention_backward(dout, q, k, v, out, lse)
+        stream.synchronize()
+    assert len(cp._launches) == 4 and all(launch.stream is stream for launch in cp._launches)
+    assert cp._syncs == 1  # the backend itself never synchronizes
+    cuflash.attention(q, k, v)
+    assert cp._launches[-1].stream is cp.cuda.Stream.null
+
+
+def test_compile_cache_and_shared_memory_opt_in(cp):
+    case = make_case(1, 40, 50, 2, 1, 128, np.float16, causal=True)
+    q, k, v, dout = (cp.asarray(a) for a in (case.q, case.k, case.v, case.dout))
+    for _ in range(2):
+        out, lse = cuflash.attention(q, k, v, return_lse=True, causal=True)
+        for deterministic in (False, True):
+            cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
+    assert len(cp._launches) == 2 * (1 + 3 + 3)
+    # one forward module, one backward module holding all four kernels (both dQ modes share it)
+    fwd, bwd = cp._modules
+    spec = kernels.select_spec("float16", 128, 227 * 1024)
+    main, dq_spec = kernels_bwd.select_specs("float16", 128, 227 * 1024)
+    assert fwd.name_expressions == (spec.name_expression,) and fwd.code == kernels.fwd_source()
+    assert set(bwd.name_expressions) == {*bwd_names("float16", 128, False), dq_spec.name_expression}
+    assert bwd.code == kernels_bwd.bwd_source() and fwd.options == bwd.options == cuda._NVRTC_OPTIONS
+    # every kernel above 48 KiB opted in to exactly what it launches with; the small helpers did not
+    assert spec.smem_bytes > 48 * 1024 and cuda.kernel(spec).max_dynamic_shared_size_bytes == spec.smem_bytes
+    fns = cuda.backward_kernels(main, dq_spec)
+    for s in (main, dq_spec):
+        assert s.smem_bytes > 48 * 1024 and fns[s.name_expression].max_dynamic_shared_size_bytes == s.smem_bytes
+    assert fns[f"{NS}flash_bwd_preprocess_kernel<__half>"].max_dynamic_shared_size_bytes == 48 * 1024
+    assert len(cp._modules) == 2  # kernel()/backward_kernels() above were cache hits
+
+
+def test_small_kernels_do_not_opt_in(cp):
+    spec = kernels.select_spec("float16", 64, 227 * 1024)
+    assert spec.smem_bytes <= 48 * 1024
+    assert cuda.kernel(spec).max_dynamic_shared_size_bytes == 48 * 1024
+
+
+def test_each_device_compiles_and_opts_in_for_itself(make_fake):
+    cp = make_fake([fake_cupy.H100, fake_cupy.A100])
+    case = make_case(1, 50, 50, 2, 2, 128, np.float16)
+    results = []
+    for dev in (0, 1):
+        with cp.cuda.Device(dev):
+            out, lse = gpu_forward(cp)(case.q, case.k, case.v)
+            results.append(out)
+    assert [m.device for m in cp._modules] == [0, 1] and [launch.device for launch in cp._launches] == [0, 1]
+    assert np.array_equal(results[0].view(np.uint16), results[1].view(np.uint16))
+    q, k, v, dout = (cp.asarray(a) for a in (case.q, case.k, case.v, case.dout))  # on device 0
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    n = len(cp._launches)
+    with cp.cuda.Device(1):  # another GPU's memory would be an illegal address to the kernels
+        with pytest.raises(ValueError, match=r"q is on GPU 0 but the current device is GPU 1: .*Device\(0\)"):
+            cuflash.attention(q, k, v)
+        q1, k1, v1 = (cp.asarray(a) for a in (case.q, case.k, case.v))
+        with pytest.raises(ValueError, match="dout is on GPU 0 but the current device is GPU 1"):
+            cuflash.attention_backward(dout, q1, k1, v1, out, lse)
+    assert len(cp._launches) == n
+    with cp.cuda.Device(1), pytest.raises(fake_cupy.CUDAError, match="on device 0 passed to a kernel on device 1"):
+        cuda.kernel(kernels.select_spec("float16", 128))((1, 1, 1), (256, 1, 1), (q,))  # the fake's own guard
+
+
+def test_smaller_shared_memory_gpu(make_fake):
+    """An sm_89 GPU (99 KiB per block): the small-memory tiles, and clear errors where none fits."""
+    make_fake([fake_cupy.RTX_4090])
+    spec = kernels.select_spec("float16", 192, 99 * 1024)
+    assert spec.smem_bytes <= 99 * 1024 < kernels.select_spec("float16", 192).smem_bytes
+    assert cuda.kernel(spec).max_dynamic_shared_size_bytes == spec.smem_bytes
+    import cupy  # the fake
+
+    n = len(cupy._modules)
+    with pytest.raises(ValueError, match="needs 102400 bytes of shared memory; this GPU allows 101376"):
+        cuda.kernel(KernelSpec("float16", 192, 128, 64, 8))
+    big = kernels_bwd.select_specs("float16", 192)  # the A100/H100 backward tile: 121 KB
+    with pytest.raises(ValueError, match="bytes of shared memory; this GPU allows 101376"):
+        cuda.backward_kernels(*big)
+    assert len(cupy._modules) == n  # refused before compiling anything
+    x = cupy.zeros((1, 8, 1, 256), cupy.float16)
+    lse = cupy.zeros((1, 1, 8), cupy.float32)
+    with pytest.raises(ValueError, match="head_dim > 192 needs an A100/H100-class GPU"):
+        cuflash.attention_backward(x, x, x, x, x, lse)
+
+
+def test_warmup_compiles_once(cp):
+    err = io.StringIO()
+    specs = cuda.warmup(dtypes=(np.float16, "bfloat16"), head_dims=(59, 64, 128), file=err)
+    want = [kernels.select_spec(dt, d, 227 * 1024) for dt in ("float16", "bfloat16") for d in (64, 128)]
+    assert specs == want
+    assert [m.name_expressions for m in cp._modules] == [(s.name_expression,) for s in want]
+    assert "4/4 done" in err.getvalue() and "cuflash warmup [" in err.getvalue()
+    for s in want:
+        expected = s.smem_bytes if s.smem_bytes > 48 * 1024 else 48 * 1024
+        assert cuda.kernel(s).max_dynamic_shared_size_bytes == expected
+    quiet = io.StringIO()
+    assert cuda.warmup(dtypes=(np.float16, "bfloat16"), head_dims=(59, 64, 128), progress=False, file=quiet) == want
+    assert len(cp._modules) == 4 and quiet.getvalue() == ""  # the second call compiles nothing
+    # the first real call finds its kernel compiled
+    case = make_case(1, 30, 30, 1, 1, 128, np.float16)
+    check_forward(gpu_forward(cp), case)
+    assert len(cp._modules) == 4 and len(cp._launches) == 1
+    # the default: every native head dim in both dtypes
+    all_specs = cuda.warmup(progress=False)
+    assert len(all_specs) == 2 * len(kernels.NATIVE_HEAD_DIMS) and len(cp._modules) == len(all_specs)
+    assert cp._launches[0].name == want[1].name_expression
