@@ -17,23 +17,12 @@ from cuflash.testing import Case, assert_attention_close, attention_cases
 
 from fwd_cases import bf16, check_forward, feature_cases, golden_cases, make_case
 
-_ok, _why = emulate.available()
-pytestmark = [pytest.mark.emulate, pytest.mark.skipif(not _ok, reason=f"CPU emulation unavailable: {_why}")]
-
-try:
-    import ml_dtypes  # noqa: F401
-
-    DTYPES = [np.float16, "bfloat16"]
-except ImportError:  # bf16 NumPy arrays need ml_dtypes (extra "bf16")
-    DTYPES = [np.float16, pytest.param("bfloat16", marks=pytest.mark.skip(reason="ml_dtypes not installed"))]
+from emulated_support import DTYPES, emulated, pytestmark  # noqa: F401  (pytestmark marks the module)
 
 
 def _dtype(d):
     return bf16() if d == "bfloat16" else np.dtype(d)
 
-
-def emulated(q, k, v, **options):
-    return cuflash.attention(q, k, v, return_lse=True, backend="emulate", **options)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-import cuflash
-from cuflash import emulate, kernels_bwd, reference
+from cuflash import kernels_bwd, reference
 from cuflash.backends import emulate as emulate_backend
 from cuflash.blockmask import BlockMask
 from cuflash.kernels_bwd import BwdSpec, DqSpec
@@ -22,8 +21,7 @@ from cuflash.testing import Case, attention_cases
 import bwd_cases
 from fwd_cases import bf16, feature_cases, golden_cases, make_case
 
-_ok, _why = emulate.available()
-pytestmark = [pytest.mark.emulate, pytest.mark.skipif(not _ok, reason=f"CPU emulation unavailable: {_why}")]
+from emulated_support import emulated_backward, forward, pytestmark  # noqa: F401  (pytestmark marks the module)
 
 try:
     import ml_dtypes  # noqa: F401
@@ -34,20 +32,6 @@ except ImportError:  # bf16 NumPy arrays need ml_dtypes (extra "bf16")
 needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="ml_dtypes not installed")
 
 
-def forward(case):
-    return cuflash.attention(case.q, case.k, case.v, return_lse=True, backend="emulate", **case.options)
-
-
-def emulated_backward(deterministic=False, **kw):
-    """``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` through the emulated backward kernels."""
-
-    def fn(dout, q, k, v, out, lse, **options):
-        problem = make_problem(q, k, v, **options)
-        d, o, l = flatten_backward(problem, dout, out, lse)
-        grads = emulate_backend.backward(problem, d, o, l, deterministic=deterministic, **kw)
-        return tuple(problem.unflatten(g, a.shape[1:]) for g, a in zip(grads, (problem.q, problem.k, problem.v)))
-
-    return fn
 
 
 def check_backward(fn, case: Case):

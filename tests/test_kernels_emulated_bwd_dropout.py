@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import cuflash
-from cuflash import emulate, testing
+from cuflash import testing
 from cuflash.backends import emulate as emulate_backend
 from cuflash.blockmask import BlockMask
 from cuflash.dropout import threshold
@@ -34,15 +34,7 @@ from bwd_dropout_cases import check_dv_keep_mask
 from dropout_cases import SEED, dropout_case, dropout_feature_cases
 from fwd_cases import bf16, make_case
 
-_ok, _why = emulate.available()
-pytestmark = [pytest.mark.emulate, pytest.mark.skipif(not _ok, reason=f"CPU emulation unavailable: {_why}")]
-
-try:
-    import ml_dtypes  # noqa: F401
-
-    DTYPES = [np.float16, "bfloat16"]
-except ImportError:  # bf16 NumPy arrays need ml_dtypes (extra "bf16")
-    DTYPES = [np.float16, pytest.param("bfloat16", marks=pytest.mark.skip(reason="ml_dtypes not installed"))]
+from emulated_support import DTYPES, forward, emulated_backward, pytestmark  # noqa: F401  (pytestmark marks the module)
 MODES = pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 
 #: small tiles: many key and query tiles per problem; every warp layout of both kernels
@@ -53,21 +45,6 @@ SMALL_SPECS = {
 }
 
 
-def forward(case):
-    """out, lse from the emulated forward kernel with the case's dropout."""
-    return cuflash.attention(case.q, case.k, case.v, return_lse=True, backend="emulate", **case.options)
-
-
-def emulated_backward(deterministic=False, **kw):
-    """``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` through the emulated backward kernels."""
-
-    def fn(dout, q, k, v, out, lse, **options):
-        problem = make_problem(q, k, v, **options)
-        d, o, l = flatten_backward(problem, dout, out, lse)
-        grads = emulate_backend.backward(problem, d, o, l, deterministic=deterministic, **kw)
-        return tuple(problem.unflatten(g, a.shape[1:]) for g, a in zip(grads, (problem.q, problem.k, problem.v)))
-
-    return fn
 
 
 def check_backward(fn, case):

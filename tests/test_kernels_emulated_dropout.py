@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 
 import cuflash
-from cuflash import emulate, kernels
+from cuflash import kernels
 from cuflash.backends import emulate as emulate_backend
 from cuflash.dropout import threshold
 from cuflash.problem import make_problem
@@ -24,19 +24,8 @@ from cuflash.testing import attention_cases
 from dropout_cases import SEED, check_keep_mask, dropout_case, dropout_feature_cases
 from fwd_cases import bf16, check_forward, make_case
 
-_ok, _why = emulate.available()
-pytestmark = [pytest.mark.emulate, pytest.mark.skipif(not _ok, reason=f"CPU emulation unavailable: {_why}")]
+from emulated_support import DTYPES, emulated, pytestmark  # noqa: F401  (pytestmark marks the module)
 
-try:
-    import ml_dtypes  # noqa: F401
-
-    DTYPES = [np.float16, "bfloat16"]
-except ImportError:  # bf16 NumPy arrays need ml_dtypes (extra "bf16")
-    DTYPES = [np.float16, pytest.param("bfloat16", marks=pytest.mark.skip(reason="ml_dtypes not installed"))]
-
-
-def emulated(q, k, v, **options):
-    return cuflash.attention(q, k, v, return_lse=True, backend="emulate", **options)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,15 +94,3 @@ def test_forward_launch_dropout_arguments():
     assert args[3] == np.float32(1 / 0.75)
     none = kernels.forward_launch(make_problem(case.q, case.k, case.v)).spec.args[-4:]
     assert [int(a) for a in none[:3]] == [0, 0, 0] and none[3] == 1
-
-
-def test_backward_with_dropout_is_refused_clearly():
-    if getattr(emulate_backend, "supports_dropout_backward", False):
-        pytest.skip("the backward kernel supports dropout: its own tests cover it")
-    case = make_case(1, 16, 16, 1, 1, 32)
-    out, lse = emulated(case.q, case.k, case.v, dropout_p=0.5, seed=1)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        cuflash.attention_backward(case.dout, case.q, case.k, case.v, out, lse, dropout_p=0.5, seed=1,
-                                   backend="emulate")
-    with pytest.raises(NotImplementedError, match="dropout is not implemented in the CUDA backward kernel"):
-        emulate_backend.backward(make_problem(case.q, case.k, case.v, dropout_p=0.5, seed=1), case.dout, out, lse)

@@ -1,0 +1,43 @@
+"""What the emulated kernel test modules share: the skip mark, the dtypes, and the calls that run
+the forward and backward kernels through ``backend="emulate"``."""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import emulate
+from cuflash.backends import emulate as emulate_backend
+from cuflash.problem import check_backward as flatten_backward
+from cuflash.problem import make_problem
+
+_ok, _why = emulate.available()
+pytestmark = [pytest.mark.emulate, pytest.mark.skipif(not _ok, reason=f"CPU emulation unavailable: {_why}")]
+
+try:
+    import ml_dtypes  # noqa: F401
+
+    DTYPES = [np.float16, "bfloat16"]
+except ImportError:  # bf16 NumPy arrays need ml_dtypes (a test extra)
+    DTYPES = [np.float16, pytest.param("bfloat16", marks=pytest.mark.skip(reason="ml_dtypes not installed"))]
+
+
+def emulated(q, k, v, **options):
+    """``(out, lse)`` of the forward kernel run on the CPU."""
+    return cuflash.attention(q, k, v, return_lse=True, backend="emulate", **options)
+
+
+def forward(case):
+    """``(out, lse)`` of the emulated forward kernel for a :class:`cuflash.testing.Case`."""
+    return emulated(case.q, case.k, case.v, **case.options)
+
+
+def emulated_backward(deterministic=False, **kw):
+    """``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` through the emulated backward kernels;
+    ``kw`` (spec, dq_spec, schedule, ...) goes to the emulate backend."""
+
+    def fn(dout, q, k, v, out, lse, **options):
+        problem = make_problem(q, k, v, **options)
+        d, o, l = flatten_backward(problem, dout, out, lse)
+        grads = emulate_backend.backward(problem, d, o, l, deterministic=deterministic, **kw)
+        return tuple(problem.unflatten(g, a.shape[1:]) for g, a in zip(grads, (problem.q, problem.k, problem.v)))
+
+    return fn
