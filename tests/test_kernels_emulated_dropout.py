@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-import cuflash
 from cuflash import kernels
 from cuflash.backends import emulate as emulate_backend
 from cuflash.dropout import threshold
