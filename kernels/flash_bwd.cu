@@ -29,6 +29,7 @@
 #include "block_info.cuh"
 #include "tile.cuh"
 #include "warp_gemm.cuh"
+#include "scores.cuh"
 #include "bwd_traits.cuh"
 #include "bwd_block_info.cuh"
 #include "bwd_gemm.cuh"
@@ -421,19 +422,11 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
     arch::cp_async_wait<0>();
     __syncthreads();  // K_j, V_j (and Q_i, dO_i) are in smem; every warp is done with the previous K_j
 
-    float S[kMTiles][Tr::kNTilesS][4];
-    gemm_qk<Tr>(S, no_frags, sQ_warp, sK, lane);
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int nj = 0; nj < Tr::kNTilesS; ++nj)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) S[mi][nj][r] *= scale_log2;
-    if (partial || blk.needs_mask(n)) {
-      BlockGrid tile_cells = cells;
-      if (!partial) tile_cells.cells = nullptr;
-      apply_mask<Tr>(S, blk.row_begin + warp_row, key0, lane, blk.vis, tile_cells);
-    }
+    float S[kMTiles][Tr::kNTilesS][4];  // the forward's S, bit for bit (scores.cuh)
+    BlockGrid tile_cells = cells;
+    if (!partial) tile_cells.cells = nullptr;
+    score_tile<Tr>(S, no_frags, sQ_warp, sK, lane, scale_log2, partial || blk.needs_mask(n), blk.row_begin + warp_row,
+                   key0, blk.vis, tile_cells);
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll

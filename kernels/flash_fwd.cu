@@ -18,6 +18,7 @@
 #include "block_info.cuh"
 #include "tile.cuh"
 #include "warp_gemm.cuh"
+#include "scores.cuh"
 #include "softmax.cuh"
 #include "dropout.cuh"
 
@@ -128,21 +129,12 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     load_tile<Traits, kBlockN>(sV, v_bh + key0 * v_row_stride, v_row_stride, blk.len_k - key0, head_dim, tid);
     arch::cp_async_commit();
 
-    // Line 8: S = Q_i K_j^T, then scale * log2(e) in one multiply per score, then the element mask on boundary
-    // tiles only (the mask comes before the max: a masked score must not raise m_i).
+    // Line 8: S = Q_i K_j^T * scale * log2(e), the element mask on boundary tiles only (scores.cuh).
     float S[kMTiles][Traits::kNTilesS][4];
-    gemm_qk<Traits>(S, q_frags, sQ_warp, sK, lane);
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int nj = 0; nj < Traits::kNTilesS; ++nj)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) S[mi][nj][r] *= scale_log2;
-    if (partial || blk.needs_mask(n)) {
-      BlockGrid tile_cells = cells;
-      if (!partial) tile_cells.cells = nullptr;  // a tile the BlockMask keeps whole needs no grid lookups
-      apply_mask<Traits>(S, blk.row_begin + warp_row, key0, lane, blk.vis, tile_cells);
-    }
+    BlockGrid tile_cells = cells;
+    if (!partial) tile_cells.cells = nullptr;  // a tile the BlockMask keeps whole needs no grid lookups
+    score_tile<Traits>(S, q_frags, sQ_warp, sK, lane, scale_log2, partial || blk.needs_mask(n), blk.row_begin + warp_row,
+                       key0, blk.vis, tile_cells);
 
     arch::cp_async_wait<0>();
     __syncthreads();  // V_j is in smem; every warp is done with K_j

@@ -1,0 +1,31 @@
+// cuflash — one tile of scores, S = Q_i K_j^T * scale * log2(e), masked (FA2 Algorithm 1, line 8).
+//
+// The forward and the backward's deterministic dQ pass both call this, so the backward recomputes exactly the
+// forward's S (same mma accumulation order, one multiply per score) and P = exp2(S - L) carries the forward's
+// rounding. The element mask runs on boundary tiles only (the split loop of FA2) and comes before the row max:
+// a masked score must not raise m_i.
+#pragma once
+
+#include "mask.cuh"
+#include "warp_gemm.cuh"
+
+namespace cuflash {
+
+// `masked`: the tile needs the element rule (causal/window/seqlens edge, or a BlockMask that keeps it only partly);
+// `cells.cells` is non-null only in the latter case. `row0` is the warp's first global row, `key0` the tile's first key.
+template <class Traits>
+__device__ __forceinline__ void score_tile(float (&S)[Traits::kMTiles][Traits::kNTilesS][4], const QFrags<Traits>& q,
+                                           const typename Traits::T* sQ_warp, const typename Traits::T* sK, int lane,
+                                           float scale_log2, bool masked, int row0, int key0, const Visibility vis,
+                                           const BlockGrid cells) {
+  gemm_qk<Traits>(S, q, sQ_warp, sK, lane);
+#pragma unroll
+  for (int mi = 0; mi < Traits::kMTiles; ++mi)
+#pragma unroll
+    for (int nj = 0; nj < Traits::kNTilesS; ++nj)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) S[mi][nj][r] *= scale_log2;
+  if (masked) apply_mask<Traits>(S, row0, key0, lane, vis, cells);
+}
+
+}  // namespace cuflash
