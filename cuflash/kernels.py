@@ -264,6 +264,53 @@ def dropout_args(problem) -> tuple:
             np.float32(1.0 / (1.0 - p)))
 
 
+def check_launch_limits(problem, what: str):
+    """The grid is (tiles, heads, batch) and indices are int32: reject what the kernels cannot address."""
+    b, sq, hq, _ = problem.q.shape
+    sk = problem.k.shape[1]
+    if max(sq, sk) > MAX_SEQLEN:
+        raise ValueError(f"sequence lengths must be below 2**30 on the CUDA kernels, got {sq}, {sk}")
+    if hq > 65535 or b > 65535:
+        raise ValueError(f"the CUDA {what} launches one block per (tile, head, batch): heads ({hq}) and "
+                         f"flattened batch ({b}) must each be at most 65535; split the batch")
+
+
+def window_args(problem) -> tuple:
+    """``(left, right)`` as the kernels take them: ``kUnbounded`` (mask.cuh) for no bound."""
+    clamp = lambda w: np.int32(UNBOUNDED if w is None else min(w, UNBOUNDED))  # noqa: E731
+    return clamp(problem.window_left), clamp(problem.window_right)
+
+
+def score_multiplier(problem) -> np.float32:
+    """scale * log2(e) in fp32: the one multiply per score of every kernel (base-2 softmax)."""
+    return np.float32(problem.scale * np.log2(np.e))
+
+
+def mask_args(xp, bm, block_q: int, block_k: int, seqlen_q: int, seqlen_k: int, transposed: bool):
+    """The BlockMask as a kernel reads it: index lists per tile (per key tile when ``transposed``) and,
+    when mask blocks are finer than the kernel tiles, the grid for element checks (original orientation)."""
+    if bm is None:
+        return (None, None, np.int64(0), np.int64(0), np.int32(0),
+                None, np.int64(0), np.int64(0), np.int32(0), np.int32(0), np.int32(0))
+    gb, gh, nq, nk = bm.grid.shape
+    if transposed:
+        counts, lists, partial = tile_lists(bm.grid.transpose(0, 1, 3, 2), bm.block[::-1], block_k, block_q,
+                                            seqlen_k, seqlen_q)
+    else:
+        counts, lists, partial = tile_lists(bm.grid, bm.block, block_q, block_k, seqlen_q, seqlen_k)
+    n_tiles = counts.shape[-1]
+    t_b, t_h = (gh * n_tiles if gb > 1 else 0), (n_tiles if gh > 1 else 0)
+    cells, c_b, c_h, mbq, mbk, mnk = None, 0, 0, 0, 0, 0
+    if partial:
+        cells = xp.asarray(np.ascontiguousarray(bm.grid, dtype=np.uint8))
+        c_b, c_h = (gh * nq * nk if gb > 1 else 0), (nq * nk if gh > 1 else 0)
+        mbq, mbk, mnk = bm.block[0], bm.block[1], nk
+    i32, i64 = np.int32, np.int64
+    counts, lists = np.ascontiguousarray(counts), np.ascontiguousarray(lists)  # indexed flat by the kernels
+    return (xp.asarray(counts), xp.asarray(lists), i64(t_b), i64(t_h), i32(lists.shape[-1]),
+            cells, i64(c_b), i64(c_h), i32(mbq), i32(mbk), i32(mnk))
+
+
 def forward_launch(problem, *, max_smem: int = SMEM_LIMIT[80], spec: Optional[KernelSpec] = None) -> ForwardLaunch:
     """The launch description of the forward kernel for ``problem`` (CuPy or NumPy arrays alike).
 
@@ -278,12 +325,8 @@ def forward_launch(problem, *, max_smem: int = SMEM_LIMIT[80], spec: Optional[Ke
         spec = select_spec(dtype, d, max_smem)
     if spec.dtype != dtype or spec.head_dim < d:
         raise ValueError(f"kernel {spec} cannot run a {dtype} problem of head_dim {d}")
-    if max(sq, sk) > MAX_SEQLEN:
-        raise ValueError(f"sequence lengths must be below 2**30 on the CUDA kernels, got {sq}, {sk}")
+    check_launch_limits(problem, "forward")
     n_m = -(-sq // spec.block_m)
-    if hq > 65535 or b > 65535:
-        raise ValueError(f"the CUDA forward launches one block per (query tile, head, batch): heads ({hq}) and "
-                         f"flattened batch ({b}) must each be at most 65535; split the batch")
     d8 = -(-d // 8) * 8
     out = xp.empty((b, sq, hq, d8), dtype=problem.q.dtype)
     lse = xp.empty((b, hq, sq), dtype=np.float32)
@@ -291,26 +334,6 @@ def forward_launch(problem, *, max_smem: int = SMEM_LIMIT[80], spec: Optional[Ke
         return ForwardLaunch(None, spec, out, lse, d)
 
     q, k, v = (_prepare(xp, a, d8) for a in (problem.q, problem.k, problem.v))
-    left = UNBOUNDED if problem.window_left is None else min(problem.window_left, UNBOUNDED)
-    right = UNBOUNDED if problem.window_right is None else min(problem.window_right, UNBOUNDED)
-
-    # BlockMask → per-query-tile lists of key tiles (host NumPy, O(grid)), moved to the device.
-    counts = lists = cells = None
-    t_b = t_h = c_b = c_h = 0
-    list_len = mbq = mbk = mnk = 0
-    bm = problem.block_mask
-    if bm is not None:
-        counts_np, lists_np, partial = tile_lists(bm.grid, bm.block, spec.block_m, spec.block_n, sq, sk)
-        gb, gh = bm.grid.shape[:2]
-        list_len = lists_np.shape[-1]
-        t_b, t_h = (gh * n_m if gb > 1 else 0), (n_m if gh > 1 else 0)
-        counts, lists = xp.asarray(counts_np), xp.asarray(lists_np)
-        if partial:  # mask blocks finer than (or straddling) the kernel tile: element checks need the grid
-            nq, nk = bm.grid.shape[2:]
-            cells = xp.asarray(np.ascontiguousarray(bm.grid, dtype=np.uint8))
-            c_b, c_h = (gh * nq * nk if gb > 1 else 0), (nq * nk if gh > 1 else 0)
-            mbq, mbk, mnk = bm.block[0], bm.block[1], nk
-
     i32, i64 = np.int32, np.int64
     args = (
         q, k, v, out, lse,
@@ -318,9 +341,8 @@ def forward_launch(problem, *, max_smem: int = SMEM_LIMIT[80], spec: Optional[Ke
         i64(hq * sq), i64(sq),
         i32(sq), i32(sk), i32(d8), i32(hq // hkv),
         problem.seqlens_q, problem.seqlens_k,
-        np.float32(problem.scale * np.log2(np.e)), i32(left), i32(right),
-        counts, lists, i64(t_b), i64(t_h), i32(list_len),
-        cells, i64(c_b), i64(c_h), i32(mbq), i32(mbk), i32(mnk),
+        score_multiplier(problem), *window_args(problem),
+        *mask_args(xp, problem.block_mask, spec.block_m, spec.block_n, sq, sk, transposed=False),
         *dropout_args(problem),
     )
     launch = LaunchSpec(

@@ -26,8 +26,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .kernels import (CTYPES, MAX_SEQLEN, NATIVE_HEAD_DIMS, SMEM_LIMIT, SUPPORTED_DTYPES, UNBOUNDED, KernelSpec,
-                      Tile, _elem_strides, _prepare, dropout_args, dtype_of, native_head_dim, tile_lists)
+from .kernels import (CTYPES, NATIVE_HEAD_DIMS, SMEM_LIMIT, SUPPORTED_DTYPES, KernelSpec, Tile, _elem_strides,
+                      _prepare, check_launch_limits, dropout_args, dtype_of, mask_args, native_head_dim,
+                      score_multiplier, window_args)
 from .launch import LaunchSpec, kernel_source
 
 BWD_SOURCE = "flash_bwd.cu"
@@ -202,31 +203,6 @@ class BackwardLaunch:
         return tuple(a[..., :d].copy() for a in (self.dq, self.dk, self.dv))
 
 
-def _mask_args(xp, bm, block_q: int, block_k: int, seqlen_q: int, seqlen_k: int, transposed: bool):
-    """The BlockMask as a kernel reads it: index lists per tile (per key tile when ``transposed``) and,
-    when mask blocks are finer than the kernel tiles, the grid for element checks (original orientation)."""
-    if bm is None:
-        return (None, None, np.int64(0), np.int64(0), np.int32(0),
-                None, np.int64(0), np.int64(0), np.int32(0), np.int32(0), np.int32(0))
-    gb, gh, nq, nk = bm.grid.shape
-    if transposed:
-        counts, lists, partial = tile_lists(bm.grid.transpose(0, 1, 3, 2), bm.block[::-1], block_k, block_q,
-                                            seqlen_k, seqlen_q)
-    else:
-        counts, lists, partial = tile_lists(bm.grid, bm.block, block_q, block_k, seqlen_q, seqlen_k)
-    n_tiles = counts.shape[-1]
-    t_b, t_h = (gh * n_tiles if gb > 1 else 0), (n_tiles if gh > 1 else 0)
-    cells, c_b, c_h, mbq, mbk, mnk = None, 0, 0, 0, 0, 0
-    if partial:
-        cells = xp.asarray(np.ascontiguousarray(bm.grid, dtype=np.uint8))
-        c_b, c_h = (gh * nq * nk if gb > 1 else 0), (nq * nk if gh > 1 else 0)
-        mbq, mbk, mnk = bm.block[0], bm.block[1], nk
-    i32, i64 = np.int32, np.int64
-    counts, lists = np.ascontiguousarray(counts), np.ascontiguousarray(lists)  # indexed flat by the kernels
-    return (xp.asarray(counts), xp.asarray(lists), i64(t_b), i64(t_h), i32(lists.shape[-1]),
-            cells, i64(c_b), i64(c_h), i32(mbq), i32(mbk), i32(mnk))
-
-
 def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max_smem: int = SMEM_LIMIT[80],
                     spec: Optional[BwdSpec] = None, dq_spec: Optional[DqSpec] = None) -> BackwardLaunch:
     """The launch descriptions of the backward for ``problem`` (CuPy or NumPy arrays alike).
@@ -247,11 +223,7 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
     for s in (spec, dq_spec):
         if s.dtype != dtype or s.head_dim < d:
             raise ValueError(f"kernel {s} cannot run a {dtype} problem of head_dim {d}")
-    if max(sq, sk) > MAX_SEQLEN:
-        raise ValueError(f"sequence lengths must be below 2**30 on the CUDA kernels, got {sq}, {sk}")
-    if hq > 65535 or b > 65535:
-        raise ValueError(f"the CUDA backward launches one block per (tile, head, batch): heads ({hq}) and flattened "
-                         f"batch ({b}) must each be at most 65535; split the batch")
+    check_launch_limits(problem, "backward")
     d8 = -(-d // 8) * 8
     dt = problem.q.dtype
     if b == 0 or sq == 0 or sk == 0:
@@ -267,10 +239,9 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
     dv = xp.empty((b, sk, hkv, d8), dtype=dt)
     acc = None if deterministic else xp.empty((b, sq, hq, d8), dtype=np.float32)
     acc_strides = [np.int64(s // 4) for s in acc.strides[:3]] if acc is not None else [np.int64(0)] * 3
-    left = UNBOUNDED if problem.window_left is None else min(problem.window_left, UNBOUNDED)
-    right = UNBOUNDED if problem.window_right is None else min(problem.window_right, UNBOUNDED)
+    left, right = window_args(problem)
     i32, i64, f32 = np.int32, np.int64, np.float32
-    scale_log2 = f32(problem.scale * np.log2(np.e))  # bit-identical to the forward's score multiplier
+    scale_log2 = score_multiplier(problem)  # bit-identical to the forward's
     scale = f32(problem.scale)
     lse_strides = (i64(hq * sq), i64(sq))
     ctype = CTYPES[dtype]
@@ -293,7 +264,7 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
         args=(q, k, v, do, dk, dv, acc, lse_log2, dsum,
               *_elem_strides(q), *_elem_strides(k), *_elem_strides(v), *_elem_strides(do),
               *_elem_strides(dk), *_elem_strides(dv), *acc_strides, *lse_strides, *common_tail,
-              *_mask_args(xp, problem.block_mask, spec.block_m, spec.block_n, sq, sk, transposed=True), *drop)))
+              *mask_args(xp, problem.block_mask, spec.block_m, spec.block_n, sq, sk, transposed=True), *drop)))
     if deterministic:
         n_m = -(-sq // dq_spec.block_m)
         launches.append(LaunchSpec(
@@ -302,7 +273,7 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
             args=(q, k, v, do, dq, lse_log2, dsum,
                   *_elem_strides(q), *_elem_strides(k), *_elem_strides(v), *_elem_strides(do),
                   *_elem_strides(dq), *lse_strides, *common_tail,
-                  *_mask_args(xp, problem.block_mask, dq_spec.block_m, dq_spec.block_n, sq, sk, transposed=False),
+                  *mask_args(xp, problem.block_mask, dq_spec.block_m, dq_spec.block_n, sq, sk, transposed=False),
                   *drop)))
     else:
         launches.append(LaunchSpec(
