@@ -520,3 +520,13 @@ def test_warmup_compiles_once(cp):
     all_specs = cuda.warmup(progress=False)
     assert len(all_specs) == 2 * len(kernels.NATIVE_HEAD_DIMS) and len(cp._modules) == len(all_specs)
     assert cp._launches[0].name == want[1].name_expression
+
+
+def test_warmup_backward_compiles_each_backward_family_once(cp):
+    done = cuda.warmup(dtypes=("float16",), head_dims=(59, 64, 128), backward=True, progress=False)
+    fwd = [kernels.select_spec("float16", d, 227 * 1024) for d in (64, 128)]
+    bwd = [kernels_bwd.select_specs("float16", d, 227 * 1024) for d in (64, 128)]
+    assert done == fwd + bwd
+    assert len(cp._modules) == 4  # two forward specs, two backward families (each one RawModule of 4 kernels)
+    assert cuda.warmup(dtypes=("float16",), head_dims=(59, 64, 128), backward=True, progress=False) == done
+    assert len(cp._modules) == 4  # the second call compiles nothing

@@ -183,28 +183,42 @@ def backward(problem: Problem, dout, out, lse, *, deterministic=False):
     return bl.result()
 
 
-def warmup(dtypes=kernels.SUPPORTED_DTYPES, head_dims=kernels.NATIVE_HEAD_DIMS, *, progress=True, file=None):
-    """Compile the forward specializations for ``dtypes`` x ``head_dims`` on the current device now
-    (NVRTC, then CuPy's disk cache), so the first real call does not pay for it. Returns the specs.
+def warmup(dtypes=kernels.SUPPORTED_DTYPES, head_dims=kernels.NATIVE_HEAD_DIMS, *, backward=False, progress=True,
+           file=None):
+    """Compile the kernels for ``dtypes`` x ``head_dims`` on the current device now (NVRTC, then CuPy's
+    disk cache), so the first real call does not pay for it.
 
+    Returns the forward specs, then, with ``backward=True``, the ``(main, dq)`` backward pairs (a
+    head_dim whose backward this GPU cannot run, 256 on 99 KB-shared-memory GPUs, is left out).
     ``progress`` prints a one-line progress bar to ``file`` (default stderr).
     """
     ok, why = available()
     if not ok:
         raise RuntimeError(f"cannot warm up the CUDA kernels: {why}")
     _, _, max_smem = _device()
-    specs = []
-    for dt in dtypes:
+    names = [np.dtype(dt).name if not isinstance(dt, str) else dt for dt in dtypes]
+    jobs = {}  # what to compile -> how; dict keeps order and drops repeats (odd head dims share a spec)
+    for dt in names:
         for d in head_dims:
-            s = kernels.select_spec(np.dtype(dt).name if not isinstance(dt, str) else dt, d, max_smem)
-            if s not in specs:
-                specs.append(s)
+            s = kernels.select_spec(dt, d, max_smem)
+            jobs.setdefault(s, lambda s=s: kernel(s))
+    if backward:
+        from .. import kernels_bwd
+
+        for dt in names:
+            for d in head_dims:
+                try:
+                    pair = kernels_bwd.select_specs(dt, d, max_smem)
+                except ValueError:
+                    continue
+                jobs.setdefault(pair, lambda pair=pair: backward_kernels(*pair))
     out = file or sys.stderr
-    for i, s in enumerate(specs):
+    for i, (what, compile_it) in enumerate(jobs.items()):
         if progress:
-            bar = "#" * (20 * i // len(specs))
-            print(f"\rcuflash warmup [{bar:<20}] {i}/{len(specs)} {s.name_expression}", end="", file=out, flush=True)
-        kernel(s)
+            name = what.name_expression if isinstance(what, kernels.KernelSpec) else what[0].name_expression
+            bar = "#" * (20 * i // len(jobs))
+            print(f"\rcuflash warmup [{bar:<20}] {i}/{len(jobs)} {name}", end="", file=out, flush=True)
+        compile_it()
     if progress:
-        print(f"\rcuflash warmup [{'#' * 20}] {len(specs)}/{len(specs)} done{' ' * 50}", file=out, flush=True)
-    return specs
+        print(f"\rcuflash warmup [{'#' * 20}] {len(jobs)}/{len(jobs)} done{' ' * 50}", file=out, flush=True)
+    return list(jobs)
