@@ -84,4 +84,22 @@ struct BlockInfo {
   }
 };
 
+// The key tiles a query tile visits (Algorithm 1 line 6 restricted to the visible ones; with a BlockMask, only the
+// kept ones: Algorithm 5), and the BlockMask grid that partly kept tiles check element by element. The forward and
+// the backward's dQ pass share this, so both walk exactly the same tiles.
+template <class Info>
+__device__ __forceinline__ void plan_key_tiles(KeyTiles& tiles, BlockGrid& cells, const Info& blk,
+                                               const int* tile_counts, const int* tile_lists,
+                                               long long tiles_batch_stride, long long tiles_head_stride, int list_len,
+                                               const unsigned char* mask_cells, long long cells_batch_stride,
+                                               long long cells_head_stride) {
+  if (tile_counts == nullptr) {
+    tiles.init(nullptr, 0, blk.n_begin, blk.n_end);
+    return;
+  }
+  const long long at = blk.batch * tiles_batch_stride + blk.head * tiles_head_stride + blk.m_block;
+  tiles.init(tile_lists + at * list_len, tile_counts[at], blk.n_begin, blk.n_end);
+  if (mask_cells != nullptr) cells.cells = mask_cells + blk.batch * cells_batch_stride + blk.head * cells_head_stride;
+}
+
 }  // namespace cuflash

@@ -372,13 +372,8 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
 
   KeyTiles tiles;
   BlockGrid cells{nullptr, mask_block_q, mask_block_k, mask_n_k_blocks};
-  if (tile_counts != nullptr) {
-    const long long at = blk.batch * tiles_batch_stride + blk.head * tiles_head_stride + blk.m_block;
-    tiles.init(tile_lists + at * list_len, tile_counts[at], blk.n_begin, blk.n_end);
-    if (mask_cells != nullptr) cells.cells = mask_cells + blk.batch * cells_batch_stride + blk.head * cells_head_stride;
-  } else {
-    tiles.init(nullptr, 0, blk.n_begin, blk.n_end);
-  }
+  plan_key_tiles(tiles, cells, blk, tile_counts, tile_lists, tiles_batch_stride, tiles_head_stride, list_len,
+                 mask_cells, cells_batch_stride, cells_head_stride);
 
   // This thread's rows: 2 per m-tile (lane/4 and lane/4 + 8), their L and D.
   float L[2 * kMTiles], Dr[2 * kMTiles];

@@ -73,18 +73,10 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const T* k_bh = k + blk.batch * k_batch_stride + blk.head_kv * k_head_stride;
   const T* v_bh = v + blk.batch * v_batch_stride + blk.head_kv * v_head_stride;
 
-  // The key tiles to visit (line 6 of Algorithm 1, "for 1 <= j <= T_c", restricted to the visible ones).
   KeyTiles tiles;
   BlockGrid cells{nullptr, mask_block_q, mask_block_k, mask_n_k_blocks};
-  if (tile_counts != nullptr) {
-    const long long at = blk.batch * tiles_batch_stride + blk.head * tiles_head_stride + blk.m_block;
-    tiles.init(tile_lists + at * list_len, tile_counts[at], blk.n_begin, blk.n_end);
-    if (mask_cells != nullptr) {
-      cells.cells = mask_cells + blk.batch * cells_batch_stride + blk.head * cells_head_stride;
-    }
-  } else {
-    tiles.init(nullptr, 0, blk.n_begin, blk.n_end);
-  }
+  plan_key_tiles(tiles, cells, blk, tile_counts, tile_lists, tiles_batch_stride, tiles_head_stride, list_len,
+                 mask_cells, cells_batch_stride, cells_head_stride);
 
   // Line 4: O_i = 0, l_i = 0, m_i = -inf, on chip.
   float acc[kMTiles][Traits::kNTilesO][4];
