@@ -131,6 +131,39 @@ def test_tile_sizes(block_q, block_k, case):
     np.testing.assert_array_equal(out2, out.reshape(out2.shape))
 
 
+def _rising_scores(offset, rise, n=96, dtype=np.float32, seed=0):
+    """A case whose scores start near ``offset`` and climb along the keys by ``rise`` per 16-key tile.
+
+    The forward keeps a lazy running max (the reference m_i of its first tile) and moves it only
+    when l_i passes 1/eps or a tile overflows: a rise of 20 per tile makes l_i pass 1/eps, a rise
+    of 200 makes exp(S - m_i) overflow, a first tile far from 0 tests the first reference. Each must
+    give what the eager algorithm gives.
+    """
+    rng = np.random.default_rng(seed)
+    d = 8
+    q = rng.standard_normal((1, n, 2, d))
+    q[..., 0] = np.abs(q[..., 0]) + 1  # every query leans on feature 0, so scores follow k[..., 0]
+    k = rng.standard_normal((1, n, 2, d))
+    k[..., 0] = ((offset + np.arange(n) * rise / 16) * np.sqrt(d))[None, :, None]
+    v, dout = (rng.standard_normal((1, n, 2, d)) for _ in range(2))
+    return Case(*(x.astype(dtype) for x in (q, k, v, dout)), options={})
+
+
+RISES = [(0, 0), (0, 20), (0, 200), (0, 2000), (-1000, 0), (1000, -200)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("offset, rise", RISES, ids=[f"{a}{b:+}" for a, b in RISES])
+@pytest.mark.parametrize("options", [{}, dict(causal=True), dict(window=(40, 0))], ids=["plain", "causal", "window"])
+def test_lazy_running_max(offset, rise, dtype, options):
+    case = _rising_scores(offset, rise, dtype=dtype)
+    case.options.update(options)
+    out, lse, *grads = _blocked(case, 16, 16)
+    check_forward(lambda *a, **o: (out, lse), case)
+    check_backward(lambda *a, **o: grads, case, out, lse)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
 def test_tile_kinds_are_exercised():
     """The tile-size tests above meet all three kinds of tile: full, partial (masked), skipped."""
     q, k, v = rng_arrays(1, (100, 2, 8), (90, 1, 8), (90, 1, 8))
