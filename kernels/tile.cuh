@@ -17,13 +17,17 @@ namespace cuflash {
 template <class Traits, int kRows>
 __device__ __forceinline__ void load_tile(typename Traits::T* smem, const typename Traits::T* gmem,
                                           long long row_stride, int rows_valid, int cols_valid, int tid) {
-  // kThreadsPerRow threads share a row, each taking every kThreadsPerRow-th 16-byte chunk: a warp reads 8 (or 4)
-  // rows of 128 (or 64) contiguous bytes per instruction, and each thread's column offsets are compile-time
+  // kThreadsPerRow threads share a row, each taking every kThreadsPerRow-th 16-byte chunk: a warp reads 4 rows of
+  // 128 contiguous bytes (or 8 of 64) per instruction, and each thread's column offsets are compile-time
   // constants, so the addresses cost a handful of registers (a flat chunk index would keep one per copy).
   constexpr int kThreadsPerRow = Traits::kChunksPerRow % 8 == 0 ? 8 : 4;  // kChunksPerRow: 4, 8, 12, 16, 24, 32
   constexpr int kRowsPerPass = Traits::kThreads / kThreadsPerRow;
   static_assert(Traits::kChunksPerRow % kThreadsPerRow == 0, "head_dim / 8 must be a multiple of 4");
-  const int row0 = tid / kThreadsPerRow;
+  static_assert(kThreadsPerRow == 8 || kRows % 8 == 0, "rows are dealt in groups of 8");
+  // A quarter-warp's 16-byte stores are served together. With 4 threads per row it spans two rows, whose chunks
+  // fall in distinct bank groups only if the rows are 4 apart (4 odd strides = 4 chunks, mod the 8 chunks of the
+  // 128 banked bytes): the 8 quads of a warp take its rows 0,4,1,5,2,6,3,7 (bank counts: cuflash.emulate).
+  const int row0 = kThreadsPerRow == 8 ? tid / 8 : (tid >> 5) * 8 + ((tid >> 3) & 3) + (tid & 4);
   const int col0 = (tid % kThreadsPerRow) * 8;
 #pragma unroll
   for (int pass = 0; pass < (kRows + kRowsPerPass - 1) / kRowsPerPass; ++pass) {

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from ..launch import LaunchSpec
 from ._build import CompileError, build, cache_dir, compile_log
-from ._runner import SCHEDULES, EmulationError, Library
+from ._runner import SCHEDULES, BankStats, EmulationError, Library
 from ._toolchain import find
 
-__all__ = ["launch", "available", "compile", "EmulationError", "CompileError", "sanitizer_env", "cache_dir",
+__all__ = ["launch", "available", "compile", "BankStats", "EmulationError", "CompileError", "sanitizer_env", "cache_dir",
            "compile_log", "SCHEDULES", "requires_emulation", "skip_unless_available"]
 
 MAX_THREADS_PER_BLOCK = 1024
@@ -101,8 +101,10 @@ def _schedule(schedule: str | None) -> int:
 
 
 def launch(spec: LaunchSpec, *, schedule: str | None = None, seed: int | None = None, sanitize: bool = False,
-           stack_kib: int | None = None) -> None:
+           stack_kib: int | None = None) -> BankStats:
     """Run ``spec`` on the CPU. NumPy arrays in ``spec.args`` are the device buffers and are written in place.
+
+    Returns the launch's shared-memory :class:`BankStats` (bank conflicts of its ldmatrix and cp.async).
 
     schedule: order in which a block's threads run between barriers ("forward", "reverse", "random"), default
         from ``CUFLASH_EMULATE_SCHEDULE`` or "forward"; blocks follow the same order. seed: for "random"
@@ -120,7 +122,8 @@ def launch(spec: LaunchSpec, *, schedule: str | None = None, seed: int | None = 
     seed = int(os.environ.get("CUFLASH_EMULATE_SEED", "0")) if seed is None else int(seed)
     stack = int(stack_kib or os.environ.get("CUFLASH_EMULATE_STACK_KIB") or 256) * 1024
     lib = compile(spec, sanitize=sanitize)
-    lib.launch(spec.args, grid, block, int(spec.shared_bytes), _schedule(schedule), seed & (2**64 - 1), stack)
+    return lib.launch(spec.args, grid, block, int(spec.shared_bytes), _schedule(schedule), seed & (2**64 - 1),
+                      stack)
 
 
 def sanitizer_env(base: dict | None = None) -> dict:

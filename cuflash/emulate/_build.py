@@ -124,6 +124,10 @@ extern "C" __attribute__((visibility("default"))) int cuflash_emu_launch(void** 
   return ::cuflash_emu::launch_entry(args, grid, block, shared_bytes, schedule, seed, stack_bytes,
                                      &cuflash_emu_wrap::thunk, err, err_len, where);
 }}
+extern "C" __attribute__((visibility("default"))) void cuflash_emu_bank_stats(unsigned long long* out) {{
+  for (int kind = 0; kind < 2; ++kind)
+    out[2 * kind] = ::cuflash_emu::g_banks.requests[kind], out[2 * kind + 1] = ::cuflash_emu::g_banks.wavefronts[kind];
+}}
 """
 
 

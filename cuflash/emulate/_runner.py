@@ -35,6 +35,26 @@ class EmulationError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class BankStats:
+    """Shared-memory bank conflicts of one launch, for the accesses the emulator sees warp-wide.
+
+    A request is one 8x8 matrix of an ``ldmatrix`` or one quarter-warp of 16-byte ``cp.async`` stores;
+    it takes as many wavefronts as the most distinct 4-byte words in one bank (1: conflict-free).
+    Plain C++ loads and stores to shared memory are not seen.
+    """
+
+    ldmatrix_requests: int
+    ldmatrix_wavefronts: int
+    cp_async_requests: int
+    cp_async_wavefronts: int
+
+    @property
+    def conflict_free(self) -> bool:
+        return (self.ldmatrix_wavefronts == self.ldmatrix_requests
+                and self.cp_async_wavefronts == self.cp_async_requests)
+
+
+@dataclass(frozen=True)
 class Param:
     kind: int
     size: int
@@ -64,7 +84,7 @@ class Library:
             raise TypeError(f"kernel has {n} parameters; the emulator supports {MAX_PARAMS}")
         return [Param(*desc[4 * i:4 * i + 4], _spelled(names[i].decode())) for i in range(n)]
 
-    def launch(self, args, grid, block, shared_bytes, schedule, seed, stack_bytes) -> None:
+    def launch(self, args, grid, block, shared_bytes, schedule, seed, stack_bytes) -> BankStats:
         buffers = pack_arguments(self.params, args)
         argv = (ctypes.c_void_p * max(1, len(buffers)))(*[ctypes.addressof(b) for b in buffers])
         err = ctypes.create_string_buffer(2048)
@@ -80,6 +100,9 @@ class Library:
             block_idx = tuple(where[0:3]) if where[0] >= 0 else None
             thread_idx = tuple(where[3:6]) if where[3] >= 0 else None
             raise EmulationError(err.value.decode(errors="replace"), block_idx, thread_idx)
+        counts = (ctypes.c_ulonglong * 4)()
+        self._lib.cuflash_emu_bank_stats(counts)
+        return BankStats(*counts)
 
 
 # ------------------------------------------------------------------------------------------------ arguments

@@ -112,8 +112,14 @@ inline void check_shared(const char* what, const void* p, size_t bytes, size_t a
 template <int NMAT, bool TRANS>
 void ldmatrix_fn(Fiber* const* lanes, uint32_t) {
   uint16_t M[NMAT][8][8];
-  for (int m = 0; m < NMAT; ++m)
-    for (int r = 0; r < 8; ++r) memcpy(M[m][r], lanes[8 * m + r]->win, 16);
+  for (int m = 0; m < NMAT; ++m) {
+    uintptr_t rows[8];
+    for (int r = 0; r < 8; ++r) {
+      memcpy(M[m][r], lanes[8 * m + r]->win, 16);
+      rows[r] = reinterpret_cast<uintptr_t>(lanes[8 * m + r]->win);
+    }
+    ::cuflash_emu::count_wavefronts(0, rows, 8);
+  }
   for (int l = 0; l < 32; ++l) {
     uint32_t* out = static_cast<uint32_t*>(lanes[l]->wout);
     int g = l >> 2, t = l & 3;
@@ -178,6 +184,7 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool p
     memset(copy.bytes, 0, 16);
   ::cuflash_emu::poison_bytes(smem, 16);
   f->copies.push_back(copy);
+  f->copy_rows.push_back(reinterpret_cast<uintptr_t>(smem));
 }
 
 __device__ __forceinline__ void cp_async_commit() { ::cuflash_emu::g_cur->committed++; }

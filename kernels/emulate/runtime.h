@@ -56,6 +56,7 @@ struct alignas(64) Fiber {
   const void* win = nullptr;
   void* wout = nullptr;
   std::vector<PendingCopy> copies;
+  std::vector<uintptr_t> copy_rows;  // shared addresses of this thread's cp.async since the last barrier
   unsigned committed = 0;  // cp.async groups committed so far
   char* stack_lo = nullptr;
   size_t stack_size = 0;
@@ -94,6 +95,32 @@ struct Launch {
 };
 
 inline Launch g;
+
+// Shared-memory bank conflicts of the accesses the emulator sees warp-wide. A request of (up to) 8 rows of 16 bytes
+// (one 8x8 matrix of an ldmatrix; one quarter-warp of 16-byte cp.async stores) is served in as many wavefronts as
+// the most distinct 4-byte words that fall in one of the 32 banks: 1 when conflict-free.
+struct BankStats {
+  unsigned long long requests[2] = {0, 0}, wavefronts[2] = {0, 0};  // [0] ldmatrix, [1] cp.async
+};
+inline BankStats g_banks;
+
+inline void count_wavefronts(int kind, const uintptr_t* rows, int n) {
+  uintptr_t words[32];
+  int nwords = 0, worst = 1;
+  for (int r = 0; r < n; ++r)
+    for (int w = 0; w < 4; ++w) {
+      uintptr_t word = rows[r] / 4 + w;
+      bool seen = false;
+      for (int i = 0; i < nwords; ++i) seen |= words[i] == word;
+      if (!seen) words[nwords++] = word;
+    }
+  for (int i = 0; i < nwords; ++i) {
+    int same_bank = 0;
+    for (int j = 0; j < nwords; ++j) same_bank += words[j] % 32 == words[i] % 32;
+    worst = same_bank > worst ? same_bank : worst;
+  }
+  g_banks.requests[kind] += 1, g_banks.wavefronts[kind] += unsigned(worst);
+}
 inline Fiber* g_cur = nullptr;  // the running fiber; null in the main context
 inline uint3 g_block_idx;
 inline dim3 g_block_dim, g_grid_dim;
@@ -242,6 +269,24 @@ inline void main_error(const char* fmt, ...) {
 
 // ---------------------------------------------------------------------------------------------- barriers
 
+// The k-th cp.async of each lane since the last barrier is one warp instruction (load loops are warp-uniform), and
+// 16-byte stores are served a quarter-warp at a time.
+inline void count_copy_wavefronts() {
+  for (unsigned w = 0; w < g.nwarps; ++w)
+    for (unsigned quarter = 0; quarter < 4; ++quarter) {
+      Fiber* lanes = &g.fibers[32 * w + 8 * quarter];
+      for (size_t k = 0;; ++k) {
+        uintptr_t rows[8];
+        int n = 0;
+        for (unsigned l = 0; l < 8 && 32 * w + 8 * quarter + l < g.nthreads; ++l)
+          if (k < lanes[l].copy_rows.size()) rows[n++] = lanes[l].copy_rows[k];
+        if (n == 0) break;
+        count_wavefronts(1, rows, n);
+      }
+    }
+  for (unsigned i = 0; i < g.nthreads; ++i) g.fibers[i].copy_rows.clear();
+}
+
 inline int syncthreads_at(const char* file, int line, int pred = 0, int reduce = 0) {
   Fiber* f = g_cur;
   if (g.exited)
@@ -258,6 +303,7 @@ inline int syncthreads_at(const char* file, int line, int pred = 0, int reduce =
   set_state(f, kBarrier);
   f->wait_what = "__syncthreads", f->wait_file = file, f->wait_line = line;
   if (++g.bar_waiting == g.nthreads) {
+    count_copy_wavefronts();
     int result = reduce == 1 ? g.bar_count : reduce == 2 ? g.bar_and : g.bar_or;
     for (unsigned i = 0; i < g.nthreads; ++i) g.fibers[i].state = kReady, g.fibers[i].bar_result = result;
     g.nready = g.nthreads;
@@ -494,6 +540,7 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, int schedule, ui
   g.error.clear();
   for (int i = 0; i < 3; ++i) g.err_block[i] = g.err_thread[i] = -1;
   g.schedule = schedule, g.rng = seed, g.thunk = thunk, g.thunk_ctx = ctx;
+  g_banks = BankStats{};
   g_grid_dim = grid, g_block_dim = block;
   find_main_stack();
   setup_threads(block);
@@ -515,6 +562,7 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, int schedule, ui
     g_block_idx = make_uint3(b % grid.x, (b / grid.x) % grid.y, b / (grid.x * grid.y));
     init_block(g.nthreads, g.stacks.size);
     run_block();
+    count_copy_wavefronts();  // copies after the block's last barrier
     if (g.failed) break;
   }
   hook_segv(false);

@@ -145,3 +145,14 @@ def test_real_ptx_wrappers_compile_with_nvcc(arch, tmp_path):
     proc = subprocess.run([nvcc, f"-arch={arch}", "-cubin", f"-I{KERNELS_DIR}", str(src), "-o",
                            str(tmp_path / "arch_tests.cubin")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 5, 8])
+def test_bank_conflicts_are_counted(chunks):
+    """8 rows of 16 bytes, ``chunks`` 16-byte units apart, start in 8 / gcd(chunks, 8) of the 8 bank groups of a
+    128-byte line: each request of 8 rows takes gcd(chunks, 8) wavefronts (odd row strides are conflict-free)."""
+    src = np.arange(32 * 8, dtype=np.uint16)
+    stats = emu.launch(spec("arch_tests.cu", "bank_kernel", (src, np.int32(8 * chunks))))
+    assert stats.ldmatrix_requests == 4 and stats.cp_async_requests == 4
+    assert stats.ldmatrix_wavefronts == stats.cp_async_wavefronts == 4 * np.gcd(chunks, 8)
+    assert stats.conflict_free == (chunks % 2 == 1)

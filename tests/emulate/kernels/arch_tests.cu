@@ -120,3 +120,16 @@ extern "C" __global__ void half_decode_kernel(float* out) {
     out[i] = cuflash::arch::emu::to_float<__half>(static_cast<uint16_t>(i));
 }
 #endif
+
+// Bank conflicts as the emulator counts them: lane l copies 16 bytes into row l of a shared tile whose rows are
+// `stride` elements apart, then ldmatrix.x4 reads the 32 rows back (8 rows per matrix, as a quarter-warp's stores).
+extern "C" __global__ void bank_kernel(const uint16_t* src, int stride) {
+  __shared__ __align__(128) uint16_t s[32 * 64];
+  const int l = threadIdx.x;
+  cuflash::arch::cp_async_16(&s[l * stride], src + 8 * l, true);
+  cuflash::arch::cp_async_commit();
+  cuflash::arch::cp_async_wait<0>();
+  __syncthreads();
+  uint32_t r[4];
+  cuflash::arch::ldmatrix_x4(r, &s[l * stride]);
+}
