@@ -134,10 +134,8 @@ def test_tile_sizes(block_q, block_k, case):
 def _rising_scores(offset, rise, n=96, dtype=np.float32, seed=0):
     """A case whose scores start near ``offset`` and climb along the keys by ``rise`` per 16-key tile.
 
-    The forward keeps a lazy running max (the reference m_i of its first tile) and moves it only
-    when l_i passes 1/eps or a tile overflows: a rise of 20 per tile makes l_i pass 1/eps, a rise
-    of 200 makes exp(S - m_i) overflow, a first tile far from 0 tests the first reference. Each must
-    give what the eager algorithm gives.
+    Stresses the running max: with a rise of 20 per tile l_i would pass 1/eps without rescaling, with
+    200 exp(S - m) overflows unless m is the max so far; a first tile far from 0 tests the first m_i.
     """
     rng = np.random.default_rng(seed)
     d = 8
@@ -155,7 +153,7 @@ RISES = [(0, 0), (0, 20), (0, 200), (0, 2000), (-1000, 0), (1000, -200)]
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("offset, rise", RISES, ids=[f"{a}{b:+}" for a, b in RISES])
 @pytest.mark.parametrize("options", [{}, dict(causal=True), dict(window=(40, 0))], ids=["plain", "causal", "window"])
-def test_lazy_running_max(offset, rise, dtype, options):
+def test_running_max_over_extreme_score_ranges(offset, rise, dtype, options):
     case = _rising_scores(offset, rise, dtype=dtype)
     case.options.update(options)
     out, lse, *grads = _blocked(case, 16, 16)

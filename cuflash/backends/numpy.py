@@ -118,89 +118,42 @@ def check(problem: Problem):
         raise TypeError(f"the numpy backend supports {', '.join(SUPPORTED_DTYPES)}, got {name}")
 
 
-def _augmented(x, column, dtype):
-    """``[x column]``: x (..., S, d) with one more column.
-
-    An extra column lets one matrix product also do a tile pass: ``[Q c]·[K 1]ᵀ = QKᵀ + c`` subtracts
-    a per-row reference from the scores, and ``P·[V 1] = [PV, rowsum P]`` gives l_i with PV. The
-    copies are O(N·d); the subtraction and the row sum no longer pass over every score tile.
-    """
-    out = np.empty(x.shape[:-1] + (x.shape[-1] + 1,), dtype=dtype)
-    out[..., :-1] = x
-    out[..., -1] = column
-    return out
-
-
-def _pv(p, v, z):
-    """``[P·V, rowsum P]`` of a tile (v carries a column of ones); with dropout, PV is of the dropped P
-    and the sum of the undropped one (lse stays dropout-free)."""
-    if z is None:
-        return p @ v
-    l = p.sum(axis=-1)
-    o = (p * z) @ v
-    o[..., -1] = l
-    return o
-
-
 def forward(problem: Problem, *, block_q=None, block_k=None, plan=None):
-    """Return ``out (B, Sq, Hq, D)`` in q's dtype and ``lse (B, Hq, Sq)``.
-
-    FA2 Algorithm 1 with a lazy running max: scores are taken relative to a per-row reference
-    m_i held in an extra column of Q, so ``exp(S - m_i)`` costs one pass and ``l_i`` comes out of the
-    P·V product. The reference moves (a max pass, and acc rescaled by alpha) only for a row's first
-    visible tile or when a tile would overflow; any finite reference gives the same out and lse, and
-    m_i never exceeds lse, so nothing that matters underflows. l_i is kept below 1/eps by moving
-    m_i to lse so far.
-    """
+    """Return ``out (B, Sq, Hq, D)`` in q's dtype and ``lse (B, Hq, Sq)``."""
     check(problem)
     wt = _work_dtype(problem)
     plan = plan or Plan(problem, block_q or BLOCK_Q, block_k or BLOCK_K)
     q, scale = _scaled_q(problem, wt)
-    q = _augmented(q, 0, wt)  # last column: -m_i (in units of the unapplied scale), set per row tile
-    kt = np.swapaxes(_augmented(_grouped(problem.k, problem, wt), 1, wt), -1, -2)
-    v = _augmented(_grouped(problem.v, problem, wt), 1, wt)
-    d, unit = q.shape[-1] - 1, wt.type(1) if scale is None else scale
-    out = np.zeros(q.shape[:-1] + (d,), dtype=wt)
+    kt = np.swapaxes(_grouped(problem.k, problem, wt), -1, -2)
+    v = _grouped(problem.v, problem, wt)
+    out = np.zeros(q.shape, dtype=wt)
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
-    l_max = 1 / np.finfo(wt).eps
 
     def row(tiles):
         i0, i1 = tiles[0].i0, tiles[0].i1
-        q_i = q[..., i0:i1, :]  # q_i[..., d] = -m_i / unit
-        acc = np.zeros(q_i.shape, dtype=wt)  # [O_i l_i], unnormalized, relative to m_i
-
-        def scores(t):  # S - m_i of tile t, masked
+        q_i = q[..., i0:i1, :]
+        m_i = np.full(q_i.shape[:-1], -np.inf, dtype=wt)
+        l_i = np.zeros(q_i.shape[:-1], dtype=wt)
+        acc = np.zeros(q_i.shape, dtype=wt)
+        for t in tiles:
             s = q_i @ kt[..., t.k0:t.k1]
             if scale is not None:
                 s *= scale
             _mask_scores(s, plan, t, problem)
-            return s
-
-        for t in tiles:
+            m_new = np.maximum(m_i, s.max(axis=-1))
+            m_safe = np.where(m_new == -np.inf, 0, m_new)  # a row that saw nothing yet: no -inf - -inf
+            s -= m_safe[..., None]
+            np.exp(s, out=s)
+            alpha = np.exp(m_i - m_safe)
+            l_i = l_i * alpha + s.sum(axis=-1)  # l is of the undropped P: lse stays dropout-free
             z = _dropout_scale(problem, t, wt)
-            if (acc[..., d] > 0).all():  # every row has a reference: no max pass, unless it overflows
-                s = scores(t)
-                with np.errstate(over="ignore", invalid="ignore"):  # caught below, redone with a max pass
-                    new = acc + _pv(np.exp(s, out=s), v[..., t.k0:t.k1, :], z)
-                if np.isfinite(new).all():
-                    acc = new
-                    if (acc[..., d] > l_max).any():  # keep l_i <= 1/eps: move m_i up to lse so far
-                        shift = np.log(np.maximum(acc[..., d], l_max) / l_max)
-                        acc *= np.exp(-shift)[..., None]
-                        q_i[..., d] -= shift / unit
-                    continue
-            s = scores(t)
-            row_max, has_ref = s.max(axis=-1), acc[..., d] > 0
-            # a row's first reference is its max; later it moves only up (alpha <= 1, as in Alg. 1)
-            shift = np.where(has_ref, np.maximum(row_max, 0), row_max)
-            shift = np.where(np.isfinite(shift), shift, 0)  # rows that saw nothing yet: no -inf - -inf
-            s -= shift[..., None]
-            acc *= np.where(has_ref, np.exp(-np.maximum(shift, 0)), 0)[..., None]  # alpha; no ref: acc = 0
-            acc += _pv(np.exp(s, out=s), v[..., t.k0:t.k1, :], z)
-            q_i[..., d] -= shift / unit
-        l_i, m_i = acc[..., d], -q_i[..., d] * unit
+            if z is not None:
+                s *= z
+            acc *= alpha[..., None]
+            acc += s @ v[..., t.k0:t.k1, :]
+            m_i = m_new
         seen = l_i != 0  # a NaN sum propagates; only rows that saw no key get 0 and -inf
-        out[..., i0:i1, :] = acc[..., :d] / np.where(seen, l_i, 1)[..., None]
+        out[..., i0:i1, :] = acc / np.where(seen, l_i, 1)[..., None]
         lse[..., i0:i1] = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
 
     _map(row, plan.by_query())
@@ -215,7 +168,7 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, pl
     check(problem)
     wt = _work_dtype(problem)
     plan = plan or Plan(problem, block_q or BLOCK_Q, block_k or BLOCK_K)
-    q, s_scale = _scaled_q(problem, wt)  # the scale applied where the forward applied it
+    q, s_scale = _scaled_q(problem, wt)  # S recomputed exactly as the forward computed it
     k = _grouped(problem.k, problem, wt)
     kt = np.swapaxes(k, -1, -2)
     v = _grouped(problem.v, problem, wt)
@@ -235,7 +188,7 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, pl
         dv_j = np.zeros_like(dk_j)
         for t in tiles:
             q_i, do_i = q[..., t.i0:t.i1, :], do[..., t.i0:t.i1, :]
-            s = q_i @ kt[..., k0:k1]  # recomputed; P = exp(S - lse) from the saved lse
+            s = q_i @ kt[..., k0:k1]  # bit-identical to the forward's S, so P = exp(S - lse) is too
             if s_scale is not None:
                 s *= s_scale
             _mask_scores(s, plan, t, problem)
