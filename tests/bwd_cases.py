@@ -44,3 +44,27 @@ def check_backward(fn, case: Case, out, lse):
         floor = 2 * 2.0 ** -7 * mags[name]
         assert err <= 3 * base + floor, f"{name}: max error {err:.3e} > 3 x {base:.3e} + {floor:.3e} (bf16)"
     return grads
+
+
+def assert_bitwise_equal_runs(runs):
+    """Every run's (dq, dk, dv) has the same bits as the first run's."""
+    for r in runs[1:]:
+        for a, b in zip(r, runs[0]):
+            assert np.array_equal(host(a).view(np.uint16), host(b).view(np.uint16))
+
+
+def check_golden_grads(grads, case: Case, name: str):
+    """Gradients of the fp16-rounded golden inputs against the golden float64 gradients (of the unrounded
+    inputs): within 3x the naive same-dtype error against the same golden, plus two fp16 roundings at the
+    term magnitude."""
+    from pathlib import Path
+
+    z = np.load(Path(__file__).resolve().parents[2] / "shared" / "golden" / f"{name}.npz")
+    bases = reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=case.q.dtype,
+                                         **case.options)
+    mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **case.options)
+    for gname, g, b in zip(("dq", "dk", "dv"), grads, bases):
+        gold = z[gname]
+        base_err = np.abs(np.asarray(b, np.float64) - gold).max(initial=0.0)
+        err = np.abs(np.asarray(host(g), np.float64) - gold).max(initial=0.0)
+        assert err <= 3 * base_err + 2 * 2.0 ** -10 * mags[gname], (gname, err, base_err, case.options)

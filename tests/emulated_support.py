@@ -41,3 +41,13 @@ def emulated_backward(deterministic=False, **kw):
         return tuple(problem.unflatten(g, a.shape[1:]) for g, a in zip(grads, (problem.q, problem.k, problem.v)))
 
     return fn
+
+
+def kernel_grads(case, deterministic, schedule=None, seed=None, **kw):
+    """``(dq, dk, dv)`` of ``case`` from the emulated forward then backward kernels; ``kw`` as in
+    :func:`emulated_backward` (spec, dq_spec)."""
+    problem = make_problem(case.q, case.k, case.v, **case.options)
+    out, lse = emulate_backend.forward(problem)
+    d, o, l = flatten_backward(problem, case.dout, out, lse)
+    return emulate_backend.backward(problem, d, o, l, deterministic=deterministic, schedule=schedule, seed=seed,
+                                    **kw)

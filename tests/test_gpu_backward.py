@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import cuflash
-from cuflash import kernels, reference
+from cuflash import kernels
 from cuflash.problem import check_backward as flatten_backward
 from cuflash.problem import make_problem
 from cuflash.testing import Case, attention_cases
 
-from bwd_cases import check_backward, host
+from bwd_cases import assert_bitwise_equal_runs, check_backward, check_golden_grads, host
 from fwd_cases import bf16, feature_cases, golden_cases, make_case
 
 import gpu_support  # noqa: E402
@@ -95,19 +95,8 @@ def test_every_native_head_dim(d, dtype):
 
 @pytest.mark.parametrize("name,case,gold_out,gold_lse", golden_cases(), ids=[g[0] for g in golden_cases()])
 def test_golden(name, case, gold_out, gold_lse):
-    from pathlib import Path
-
-    z = np.load(Path(__file__).resolve().parents[2] / "shared" / "golden" / f"{name}.npz")
     out, lse = gpu_forward(case)
-    grads = gpu_backward()(case.dout, case.q, case.k, case.v, out, lse, **case.options)
-    bases = reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=case.q.dtype,
-                                         **case.options)
-    mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **case.options)
-    for gname, g, b in zip(("dq", "dk", "dv"), grads, bases):
-        gold = z[gname]
-        base_err = np.abs(np.asarray(b, np.float64) - gold).max(initial=0.0)
-        err = np.abs(np.asarray(g, np.float64) - gold).max(initial=0.0)
-        assert err <= 3 * base_err + 2 * 2.0 ** -10 * mags[gname], (gname, err, base_err)
+    check_golden_grads(gpu_backward()(case.dout, case.q, case.k, case.v, out, lse, **case.options), case, name)
 
 
 def test_deterministic_is_bitwise_reproducible():
@@ -115,9 +104,7 @@ def test_deterministic_is_bitwise_reproducible():
     out, lse = gpu_forward(case)
     fn = gpu_backward(deterministic=True)
     runs = [fn(case.dout, case.q, case.k, case.v, out, lse, **case.options) for _ in range(3)]
-    for r in runs[1:]:
-        for a, b in zip(r, runs[0]):
-            assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    assert_bitwise_equal_runs(runs)
 
 
 def test_default_mode_dk_dv_are_reproducible():

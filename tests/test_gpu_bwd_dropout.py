@@ -16,7 +16,7 @@ import cuflash
 from cuflash import kernels
 from cuflash.testing import attention_cases
 
-from bwd_cases import check_backward, host
+from bwd_cases import assert_bitwise_equal_runs, check_backward, host
 from bwd_dropout_cases import check_dv_keep_mask
 from dropout_cases import SEED, dropout_case, dropout_feature_cases
 from fwd_cases import bf16, make_case
@@ -96,9 +96,7 @@ def test_deterministic_with_dropout_is_bitwise_reproducible():
     out, lse = gpu_forward(case)
     fn = gpu_backward(deterministic=True)
     runs = [fn(case.dout, case.q, case.k, case.v, out, lse, **case.options) for _ in range(3)]
-    for r in runs[1:]:
-        for a, b in zip(r, runs[0]):
-            assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    assert_bitwise_equal_runs(runs)
 
 
 def test_attention_vjp_round_trip_with_drawn_seed():

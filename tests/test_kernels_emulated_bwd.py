@@ -10,18 +10,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from cuflash import kernels_bwd, reference
-from cuflash.backends import emulate as emulate_backend
+from cuflash import kernels_bwd
 from cuflash.blockmask import BlockMask
 from cuflash.kernels_bwd import BwdSpec, DqSpec
-from cuflash.problem import check_backward as flatten_backward
-from cuflash.problem import make_problem
 from cuflash.testing import Case, attention_cases
 
 import bwd_cases
 from fwd_cases import bf16, feature_cases, golden_cases, make_case
 
-from emulated_support import emulated_backward, forward, pytestmark  # noqa: F401  (pytestmark marks the module)
+from emulated_support import emulated_backward, forward, kernel_grads, pytestmark  # noqa: F401  (pytestmark marks the module)
 
 try:
     import ml_dtypes  # noqa: F401
@@ -116,23 +113,9 @@ def test_every_table_row(spec):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,case,gold_out,gold_lse", golden_cases(), ids=[g[0] for g in golden_cases()])
 def test_golden(name, case, gold_out, gold_lse):
-    import json
-    from pathlib import Path
-
-    z = np.load(Path(__file__).resolve().parents[2] / "shared" / "golden" / f"{name}.npz")
     out, lse = forward(case)
-    grads = emulated_backward()(case.dout, case.q, case.k, case.v, out, lse, **case.options)
-    # The golden gradients are of the float64 inputs; ours are of the fp16-rounded inputs. Compare against the
-    # float64 gradients of the rounded inputs with the rule, and to the golden within the rounding of the inputs.
-    bases = reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=case.q.dtype,
-                                         **case.options)
-    mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **case.options)
-    for gname, g, b in zip(("dq", "dk", "dv"), grads, bases):
-        gold = z[gname]
-        base_err = np.abs(np.asarray(b, np.float64) - gold).max(initial=0.0)
-        err = np.abs(np.asarray(g, np.float64) - gold).max(initial=0.0)
-        assert err <= 3 * base_err + 2 * 2.0 ** -10 * mags[gname], (gname, err, base_err, json.dumps(case.options,
-                                                                                                    default=str))
+    bwd_cases.check_golden_grads(emulated_backward()(case.dout, case.q, case.k, case.v, out, lse, **case.options),
+                                 case, name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -150,27 +133,13 @@ def test_hypothesis(case):
 # ------------------------------------------------------------------------------------------------
 # Deterministic mode, fully masked rows, layouts in memory
 # ------------------------------------------------------------------------------------------------
-def _grads(case, deterministic, schedule=None, seed=None, **kw):
-    problem = make_problem(case.q, case.k, case.v, **case.options)
-    out, lse = emulate_backend.forward(problem)
-    d, o, l = flatten_backward(problem, case.dout, out, lse)
-    return emulate_backend.backward(problem, d, o, l, deterministic=deterministic, schedule=schedule, seed=seed,
-                                    **kw)
-
-
-def _bits(grads):
-    return [g.view(np.uint16) for g in grads]
-
-
 def test_deterministic_is_bitwise_reproducible_across_runs_and_schedules():
     # GQA (4 query heads per kv head) with many key tiles per query tile and many query tiles per key tile.
     case = make_case(2, 140, 150, 4, 1, 64, np.float16, causal=True, window=(100, None))
     spec, dq_spec = SMALL_SPECS["split1"]
-    runs = [_grads(case, True, schedule=s, seed=3, spec=spec, dq_spec=dq_spec)
+    runs = [kernel_grads(case, True, schedule=s, seed=3, spec=spec, dq_spec=dq_spec)
             for s in ("forward", "forward", "reverse", "random")]
-    for r in runs[1:]:
-        for a, b in zip(_bits(r), _bits(runs[0])):
-            assert np.array_equal(a, b)
+    bwd_cases.assert_bitwise_equal_runs(runs)
 
 
 def test_default_mode_agrees_with_deterministic():
@@ -178,8 +147,8 @@ def test_default_mode_agrees_with_deterministic():
     # dQ equal to within the last bits of fp32 accumulation, rounded once to fp16.
     case = make_case(1, 130, 100, 2, 2, 64, np.float16, window=(30, 30))
     spec, dq_spec = SMALL_SPECS["split1"]
-    a = _grads(case, False, schedule="random", seed=1, spec=spec, dq_spec=dq_spec)
-    b = _grads(case, True, spec=spec, dq_spec=dq_spec)
+    a = kernel_grads(case, False, schedule="random", seed=1, spec=spec, dq_spec=dq_spec)
+    b = kernel_grads(case, True, spec=spec, dq_spec=dq_spec)
     assert np.array_equal(a[1].view(np.uint16), b[1].view(np.uint16))
     assert np.array_equal(a[2].view(np.uint16), b[2].view(np.uint16))
     diff = np.abs(a[0].astype(np.float64) - b[0].astype(np.float64))

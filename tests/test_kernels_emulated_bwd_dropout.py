@@ -25,7 +25,6 @@ from cuflash.backends import emulate as emulate_backend
 from cuflash.blockmask import BlockMask
 from cuflash.dropout import threshold
 from cuflash.kernels_bwd import BwdSpec, DqSpec
-from cuflash.problem import check_backward as flatten_backward
 from cuflash.problem import make_problem
 from cuflash.testing import attention_cases
 
@@ -34,7 +33,7 @@ from bwd_dropout_cases import check_dv_keep_mask
 from dropout_cases import SEED, dropout_case, dropout_feature_cases
 from fwd_cases import bf16, make_case
 
-from emulated_support import DTYPES, forward, emulated_backward, pytestmark  # noqa: F401  (pytestmark marks the module)
+from emulated_support import DTYPES, forward, emulated_backward, kernel_grads, pytestmark  # noqa: F401  (pytestmark marks the module)
 MODES = pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 
 #: small tiles: many key and query tiles per problem; every warp layout of both kernels
@@ -134,28 +133,14 @@ def test_main_kernel_keep_mask_mqa_high_p():
 # ------------------------------------------------------------------------------------------------
 # Reproducibility, the threshold-0 path, the public API
 # ------------------------------------------------------------------------------------------------
-def _grads(case, deterministic, schedule=None, seed=None, **kw):
-    problem = make_problem(case.q, case.k, case.v, **case.options)
-    out, lse = emulate_backend.forward(problem)
-    d, o, l = flatten_backward(problem, case.dout, out, lse)
-    return emulate_backend.backward(problem, d, o, l, deterministic=deterministic, schedule=schedule, seed=seed,
-                                    **kw)
-
-
-def _bits(grads):
-    return [g.view(np.uint16) for g in grads]
-
-
 def test_deterministic_with_dropout_is_bitwise_reproducible():
     case = dropout_case(2, 140, 150, 4, 1, 64, causal=True, window=(100, None), p=0.3, seed=SEED)
     spec, dq_spec = SMALL_SPECS["split1"]
-    runs = [_grads(case, True, schedule=s, seed=3, spec=spec, dq_spec=dq_spec)
+    runs = [kernel_grads(case, True, schedule=s, seed=3, spec=spec, dq_spec=dq_spec)
             for s in ("forward", "forward", "reverse", "random")]
-    for r in runs[1:]:
-        for a, b in zip(_bits(r), _bits(runs[0])):
-            assert np.array_equal(a, b)
+    bwd_cases.assert_bitwise_equal_runs(runs)
     # and the default mode computes the same dK, dV bit for bit (dQ up to the order of the fp32 atomics)
-    a = _grads(case, False, schedule="random", seed=1, spec=spec, dq_spec=dq_spec)
+    a = kernel_grads(case, False, schedule="random", seed=1, spec=spec, dq_spec=dq_spec)
     assert np.array_equal(a[1].view(np.uint16), runs[0][1].view(np.uint16))
     assert np.array_equal(a[2].view(np.uint16), runs[0][2].view(np.uint16))
     diff = np.abs(a[0].astype(np.float64) - runs[0][0].astype(np.float64))
@@ -164,9 +149,9 @@ def test_deterministic_with_dropout_is_bitwise_reproducible():
 
 def test_different_seeds_give_different_gradients():
     case = dropout_case(1, 64, 64, 2, 2, 64, p=0.5, seed=SEED)
-    a = _grads(case, True)
+    a = kernel_grads(case, True)
     case.options["seed"] = SEED + 1
-    b = _grads(case, True)
+    b = kernel_grads(case, True)
     assert all((x != y).mean() > 0.5 for x, y in zip(a, b))
 
 
@@ -175,11 +160,10 @@ def test_threshold_zero_equals_no_dropout_bitwise(deterministic):
     p = 1e-12  # floor(p * 2**32) = 0: nothing can be dropped, the kernels skip the generator; 1/(1-p) rounds to 1
     assert threshold(p) == 0
     case = make_case(1, 100, 120, 2, 2, 64, window=(40, 3))
-    a = _grads(case, deterministic)
+    a = kernel_grads(case, deterministic)
     case.options.update(dropout_p=p, seed=5)
-    b = _grads(case, deterministic)
-    for x, y in zip(_bits(a), _bits(b)):
-        assert np.array_equal(x, y)
+    b = kernel_grads(case, deterministic)
+    bwd_cases.assert_bitwise_equal_runs([a, b])
 
 
 def test_public_api_backward_and_vjp_with_drawn_seed():
@@ -195,5 +179,4 @@ def test_public_api_backward_and_vjp_with_drawn_seed():
     # and attention_backward with that seed computes them again, bit for bit
     again = cuflash.attention_backward(case.dout, case.q, case.k, case.v, out, lse, deterministic=True,
                                        backend="emulate", **case.options)
-    for x, y in zip(_bits(grads), _bits(again)):
-        assert np.array_equal(x, y)
+    bwd_cases.assert_bitwise_equal_runs([grads, again])
