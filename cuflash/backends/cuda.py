@@ -115,11 +115,13 @@ def _device_args(args):
     return tuple(np.uint64(0) if a is None else a for a in args)
 
 
-def forward(problem: Problem):
-    """``(out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) float32)`` on the current CuPy stream."""
+def forward(problem: Problem, *, spec=None):
+    """``(out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) float32)`` on the current CuPy stream.
+
+    ``spec`` forces a :class:`~cuflash.kernels.KernelSpec` (benchmarks compare tile choices with it)."""
     _check(problem)
     _, _, max_smem = _device()
-    fl = kernels.forward_launch(problem, max_smem=max_smem)
+    fl = kernels.forward_launch(problem, max_smem=max_smem, spec=spec)
     if fl.spec is not None:
         fn = kernel(fl.kernel)
         fn(fl.spec.grid, fl.spec.block, _device_args(fl.spec.args), shared_mem=fl.spec.shared_bytes)

@@ -1,0 +1,96 @@
+"""Every ``CUFLASH_*`` environment variable in one table: its accepted values, default and meaning.
+
+:func:`get` parses a variable's current value once (cached per raw string, so a test that changes
+the environment sees the new value) and raises a ``ValueError`` naming the variable and the
+accepted values when it is malformed, before any computation uses it. The README's table of
+environment variables is this table (``tests`` hold them equal).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class Variable:
+    parse: Callable[[str], Any]  # raises ValueError with the accepted form
+    accepted: str                # the accepted values, as the README and errors spell them
+    default: Any
+    meaning: str
+
+
+def _integer(lo: int, hi: Optional[int] = None) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = int(raw.strip(), 10)
+        if value < lo or (hi is not None and value > hi):
+            raise ValueError
+        return value
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw.strip() not in choices:
+            raise ValueError
+        return raw.strip()
+    return parse
+
+
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError
+
+
+def _text(raw: str) -> str:
+    if not raw.strip():
+        raise ValueError
+    return raw
+
+
+VARIABLES: dict[str, Variable] = {
+    "CUFLASH_NUM_THREADS": Variable(
+        _integer(1, 1024), "an integer from 1 to 1024", None,
+        "worker threads of the NumPy backend; default: the cores this process may use"),
+    "CUFLASH_EMULATE_ARCH": Variable(
+        lambda raw: int(_choice("80", "86", "89", "90")(raw)), "80, 86, 89 or 90", 80,
+        "the GPU whose shared-memory limit picks the tile table row under backend='emulate'"),
+    "CUFLASH_EMULATE_SCHEDULE": Variable(
+        _choice("forward", "reverse", "random"), "forward, reverse or random", "forward",
+        "order in which the emulator runs a block's threads between barriers"),
+    "CUFLASH_EMULATE_SEED": Variable(
+        _integer(0, 2**64 - 1), "an integer from 0 to 2**64 - 1", 0, "seed of the 'random' schedule"),
+    "CUFLASH_EMULATE_STACK_KIB": Variable(
+        _integer(64, 1 << 20), "an integer from 64 to 1048576 (KiB)", 256,
+        "stack of each emulated GPU thread (fiber)"),
+    "CUFLASH_EMULATE_CACHE": Variable(
+        _text, "a directory path", None,
+        "where the emulator keeps compiled kernel libraries; default ~/.cache/cuflash/emulate"),
+    "CUFLASH_EMULATE_DEBUG": Variable(
+        _flag, "0 or 1", False, "build emulated kernels with -O0 -g (for a debugger)"),
+    "CUFLASH_EMULATE_PCH": Variable(
+        _flag, "0 or 1", True, "precompile the emulator's shim header once per toolchain"),
+    "CUFLASH_EMULATE_CXX": Variable(
+        _text, "a C++ compiler command", None, "the compiler of emulated kernels; default g++"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(name: str, raw: str):
+    var = VARIABLES[name]
+    try:
+        return var.parse(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not valid: expected {var.accepted}") from None
+
+
+def get(name: str):
+    """The parsed value of ``name``, or its default when unset."""
+    var = VARIABLES[name]  # KeyError: a name missing from the table is a bug in cuflash
+    raw = os.environ.get(name)
+    return var.default if raw is None else _parse(name, raw)
