@@ -1,6 +1,7 @@
-"""``python -m cuflash``: version, backends, and a long-sequence demo; ``python -m cuflash bench``."""
+"""``python -m cuflash [demo|build|emulate|bench]``: the command line (``--help`` lists each subcommand)."""
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -10,17 +11,14 @@ import cuflash
 from cuflash import backends
 
 
-def _best_backend():
-    status = backends.status()
-    return "cuda" if status["cuda"][0] else "numpy"
-
-
 def demo(seqlen=16384, heads=4, head_dim=64):
+    """Version, backends (and why one is unavailable), and a long causal attention on the best backend."""
     print(f"cuflash {cuflash.__version__}")
     print("backends:")
-    for name, (ok, why) in backends.status().items():
+    status = backends.status()
+    for name, (ok, why) in status.items():
         print(f"  {name:8s} {'available' if ok else 'unavailable'}: {why}")
-    name = _best_backend()
+    name = "cuda" if status["cuda"][0] else "numpy"
     rng = np.random.default_rng(0)
     shape = (1, seqlen, heads, head_dim)
     if name == "cuda":
@@ -43,19 +41,42 @@ def demo(seqlen=16384, heads=4, head_dim=64):
     print(f"  time: {dt * 1e3:.0f} ms   out: {tuple(out.shape)} {out.dtype}")
     print(f"  a materialized score matrix would need {dense / 2**30:.1f} GiB (float32, all heads); "
           f"cuflash keeps one tile at a time")
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "bench":
-        from cuflash import bench
-
-        return bench.main(argv[1:])
-    if argv and argv[0] in ("-h", "--help"):
-        print("usage: python -m cuflash [bench [--quick|--full] [--out DIR]]")
-        return 0
-    demo()
     return 0
+
+
+def build(args) -> int:
+    """The compile check of every kernel specialization (cuflash.cuda.compile)."""
+    from .cuda import compile as cc
+
+    bad = cc.check(archs=tuple(args.arch))
+    return 2 if bad < 0 else (1 if bad else 0)
+
+
+def emulate(args) -> int:
+    from .emulate.__main__ import main
+
+    return main(["--bench"] if args.bench else [])
+
+
+def bench(args) -> int:
+    print("the benchmarks live outside the package: from a checkout, run `python -m benchmarks.run --help`",
+          file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    sub.add_parser("demo", help="version, backends, and a 16k-token causal attention (the default)")
+    p = sub.add_parser("build", help="compile every CUDA kernel specialization as CuPy will (no GPU needed)")
+    p.add_argument("--check", action="store_true", help="fail on spills, register headroom, shared memory")
+    p.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=[80, 90], help="compile targets")
+    p = sub.add_parser("emulate", help="is the CPU kernel emulator usable here, and where is its cache")
+    p.add_argument("--bench", action="store_true", help="also measure the per-barrier cost")
+    sub.add_parser("bench", help="where the benchmarks are (benchmarks/ in a checkout)")
+    args = parser.parse_args(argv)
+    run = {None: lambda a: demo(), "demo": lambda a: demo(), "build": build, "emulate": emulate, "bench": bench}
+    return run[args.command](args)
 
 
 if __name__ == "__main__":

@@ -35,21 +35,6 @@ _OPTIONS_DOC = """
     zero gradients."""
 
 
-def _problem(q, k, v, kw):
-    return make_problem(q, k, v, **kw)
-
-
-def _backend(problem, name, direction):
-    """The backend module; ``direction`` ("forward"/"backward") picks its dropout capability flag
-    (``supports_dropout`` / ``supports_dropout_backward``)."""
-    module = backends.select(problem, name)
-    flag = "supports_dropout" if direction == "forward" else "supports_dropout_backward"
-    if problem.dropout_p and not getattr(module, flag, False):
-        raise NotImplementedError(f"dropout in the {direction} is not implemented on the "
-                                  f"{module.__name__.rsplit('.', 1)[-1]} backend yet; use dropout_p=0 or the numpy backend")
-    return module
-
-
 def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
               seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, return_lse=False, dtype=None,
               backend=None):
@@ -78,8 +63,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
     drawn = seed is None and dropout_p
     kw = dict(causal=causal, scale=scale, window=window, block_mask=block_mask, seqlens_q=seqlens_q,
               seqlens_k=seqlens_k, dropout_p=dropout_p, seed=fresh_seed() if drawn else seed, dtype=dtype)
-    problem = _problem(q, k, v, kw)
-    out, lse = _backend(problem, backend, "forward").forward(problem)
+    problem = make_problem(q, k, v, **kw)
+    out, lse = backends.select(problem, backend).forward(problem)
     result = (problem.unflatten(out, problem.q.shape[1:]),)
     if return_lse:
         result += (problem.unflatten(lse, (problem.heads_q, problem.seqlen_q)),)
@@ -116,11 +101,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
                          "(returned by attention when it drew one)")
     kw = dict(causal=causal, scale=scale, window=window, block_mask=block_mask, seqlens_q=seqlens_q,
               seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed, dtype=dtype)
-    problem = _problem(q, k, v, kw)
+    problem = make_problem(q, k, v, **kw)
     dout_f, out_f, lse_f = check_backward(problem, dout, out, lse)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    dq, dk, dv = _backend(problem, backend, "backward").backward(problem, dout_f, out_f, lse_f, deterministic=deterministic)
+    module = backends.select(problem, backend)
+    dq, dk, dv = module.backward(problem, dout_f, out_f, lse_f, deterministic=deterministic)
     return (problem.unflatten(dq, problem.q.shape[1:]), problem.unflatten(dk, problem.k.shape[1:]),
             problem.unflatten(dv, problem.v.shape[1:]))
 

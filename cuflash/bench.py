@@ -480,10 +480,10 @@ def _tile_forward(case: Case, x: Inputs):
         from .backends import numpy as backend
 
         return lambda: backend.forward(problem, block_k=case.block_k)
-    from . import kernels
     from .backends import cuda as backend
+    from .cuda import specs
 
-    table = kernels.select_spec(case.dtype, case.head_dim)
+    table = specs.select("fwd", case.dtype, case.head_dim)
     spec = replace(table, block_n=case.block_k)  # KernelSpec validates the combination
     if "spec" in inspect.signature(backend.forward).parameters:
         return lambda: backend.forward(problem, spec=spec)

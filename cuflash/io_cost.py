@@ -86,14 +86,9 @@ def default_tiles(head_dim: int, op: str = "fwd") -> tuple[int, int]:
     """``(query rows, keys)`` per tile of the CUDA kernel for ``head_dim``: the forward's
     ``(block_m, block_n)`` from THE tile table, or the backward main kernel's (a thread block owns
     ``block_n`` keys and visits query tiles of ``block_m`` rows)."""
-    if op == "fwd":
-        from .kernels import select_spec
+    from .cuda import specs
 
-        spec = select_spec("float16", head_dim)
-    else:
-        from .kernels_bwd import select_specs
-
-        spec = select_specs("float16", head_dim)[0]
+    spec = specs.select("fwd" if op == "fwd" else "bwd", "float16", head_dim)
     return spec.block_m, spec.block_n
 
 

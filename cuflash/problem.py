@@ -137,6 +137,8 @@ class Problem:
     head_dim = property(lambda self: self.q.shape[3])
     dtype = property(lambda self: self.q.dtype)  # the arrays' dtype (uint16 for declared bfloat16 bits)
     group = property(lambda self: self.q.shape[2] // self.k.shape[2])
+    #: uint16 arrays carrying bfloat16 bits (``dtype="bfloat16"``), not ml_dtypes.bfloat16 arrays
+    bf16_bits = property(lambda self: self.element_type == "bfloat16" and dtype_name(self.q.dtype) == "uint16")
 
     def host_float(self, x, dtype):
         """A q/k/v-like array as a host array of ``dtype`` (decoding declared bfloat16 bits)."""

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "mask.cuh"
+#include "params.cuh"
 
 namespace cuflash {
 
@@ -11,7 +12,7 @@ namespace cuflash {
 //
 // Without a BlockMask the tiles are n_end-1, ..., n_begin: the range that causal / window / seqlens leave visible.
 // With a BlockMask they are the entries of this query tile's sorted index list that fall inside that range; the
-// loop count is the list length, so work is proportional to the mask's density (Algorithm 5 of seed 000).
+// loop count is the list length, so work is proportional to the mask's density (FA1 Algorithm 5, block-sparse).
 // A list entry e >= 0 is a tile the mask keeps whole; e < 0 encodes tile ~e that the mask keeps only partly
 // (mask blocks finer than the kernel tile), whose elements are then checked against the grid (BlockGrid).
 struct KeyTiles {
@@ -56,16 +57,15 @@ struct BlockInfo {
   Visibility vis;
   int n_begin, n_end;      // key tiles [n_begin, n_end) hold every key some row of this tile sees
 
-  __device__ __forceinline__ BlockInfo(int seqlen_q, int seqlen_k, const int* seqlens_q, const int* seqlens_k,
-                                       int heads_per_kv, int window_left, int window_right) {
+  __device__ __forceinline__ explicit BlockInfo(const Params& p) {
     m_block = blockIdx.x;
     head = blockIdx.y;
     batch = blockIdx.z;
-    head_kv = head / heads_per_kv;  // GQA/MQA: query heads share a kv head, no K/V copies
+    head_kv = head / p.heads_per_kv;  // GQA/MQA: query heads share a kv head, no K/V copies
     row_begin = m_block * Traits::kBlockM;
-    len_q = seqlens_q ? min(seqlens_q[batch], seqlen_q) : seqlen_q;
-    len_k = seqlens_k ? min(seqlens_k[batch], seqlen_k) : seqlen_k;
-    vis = Visibility::make(len_q, len_k, window_left, window_right);
+    len_q = p.seqlens_q ? min(p.seqlens_q[batch], p.seqlen_q) : p.seqlen_q;
+    len_k = p.seqlens_k ? min(p.seqlens_k[batch], p.seqlen_k) : p.seqlen_k;
+    vis = Visibility::make(len_q, len_k, p.window_left, p.window_right);
     const int key_begin = vis.key_begin(row_begin);
     const int key_end = vis.key_end(row_begin, row_begin + Traits::kBlockM);
     if (key_end > key_begin) {
@@ -89,17 +89,15 @@ struct BlockInfo {
 // the backward's dQ pass share this, so both walk exactly the same tiles.
 template <class Info>
 __device__ __forceinline__ void plan_key_tiles(KeyTiles& tiles, BlockGrid& cells, const Info& blk,
-                                               const int* tile_counts, const int* tile_lists,
-                                               long long tiles_batch_stride, long long tiles_head_stride, int list_len,
-                                               const unsigned char* mask_cells, long long cells_batch_stride,
-                                               long long cells_head_stride) {
-  if (tile_counts == nullptr) {
+                                               const BlockMaskArg& mask) {
+  cells = BlockGrid{nullptr, mask.block_q, mask.block_k, mask.n_k_blocks};
+  if (mask.tile_counts == nullptr) {
     tiles.init(nullptr, 0, blk.n_begin, blk.n_end);
     return;
   }
-  const long long at = blk.batch * tiles_batch_stride + blk.head * tiles_head_stride + blk.m_block;
-  tiles.init(tile_lists + at * list_len, tile_counts[at], blk.n_begin, blk.n_end);
-  if (mask_cells != nullptr) cells.cells = mask_cells + blk.batch * cells_batch_stride + blk.head * cells_head_stride;
+  const long long at = blk.batch * mask.tiles_batch_stride + blk.head * mask.tiles_head_stride + blk.m_block;
+  tiles.init(mask.tile_lists + at * mask.list_len, mask.tile_counts[at], blk.n_begin, blk.n_end);
+  if (mask.cells != nullptr) cells.cells = mask.cells + blk.batch * mask.cells_batch_stride + blk.head * mask.cells_head_stride;
 }
 
 }  // namespace cuflash

@@ -29,15 +29,14 @@ struct BwdBlockInfo {
   Visibility vis;
   int m_begin, m_end;  // query tiles [m_begin, m_end) hold every query row that sees a key of this tile
 
-  __device__ __forceinline__ BwdBlockInfo(int seqlen_q, int seqlen_k, const int* seqlens_q, const int* seqlens_k,
-                                          int window_left, int window_right) {
+  __device__ __forceinline__ explicit BwdBlockInfo(const Params& p) {
     n_block = blockIdx.x;
     head_kv = blockIdx.y;
     batch = blockIdx.z;
     key_begin = n_block * Traits::kBlockN;
-    len_q = seqlens_q ? min(seqlens_q[batch], seqlen_q) : seqlen_q;
-    len_k = seqlens_k ? min(seqlens_k[batch], seqlen_k) : seqlen_k;
-    vis = Visibility::make(len_q, len_k, window_left, window_right);
+    len_q = p.seqlens_q ? min(p.seqlens_q[batch], p.seqlen_q) : p.seqlen_q;
+    len_k = p.seqlens_k ? min(p.seqlens_k[batch], p.seqlen_k) : p.seqlen_k;
+    vis = Visibility::make(len_q, len_k, p.window_left, p.window_right);
     int qb, qe;
     query_range(vis, key_begin, key_begin + Traits::kBlockN, &qb, &qe);
     if (qe > qb) {

@@ -1,4 +1,4 @@
-// cuflash — compile-time shape of the backward kernels (FA2 Algorithm 2, seed 002 / seed 000 "recomputation").
+// cuflash — compile-time shape of the backward kernels (FA2 Algorithm 2; FA1 Sec. 3.1 "recomputation").
 //
 // The main kernel works in the *transposed* orientation of the forward: a thread block owns kBlockN keys
 // (B_c rows of K, V, dK, dV) and visits the query tiles of kBlockM rows that can see them. Its warps are laid out
@@ -27,6 +27,14 @@ namespace cuflash {
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
 struct SmemATraits : FwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps> {
   static constexpr bool kQInRegs = false;
+};
+
+// The deterministic dQ pass (flash_bwd_dq_kernel): the forward's orientation, with Q, dO [kBlockM] and K, V [kBlockN]
+// tiles in shared memory.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
+struct DqTraits : SmemATraits<T, kHeadDim, kBlockM, kBlockN, kWarps> {
+  using Base = SmemATraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
+  static constexpr int kSmemBytes = (2 * Base::kSmemQ + 2 * Base::kSmemKV) * int(sizeof(T));
 };
 
 template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>

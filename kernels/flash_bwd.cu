@@ -1,7 +1,8 @@
-// cuflash — FlashAttention-2 backward by recomputation (seed 000 "recomputation", FA2 Algorithm 2): dQ, dK, dV
+// cuflash — FlashAttention-2 backward by recomputation (FA1 Sec. 3.1 "recomputation", FA2 Algorithm 2): dQ, dK, dV
 // from Q, K, V, O, dO and the forward's lse, without ever storing S or P.
 //
-// Four kernels, launched in this order (cuflash/kernels_bwd.py builds the launch descriptions):
+// Four kernels, three launched per backward (cuflash/cuda/launch.py builds the launch descriptions); each takes the
+// params struct of params.cuh:
 //   flash_bwd_preprocess_kernel   D = rowsum(dO o O) and L = lse * log2(e) per query row (fp32; L = +inf for rows
 //                                 that see no key, so P = exp2(S - L) = 0 there), and zeroes the dQ workspace.
 //   flash_bwd_kernel              grid (key tiles, kv heads, batch): K_j, V_j loaded once; for every query head of
@@ -24,6 +25,7 @@
 // main kernel's transposed one), from (batch, QUERY head, query row, key column) as in the forward. With
 // rescale = 1/(1-p): dV_j += (P o Z)^T dO_i * rescale (the rescale applied once, to dV at the end),
 // dS = P o (dP o Z * rescale - D) (P undropped; one fma per element, dP * 1 - D exactly without dropout).
+#include "params.cuh"
 #include "kernel_traits.cuh"
 #include "mask.cuh"
 #include "block_info.cuh"
@@ -49,36 +51,29 @@ struct BoolConstant {  // a compile-time bool to instantiate a generic lambda pe
 // Preprocess: one warp per query row. lse, L, D are (B, Hq, Sq) fp32 with row stride 1.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T>
-__global__ void __launch_bounds__(128)
-flash_bwd_preprocess_kernel(const T* __restrict__ out, const T* __restrict__ dout, const float* __restrict__ lse,
-                            float* __restrict__ lse_log2, float* __restrict__ dsum, float* __restrict__ dq_accum,
-                            long long o_batch_stride, long long o_row_stride, long long o_head_stride,
-                            long long do_batch_stride, long long do_row_stride, long long do_head_stride,
-                            long long lse_batch_stride, long long lse_head_stride,
-                            long long acc_batch_stride, long long acc_row_stride, long long acc_head_stride,
-                            int seqlen_q, int head_dim, const int* __restrict__ seqlens_q) {
+__global__ void __launch_bounds__(128) flash_bwd_preprocess_kernel(const __grid_constant__ Params p) {
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * 4 + threadIdx.x / 32;
   const int head = blockIdx.y, batch = blockIdx.z;
-  if (row >= seqlen_q) return;
-  const int len_q = seqlens_q ? min(seqlens_q[batch], seqlen_q) : seqlen_q;
-  const T* o_row = out + batch * o_batch_stride + row * o_row_stride + head * o_head_stride;
-  const T* do_row = dout + batch * do_batch_stride + row * do_row_stride + head * do_head_stride;
+  if (row >= p.seqlen_q) return;
+  const int len_q = p.seqlens_q ? min(p.seqlens_q[batch], p.seqlen_q) : p.seqlen_q;
+  const T* o_row = p.o.at<const T>(batch, head) + row * p.o.row_stride;
+  const T* do_row = p.dout.at<const T>(batch, head) + row * p.dout.row_stride;
   float sum = 0.f;
-  for (int c = lane; c < head_dim; c += 32) sum += to_float(o_row[c]) * to_float(do_row[c]);
+  for (int c = lane; c < p.head_dim; c += 32) sum += to_float(o_row[c]) * to_float(do_row[c]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (lane == 0) {
-    const long long at = batch * lse_batch_stride + head * lse_head_stride + row;
-    const float l = lse[at];
-    dsum[at] = sum;
+    const long long at = batch * p.stats_batch_stride + head * p.stats_head_stride + row;
+    const float l = p.lse[at];
+    p.dsum[at] = sum;
     // A row past its sequence's length, or one that sees no key (lse = -inf), has P = 0: exp2(S - +inf) = 0 for
     // every finite or -inf score. (S - -inf would give +inf.)
-    lse_log2[at] = (row < len_q && l != neg_inf()) ? l * kLog2e : pos_inf();
+    p.lse_log2[at] = (row < len_q && l != neg_inf()) ? l * kLog2e : pos_inf();
   }
-  if (dq_accum != nullptr) {
-    float* acc_row = dq_accum + batch * acc_batch_stride + row * acc_row_stride + head * acc_head_stride;
-    for (int c = lane; c < head_dim; c += 32) acc_row[c] = 0.f;
+  if (p.dq_accum.ptr != nullptr) {
+    float* acc_row = p.dq_accum.at<float>(batch, head) + row * p.dq_accum.row_stride;
+    for (int c = lane; c < p.head_dim; c += 32) acc_row[c] = 0.f;
   }
 }
 
@@ -86,56 +81,25 @@ flash_bwd_preprocess_kernel(const T* __restrict__ out, const T* __restrict__ dou
 // dQ = scale * workspace, in the input dtype. Same grid as the preprocess.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T>
-__global__ void __launch_bounds__(128)
-flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum, T* __restrict__ dq,
-                            long long acc_batch_stride, long long acc_row_stride, long long acc_head_stride,
-                            long long dq_batch_stride, long long dq_row_stride, long long dq_head_stride,
-                            int seqlen_q, int head_dim, float scale) {
+__global__ void __launch_bounds__(128) flash_bwd_convert_dq_kernel(const __grid_constant__ Params p) {
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * 4 + threadIdx.x / 32;
   const int head = blockIdx.y, batch = blockIdx.z;
-  if (row >= seqlen_q) return;
-  const float* src = dq_accum + batch * acc_batch_stride + row * acc_row_stride + head * acc_head_stride;
-  T* dst = dq + batch * dq_batch_stride + row * dq_row_stride + head * dq_head_stride;
-  for (int c = lane; c < head_dim; c += 32) dst[c] = from_float<T>(src[c] * scale);
+  if (row >= p.seqlen_q) return;
+  const float* src = p.dq_accum.at<const float>(batch, head) + row * p.dq_accum.row_stride;
+  T* dst = p.dq.at<T>(batch, head) + row * p.dq.row_stride;
+  for (int c = lane; c < p.head_dim; c += 32) dst[c] = from_float<T>(src[c] * p.scale);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // The main kernel (see the top of the file and bwd_traits.cuh for the warp layout).
 //
-// Arguments (strides in elements, 64-bit): q/dout (B, Sq, Hq, ld), k/v/dk/dv (B, Sk, Hkv, ld): (batch, row, head)
-//   strides, head dim contiguous, `head_dim` (a multiple of 8, <= kHeadDim) columns read and written.
-//   dq_accum (B, Sq, Hq, ld) fp32 workspace, or null (deterministic mode: no dQ here).
-//   lse_log2, dsum (B, Hq, Sq) fp32 from the preprocess, row stride 1.
-//   scale_log2 = scale * log2(e) (the forward's score multiplier), scale (for dK and dQ).
-//   tile_counts (Bm, Hm, n_key_tiles) and tile_lists (..., list_len): per key tile the sorted query tiles a
-//     BlockMask keeps (~m for a tile kept only partly), head stride 0 for a mask shared by the heads; null without.
-//   mask_cells: the BlockMask grid (uint8, original orientation), consulted only in partly kept tiles.
-//   dropout_seed_lo/hi, dropout_threshold, dropout_rescale: the forward's dropout (kernels.dropout_args);
-//     threshold 0 skips the generator, rescale 1 then.
+// Reads q, dout (B, Sq, Hq, ld), k, v (B, Sk, Hkv, ld), lse_log2 and dsum from the preprocess, and writes dk, dv
+// (B, Sk, Hkv, ld) and, unless deterministic (dq_accum null), dQ into the fp32 workspace dq_accum. The BlockMask
+// lists are per key tile here (the transposed lists; ~m for a query tile kept only partly).
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32)
-flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                 const T* __restrict__ dout, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_accum,
-                 const float* __restrict__ lse_log2, const float* __restrict__ dsum,
-                 long long q_batch_stride, long long q_row_stride, long long q_head_stride,
-                 long long k_batch_stride, long long k_row_stride, long long k_head_stride,
-                 long long v_batch_stride, long long v_row_stride, long long v_head_stride,
-                 long long do_batch_stride, long long do_row_stride, long long do_head_stride,
-                 long long dk_batch_stride, long long dk_row_stride, long long dk_head_stride,
-                 long long dv_batch_stride, long long dv_row_stride, long long dv_head_stride,
-                 long long acc_batch_stride, long long acc_row_stride, long long acc_head_stride,
-                 long long lse_batch_stride, long long lse_head_stride,
-                 int seqlen_q, int seqlen_k, int head_dim, int heads_per_kv,
-                 const int* __restrict__ seqlens_q, const int* __restrict__ seqlens_k,
-                 float scale_log2, float scale, int window_left, int window_right,
-                 const int* __restrict__ tile_counts, const int* __restrict__ tile_lists,
-                 long long tiles_batch_stride, long long tiles_head_stride, int list_len,
-                 const unsigned char* __restrict__ mask_cells, long long cells_batch_stride,
-                 long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks,
-                 unsigned int dropout_seed_lo, unsigned int dropout_seed_hi, unsigned int dropout_threshold,
-                 float dropout_rescale) {
+__global__ void __launch_bounds__(kWarps * 32) flash_bwd_kernel(const __grid_constant__ Params p) {
   using Tr = BwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   using SdP = typename Tr::SdP;
   using Load = typename Tr::Load;
@@ -160,31 +124,32 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const int q_col0 = part * Tr::kQCols;
   const int d_col0 = part * Tr::kDCols;
 
-  const BwdBlockInfo<Tr> blk(seqlen_q, seqlen_k, seqlens_q, seqlens_k, window_left, window_right);
-  const T* k_j = k + blk.batch * k_batch_stride + blk.head_kv * k_head_stride + blk.key_begin * k_row_stride;
-  const T* v_j = v + blk.batch * v_batch_stride + blk.head_kv * v_head_stride + blk.key_begin * v_row_stride;
-  const bool accum_dq = dq_accum != nullptr;
+  const BwdBlockInfo<Tr> blk(p);
+  const int head_dim = p.head_dim;
+  const T* k_j = p.k.at<const T>(blk.batch, blk.head_kv) + blk.key_begin * p.k.row_stride;
+  const T* v_j = p.v.at<const T>(blk.batch, blk.head_kv) + blk.key_begin * p.v.row_stride;
+  const bool accum_dq = p.dq_accum.ptr != nullptr;
 
-  const int head_begin = blk.head_kv * heads_per_kv;
+  const int head_begin = blk.head_kv * p.heads_per_kv;
   QueryTiles tiles;
-  BlockGrid cells{nullptr, mask_block_q, mask_block_k, mask_n_k_blocks};
-  tiles.init(tile_counts, tile_lists, blk.batch * tiles_batch_stride, tiles_head_stride, list_len, blk.n_block,
-             blk.m_begin, blk.m_end, head_begin, head_begin + heads_per_kv);
+  const BlockGrid cells{nullptr, p.mask.block_q, p.mask.block_k, p.mask.n_k_blocks};
+  tiles.init(p.mask.tile_counts, p.mask.tile_lists, blk.batch * p.mask.tiles_batch_stride, p.mask.tiles_head_stride,
+             p.mask.list_len, blk.n_block, blk.m_begin, blk.m_end, head_begin, head_begin + p.heads_per_kv);
 
   // Issues the loads of query tile m of `head`: Q_i and dO_i by cp.async (rows past the sequence zero-filled),
   // L_i and D_i by plain loads into smem (rows past the array: L = +inf, D = 0, hence P = dS = 0).
   auto load_query_tile = [&](int m, int head) {
     const int row0 = m * kBlockM;
-    const long long q_off = blk.batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
-    const long long do_off = blk.batch * do_batch_stride + head * do_head_stride + row0 * do_row_stride;
-    load_tile<Load, kBlockM>(sQ, q + q_off, q_row_stride, blk.len_q - row0, head_dim, tid);
-    load_tile<Load, kBlockM>(sdO, dout + do_off, do_row_stride, blk.len_q - row0, head_dim, tid);
+    load_tile<Load, kBlockM>(sQ, p.q.at<const T>(blk.batch, head) + row0 * p.q.row_stride, p.q.row_stride,
+                             blk.len_q - row0, head_dim, tid);
+    load_tile<Load, kBlockM>(sdO, p.dout.at<const T>(blk.batch, head) + row0 * p.dout.row_stride,
+                             p.dout.row_stride, blk.len_q - row0, head_dim, tid);
     arch::cp_async_commit();
-    const long long at = blk.batch * lse_batch_stride + head * lse_head_stride + row0;
+    const long long at = blk.batch * p.stats_batch_stride + head * p.stats_head_stride + row0;
     for (int r = tid; r < kBlockM; r += Tr::kThreads) {
-      const bool in = row0 + r < seqlen_q;
-      sL[r] = in ? lse_log2[at + r] : pos_inf();
-      sD[r] = in ? dsum[at + r] : 0.f;
+      const bool in = row0 + r < p.seqlen_q;
+      sL[r] = in ? p.lse_log2[at + r] : pos_inf();
+      sD[r] = in ? p.dsum[at + r] : 0.f;
     }
   };
 
@@ -200,16 +165,16 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   int m = tiles.next(&partial, &head);
   if (m >= 0) {
     // Line 6: K_j, V_j to smem, once; with them the first query tile.
-    load_tile<Load, kBlockN>(sK, k_j, k_row_stride, blk.len_k - blk.key_begin, head_dim, tid);
-    load_tile<Load, kBlockN>(sV, v_j, v_row_stride, blk.len_k - blk.key_begin, head_dim, tid);
+    load_tile<Load, kBlockN>(sK, k_j, p.k.row_stride, blk.len_k - blk.key_begin, head_dim, tid);
+    load_tile<Load, kBlockN>(sV, v_j, p.v.row_stride, blk.len_k - blk.key_begin, head_dim, tid);
     load_query_tile(m, head);
   }
 
   const T* sK_warp = sK + 16 * key_group * Tr::kStride;
   const T* sV_warp = sV + 16 * key_group * Tr::kStride;
   QFrags<SdP> no_frags;  // A operands come from smem (SmemATraits)
-  const DropoutRng rng{dropout_seed_lo, dropout_seed_hi, dropout_threshold};
-  const bool dropout = dropout_threshold != 0u;
+  const DropoutRng rng{p.dropout.seed_lo, p.dropout.seed_hi, p.dropout.threshold};
+  const bool dropout = p.dropout.threshold != 0u;
 
   while (m >= 0) {
     const int row0 = m * kBlockM;
@@ -227,14 +192,11 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     // the element mask on boundary tiles, P^T = exp2(S^T - L).
     float S[1][kNTilesS][4];
     gemm_qk<SdP>(S, no_frags, sK_warp, sQ + q_col0 * Tr::kStride, lane);
-#pragma unroll
-    for (int nj = 0; nj < kNTilesS; ++nj)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) S[0][nj][r] *= scale_log2;
+    scale_scores(S, p.scale_log2);
     if (partial || blk.needs_mask(m)) {
       BlockGrid tile_cells = cells;
-      if (partial && mask_cells != nullptr) {
-        tile_cells.cells = mask_cells + blk.batch * cells_batch_stride + head * cells_head_stride;
+      if (partial && p.mask.cells != nullptr) {
+        tile_cells.cells = p.mask.cells + blk.batch * p.mask.cells_batch_stride + head * p.mask.cells_head_stride;
       }
       apply_mask_t<kNTilesS>(S, blk.key_begin + 16 * key_group, row0 + q_col0, lane, blk.vis, tile_cells);
     }
@@ -260,7 +222,7 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 #pragma unroll
       for (int nj = 0; nj < kNTilesS; ++nj) {
         const float2 D = *reinterpret_cast<const float2*>(sD + q_col0 + 8 * nj + 2 * (lane & 3));
-        const float rescale = kDrop ? dropout_rescale : 1.f;
+        const float rescale = kDrop ? p.dropout.rescale : 1.f;
         dP[0][nj][0] = S[0][nj][0] * fmaf(dP[0][nj][0], rescale, -D.x);
         dP[0][nj][1] = S[0][nj][1] * fmaf(dP[0][nj][1], rescale, -D.y);
         dP[0][nj][2] = S[0][nj][2] * fmaf(dP[0][nj][2], rescale, -D.x);
@@ -305,8 +267,8 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
     // Line 20: dQ_i += dS K_j, added to the fp32 workspace (scaled by the convert kernel).
     if (accum_dq) {
-      float* dq_tile = dq_accum + blk.batch * acc_batch_stride + head * acc_head_stride + row0 * acc_row_stride;
-      dq_atomic<Tr>(dq_tile, acc_row_stride, blk.len_q - row0, head_dim, sdS, sK, warp, lane);
+      float* dq_tile = p.dq_accum.at<float>(blk.batch, head) + row0 * p.dq_accum.row_stride;
+      dq_atomic<Tr>(dq_tile, p.dq_accum.row_stride, blk.len_q - row0, head_dim, sdS, sK, warp, lane);
     }
 
     m = m_next;
@@ -317,11 +279,11 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   // Line 24: dK_j = scale * sum dS^T Q, dV_j (times 1/(1-p)), written once (zeros for keys no query sees; rows <
   // seqlen_k).
   const int key0 = blk.key_begin + 16 * key_group;
-  T* dk_w = dk + blk.batch * dk_batch_stride + blk.head_kv * dk_head_stride + key0 * dk_row_stride + d_col0;
-  T* dv_w = dv + blk.batch * dv_batch_stride + blk.head_kv * dv_head_stride + key0 * dv_row_stride + d_col0;
-  store_acc_tile<T, Tr::kDNTiles>(dk_w, dk_row_stride, seqlen_k - key0, head_dim - d_col0, acc_dk, scale, lane);
-  store_acc_tile<T, Tr::kDNTiles>(dv_w, dv_row_stride, seqlen_k - key0, head_dim - d_col0, acc_dv, dropout_rescale,
-                                  lane);
+  T* dk_w = p.dk.at<T>(blk.batch, blk.head_kv) + key0 * p.dk.row_stride + d_col0;
+  T* dv_w = p.dv.at<T>(blk.batch, blk.head_kv) + key0 * p.dv.row_stride + d_col0;
+  store_acc_tile<T, Tr::kDNTiles>(dk_w, p.dk.row_stride, p.seqlen_k - key0, head_dim - d_col0, acc_dk, p.scale, lane);
+  store_acc_tile<T, Tr::kDNTiles>(dv_w, p.dv.row_stride, p.seqlen_k - key0, head_dim - d_col0, acc_dv,
+                                  p.dropout.rescale, lane);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -332,26 +294,8 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 // (dS = P o (dP o Z / (1-p) - D)), the keep bits made like the forward's (dropout.cuh).
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32)
-flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    const T* __restrict__ dout, T* __restrict__ dq,
-                    const float* __restrict__ lse_log2, const float* __restrict__ dsum,
-                    long long q_batch_stride, long long q_row_stride, long long q_head_stride,
-                    long long k_batch_stride, long long k_row_stride, long long k_head_stride,
-                    long long v_batch_stride, long long v_row_stride, long long v_head_stride,
-                    long long do_batch_stride, long long do_row_stride, long long do_head_stride,
-                    long long dq_batch_stride, long long dq_row_stride, long long dq_head_stride,
-                    long long lse_batch_stride, long long lse_head_stride,
-                    int seqlen_q, int seqlen_k, int head_dim, int heads_per_kv,
-                    const int* __restrict__ seqlens_q, const int* __restrict__ seqlens_k,
-                    float scale_log2, float scale, int window_left, int window_right,
-                    const int* __restrict__ tile_counts, const int* __restrict__ tile_lists,
-                    long long tiles_batch_stride, long long tiles_head_stride, int list_len,
-                    const unsigned char* __restrict__ mask_cells, long long cells_batch_stride,
-                    long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks,
-                    unsigned int dropout_seed_lo, unsigned int dropout_seed_hi, unsigned int dropout_threshold,
-                    float dropout_rescale) {
-  using Tr = SmemATraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
+__global__ void __launch_bounds__(kWarps * 32) flash_bwd_dq_kernel(const __grid_constant__ Params p) {
+  using Tr = DqTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   constexpr int kMTiles = Tr::kMTiles;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -363,26 +307,26 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp_row = (tid / 32) * Tr::kRowsPerWarp;
-  const BlockInfo<Tr> blk(seqlen_q, seqlen_k, seqlens_q, seqlens_k, heads_per_kv, window_left, window_right);
-
-  const T* q_i = q + blk.batch * q_batch_stride + blk.head * q_head_stride + blk.row_begin * q_row_stride;
-  const T* do_i = dout + blk.batch * do_batch_stride + blk.head * do_head_stride + blk.row_begin * do_row_stride;
-  const T* k_bh = k + blk.batch * k_batch_stride + blk.head_kv * k_head_stride;
-  const T* v_bh = v + blk.batch * v_batch_stride + blk.head_kv * v_head_stride;
+  const BlockInfo<Tr> blk(p);
+  const int head_dim = p.head_dim;
+  const long long k_row_stride = p.k.row_stride, v_row_stride = p.v.row_stride;
+  const T* q_i = p.q.at<const T>(blk.batch, blk.head) + blk.row_begin * p.q.row_stride;
+  const T* do_i = p.dout.at<const T>(blk.batch, blk.head) + blk.row_begin * p.dout.row_stride;
+  const T* k_bh = p.k.at<const T>(blk.batch, blk.head_kv);
+  const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv);
 
   KeyTiles tiles;
-  BlockGrid cells{nullptr, mask_block_q, mask_block_k, mask_n_k_blocks};
-  plan_key_tiles(tiles, cells, blk, tile_counts, tile_lists, tiles_batch_stride, tiles_head_stride, list_len,
-                 mask_cells, cells_batch_stride, cells_head_stride);
+  BlockGrid cells;
+  plan_key_tiles(tiles, cells, blk, p.mask);
 
   // This thread's rows: 2 per m-tile (lane/4 and lane/4 + 8), their L and D.
   float L[2 * kMTiles], Dr[2 * kMTiles];
 #pragma unroll
   for (int r = 0; r < 2 * kMTiles; ++r) {
     const int row = blk.row_begin + warp_row + 16 * (r / 2) + (lane / 4) + 8 * (r % 2);
-    const long long at = blk.batch * lse_batch_stride + blk.head * lse_head_stride + row;
-    L[r] = row < seqlen_q ? lse_log2[at] : pos_inf();
-    Dr[r] = row < seqlen_q ? dsum[at] : 0.f;
+    const long long at = blk.batch * p.stats_batch_stride + blk.head * p.stats_head_stride + row;
+    L[r] = row < p.seqlen_q ? p.lse_log2[at] : pos_inf();
+    Dr[r] = row < p.seqlen_q ? p.dsum[at] : 0.f;
   }
 
   float acc[kMTiles][Tr::kNTilesO][4];
@@ -400,8 +344,8 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
   bool partial;
   int n = tiles.next(&partial);
   if (n >= 0) {
-    load_tile<Tr, kBlockM>(sQ, q_i, q_row_stride, blk.len_q - blk.row_begin, head_dim, tid);
-    load_tile<Tr, kBlockM>(sdO, do_i, do_row_stride, blk.len_q - blk.row_begin, head_dim, tid);
+    load_tile<Tr, kBlockM>(sQ, q_i, p.q.row_stride, blk.len_q - blk.row_begin, head_dim, tid);
+    load_tile<Tr, kBlockM>(sdO, do_i, p.dout.row_stride, blk.len_q - blk.row_begin, head_dim, tid);
     load_tile<Tr, kBlockN>(sK, k_bh + (long long)n * kBlockN * k_row_stride, k_row_stride, blk.len_k - n * kBlockN,
                            head_dim, tid);
     load_tile<Tr, kBlockN>(sV, v_bh + (long long)n * kBlockN * v_row_stride, v_row_stride, blk.len_k - n * kBlockN,
@@ -409,8 +353,8 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
     arch::cp_async_commit();
   }
 
-  const DropoutRng rng{dropout_seed_lo, dropout_seed_hi, dropout_threshold};
-  const bool dropout = dropout_threshold != 0u;
+  const DropoutRng rng{p.dropout.seed_lo, p.dropout.seed_hi, p.dropout.threshold};
+  const bool dropout = p.dropout.threshold != 0u;
 
   while (n >= 0) {
     const int key0 = n * kBlockN;
@@ -420,7 +364,7 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
     float S[kMTiles][Tr::kNTilesS][4];  // the forward's S, bit for bit (scores.cuh)
     BlockGrid tile_cells = cells;
     if (!partial) tile_cells.cells = nullptr;
-    score_tile<Tr>(S, no_frags, sQ_warp, sK, lane, scale_log2, partial || blk.needs_mask(n), blk.row_begin + warp_row,
+    score_tile<Tr>(S, no_frags, sQ_warp, sK, lane, p.scale_log2, partial || blk.needs_mask(n), blk.row_begin + warp_row,
                    key0, blk.vis, tile_cells);
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
@@ -454,7 +398,7 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
       for (int nj = 0; nj < Tr::kNTilesS; ++nj)
 #pragma unroll
         for (int r = 0; r < 4; ++r)
-          dP[mi][nj][r] = S[mi][nj][r] * fmaf(dP[mi][nj][r], dropout_rescale, -Dr[2 * mi + r / 2]);
+          dP[mi][nj][r] = S[mi][nj][r] * fmaf(dP[mi][nj][r], p.dropout.rescale, -Dr[2 * mi + r / 2]);
 
     gemm_pv<Tr>(acc, dP, sK, lane);  // dQ_i += dS K_j: K_j read like V in the forward
     if (n_next >= 0) {
@@ -467,12 +411,13 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
     partial = next_partial;
   }
 
-  T* dq_i = dq + blk.batch * dq_batch_stride + blk.head * dq_head_stride;
-  const float scale2[2] = {scale, scale};
+  T* dq_i = p.dq.at<T>(blk.batch, blk.head);
+  const float scale2[2] = {p.scale, p.scale};
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
     const int row0 = blk.row_begin + warp_row + 16 * mi;
-    store_o_tile<Tr>(dq_i + row0 * dq_row_stride, dq_row_stride, seqlen_q - row0, head_dim, acc[mi], scale2, lane);
+    store_o_tile<Tr>(dq_i + row0 * p.dq.row_stride, p.dq.row_stride, p.seqlen_q - row0, head_dim, acc[mi], scale2,
+                     lane);
   }
 }
 

@@ -1,4 +1,4 @@
-// cuflash — FlashAttention-2 forward (seed 002, Algorithm 1), one fused kernel: S and P never leave registers.
+// cuflash — FlashAttention-2 forward (FA2 Algorithm 1), one fused kernel: S and P never leave registers.
 //
 // Grid: (query tiles, query heads, batch). Block: kWarps warps; warp w owns query rows
 // [w * kRowsPerWarp, (w + 1) * kRowsPerWarp) of the tile, so the softmax statistics of a row never cross warps.
@@ -13,6 +13,7 @@
 // whose cost is a few integer operations per key tile, never per score on interior tiles (the element mask runs
 // only on boundary tiles: the split loop of FA2, written as a uniform branch per tile). Dropout likewise: a runtime
 // threshold, one uniform branch per tile, the keep bits generated in registers (dropout.cuh).
+#include "params.cuh"
 #include "kernel_traits.cuh"
 #include "mask.cuh"
 #include "block_info.cuh"
@@ -24,36 +25,12 @@
 
 namespace cuflash {
 
-// Arguments (all strides in elements, 64-bit):
-//   q (B, Sq, Hq, ld), k/v (B, Sk, Hkv, ld), out (B, Sq, Hq, ld): base pointers and (batch, row, head) strides;
-//     the head dim is contiguous; `head_dim` (a multiple of 8, <= kHeadDim) columns are read and written.
-//   lse (B, Hq, Sq) float32, row stride 1.
-//   seqlens_q/k: int32 (B,) own lengths, or null for the full lengths.
-//   scale_log2: softmax scale * log2(e). window_left/right: kUnbounded for none (causal: right = 0).
-//   tile_counts (Bm, Hm, n_m_tiles) and tile_lists (..., list_len): the BlockMask as kept key tiles per query tile
-//     (sorted; ~n for a tile kept only partly), strides 0 over a broadcast batch/head; null without a BlockMask.
-//   mask_cells (Bm, Hm, nq, nk) uint8 with blocks of mask_block_q x mask_block_k: consulted only in partial tiles.
-//   dropout_seed_lo/hi, dropout_threshold: the keep-mask of cuflash/dropout.py (keep iff Philox bits >= threshold);
-//     threshold 0 keeps everything and skips the generator. dropout_rescale: 1/(1-p) (1 without dropout), folded
-//     into the final 1/l; the lse stays that of the undropped scores.
+// The one argument is the params struct (params.cuh); this kernel reads q, k, v, o, lse and the mask, length,
+// scale and dropout fields. q (B, Sq, Hq, ld), k/v (B, Sk, Hkv, ld), o like q: `head_dim` (a multiple of 8,
+// <= kHeadDim) columns are read and written. lse (B, Hq, Sq) fp32, the natural-log log-sum-exp of the scaled
+// scores. With dropout, the 1/(1-p) is folded into the final 1/l; the lse stays that of the undropped scores.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32)
-flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-                 float* __restrict__ lse,
-                 long long q_batch_stride, long long q_row_stride, long long q_head_stride,
-                 long long k_batch_stride, long long k_row_stride, long long k_head_stride,
-                 long long v_batch_stride, long long v_row_stride, long long v_head_stride,
-                 long long o_batch_stride, long long o_row_stride, long long o_head_stride,
-                 long long lse_batch_stride, long long lse_head_stride,
-                 int seqlen_q, int seqlen_k, int head_dim, int heads_per_kv,
-                 const int* __restrict__ seqlens_q, const int* __restrict__ seqlens_k,
-                 float scale_log2, int window_left, int window_right,
-                 const int* __restrict__ tile_counts, const int* __restrict__ tile_lists,
-                 long long tiles_batch_stride, long long tiles_head_stride, int list_len,
-                 const unsigned char* __restrict__ mask_cells, long long cells_batch_stride,
-                 long long cells_head_stride, int mask_block_q, int mask_block_k, int mask_n_k_blocks,
-                 unsigned int dropout_seed_lo, unsigned int dropout_seed_hi, unsigned int dropout_threshold,
-                 float dropout_rescale) {
+__global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_constant__ Params p) {
   using Traits = FwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   constexpr int kMTiles = Traits::kMTiles;
 
@@ -67,16 +44,16 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const int warp_row = (tid / 32) * Traits::kRowsPerWarp;  // first row of this warp inside the query tile
   const T* sQ_warp = sQ + warp_row * Traits::kSmemStride;
 
-  const BlockInfo<Traits> blk(seqlen_q, seqlen_k, seqlens_q, seqlens_k, heads_per_kv, window_left, window_right);
-
-  const T* q_i = q + blk.batch * q_batch_stride + blk.head * q_head_stride + blk.row_begin * q_row_stride;
-  const T* k_bh = k + blk.batch * k_batch_stride + blk.head_kv * k_head_stride;
-  const T* v_bh = v + blk.batch * v_batch_stride + blk.head_kv * v_head_stride;
+  const BlockInfo<Traits> blk(p);
+  const long long q_row_stride = p.q.row_stride, k_row_stride = p.k.row_stride, v_row_stride = p.v.row_stride;
+  const int head_dim = p.head_dim;
+  const T* q_i = p.q.at<const T>(blk.batch, blk.head) + blk.row_begin * q_row_stride;
+  const T* k_bh = p.k.at<const T>(blk.batch, blk.head_kv);
+  const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv);
 
   KeyTiles tiles;
-  BlockGrid cells{nullptr, mask_block_q, mask_block_k, mask_n_k_blocks};
-  plan_key_tiles(tiles, cells, blk, tile_counts, tile_lists, tiles_batch_stride, tiles_head_stride, list_len,
-                 mask_cells, cells_batch_stride, cells_head_stride);
+  BlockGrid cells;
+  plan_key_tiles(tiles, cells, blk, p.mask);
 
   // Line 4: O_i = 0, l_i = 0, m_i = -inf, on chip.
   float acc[kMTiles][Traits::kNTilesO][4];
@@ -106,13 +83,14 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     }
   }
 
-  const DropoutRng rng{dropout_seed_lo, dropout_seed_hi, dropout_threshold};
+  const DropoutRng rng{p.dropout.seed_lo, p.dropout.seed_hi, p.dropout.threshold};
+  const bool dropout = p.dropout.threshold != 0u;
   while (n >= 0) {
     const int key0 = n * kBlockN;
     // Dropout keep bits of this tile (dropout.cuh): integer work that overlaps the wait for K_j, done while S is
     // not live yet. Uniform branch (a kernel argument); threshold 0 keeps every element.
     unsigned int keep_bits[2] = {~0u, ~0u};
-    if (dropout_threshold != 0u) {
+    if (dropout) {
       dropout_keep_bits<kMTiles, Traits::kNTilesS>(keep_bits, rng, blk.batch, blk.head, blk.row_begin + warp_row,
                                                    key0, lane);
     }
@@ -125,7 +103,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     float S[kMTiles][Traits::kNTilesS][4];
     BlockGrid tile_cells = cells;
     if (!partial) tile_cells.cells = nullptr;  // a tile the BlockMask keeps whole needs no grid lookups
-    score_tile<Traits>(S, q_frags, sQ_warp, sK, lane, scale_log2, partial || blk.needs_mask(n), blk.row_begin + warp_row,
+    score_tile<Traits>(S, q_frags, sQ_warp, sK, lane, p.scale_log2, partial || blk.needs_mask(n), blk.row_begin + warp_row,
                        key0, blk.vis, tile_cells);
 
     arch::cp_async_wait<0>();
@@ -141,7 +119,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     // Lines 9-10: m_i, P = exp2(S - m_i), l_i, and acc rescaled; then acc += P V_j. With dropout, l_i has summed
     // the undropped P (so lse is dropout-free) before the dropped entries are zeroed: acc += (P o Z) V_j.
     softmax.update(S, acc);
-    if (dropout_threshold != 0u) apply_keep_bits<kMTiles, Traits::kNTilesS>(S, keep_bits);
+    if (dropout) apply_keep_bits<kMTiles, Traits::kNTilesS>(S, keep_bits);
     gemm_pv<Traits>(acc, S, sV, lane);
 
     n = n_next;
@@ -159,10 +137,12 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   }
   softmax.finalize(inv_l, lse_row, row_valid);
 #pragma unroll
-  for (int r = 0; r < 2 * kMTiles; ++r) inv_l[r] *= dropout_rescale;  // exact (x * 1) without dropout
+  for (int r = 0; r < 2 * kMTiles; ++r) inv_l[r] *= p.dropout.rescale;  // exact (x * 1) without dropout
 
-  T* o_i = out + blk.batch * o_batch_stride + blk.head * o_head_stride;
-  float* lse_i = lse + blk.batch * lse_batch_stride + blk.head * lse_head_stride;
+  T* o_i = p.o.at<T>(blk.batch, blk.head);
+  float* lse_i = p.lse + blk.batch * p.stats_batch_stride + blk.head * p.stats_head_stride;
+  const long long o_row_stride = p.o.row_stride;
+  const int seqlen_q = p.seqlen_q;
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
     const int row0 = blk.row_begin + warp_row + 16 * mi;

@@ -9,7 +9,7 @@
 
 namespace cuflash {
 
-// FA2 work partitioning (seed 002, "work split between warps"): a thread block owns kBlockM query rows,
+// FA2 work partitioning (FA2 Sec. 3.3, "work partitioning between warps"): a thread block owns kBlockM query rows,
 // split across its warps so that each warp owns kRowsPerWarp *whole* rows. Softmax statistics of a row then
 // live in one warp (in the 4 lanes of one quad) and never go through shared memory.
 template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>

@@ -11,6 +11,19 @@
 
 namespace cuflash {
 
+// S *= scale * log2(e): one correctly rounded multiply per score. __fmul_rn is never contracted with the softmax's
+// subtraction into an FMA (NVRTC contracts `S * c - m` by default; g++ for x86-64 has no FMA to contract into), so
+// the forward, the dQ pass and the backward's S^T hold the same bits, on the GPU as in the emulator.
+template <int kM, int kN>
+__device__ __forceinline__ void scale_scores(float (&S)[kM][kN][4], float scale_log2) {
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+    for (int nj = 0; nj < kN; ++nj)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) S[mi][nj][r] = __fmul_rn(S[mi][nj][r], scale_log2);
+}
+
 // `masked`: the tile needs the element rule (causal/window/seqlens edge, or a BlockMask that keeps it only partly);
 // `cells.cells` is non-null only in the latter case. `row0` is the warp's first global row, `key0` the tile's first key.
 template <class Traits>
@@ -19,12 +32,7 @@ __device__ __forceinline__ void score_tile(float (&S)[Traits::kMTiles][Traits::k
                                            float scale_log2, bool masked, int row0, int key0, const Visibility vis,
                                            const BlockGrid cells) {
   gemm_qk<Traits>(S, q, sQ_warp, sK, lane);
-#pragma unroll
-  for (int mi = 0; mi < Traits::kMTiles; ++mi)
-#pragma unroll
-    for (int nj = 0; nj < Traits::kNTilesS; ++nj)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) S[mi][nj][r] *= scale_log2;
+  scale_scores(S, scale_log2);
   if (masked) apply_mask<Traits>(S, row0, key0, lane, vis, cells);
 }
 

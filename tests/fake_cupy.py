@@ -14,10 +14,15 @@ enforced, so that a mistake which would fail (or silently misbehave) on a GPU fa
   limits (grid x < 2**31, y, z < 65536, every dimension >= 1; block <= 1024 threads); dynamic shared memory above
   48 KiB needs ``max_dynamic_shared_size_bytes`` set first, on the device that launches (CUDA keeps the attribute
   per device), and at most the device's opt-in limit; arguments are device arrays of the current device, NumPy
-  scalars or Python scalars (``int`` -> int64, ``float`` -> float64, as CuPy does). A NumPy array is refused
-  (CuPy would pass a size-1 one *by value*), and so is ``None`` (a null pointer on some CuPy versions only:
-  cuflash passes ``np.uint64(0)``, which the fake hands to the emulator as nullptr where the kernel takes a
+  scalars or Python scalars (``int`` -> int64, ``float`` -> float64, as CuPy does), or a size-1 NumPy array,
+  passed *by value* as CuPy does (cuflash's params struct); every 64-bit unsigned field of such a struct is a
+  device pointer and must be null or point into memory of the launching device (else the illegal address a GPU
+  would fault on). A larger NumPy array is refused, and so is ``None`` (a null pointer on some CuPy versions
+  only: pass ``np.uint64(0)``, which the fake hands to the emulator as nullptr where the kernel takes a
   pointer). Every launch is recorded with its stream: the current stream unless one is given.
+- ``memoize(for_each_device=True)`` caches per current device, as CuPy's does.
+- ``compile_error``: ``RawModule.get_function`` raises ``cupy.cuda.compiler.CompileException`` with this
+  message (a machine whose NVRTC cannot find the CUDA headers).
 
 ``bf16=False`` makes a CuPy without ``ml_dtypes.bfloat16`` support: arrays of that dtype are refused, as they
 are by CuPy versions that predate it, so the ``uint16``-bits path is the only way in.
@@ -33,7 +38,7 @@ import numpy as np
 
 from cuflash import emulate
 from cuflash.emulate._runner import POINTER
-from cuflash.launch import LaunchSpec
+from cuflash.cuda.launch import LaunchSpec
 
 __version__ = "13.99.0+fake"
 ALIGNMENT = 256                         # CuPy's memory pool hands out 256-byte aligned blocks (and larger)
@@ -73,7 +78,8 @@ class Launch:
     args: tuple = field(repr=False)
 
 
-def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = None) -> types.ModuleType:
+def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = None,
+         compile_error: str | None = None) -> types.ModuleType:
     """A fresh fake ``cupy`` module (its own devices, streams and records).
 
     ``gpus``: one :class:`Gpu` per device (empty: no device). ``device_count_error``: ``getDeviceCount`` raises
@@ -104,13 +110,18 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
         return dt
 
     # ------------------------------------------------------------------ device memory
+    allocations = []  # (start address, end address, device, buffer): what device pointers may point into
+
     def alloc(shape, dtype) -> np.ndarray:
         dt = check_dtype(dtype)
         shape = (shape,) if isinstance(shape, numbers.Integral) else tuple(int(s) for s in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
         start = -raw.ctypes.data % ALIGNMENT
-        return raw[start:start + nbytes].view(dt).reshape(shape)
+        buf = raw[start:start + nbytes]
+        addr = buf.ctypes.data
+        allocations.append((addr, addr + max(nbytes, 1), current_device() if gpus else 0, raw))
+        return buf.view(dt).reshape(shape)
 
     def to_device(host: np.ndarray, dtype=None) -> "ndarray":
         host = np.asarray(host)
@@ -402,6 +413,8 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
             cupy._modules.append(self)
 
         def get_function(self, name):
+            if compile_error is not None:
+                raise compiler.CompileException(compile_error, self.code, "kern.cu", self.options, "nvrtc")
             if not isinstance(name, str):
                 raise TypeError(f"name must be a str, got {type(name).__name__}")
             if self.name_expressions is None or name not in self.name_expressions:
@@ -453,8 +466,11 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
             raise TypeError(f"argument {i} is None: pass np.uint64(0) for a null pointer (CuPy versions differ "
                             f"on None)")
         if isinstance(a, np.ndarray):
-            raise TypeError(f"argument {i}: a numpy.ndarray of shape {a.shape} is a host array; CuPy passes a "
-                            f"size-1 one by value and refuses others. Pass a cupy.ndarray.")
+            if a.size != 1:
+                raise TypeError(f"argument {i}: a numpy.ndarray of shape {a.shape} is a host array; CuPy passes a "
+                                f"size-1 one by value and refuses others. Pass a cupy.ndarray.")
+            check_pointers(i, a, dev)
+            return a
         if isinstance(a, np.generic):
             return a
         if isinstance(a, bool):
@@ -464,6 +480,27 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
         if isinstance(a, float):
             return np.float64(a)
         raise TypeError(f"argument {i}: Unsupported type {type(a)}")
+
+    def check_pointers(i, a, dev):
+        """Every uint64 leaf of a struct passed by value is a device pointer: null, or into this device's memory."""
+        def leaves(dt, prefix=""):
+            for name in dt.names or ():
+                sub = dt.fields[name][0]
+                yield from leaves(sub, f"{prefix}{name}.") if sub.names else [(prefix + name, sub)]
+
+        for path, dt in leaves(a.dtype):
+            if dt != np.uint64:
+                continue
+            value = int(_field(a, path))
+            if value == 0:
+                continue
+            owner = [d for lo, hi, d, _ in allocations if lo <= value < hi]
+            if not owner:
+                raise CUDAError(f"argument {i}: field {path} = {value:#x} is not device memory (a kernel would hit "
+                                f"an illegal address)")
+            if owner[-1] != dev:
+                raise CUDAError(f"argument {i}: field {path} points into device {owner[-1]}'s memory, but the "
+                                f"kernel runs on device {dev}")
 
     def launch(kernel, grid, block, args, shared_mem, stream):
         grid, block = dims("grid", grid, MAX_GRID), dims("block", block, MAX_BLOCK)
@@ -498,7 +535,40 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
         return a
 
     cupy.RawModule, cupy.RawKernel = RawModule, RawKernel
+
+    # ------------------------------------------------------------------ cupy.memoize, NVRTC, the compiler
+    def memoize(for_each_device=False):
+        def decorator(fn):
+            cache = {}
+
+            def wrapper(*args):
+                key = ((current_device(),) if for_each_device else ()) + args
+                if key not in cache:
+                    cache[key] = fn(*args)
+                return cache[key]
+            return wrapper
+        return decorator
+
+    class CompileException(Exception):
+        __module__ = "cupy.cuda.compiler"
+
+        def __init__(self, msg, source, name, options, backend="nvrtc"):
+            super().__init__(msg)
+
+    nvrtc = types.ModuleType("cupy.cuda.nvrtc")
+    nvrtc.getVersion = lambda: (12, 9)
+    compiler = types.ModuleType("cupy.cuda.compiler")
+    compiler.CompileException = CompileException
+    cupy.memoize, cuda.nvrtc, cuda.compiler = memoize, nvrtc, compiler
     return cupy
+
+
+def _field(a: np.ndarray, path: str):
+    """``a[0]`` of a structured array, then field by field along ``path`` ("mask.cells")."""
+    value = a[0]
+    for name in path.split("."):
+        value = value[name]
+    return value
 
 
 def install(monkeypatch, fake: types.ModuleType) -> types.ModuleType:
@@ -509,4 +579,6 @@ def install(monkeypatch, fake: types.ModuleType) -> types.ModuleType:
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
     monkeypatch.setitem(sys.modules, "cupy.cuda.runtime", fake.cuda.runtime)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nvrtc", fake.cuda.nvrtc)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.compiler", fake.cuda.compiler)
     return fake

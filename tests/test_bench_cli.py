@@ -79,10 +79,9 @@ def test_fwd_bwd_is_the_sum_and_defaults_come_from_the_tile_table():
     kw = dict(seqlen_q=512, head_dim=128, batch=2, heads=4, causal=True)
     fwd, bwd, both = (io_cost(op=op, **kw) for op in ("fwd", "bwd", "fwd_bwd"))
     assert both.standard == fwd.standard + bwd.standard and both.tiled == fwd.tiled + bwd.tiled
-    from cuflash.kernels import select_spec
-    from cuflash.kernels_bwd import select_specs
+    from cuflash.cuda import specs
 
-    spec, bwd_spec = select_spec("float16", 128), select_specs("float16", 128)[0]
+    spec, bwd_spec = specs.select("fwd", "float16", 128), specs.select("bwd", "float16", 128)
     assert both.tiles == {"fwd": (spec.block_m, spec.block_n), "bwd": (bwd_spec.block_m, bwd_spec.block_n)}
     assert "standard" in str(fwd) and "read Q" in str(fwd)
 

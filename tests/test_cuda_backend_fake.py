@@ -2,9 +2,9 @@
 CPU emulator.
 
 Everything in cuflash/backends/cuda.py that does not need hardware runs here: device and capability queries,
-``available()`` (no CuPy, no device, no driver, sm_75, several devices), the per-device compile caches
-(``kernel()``, ``backward_kernels()``) and their shared-memory opt-in, argument conversion (null pointers), the
-current stream, ``warmup()``, the forward and the backward in both ``deterministic`` modes, with dropout, GQA,
+``available()`` (no CuPy, no device, no driver, sm_75, a broken compiler, several devices), the per-device compile
+cache (``cupy.memoize``) and its shared-memory opt-in, the params struct (null and device pointers), the current
+stream, ``warmup()``, the forward and the backward in both ``deterministic`` modes, with dropout, GQA,
 BlockMask, seqlens, padded odd head dims, strided and misaligned inputs, and bfloat16 both as ``ml_dtypes`` arrays
 and as ``uint16`` bits with ``dtype="bfloat16"``, all through the public API and held to the float64 reference by
 the 2x/3x same-dtype rule. The fake enforces what CuPy and CUDA would (see its docstring), so a launch the backend
@@ -18,9 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import cuflash
-from cuflash import backends, emulate, kernels, kernels_bwd
+from cuflash import backends, emulate
 from cuflash.backends import cuda
-from cuflash.kernels import KernelSpec
+from cuflash.cuda import specs
+from cuflash.cuda.compile import KERNEL_OPTIONS
+from cuflash.cuda.source import kernel_source
+from cuflash.cuda.specs import KernelSpec
 from cuflash.testing import Case, attention_cases, check_forward
 
 import bwd_cases
@@ -39,7 +42,6 @@ except ImportError:
 needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="ml_dtypes not installed")
 
 FEATURES = dict(feature_cases())
-NS = kernels_bwd.NS
 
 
 # ------------------------------------------------------------------------------------------------
@@ -52,11 +54,11 @@ def make_fake(monkeypatch):
 
     def build(*args, **kw):
         fake = fake_cupy.install(monkeypatch, fake_cupy.make(*args, **kw))
-        for name in ("_devices", "_modules", "_bwd_modules"):
-            monkeypatch.setattr(cuda, name, {})
+        cuda._memoized.cache_clear()  # the memoized functions belong to the previous fake
         return fake
 
-    return build
+    yield build
+    cuda._memoized.cache_clear()
 
 
 @pytest.fixture
@@ -100,10 +102,32 @@ def names(launches):
 
 
 def bwd_names(dtype, d, deterministic, max_smem=227 * 1024):
-    main, dq = kernels_bwd.select_specs(dtype, d, max_smem)
-    ctype = kernels.CTYPES[dtype]
-    last = dq.name_expression if deterministic else f"{NS}flash_bwd_convert_dq_kernel<{ctype}>"
-    return [f"{NS}flash_bwd_preprocess_kernel<{ctype}>", main.name_expression, last]
+    main, dq = specs.select("bwd", dtype, d, max_smem), specs.select("dq", dtype, d, max_smem)
+    preprocess, convert = specs.helper_names(dtype)
+    return [preprocess, main.name_expression, dq.name_expression if deterministic else convert]
+
+
+def modules(cp):
+    """The RawModules built for kernels (not the one available() compiles to probe the compiler)."""
+    return [m for m in cp._modules if m.code != cuda.PROBE]
+
+
+def function(spec, module=None):
+    """The memoized compiled kernel of ``spec`` on the current device (compiling it on a miss)."""
+    return cuda._memoized()[1](kernel_source(spec.source), module or (spec.name_expression,), spec.name_expression,
+                               spec.smem_bytes)
+
+
+def pointer(launch, field):
+    """The device address a launch's params struct holds in ``field`` ("q", "mask.cells", ...)."""
+    value = fake_cupy._field(launch.args[0], field if field in ("lse", "seqlens_q") or "." in field else
+                             field + ".ptr")
+    return int(value)
+
+
+def inside(address, array):
+    base = array._a.ctypes.data
+    return base <= address < base + array._a.nbytes
 
 
 # ------------------------------------------------------------------------------------------------
@@ -111,7 +135,7 @@ def bwd_names(dtype, d, deterministic, max_smem=227 * 1024):
 # ------------------------------------------------------------------------------------------------
 def test_available_on_a_supported_gpu(cp):
     ok, why = cuda.available()
-    assert ok and why == f"CuPy {fake_cupy.__version__}, sm_90"
+    assert ok and why == f"CuPy {fake_cupy.__version__}, NVRTC 12.9, sm_90"
     assert backends.status()["cuda"] == (True, why)
 
 
@@ -122,6 +146,18 @@ def test_without_cupy(monkeypatch):
     x = np.zeros((1, 8, 1, 32), np.float16)
     with pytest.raises(RuntimeError, match="backend 'cuda' is not available: CuPy is not installed"):
         cuflash.attention(x, x, x, backend="cuda")
+
+
+def test_broken_compiler_makes_the_backend_unavailable(make_fake):
+    """CuPy installed and a GPU present, but NVRTC cannot compile (no CUDA headers, an NVRTC newer than the
+    driver): available() says so and how to fix it, instead of a failure at the first attention call."""
+    cp = make_fake(compile_error='kern.cu(2): catastrophic error: cannot open source file "cuda_fp16.h"')
+    ok, why = cuda.available()
+    assert not ok and "CuPy cannot compile and load a kernel (CompileException: kern.cu(2)" in why
+    assert "cuflash[cuda12]" in why and "nvidia-smi" in why
+    x = cp.zeros((1, 8, 1, 32), cp.float16)
+    with pytest.raises(RuntimeError, match="backend 'cuda' is not available: CuPy cannot compile"):
+        cuflash.attention(x, x, x)
 
 
 def test_without_device(make_fake):
@@ -145,14 +181,11 @@ def test_compute_capability_below_8_is_refused(make_fake):
         x = cp.zeros((1, 8, 1, 32), cp.float16)
         with pytest.raises(RuntimeError, match="backend 'cuda' is not available: compute capability 7.5 is not"):
             cuflash.attention(x, x, x)
-        problem = cuflash.problem.make_problem(x, x, x)
-        with pytest.raises(RuntimeError, match="backend 'cuda' is not available: compute capability 7.5"):
-            cuda.forward(problem)
         with pytest.raises(RuntimeError, match="cannot warm up the CUDA kernels: compute capability 7.5"):
             cuda.warmup(progress=False)
         assert backends.status()["cuda"] == (False, why)
     assert cuda.available()[0]  # device 0 is still fine: capabilities are cached per device
-    assert cp._modules == [] and cp._launches == []
+    assert modules(cp) == [] and cp._launches == []
 
 
 def test_device_query_is_cached_per_device(make_fake):
@@ -163,48 +196,58 @@ def test_device_query_is_cached_per_device(make_fake):
     with cp.cuda.Device(1):
         assert cuda._device() == (1, 89, 99 * 1024)
     with cp.cuda.Device(2):  # no opt-in attribute reported: the table's value for the architecture
-        assert cuda._device() == (2, 86, kernels.SMEM_LIMIT[86])
+        assert cuda._device() == (2, 86, specs.SMEM_LIMIT[86])
     with cp.cuda.Device(3):  # an architecture the table does not know: the 48 KiB every GPU allows
         assert cuda._device() == (3, 87, 48 * 1024)
     assert cuda._device() == (0, 90, 227 * 1024) and cp._attribute_reads == 4
 
 
-def test_device_args_pass_null_pointers_as_64_bit_zero(cp):
-    x = cp.zeros(4, cp.float32)
-    args = cuda._device_args((None, x, np.int32(3), None))
-    assert args[1] is x and args[2] == 3 and type(args[2]) is np.int32
-    for a in (args[0], args[3]):
-        assert type(a) is np.uint64 and a == 0
+def test_params_struct_holds_null_and_device_pointers(cp):
+    """No seqlens, no BlockMask, no dQ workspace (forward): null pointers in the struct; every other pointer is
+    the device address of the array the kernel reads or writes."""
+    case = FEATURES["gqa_mqa"]
+    q, k, v = (cp.asarray(a) for a in (case.q, case.k, case.v))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    launch = cp._launches[-1]
+    assert all(pointer(launch, f) == 0 for f in ("seqlens_q", "mask.tile_counts", "mask.cells", "dq_accum", "dout"))
+    assert inside(pointer(launch, "q"), q) and inside(pointer(launch, "k"), k) and inside(pointer(launch, "o"), out)
+    assert inside(pointer(launch, "lse"), lse)
 
 
 # ------------------------------------------------------------------------------------------------
 # The fake holds launches to CUDA's rules (so that the tests below mean something)
 # ------------------------------------------------------------------------------------------------
 def test_fake_enforces_cuda_rules(cp):
-    spec = kernels.select_spec("float16", 128)  # 70 KB of shared memory
-    module = cp.RawModule(code=kernels.fwd_source(), options=("-std=c++17",), name_expressions=(spec.name_expression,))
+    spec = specs.select("fwd", "float16", 128)  # 70 KB of shared memory
+    module = cp.RawModule(code=kernel_source(spec.source), options=KERNEL_OPTIONS,
+                          name_expressions=(spec.name_expression,))
     fn = module.get_function(spec.name_expression)
-    x = cp.zeros(8, cp.float16)
+    x = cp.zeros((1, 8, 1, 64), cp.float16)
+    p = cuflash.cuda.params.pack(q=x)
     with pytest.raises(fake_cupy.CUDAError, match="named symbol not found"):
-        module.get_function(kernels.select_spec("float16", 64).name_expression)
+        module.get_function(specs.select("fwd", "float16", 64).name_expression)
     with pytest.raises(TypeError, match="tuple"):
-        cp.RawModule(code=kernels.fwd_source(), options=["-std=c++17"], name_expressions=(spec.name_expression,))
+        cp.RawModule(code=kernel_source(spec.source), options=list(KERNEL_OPTIONS),
+                     name_expressions=(spec.name_expression,))
     with pytest.raises(fake_cupy.CUDAError, match="max_dynamic_shared_size_bytes"):
-        fn((1, 1, 1), (256, 1, 1), (x,), shared_mem=spec.smem_bytes)
+        fn((1, 1, 1), (256, 1, 1), (p,), shared_mem=spec.smem_bytes)
     with pytest.raises(fake_cupy.CUDAError, match="opt-in limit"):
         fn.max_dynamic_shared_size_bytes = 228 * 1024
     with pytest.raises(TypeError, match="expected tuple"):
-        fn([1, 1, 1], (256, 1, 1), (x,))
+        fn([1, 1, 1], (256, 1, 1), (p,))
     with pytest.raises(fake_cupy.CUDAError, match="limits"):
-        fn((1, 65536, 1), (256, 1, 1), (x,))
+        fn((1, 65536, 1), (256, 1, 1), (p,))
     with pytest.raises(fake_cupy.CUDAError, match="empty dimension"):
-        fn((0, 1, 1), (256, 1, 1), (x,))
+        fn((0, 1, 1), (256, 1, 1), (p,))
     with pytest.raises(fake_cupy.CUDAError, match="1024 threads"):
-        fn((1, 1, 1), (1024, 2, 1), (x,))
+        fn((1, 1, 1), (1024, 2, 1), (p,))
     with pytest.raises(TypeError, match="np.uint64"):
         fn((1, 1, 1), (256, 1, 1), (x, None))
     with pytest.raises(TypeError, match="host array"):
-        fn((1, 1, 1), (256, 1, 1), (x, np.zeros(1, np.int32)))
+        fn((1, 1, 1), (256, 1, 1), (np.zeros(2, np.int32),))
+    host = np.zeros((1, 8, 1, 64), np.float16)
+    with pytest.raises(fake_cupy.CUDAError, match="field q.ptr = .* is not device memory"):
+        fn((1, 1, 1), (256, 1, 1), (cuflash.cuda.params.pack(q=host),))
     with pytest.raises(TypeError, match="Implicit conversion"):
         np.asarray(x)
     assert cp._launches == []
@@ -217,7 +260,7 @@ def test_fake_enforces_cuda_rules(cp):
 def test_forward_feature(cp, name):
     case = FEATURES[name]
     check_forward(gpu_forward(cp), case)
-    spec = kernels.select_spec("float16", case.q.shape[-1], 227 * 1024)
+    spec = specs.select("fwd", "float16", case.q.shape[-1], 227 * 1024)
     assert names(cp._launches) == [spec.name_expression]
     launch = cp._launches[0]
     assert launch.stream is cp.cuda.Stream.null and launch.device == 0
@@ -238,9 +281,9 @@ def _host_seqlens(cp, q, k, v, **options):
 
 def test_unsupported_dtype_is_a_clear_error(cp):
     x = cp.zeros((1, 8, 1, 32), cp.float32)
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
+    with pytest.raises(TypeError, match="backend 'cuda' computes float16, bfloat16 .* got float32"):
         cuflash.attention(x, x, x)
-    assert cp._modules == []
+    assert modules(cp) == []
 
 
 def test_strided_inputs_in_place_and_misaligned_inputs_copied(cp):
@@ -249,16 +292,14 @@ def test_strided_inputs_in_place_and_misaligned_inputs_copied(cp):
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     check_forward(lambda *a, **o: (out, lse), Case(q.get(), k.get(), v.get(), None, {"causal": True}))
-    args = cp._launches[-1].args
-    assert all(np.shares_memory(args[i], qkv._a) for i in range(3))  # 16-byte aligned strides: read in place
+    assert all(inside(pointer(cp._launches[-1], f), qkv) for f in "qkv")  # 16-byte aligned strides: read in place
 
     big = cp.asarray(rng.standard_normal((1, 90, 2, 65)).astype(np.float16))
     q = big[..., 1:]  # head_dim 64, but 2 bytes off alignment and 130-byte rows
     out, lse = cuflash.attention(q, q, q, return_lse=True)
     host = q.get()
     check_forward(lambda *a, **o: (out, lse), Case(host, host, host, None, {}))
-    args = cp._launches[-1].args
-    assert not any(np.shares_memory(args[i], big._a) for i in range(3))  # copied to aligned buffers
+    assert not any(inside(pointer(cp._launches[-1], f), big) for f in "qkv")  # copied to aligned buffers
 
 
 def test_empty_problems_launch_nothing(cp):
@@ -293,7 +334,7 @@ def test_backward_feature(cp, name, deterministic):
     dq, dk, dv = bwd_cases.check_backward(gpu_backward(cp, deterministic), case, out, lse)
     assert dq.dtype == dk.dtype == dv.dtype == np.float16
     assert names(cp._launches[n:]) == bwd_names("float16", case.q.shape[-1], deterministic)
-    main = kernels_bwd.select_specs("float16", case.q.shape[-1], 227 * 1024)[0]
+    main = specs.select("bwd", "float16", case.q.shape[-1], 227 * 1024)
     assert cp._launches[n + 1].shared_mem == main.smem_bytes and cp._launches[n + 1].block == (main.threads, 1, 1)
 
 
@@ -432,26 +473,27 @@ def test_compile_cache_and_shared_memory_opt_in(cp):
         for deterministic in (False, True):
             cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
     assert len(cp._launches) == 2 * (1 + 3 + 3)
+    fwd = specs.select("fwd", "float16", 128, 227 * 1024)
+    main, dq_spec = specs.select("bwd", "float16", 128, 227 * 1024), specs.select("dq", "float16", 128, 227 * 1024)
+    module = (*specs.helper_names("float16"), main.name_expression, dq_spec.name_expression)
     # one forward module, one backward module holding all four kernels (both dQ modes share it)
-    fwd, bwd = cp._modules
-    spec = kernels.select_spec("float16", 128, 227 * 1024)
-    main, dq_spec = kernels_bwd.select_specs("float16", 128, 227 * 1024)
-    assert fwd.name_expressions == (spec.name_expression,) and fwd.code == kernels.fwd_source()
-    assert set(bwd.name_expressions) == {*bwd_names("float16", 128, False), dq_spec.name_expression}
-    assert bwd.code == kernels_bwd.bwd_source() and fwd.options == bwd.options == cuda._NVRTC_OPTIONS
+    fwd_module, bwd_module = modules(cp)
+    assert fwd_module.name_expressions == (fwd.name_expression,) and fwd_module.code == kernel_source(fwd.source)
+    assert bwd_module.name_expressions == module and bwd_module.code == kernel_source(main.source)
+    assert fwd_module.options == bwd_module.options == KERNEL_OPTIONS
     # every kernel above 48 KiB opted in to exactly what it launches with; the small helpers did not
-    assert spec.smem_bytes > 48 * 1024 and cuda.kernel(spec).max_dynamic_shared_size_bytes == spec.smem_bytes
-    fns = cuda.backward_kernels(main, dq_spec)
+    assert fwd.smem_bytes > 48 * 1024 and function(fwd).max_dynamic_shared_size_bytes == fwd.smem_bytes
     for s in (main, dq_spec):
-        assert s.smem_bytes > 48 * 1024 and fns[s.name_expression].max_dynamic_shared_size_bytes == s.smem_bytes
-    assert fns[f"{NS}flash_bwd_preprocess_kernel<__half>"].max_dynamic_shared_size_bytes == 48 * 1024
-    assert len(cp._modules) == 2  # kernel()/backward_kernels() above were cache hits
+        assert s.smem_bytes > 48 * 1024 and function(s, module).max_dynamic_shared_size_bytes == s.smem_bytes
+    preprocess = cuda._memoized()[1](kernel_source(main.source), module, module[0], 0)
+    assert preprocess.max_dynamic_shared_size_bytes == 48 * 1024
+    assert len(modules(cp)) == 2  # the lookups above were cache hits
 
 
 def test_small_kernels_do_not_opt_in(cp):
-    spec = kernels.select_spec("float16", 64, 227 * 1024)
+    spec = specs.select("fwd", "float16", 64, 227 * 1024)
     assert spec.smem_bytes <= 48 * 1024
-    assert cuda.kernel(spec).max_dynamic_shared_size_bytes == 48 * 1024
+    assert function(spec).max_dynamic_shared_size_bytes == 48 * 1024
 
 
 def test_each_device_compiles_and_opts_in_for_itself(make_fake):
@@ -462,7 +504,7 @@ def test_each_device_compiles_and_opts_in_for_itself(make_fake):
         with cp.cuda.Device(dev):
             out, lse = gpu_forward(cp)(case.q, case.k, case.v)
             results.append(out)
-    assert [m.device for m in cp._modules] == [0, 1] and [launch.device for launch in cp._launches] == [0, 1]
+    assert [m.device for m in modules(cp)] == [0, 1] and [launch.device for launch in cp._launches] == [0, 1]
     assert np.array_equal(results[0].view(np.uint16), results[1].view(np.uint16))
     q, k, v, dout = (cp.asarray(a) for a in (case.q, case.k, case.v, case.dout))  # on device 0
     out, lse = cuflash.attention(q, k, v, return_lse=True)
@@ -474,59 +516,59 @@ def test_each_device_compiles_and_opts_in_for_itself(make_fake):
         with pytest.raises(ValueError, match="dout is on GPU 0 but the current device is GPU 1"):
             cuflash.attention_backward(dout, q1, k1, v1, out, lse)
     assert len(cp._launches) == n
-    with cp.cuda.Device(1), pytest.raises(fake_cupy.CUDAError, match="on device 0 passed to a kernel on device 1"):
-        cuda.kernel(kernels.select_spec("float16", 128))((1, 1, 1), (256, 1, 1), (q,))  # the fake's own guard
+    spec = specs.select("fwd", "float16", 128)
+    with cp.cuda.Device(1), pytest.raises(fake_cupy.CUDAError, match="points into device 0's memory"):
+        function(spec)((1, 1, 1), (256, 1, 1), (cuflash.cuda.params.pack(q=q),))  # the fake's own guard
 
 
 def test_smaller_shared_memory_gpu(make_fake):
     """An sm_89 GPU (99 KiB per block): the small-memory tiles, and clear errors where none fits."""
-    make_fake([fake_cupy.RTX_4090])
-    spec = kernels.select_spec("float16", 192, 99 * 1024)
-    assert spec.smem_bytes <= 99 * 1024 < kernels.select_spec("float16", 192).smem_bytes
-    assert cuda.kernel(spec).max_dynamic_shared_size_bytes == spec.smem_bytes
-    import cupy  # the fake
-
-    n = len(cupy._modules)
+    cp = make_fake([fake_cupy.RTX_4090])
+    spec = specs.select("fwd", "float16", 192, 99 * 1024)
+    assert spec.smem_bytes <= 99 * 1024 < specs.select("fwd", "float16", 192).smem_bytes
+    case = make_case(1, 40, 40, 1, 1, 192, np.float16)
+    check_forward(gpu_forward(cp), case)
+    assert cp._launches[-1].name == spec.name_expression and cp._launches[-1].shared_mem == spec.smem_bytes
+    n = len(modules(cp))
+    big = specs.select("fwd", "float16", 192)  # the A100/H100 tile: 100 KB
     with pytest.raises(ValueError, match="needs 102400 bytes of shared memory; this GPU allows 101376"):
-        cuda.kernel(KernelSpec("float16", 192, 128, 64, 8))
-    big = kernels_bwd.select_specs("float16", 192)  # the A100/H100 backward tile: 121 KB
-    with pytest.raises(ValueError, match="bytes of shared memory; this GPU allows 101376"):
-        cuda.backward_kernels(*big)
-    assert len(cupy._modules) == n  # refused before compiling anything
-    x = cupy.zeros((1, 8, 1, 256), cupy.float16)
-    lse = cupy.zeros((1, 1, 8), cupy.float32)
-    with pytest.raises(ValueError, match="head_dim > 192 needs an A100/H100-class GPU"):
+        cuflash.backends.cuda.forward(cuflash.problem.make_problem(*(cp.asarray(a) for a in (case.q, case.k,
+                                                                                           case.v))), spec=big)
+    assert len(modules(cp)) == n  # refused before compiling anything
+    x = cp.zeros((1, 8, 1, 256), cp.float16)
+    lse = cp.zeros((1, 1, 8), cp.float32)
+    with pytest.raises(ValueError, match="head_dim 256 needs an A100/H100-class GPU"):
         cuflash.attention_backward(x, x, x, x, x, lse)
 
 
 def test_warmup_compiles_once(cp):
     err = io.StringIO()
-    specs = cuda.warmup(dtypes=(np.float16, "bfloat16"), head_dims=(59, 64, 128), file=err)
-    want = [kernels.select_spec(dt, d, 227 * 1024) for dt in ("float16", "bfloat16") for d in (64, 128)]
-    assert specs == want
-    assert [m.name_expressions for m in cp._modules] == [(s.name_expression,) for s in want]
+    done = cuda.warmup(dtypes=(np.float16, "bfloat16"), head_dims=(59, 64, 128), file=err)
+    want = [specs.select("fwd", dt, d, 227 * 1024) for dt in ("float16", "bfloat16") for d in (64, 128)]
+    assert done == want
+    assert [m.name_expressions for m in modules(cp)] == [(s.name_expression,) for s in want]
     assert "4/4 done" in err.getvalue() and "cuflash warmup [" in err.getvalue()
     for s in want:
-        expected = s.smem_bytes if s.smem_bytes > 48 * 1024 else 48 * 1024
-        assert cuda.kernel(s).max_dynamic_shared_size_bytes == expected
+        assert function(s).max_dynamic_shared_size_bytes == max(s.smem_bytes, 48 * 1024)
     quiet = io.StringIO()
     assert cuda.warmup(dtypes=(np.float16, "bfloat16"), head_dims=(59, 64, 128), progress=False, file=quiet) == want
-    assert len(cp._modules) == 4 and quiet.getvalue() == ""  # the second call compiles nothing
+    assert len(modules(cp)) == 4 and quiet.getvalue() == ""  # the second call compiles nothing
     # the first real call finds its kernel compiled
     case = make_case(1, 30, 30, 1, 1, 128, np.float16)
     check_forward(gpu_forward(cp), case)
-    assert len(cp._modules) == 4 and len(cp._launches) == 1
+    assert len(modules(cp)) == 4 and len(cp._launches) == 1
     # the default: every native head dim in both dtypes
     all_specs = cuda.warmup(progress=False)
-    assert len(all_specs) == 2 * len(kernels.NATIVE_HEAD_DIMS) and len(cp._modules) == len(all_specs)
+    assert len(all_specs) == 2 * len(specs.NATIVE_HEAD_DIMS) and len(modules(cp)) == len(all_specs)
     assert cp._launches[0].name == want[1].name_expression
 
 
 def test_warmup_backward_compiles_each_backward_family_once(cp):
     done = cuda.warmup(dtypes=("float16",), head_dims=(59, 64, 128), backward=True, progress=False)
-    fwd = [kernels.select_spec("float16", d, 227 * 1024) for d in (64, 128)]
-    bwd = [kernels_bwd.select_specs("float16", d, 227 * 1024) for d in (64, 128)]
-    assert done == fwd + bwd
-    assert len(cp._modules) == 4  # two forward specs, two backward families (each one RawModule of 4 kernels)
+    fwd = [specs.select("fwd", "float16", d, 227 * 1024) for d in (64, 128)]
+    bwd = [(specs.select("bwd", "float16", d, 227 * 1024), specs.select("dq", "float16", d, 227 * 1024))
+           for d in (64, 128)]
+    assert done == [fwd[0], bwd[0], fwd[1], bwd[1]]
+    assert len(modules(cp)) == 4  # two forward specs, two backward families (each one RawModule of 4 kernels)
     assert cuda.warmup(dtypes=("float16",), head_dims=(59, 64, 128), backward=True, progress=False) == done
-    assert len(cp._modules) == 4  # the second call compiles nothing
+    assert len(modules(cp)) == 4  # the second call compiles nothing

@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 import cuflash
 from cuflash import reference
 from cuflash.dropout import philox4x32, threshold
-from cuflash.launch import KERNELS_DIR, LaunchSpec
+from cuflash.cuda.launch import LaunchSpec
+from cuflash.cuda.source import KERNELS_DIR
 from cuflash.testing import attention_cases, check_backward, check_forward
 
 # Known-answer vectors of Philox-4x32-10 published with Random123 (Salmon et al., SC'11).

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import cuflash
-from cuflash import kernels
+from cuflash.cuda import specs
 from cuflash.problem import check_backward as flatten_backward
 from cuflash.problem import make_problem
 from cuflash.testing import Case, attention_cases
@@ -83,7 +83,7 @@ def test_feature(name, case, deterministic):
     check(case, deterministic)
 
 
-@pytest.mark.parametrize("d", kernels.NATIVE_HEAD_DIMS)
+@pytest.mark.parametrize("d", specs.NATIVE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_native_head_dim(d, dtype):
     dt = bf16() if dtype == "bfloat16" else np.float16

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import cuflash
-from cuflash import kernels
+from cuflash.cuda import specs
 from cuflash.testing import attention_cases
 
 from bwd_cases import assert_bitwise_equal_runs, check_backward, host
@@ -74,7 +74,7 @@ def test_hypothesis_with_dropout(case):
     check(case, deterministic=bool(case.q.shape[-1] % 2))
 
 
-@pytest.mark.parametrize("d", kernels.NATIVE_HEAD_DIMS)
+@pytest.mark.parametrize("d", specs.NATIVE_HEAD_DIMS)
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_main_kernel_keep_mask_is_bit_equal_to_dropout_mask(d, p):
     g = 2  # query heads per kv head; a key is seen by at most d / g queries

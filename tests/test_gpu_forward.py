@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import kernels
+from cuflash.cuda import specs
 from cuflash.testing import Case, assert_attention_close, attention_cases
 
 from fwd_cases import bf16, check_forward, feature_cases, golden_cases, make_case
@@ -65,7 +65,7 @@ def test_golden(name, case, gold_out, gold_lse):
     assert_attention_close(lse, gold_lse, base_lse, name="lse")
 
 
-@pytest.mark.parametrize("d", kernels.NATIVE_HEAD_DIMS)
+@pytest.mark.parametrize("d", specs.NATIVE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_native_head_dim(d, dtype):
     dt = bf16() if dtype == "bfloat16" else np.float16

@@ -1,8 +1,8 @@
-"""cuflash.kernels without a compiler: the BlockMask → per-tile lists the forward kernel reads."""
+"""cuflash.cuda.launch without a compiler: the BlockMask → per-tile lists the forward kernel reads."""
 import numpy as np
 import pytest
 
-from cuflash import kernels
+from cuflash.cuda import launch
 
 
 @pytest.mark.parametrize("block,tile,sq,sk", [((16, 16), (128, 64), 129, 70), ((48, 48), (64, 32), 190, 190),
@@ -11,7 +11,7 @@ def test_tile_lists_match_brute_force(block, tile, sq, sk):
     rng = np.random.default_rng(0)
     nq, nk = -(-sq // block[0]), -(-sk // block[1])
     grid = rng.random((2, 3, nq, nk)) < 0.4
-    counts, lists, partial = kernels.tile_lists(grid, block, tile[0], tile[1], sq, sk)
+    counts, lists, partial = launch.tile_lists(grid, block, tile[0], tile[1], sq, sk)
     assert counts.flags.c_contiguous and lists.flags.c_contiguous  # the kernel indexes them flat
     dense = grid[:, :, np.arange(sq) // block[0]][:, :, :, np.arange(sk) // block[1]]
     any_partial = False

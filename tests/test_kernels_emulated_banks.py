@@ -10,17 +10,19 @@ addresses do not depend on masks or values). fp16 only: bf16 specializations add
 import numpy as np
 import pytest
 
-from cuflash import emulate, kernels, kernels_bwd
+from cuflash import emulate
+from cuflash.cuda import launch as launches
+from cuflash.cuda import specs
 from cuflash.problem import make_problem
 
 from emulated_support import pytestmark  # noqa: F401  (pytestmark marks the module)
 
-FWD = [s for s in kernels.all_specs() if s.dtype == "float16"]
-BWD = [s for s in kernels_bwd.all_specs() if s.dtype == "float16"]
+FWD = [s for s in specs.all_specs(("fwd",)) if s.dtype == "float16"]
+BWD = [s for s in specs.all_specs(("bwd", "dq")) if s.dtype == "float16"]
 
 
 def _ids(spec):
-    return type(spec).__name__ + "<" + spec.name_expression.split("<")[1]
+    return spec.family + "<" + spec.name_expression.split("<")[1]
 
 
 def _problem(block_m, block_n, head_dim):
@@ -38,17 +40,16 @@ def _assert_conflict_free(stats, name):
 @pytest.mark.parametrize("spec", FWD, ids=_ids)
 def test_forward_is_conflict_free(spec):
     problem, _ = _problem(spec.block_m, spec.block_n, spec.head_dim)
-    fl = kernels.forward_launch(problem, max_smem=kernels.SMEM_LIMIT[90], spec=spec)
-    _assert_conflict_free(emulate.launch(fl.spec), spec.name_expression)
+    fl = launches.forward_launch(problem, max_smem=specs.SMEM_LIMIT[90], spec=spec)
+    _assert_conflict_free(emulate.launch(fl.launch), spec.name_expression)
 
 
 @pytest.mark.parametrize("spec", BWD, ids=_ids)
 def test_backward_is_conflict_free(spec):
     problem, q = _problem(2 * spec.block_m, spec.block_n, spec.head_dim)
     lse = np.zeros((1, 1, q.shape[1]), np.float32)
-    which = (dict(spec=spec) if isinstance(spec, kernels_bwd.BwdSpec)
-             else dict(dq_spec=spec, deterministic=True))
-    bl = kernels_bwd.backward_launch(problem, q, np.zeros_like(q), lse, max_smem=kernels.SMEM_LIMIT[90], **which)
+    which = dict(spec=spec) if spec.family == "bwd" else dict(dq_spec=spec, deterministic=True)
+    bl = launches.backward_launch(problem, q, np.zeros_like(q), lse, max_smem=specs.SMEM_LIMIT[90], **which)
     kernel = [launch for launch in bl.launches if launch.name_expression == spec.name_expression]
     assert len(kernel) == 1
     _assert_conflict_free(emulate.launch(kernel[0]), spec.name_expression)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from cuflash import kernels_bwd
 from cuflash.blockmask import BlockMask
-from cuflash.kernels_bwd import BwdSpec, DqSpec
+from cuflash.cuda import specs
+from cuflash.cuda.specs import KernelSpec
 from cuflash.testing import Case, attention_cases
 
 import bwd_cases
@@ -69,9 +69,9 @@ def test_feature_bf16(name, case):
 # Warp layouts of the main kernel and the dq kernel, on small tiles (many tiles per problem)
 # ------------------------------------------------------------------------------------------------
 SMALL_SPECS = {
-    "split1": (BwdSpec("float16", 64, 32, 32, 2), DqSpec("float16", 64, 32, 32, 2)),
-    "split2": (BwdSpec("float16", 64, 32, 32, 4), DqSpec("float16", 64, 64, 16, 2)),
-    "split4": (BwdSpec("float16", 64, 64, 16, 4), DqSpec("float16", 64, 32, 16, 1)),
+    "split1": (KernelSpec("bwd", "float16", 64, 32, 32, 2), KernelSpec("dq", "float16", 64, 32, 32, 2)),
+    "split2": (KernelSpec("bwd", "float16", 64, 32, 32, 4), KernelSpec("dq", "float16", 64, 64, 16, 2)),
+    "split4": (KernelSpec("bwd", "float16", 64, 64, 16, 4), KernelSpec("dq", "float16", 64, 32, 16, 1)),
 }
 
 
@@ -93,13 +93,12 @@ def test_warp_layouts(layout, deterministic):
 # ------------------------------------------------------------------------------------------------
 # Every backward tile-table row (main + dq), fp16 (the bf16 rows are the same code with another T)
 # ------------------------------------------------------------------------------------------------
-TABLE = [s for s in kernels_bwd.all_specs() if isinstance(s, BwdSpec) and s.dtype == "float16"]
+TABLE = [s for s in specs.all_specs(("bwd",)) if s.dtype == "float16"]
 
 
 @pytest.mark.parametrize("spec", TABLE, ids=lambda s: s.name_expression.split("<")[1][:-1])
 def test_every_table_row(spec):
-    dq_spec = DqSpec("float16", spec.head_dim, *(lambda t: (t.block_m, t.block_n, t.warps))(
-        kernels_bwd.DQ_TILES[spec.head_dim]))
+    dq_spec = specs.select("dq", "float16", spec.head_dim)
     d = spec.head_dim - 5 if spec.head_dim > 32 else spec.head_dim
     sq, sk = spec.block_m + 3, 2 * spec.block_n + 1
     case = make_case(2, sq, sk, 2, 1, d, np.float16, causal=True,

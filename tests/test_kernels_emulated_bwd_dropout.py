@@ -24,7 +24,7 @@ from cuflash import testing
 from cuflash.backends import emulate as emulate_backend
 from cuflash.blockmask import BlockMask
 from cuflash.dropout import threshold
-from cuflash.kernels_bwd import BwdSpec, DqSpec
+from cuflash.cuda.specs import KernelSpec
 from cuflash.problem import make_problem
 from cuflash.testing import attention_cases
 
@@ -37,10 +37,10 @@ from emulated_support import DTYPES, forward, emulated_backward, kernel_grads, p
 MODES = pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 
 #: small tiles: many key and query tiles per problem; every warp layout of both kernels
-SMALL_SPECS = {
-    "split1": (BwdSpec("float16", 64, 32, 32, 2), DqSpec("float16", 64, 32, 32, 2)),  # S^T 4 n-tiles; dq 16 rows
-    "split2": (BwdSpec("float16", 64, 32, 32, 4), DqSpec("float16", 64, 64, 16, 2)),  # 2 n-tiles; dq 32 rows
-    "split4": (BwdSpec("float16", 64, 64, 16, 4), DqSpec("float16", 64, 32, 16, 1)),  # 2 n-tiles; dq 32 rows
+SMALL_SPECS = {  # S^T 4 n-tiles, dq 16 rows; 2 n-tiles, dq 32 rows; 2 n-tiles, dq 32 rows
+    "split1": (KernelSpec("bwd", "float16", 64, 32, 32, 2), KernelSpec("dq", "float16", 64, 32, 32, 2)),
+    "split2": (KernelSpec("bwd", "float16", 64, 32, 32, 4), KernelSpec("dq", "float16", 64, 64, 16, 2)),
+    "split4": (KernelSpec("bwd", "float16", 64, 64, 16, 4), KernelSpec("dq", "float16", 64, 32, 16, 1)),
 }
 
 
@@ -88,7 +88,7 @@ def test_warp_layouts_with_dropout(layout, deterministic):
 
 def test_small_smem_row_with_dropout():
     """The 99 KB-GPU row of head_dim 192 (64 x 32 x 8: split 4) and the dq kernel's 16-key tiles of head_dim 256."""
-    spec, dq_spec = BwdSpec("float16", 192, 64, 32, 8), DqSpec("float16", 256, 64, 16, 4)
+    spec, dq_spec = KernelSpec("bwd", "float16", 192, 64, 32, 8), KernelSpec("dq", "float16", 256, 64, 16, 4)
     case = dropout_case(1, 70, 75, 2, 1, 181, causal=True, p=0.5, seed=SEED)
     check_backward(emulated_backward(False, spec=spec), case)
     case = dropout_case(1, 70, 75, 2, 1, 250, window=(30, 2), p=0.3, seed=7)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from cuflash import kernels
+from cuflash.cuda import launch as launches
+from cuflash.cuda.specs import KernelSpec
 from cuflash.backends import emulate as emulate_backend
 from cuflash.dropout import threshold
 from cuflash.problem import make_problem
@@ -37,8 +38,8 @@ def test_feature_with_dropout(name, case, dtype):
 
 
 def test_small_smem_specialization_with_dropout():
-    """The 99 KB-GPU row (256, 64, 32, 4): 4 n-tiles per key tile, 16 rows per warp."""
-    spec = kernels.KernelSpec("float16", 256, 64, 32, 4)
+    """A 64 x 32 x 4 tile at head_dim 256: 4 n-tiles per key tile, 16 rows per warp."""
+    spec = KernelSpec("fwd", "float16", 256, 64, 32, 4)
     case = dropout_case(1, 70, 75, 2, 1, 250, causal=True, p=0.5, seed=SEED)
     check_forward(lambda q, k, v, **o: emulate_backend.forward(make_problem(q, k, v, **o), spec=spec), case)
 
@@ -87,9 +88,10 @@ def test_threshold_zero_equals_no_dropout_bitwise():
 
 def test_forward_launch_dropout_arguments():
     case = make_case(1, 8, 8, 1, 1, 32)
-    args = kernels.forward_launch(make_problem(case.q, case.k, case.v, dropout_p=0.25, seed=SEED)).spec.args[-4:]
-    assert [type(a) for a in args] == [np.uint32, np.uint32, np.uint32, np.float32]
-    assert (int(args[0]), int(args[1]), int(args[2])) == (SEED & 0xFFFFFFFF, SEED >> 32, 2 ** 30)
-    assert args[3] == np.float32(1 / 0.75)
-    none = kernels.forward_launch(make_problem(case.q, case.k, case.v)).spec.args[-4:]
-    assert [int(a) for a in none[:3]] == [0, 0, 0] and none[3] == 1
+    params = launches.forward_launch(make_problem(case.q, case.k, case.v, dropout_p=0.25, seed=SEED)).launch.args[0]
+    drop = params["dropout"][0]
+    assert (int(drop["seed_lo"]), int(drop["seed_hi"]), int(drop["threshold"])) == (SEED & 0xFFFFFFFF, SEED >> 32,
+                                                                                     2 ** 30)
+    assert drop["rescale"] == np.float32(1 / 0.75)
+    none = launches.forward_launch(make_problem(case.q, case.k, case.v)).launch.args[0]["dropout"][0]
+    assert [int(none[f]) for f in ("seed_lo", "seed_hi", "threshold")] == [0, 0, 0] and none["rescale"] == 1

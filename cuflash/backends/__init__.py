@@ -1,7 +1,10 @@
 """Backend registry: names → modules, imported lazily so CuPy is loaded only when used.
 
-A backend module exposes ``available() -> (bool, reason)``, ``forward(problem)`` and
-``backward(problem, dout, out, lse)``.
+A backend module exposes ``available() -> (bool, reason)``, ``forward(problem)``,
+``backward(problem, dout, out, lse, *, deterministic)`` and what it computes: ``DTYPES`` (element
+types), ``BF16_BITS`` (takes uint16 arrays declared ``dtype="bfloat16"``), ``MAX_HEAD_DIM`` (None:
+any) and ``ARRAYS`` ("numpy" or "cupy"). :func:`select` checks a
+problem against those once, so no backend re-checks dtypes or head dims.
 """
 from __future__ import annotations
 
@@ -41,13 +44,23 @@ def _available_list():
 
 
 def select(problem: Problem, backend):
-    """The backend module for ``problem``: named, or picked from the arrays' module."""
+    """The backend module for ``problem``: named, or picked from the arrays' module; checked against what it computes."""
     if backend is None:
         backend = "cuda" if problem.xp.__name__ == "cupy" else "numpy"
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string ({', '.join(NAMES)}) or None, got {type(backend).__name__}")
     module = get(backend)
-    wants = "cupy" if backend == "cuda" else "numpy"
-    if problem.xp.__name__ != wants:
-        raise TypeError(f"backend {backend!r} takes {wants} arrays, got {problem.xp.__name__} arrays")
+    if problem.xp.__name__ != module.ARRAYS:
+        raise TypeError(f"backend {backend!r} takes {module.ARRAYS} arrays, got {problem.xp.__name__} arrays")
+    if problem.element_type not in module.DTYPES:
+        bits = " or uint16 bits with dtype='bfloat16'" if module.BF16_BITS else ""
+        other = "; use backend='numpy' (NumPy arrays) for float32/float64" if backend != "numpy" else ""
+        raise TypeError(f"backend {backend!r} computes {', '.join(module.DTYPES)} (bfloat16 as ml_dtypes.bfloat16"
+                        f"{bits}), got {problem.element_type}{other}")
+    if problem.bf16_bits and not module.BF16_BITS:
+        raise TypeError(f"backend {backend!r} takes bfloat16 as ml_dtypes.bfloat16 arrays; dtype='bfloat16' over "
+                        f"uint16 bits is the fallback for CuPy versions without bfloat16")
+    if module.MAX_HEAD_DIM is not None and problem.head_dim > module.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {module.MAX_HEAD_DIM} on backend {backend!r}, got "
+                         f"{problem.head_dim}")
     return module

@@ -1,29 +1,44 @@
 """The "cuda" backend: the fused kernels of ``kernels/`` on CuPy arrays.
 
-Each specialization (:class:`cuflash.kernels.KernelSpec`) is compiled once per device by
-``cupy.RawModule`` (NVRTC) from the source with every local include inlined — CuPy's disk cache
-hashes the source string, so a header change is a new cache entry — and memoized here. Launches
-go to the current CuPy stream. CuPy is imported only when this backend is first used.
+Each kernel family is compiled once per device by ``cupy.RawModule`` (NVRTC, then CuPy's disk
+cache) from the source with every local include inlined, and memoized with
+``cupy.memoize(for_each_device=True)``. Launches go to the current CuPy stream. CuPy is imported
+only when this backend is first used.
 
 bfloat16: CuPy has no bfloat16 dtype of its own. Arrays whose dtype is ``ml_dtypes.bfloat16`` are
 taken where the installed CuPy supports them; otherwise pass the bits as a ``uint16`` array and
-ask for ``dtype="bfloat16"`` (a ``uint16`` problem is read as bfloat16 bits here; the output is
-``uint16`` bits as well).
+ask for ``dtype="bfloat16"`` (the output is ``uint16`` bits as well).
 """
 from __future__ import annotations
 
+import functools
 import sys
-import threading
 
 import numpy as np
 
-from .. import kernels
+from ..cuda import launch as launches
+from ..cuda import specs
+from ..cuda.compile import KERNEL_OPTIONS
+from ..cuda.source import kernel_source
 from ..problem import Problem
 
 MIN_CC = 80
-_modules: dict = {}  # (device id, KernelSpec) -> cupy.RawKernel
-_lock = threading.Lock()
-_NVRTC_OPTIONS = ("-std=c++17",)
+#: what this backend computes (checked once, by cuflash.backends.select)
+DTYPES = tuple(specs.CTYPES)
+MAX_HEAD_DIM = specs.NATIVE_HEAD_DIMS[-1]
+BF16_BITS = True
+ARRAYS = "cupy"
+
+#: compiled by available(): both element types' headers, a template instantiation and a load on the device, the
+#: steps every kernel needs (a machine without the CUDA headers, or with an NVRTC newer than its driver, fails here).
+PROBE = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+template <typename T> __global__ void cuflash_probe(T* x) { x[threadIdx.x] = T(1.0f); }
+"""
+PROBE_NAMES = ("cuflash_probe<__half>", "cuflash_probe<__nv_bfloat16>")
+INSTALL_HINT = ("install the CuPy extra matching the driver's CUDA version (`nvidia-smi`, top right): "
+                "pip install 'cuflash[cuda12]' for 12.x, 'cuflash[cuda13]' for 13.x")
 
 
 def _cupy():
@@ -32,31 +47,53 @@ def _cupy():
     return cupy
 
 
-_devices: dict = {}  # device id -> (compute capability, opt-in shared memory per block)
+@functools.lru_cache(maxsize=None)
+def _memoized():
+    """The per-device memoized compile and query functions (built on first use: CuPy is imported lazily)."""
+    cupy = _cupy()
+
+    @cupy.memoize(for_each_device=True)
+    def device():
+        dev = cupy.cuda.Device()
+        cc = int(dev.compute_capability)
+        smem = dev.attributes.get("MaxSharedMemoryPerBlockOptin") or specs.SMEM_LIMIT.get(cc, 48 * 1024)
+        return dev.id, cc, int(smem)
+
+    @cupy.memoize(for_each_device=True)
+    def module(source: str, names: tuple):
+        return cupy.RawModule(code=source, options=KERNEL_OPTIONS, name_expressions=names)
+
+    @cupy.memoize(for_each_device=True)
+    def function(source: str, names: tuple, name: str, shared_bytes: int):
+        fn = module(source, names).get_function(name)
+        if shared_bytes > 48 * 1024:  # above 48 KB a block must opt in (per device: this is memoized per device)
+            fn.max_dynamic_shared_size_bytes = shared_bytes
+        return fn
+
+    @cupy.memoize(for_each_device=True)
+    def probe():
+        try:
+            module = cupy.RawModule(code=PROBE, options=KERNEL_OPTIONS, name_expressions=PROBE_NAMES)
+            for name in PROBE_NAMES:
+                module.get_function(name)
+        except Exception as exc:  # CompileException, CUDADriverError (NVRTC newer than the driver), ...
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return f"CuPy cannot compile and load a kernel ({type(exc).__name__}: {first}); {INSTALL_HINT}"
+        return None
+
+    return device, function, probe
 
 
 def _device():
     """(device id, compute capability as int, opt-in shared memory per block) of the current device."""
-    cupy = _cupy()
-    dev = cupy.cuda.Device()
-    info = _devices.get(dev.id)
-    if info is None:
-        cc = int(dev.compute_capability)
-        smem = dev.attributes.get("MaxSharedMemoryPerBlockOptin") or kernels.SMEM_LIMIT.get(cc, 48 * 1024)
-        info = _devices[dev.id] = (cc, int(smem))
-    return (dev.id,) + info
-
-
-#: the kernels apply dropout forward (kernels/dropout.cuh) and backward (the same keep bits, regenerated)
-supports_dropout = True
-supports_dropout_backward = True
+    return _memoized()[0]()
 
 
 def available():
     try:
         cupy = _cupy()
     except ImportError as exc:
-        return False, f"CuPy is not installed ({exc}); install cuflash[cuda12] or cuflash[cuda13]"
+        return False, f"CuPy is not installed ({exc}); {INSTALL_HINT}"
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return False, "no CUDA device"
@@ -66,131 +103,58 @@ def available():
     if cc < MIN_CC:
         return False, (f"compute capability {cc // 10}.{cc % 10} is not supported: the kernels need 8.0 or newer "
                        f"(A100, A10/A30/A40, RTX 30xx/40xx, L4/L40, H100/H200)")
-    return True, f"CuPy {cupy.__version__}, sm_{cc}"
+    broken = _memoized()[2]()
+    if broken:
+        return False, broken
+    return True, f"CuPy {cupy.__version__}, NVRTC {'.'.join(map(str, cupy.cuda.nvrtc.getVersion()))}, sm_{cc}"
 
 
-def _check(problem: Problem, **more):
-    """Usable GPU, supported dtype, and every array (q, k, v and ``more``) on the current device: the kernels
-    launch there, and CuPy checks (and enables) peer access for its own kernels but not for raw ones, so
-    another GPU's buffer would be an illegal address, a sticky error that ends the process's CUDA context."""
-    ok, why = available()
-    if not ok:
-        raise RuntimeError(f"backend 'cuda' is not available: {why}")
-    dtype = kernels.dtype_of(problem.q)
-    if dtype not in kernels.SUPPORTED_DTYPES:
-        raise TypeError(f"the CUDA kernels take float16 or bfloat16 inputs (bfloat16 as ml_dtypes.bfloat16 or "
-                        f"uint16 bits), got {problem.q.dtype}; use backend='numpy' for float32/float64")
+def _check_devices(problem: Problem, **more):
+    """Every array (q, k, v and ``more``) on the current device: the kernels launch there, and CuPy checks (and
+    enables) peer access for its own kernels but not for raw ones, so another GPU's buffer would be an illegal
+    address, a sticky error that ends the process's CUDA context."""
     dev = _device()[0]
     for name, a in dict(q=problem.q, k=problem.k, v=problem.v, **more).items():
-        where = a.device.id
-        if where != dev:
-            raise ValueError(f"{name} is on GPU {where} but the current device is GPU {dev}: call cuflash inside "
-                             f"`with cupy.cuda.Device({where}):`")
+        if a.device.id != dev:
+            raise ValueError(f"{name} is on GPU {a.device.id} but the current device is GPU {dev}: call cuflash "
+                             f"inside `with cupy.cuda.Device({a.device.id}):`")
 
 
-def kernel(spec: kernels.KernelSpec):
-    """The compiled ``cupy.RawKernel`` of ``spec`` on the current device (compiled once, memoized)."""
-    cupy = _cupy()
-    dev, _, max_smem = _device()
-    key = (dev, spec)
-    fn = _modules.get(key)
-    if fn is None:
-        with _lock:
-            fn = _modules.get(key)
-            if fn is None:
-                if spec.smem_bytes > max_smem:
-                    raise ValueError(f"{spec.name_expression} needs {spec.smem_bytes} bytes of shared memory; "
-                                     f"this GPU allows {max_smem} per block")
-                module = cupy.RawModule(code=kernels.fwd_source(), options=_NVRTC_OPTIONS,
-                                        name_expressions=(spec.name_expression,))
-                fn = module.get_function(spec.name_expression)
-                if spec.smem_bytes > 48 * 1024:  # above 48 KB a block must opt in
-                    fn.max_dynamic_shared_size_bytes = spec.smem_bytes
-                _modules[key] = fn
-    return fn
-
-
-def _device_args(args):
-    # A null pointer (no seqlens, no BlockMask) goes to the kernel as a 64-bit zero.
-    return tuple(np.uint64(0) if a is None else a for a in args)
+def run(launch: launches.LaunchSpec):
+    """Launch one :class:`~cuflash.cuda.launch.LaunchSpec` on the current stream (compiling on first use)."""
+    _, _, max_smem = _device()
+    if launch.shared_bytes > max_smem:
+        raise ValueError(f"{launch.name_expression} needs {launch.shared_bytes} bytes of shared memory; this GPU "
+                         f"allows {max_smem} per block")
+    fn = _memoized()[1](launch.source, launch.module_names, launch.name_expression, launch.shared_bytes)
+    fn(launch.grid, launch.block, launch.args, shared_mem=launch.shared_bytes)
 
 
 def forward(problem: Problem, *, spec=None):
     """``(out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) float32)`` on the current CuPy stream.
 
-    ``spec`` forces a :class:`~cuflash.kernels.KernelSpec` (benchmarks compare tile choices with it)."""
-    _check(problem)
-    _, _, max_smem = _device()
-    fl = kernels.forward_launch(problem, max_smem=max_smem, spec=spec)
-    if fl.spec is not None:
-        fn = kernel(fl.kernel)
-        fn(fl.spec.grid, fl.spec.block, _device_args(fl.spec.args), shared_mem=fl.spec.shared_bytes)
+    ``spec`` forces a :class:`~cuflash.cuda.specs.KernelSpec` (benchmarks compare tile choices with it)."""
+    _check_devices(problem)
+    fl = launches.forward_launch(problem, max_smem=_device()[2], spec=spec)
+    if fl.launch is not None:
+        run(fl.launch)
     return fl.result()
 
 
-_bwd_modules: dict = {}  # (device id, BwdSpec, DqSpec) -> {name expression: cupy.RawKernel}
-
-
-def backward_kernels(spec, dq_spec):
-    """The compiled backward family for ``spec``/``dq_spec`` on the current device: one RawModule holding
-    the preprocess, main, convert and dq kernels (compiled once, memoized); name expression → RawKernel."""
-    from .. import kernels_bwd
-
-    cupy = _cupy()
-    dev, _, max_smem = _device()
-    key = (dev, spec, dq_spec)
-    fns = _bwd_modules.get(key)
-    if fns is None:
-        with _lock:
-            fns = _bwd_modules.get(key)
-            if fns is None:
-                for s in (spec, dq_spec):  # before compiling: get_function runs NVRTC over the whole family
-                    if s.smem_bytes > max_smem:
-                        raise ValueError(f"{s.name_expression} needs {s.smem_bytes} bytes of shared memory; "
-                                         f"this GPU allows {max_smem} per block")
-                ctype = kernels.CTYPES[spec.dtype]
-                names = [f"cuflash::flash_bwd_preprocess_kernel<{ctype}>",
-                         f"cuflash::flash_bwd_convert_dq_kernel<{ctype}>", spec.name_expression,
-                         dq_spec.name_expression]
-                module = cupy.RawModule(code=kernels_bwd.bwd_source(), options=_NVRTC_OPTIONS,
-                                        name_expressions=tuple(names))
-                fns = {n: module.get_function(n) for n in names}
-                for s in (spec, dq_spec):
-                    if s.smem_bytes > 48 * 1024:
-                        fns[s.name_expression].max_dynamic_shared_size_bytes = s.smem_bytes
-                _bwd_modules[key] = fns
-    return fns
-
-
 def backward(problem: Problem, dout, out, lse, *, deterministic=False):
-    """``(dq, dk, dv)`` on the current CuPy stream (:func:`cuflash.kernels_bwd.backward_launch`).
-
-    ``deterministic=False``: dQ is accumulated with fp32 atomics, so its last bits may vary from run to
-    run (dK, dV never do). ``deterministic=True``: a second pass over query tiles computes dQ without
-    atomics; bitwise reproducible.
-    """
-    from .. import kernels_bwd
-
-    _check(problem, dout=dout, out=out, lse=lse)
-    _, _, max_smem = _device()
-    bl = kernels_bwd.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=max_smem)
-    if bl.launches:
-        main = bl.kernels[0]
-        dq_spec = bl.kernels[1] if len(bl.kernels) > 1 else kernels_bwd.select_specs(main.dtype, main.head_dim,
-                                                                                    max_smem)[1]
-        fns = backward_kernels(main, dq_spec)
-        for launch in bl.launches:
-            fns[launch.name_expression](launch.grid, launch.block, _device_args(launch.args),
-                                        shared_mem=launch.shared_bytes)
+    """``(dq, dk, dv)`` on the current CuPy stream (:func:`cuflash.cuda.launch.backward_launch`)."""
+    _check_devices(problem, dout=dout, out=out, lse=lse)
+    bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=_device()[2])
+    for launch in bl.launches:
+        run(launch)
     return bl.result()
 
 
-def warmup(dtypes=kernels.SUPPORTED_DTYPES, head_dims=kernels.NATIVE_HEAD_DIMS, *, backward=False, progress=True,
-           file=None):
+def warmup(dtypes=DTYPES, head_dims=specs.NATIVE_HEAD_DIMS, *, backward=False, progress=True, file=None):
     """Compile the kernels for ``dtypes`` x ``head_dims`` on the current device now (NVRTC, then CuPy's
     disk cache), so the first real call does not pay for it.
 
-    Returns the forward specs, then, with ``backward=True``, the ``(main, dq)`` backward pairs (a
+    Returns the specs compiled: the forward ones, then with ``backward=True`` the ``(bwd, dq)`` pairs (a
     head_dim whose backward this GPU cannot run, 256 on 99 KB-shared-memory GPUs, is left out).
     ``progress`` prints a one-line progress bar to ``file`` (default stderr).
     """
@@ -198,29 +162,26 @@ def warmup(dtypes=kernels.SUPPORTED_DTYPES, head_dims=kernels.NATIVE_HEAD_DIMS, 
     if not ok:
         raise RuntimeError(f"cannot warm up the CUDA kernels: {why}")
     _, _, max_smem = _device()
-    names = [np.dtype(dt).name if not isinstance(dt, str) else dt for dt in dtypes]
-    jobs = {}  # what to compile -> how; dict keeps order and drops repeats (odd head dims share a spec)
+    names = [dt if isinstance(dt, str) else np.dtype(dt).name for dt in dtypes]
+    jobs: dict = {}  # spec(s) -> the module to compile; a dict keeps order and drops repeats
     for dt in names:
         for d in head_dims:
-            s = kernels.select_spec(dt, d, max_smem)
-            jobs.setdefault(s, lambda s=s: kernel(s))
-    if backward:
-        from .. import kernels_bwd
-
-        for dt in names:
-            for d in head_dims:
+            fwd = specs.select("fwd", dt, d, max_smem)
+            jobs.setdefault(fwd, ((fwd.name_expression,), fwd))
+            if backward:
                 try:
-                    pair = kernels_bwd.select_specs(dt, d, max_smem)
+                    pair = specs.select("bwd", dt, d, max_smem), specs.select("dq", dt, d, max_smem)
                 except ValueError:
                     continue
-                jobs.setdefault(pair, lambda pair=pair: backward_kernels(*pair))
+                module = (*specs.helper_names(dt), pair[0].name_expression, pair[1].name_expression)
+                jobs.setdefault(pair, (module, pair[0]))
     out = file or sys.stderr
-    for i, (what, compile_it) in enumerate(jobs.items()):
+    function = _memoized()[1]
+    for i, (what, (module, spec)) in enumerate(jobs.items()):
         if progress:
-            name = what.name_expression if isinstance(what, kernels.KernelSpec) else what[0].name_expression
-            bar = "#" * (20 * i // len(jobs))
-            print(f"\rcuflash warmup [{bar:<20}] {i}/{len(jobs)} {name}", end="", file=out, flush=True)
-        compile_it()
+            print(f"\rcuflash warmup [{'#' * (20 * i // len(jobs)):<20}] {i}/{len(jobs)} {spec.name_expression}",
+                  end="", file=out, flush=True)
+        function(kernel_source(spec.source), module, spec.name_expression, spec.smem_bytes)
     if progress:
         print(f"\rcuflash warmup [{'#' * 20}] {len(jobs)}/{len(jobs)} done{' ' * 50}", file=out, flush=True)
     return list(jobs)

@@ -17,7 +17,7 @@ import numpy as np
 from ..dropout import keep_mask
 from ..plan import Plan
 from ._blas import single_threaded
-from ..problem import Problem, dtype_name, stats_dtype
+from ..problem import Problem, stats_dtype
 
 #: Default tile, measured on 2 cores (N = 4096, 4 heads, d = 64, fp32): 256 x 512 beat
 #: 128..512 x 512..2048 by 5-25%. Wide key tiles amortize the per-tile Python overhead and keep
@@ -26,8 +26,11 @@ from ..problem import Problem, dtype_name, stats_dtype
 BLOCK_Q, BLOCK_K = 256, 512
 #: dQ accumulators of the backward: a constant, so dQ's summation order never depends on threads.
 DQ_CHUNKS = 4
-SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
-supports_dropout = supports_dropout_backward = True
+#: what this backend computes (checked once, by cuflash.backends.select)
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+BF16_BITS = False
+MAX_HEAD_DIM = None
+ARRAYS = "numpy"
 
 
 def available():
@@ -109,18 +112,8 @@ def _scaled_q(problem, wt):
     return q, wt.type(problem.scale)
 
 
-def check(problem: Problem):
-    name = dtype_name(problem.dtype)
-    if name == "uint16":
-        raise TypeError("the numpy backend takes bfloat16 as ml_dtypes.bfloat16 arrays; dtype='bfloat16' over "
-                        "uint16 bits is the fallback for CuPy versions without bfloat16")
-    if name not in SUPPORTED_DTYPES:
-        raise TypeError(f"the numpy backend supports {', '.join(SUPPORTED_DTYPES)}, got {name}")
-
-
 def forward(problem: Problem, *, block_q=None, block_k=None, plan=None):
     """Return ``out (B, Sq, Hq, D)`` in q's dtype and ``lse (B, Hq, Sq)``."""
-    check(problem)
     wt = _work_dtype(problem)
     plan = plan or Plan(problem, block_q or BLOCK_Q, block_k or BLOCK_K)
     q, scale = _scaled_q(problem, wt)
@@ -165,7 +158,6 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, pl
     """FA2 Algorithm 2: ``(dq, dk, dv)`` by recomputing P from ``lse``; no N×N buffer.
 
     Always bitwise reproducible (``deterministic`` is accepted for the API's sake)."""
-    check(problem)
     wt = _work_dtype(problem)
     plan = plan or Plan(problem, block_q or BLOCK_Q, block_k or BLOCK_K)
     q, s_scale = _scaled_q(problem, wt)  # S recomputed exactly as the forward computed it

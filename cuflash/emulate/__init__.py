@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..launch import LaunchSpec
+from ..cuda.launch import LaunchSpec
 from ._build import CompileError, build, cache_dir, compile_log
 from ._runner import SCHEDULES, BankStats, EmulationError, Library
 from ._toolchain import find

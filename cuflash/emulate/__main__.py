@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from ..launch import LaunchSpec
+from ..cuda.launch import LaunchSpec
 from . import available, cache_dir, compile_log, launch
 
 BARRIER_LOOP = r"""

@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..launch import KERNELS_DIR, kernel_source
+from ..cuda.source import KERNELS_DIR, inline_includes, kernel_source
 from ._toolchain import Toolchain
 
 RUNTIME_DIR = KERNELS_DIR / "emulate"
@@ -51,7 +51,7 @@ def _rel(path: Path) -> str:
 
 
 def _expand_with_lines(path: Path, seen: set[str]) -> list[str]:
-    """Same text as :func:`cuflash.launch.kernel_source` plus #line directives naming the original files."""
+    """Same text as :func:`cuflash.cuda.source.inline_includes` plus #line directives naming the original files."""
     out = [f'#line 1 "{_rel(path)}"']
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         match = _INCLUDE_LINE.match(line)
@@ -70,8 +70,9 @@ def _with_line_directives(source: str) -> str:
     """``source`` annotated with original file names and lines, when it is an unchanged kernels/*.cu."""
     for candidate in sorted(KERNELS_DIR.glob("*.cu")):
         try:
-            if kernel_source(candidate.name) == source:
-                return "\n".join(_expand_with_lines(candidate, set())) + "\n"
+            if kernel_source(candidate.name) == source:  # the inlined file, then the params layout checks
+                tail = source[len(inline_includes(candidate)):]
+                return "\n".join(_expand_with_lines(candidate, set())) + "\n" + tail
         except OSError:
             continue
     return '#line 1 "<kernel source>"\n' + source

@@ -149,6 +149,9 @@ def _pack_one(i: int, p: Param, value):
         if not isinstance(value, np.ndarray) or not _pointee_ok(p, value.dtype):
             raise mismatch
         return ctypes.c_void_p(value.__array_interface__["data"][0])
+    if (p.kind == OTHER and isinstance(value, np.ndarray) and value.size == 1 and value.dtype.names
+            and value.dtype.itemsize == p.size):  # a struct by value, as CuPy passes a size-1 array
+        return ctypes.create_string_buffer(value.tobytes(), max(p.size, 8))
     if value is None or isinstance(value, np.ndarray) or not _scalar_ok(p, value):
         raise mismatch
     raw = np.asarray(value).tobytes() if not isinstance(value, bool) else bytes([value])

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cuflash.launch import LaunchSpec
+from cuflash.cuda.launch import LaunchSpec
 
 KERNELS = Path(__file__).parent / "kernels"
 

@@ -136,7 +136,7 @@ def test_real_ptx_wrappers_compile_with_nvcc(arch, tmp_path):
     import subprocess
     from pathlib import Path
 
-    from cuflash.launch import KERNELS_DIR
+    from cuflash.cuda.source import KERNELS_DIR
 
     nvcc = shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin"))
     if not nvcc:

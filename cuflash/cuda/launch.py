@@ -1,0 +1,316 @@
+"""Launch descriptions: a :class:`~cuflash.problem.Problem` → the kernels to run, each with its params struct.
+
+:func:`forward_launch` and :func:`backward_launch` are the one place that turns a problem into
+:class:`LaunchSpec` values (grid, block, shared memory, the packed :data:`~cuflash.cuda.params.PARAMS`);
+the CUDA backend hands them to CuPy and the emulate backend to :mod:`cuflash.emulate`, unchanged.
+
+The backward (FA2 Algorithm 2 by recomputation) is three launches: ``preprocess`` (D = rowsum(dO∘O),
+L = lse·log2 e, zeroed dQ workspace), the ``bwd`` kernel over key tiles (dK, dV; dQ by fp32
+atomics), then ``convert`` (dQ = scale·workspace in the input dtype) or, with
+``deterministic=True``, the ``dq`` kernel over query tiles that recomputes dQ without atomics (dQ,
+dK and dV then bitwise reproducible; by default dQ's last bits follow the atomics' order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import dropout
+from . import params, specs
+from .source import kernel_source
+
+#: ``kUnbounded`` in kernels/mask.cuh: "no window bound"; lengths must stay below it.
+UNBOUNDED = 1 << 30
+#: sequence-length limit of the int32 index arithmetic in the kernels (see mask.cuh).
+MAX_SEQLEN = UNBOUNDED - 1
+#: rows of the preprocess/convert kernels' blocks (one warp per row).
+ROWS_PER_BLOCK = 4
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything needed to run one kernel, for CuPy and for the emulator alike.
+
+    Attributes
+    ----------
+    source : str
+        Complete CUDA C++ source (local includes inlined, :func:`~cuflash.cuda.source.kernel_source`).
+    name_expression : str
+        Kernel name or template instantiation, e.g. ``"cuflash::flash_fwd_kernel<__half, 64, 128, 64, 4>"``.
+    grid, block : tuple of 3 ints
+    shared_bytes : int
+        Dynamic shared memory in bytes.
+    args : tuple
+        Kernel arguments in signature order: device buffers (CuPy arrays, or NumPy arrays for the emulator),
+        NumPy scalars, or size-1 NumPy arrays of a structured dtype passed by value (the params struct).
+    options : tuple of str
+        Compiler options (``-D`` macros and the like) shared by NVRTC and the emulator's g++.
+    module : tuple of str
+        The name expressions compiled together with this one (one CuPy ``RawModule``); default just this one.
+    keep : tuple
+        Arrays the params struct points to: held until the launch has been issued.
+    """
+
+    source: str
+    name_expression: str
+    grid: tuple
+    block: tuple
+    shared_bytes: int
+    args: tuple
+    options: tuple = ()
+    module: tuple = ()
+    keep: tuple = field(default=(), repr=False)
+
+    @property
+    def module_names(self) -> tuple:
+        return self.module or (self.name_expression,)
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs as the kernels read them
+# ------------------------------------------------------------------------------------------------
+def _aligned(a) -> bool:
+    """cp.async copies 16-byte chunks: base address and every stride must be multiples of 16 bytes."""
+    return (params.address(a) % 16 == 0 and a.strides[-1] == a.dtype.itemsize
+            and all(s % 16 == 0 for s, n in zip(a.strides[:-1], a.shape[:-1]) if n > 1))
+
+
+def _prepare(xp, a, d8: int):
+    """``a`` itself when the kernel can read it in place, else a contiguous copy with the head dim
+    zero-padded to ``d8`` (a multiple of 8: whole 16-byte chunks)."""
+    if a.shape[-1] == d8 and _aligned(a):
+        return a
+    padded = xp.zeros(a.shape[:-1] + (d8,), dtype=a.dtype)
+    padded[..., :a.shape[-1]] = a
+    return padded
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the kernels read and write: a multiple of 8 (whole 16-byte chunks)."""
+    return -(-head_dim // 8) * 8
+
+
+def check_launch_limits(problem, what: str):
+    """The grid is (tiles, heads, batch) and indices are int32: reject what the kernels cannot address."""
+    b, sq, hq, _ = problem.q.shape
+    sk = problem.k.shape[1]
+    if max(sq, sk) > MAX_SEQLEN:
+        raise ValueError(f"sequence lengths must be below 2**30 on the CUDA kernels, got {sq}, {sk}")
+    if hq > 65535 or b > 65535:
+        raise ValueError(f"the CUDA {what} launches one block per (tile, head, batch): heads ({hq}) and "
+                         f"flattened batch ({b}) must each be at most 65535; split the batch")
+
+
+# ------------------------------------------------------------------------------------------------
+# Block-mask lists at the kernel's tile granularity
+# ------------------------------------------------------------------------------------------------
+def tile_lists(grid: np.ndarray, block: tuple, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int):
+    """The BlockMask as the kernel reads it: per (batch|1, head|1, query tile), the sorted key tiles
+    that some kept mask block touches, ``n`` when mask blocks cover the whole tile and ``~n`` when
+    only part of it (then the kernel checks elements against the grid).
+
+    Returns ``(counts int32 (Bm, Hm, nM), lists int32 (Bm, Hm, nM, nN), partial: bool)``.
+    """
+    grid = np.asarray(grid, dtype=bool)
+    bq, bk = block
+    n_m, n_n = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    # mask rows/cols [lo, hi) that each kernel tile overlaps (only the part inside the sequence counts)
+    m = np.arange(n_m)
+    r_lo, r_hi = (m * block_m) // bq, (np.minimum((m + 1) * block_m, seqlen_q) - 1) // bq + 1
+    n = np.arange(n_n)
+    c_lo, c_hi = (n * block_n) // bk, (np.minimum((n + 1) * block_n, seqlen_k) - 1) // bk + 1
+    # kept-block counts over each rectangle from a 2-D prefix sum
+    pre = np.zeros(grid.shape[:2] + (grid.shape[2] + 1, grid.shape[3] + 1), dtype=np.int64)
+    pre[:, :, 1:, 1:] = grid.cumsum(axis=2).cumsum(axis=3)
+    rl, rh, cl, ch = r_lo[:, None], r_hi[:, None], c_lo[None, :], c_hi[None, :]
+    count = pre[:, :, rh, ch] - pre[:, :, rl, ch] - pre[:, :, rh, cl] + pre[:, :, rl, cl]
+    area = (rh - rl) * (ch - cl)
+    kept, full = count > 0, count == area
+    order = np.argsort(~kept, axis=-1, kind="stable").astype(np.int32)  # kept tiles first, ascending
+    lists = np.where(np.take_along_axis(full, order, axis=-1), order, ~order).astype(np.int32)
+    counts = kept.sum(axis=-1).astype(np.int32)
+    # C order matters: the kernel indexes these flat (the fancy indexing above yields other layouts)
+    return np.ascontiguousarray(counts), np.ascontiguousarray(lists), bool((kept & ~full).any())
+
+
+def _mask_arg(xp, bm, block_q: int, block_k: int, seqlen_q: int, seqlen_k: int, transposed: bool):
+    """``(BlockMaskArg value, arrays it points to)``: index lists per tile (per key tile when ``transposed``)
+    and, when mask blocks are finer than the kernel tiles, the grid for element checks (original orientation)."""
+    if bm is None:
+        return (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), ()
+    gb, gh, nq, nk = bm.grid.shape
+    if transposed:
+        counts, lists, partial = tile_lists(bm.grid.transpose(0, 1, 3, 2), bm.block[::-1], block_k, block_q,
+                                            seqlen_k, seqlen_q)
+    else:
+        counts, lists, partial = tile_lists(bm.grid, bm.block, block_q, block_k, seqlen_q, seqlen_k)
+    n_tiles = counts.shape[-1]
+    counts, lists = xp.asarray(counts), xp.asarray(lists)
+    cells, c_b, c_h, mbq, mbk, mnk = None, 0, 0, 0, 0, 0
+    if partial:
+        cells = xp.asarray(np.ascontiguousarray(bm.grid, dtype=np.uint8))
+        c_b, c_h = (gh * nq * nk if gb > 1 else 0), (nq * nk if gh > 1 else 0)
+        mbq, mbk, mnk = bm.block[0], bm.block[1], nk
+    value = (params.address(counts), params.address(lists), params.address(cells),
+             gh * n_tiles if gb > 1 else 0, n_tiles if gh > 1 else 0, c_b, c_h, lists.shape[-1], mbq, mbk, mnk)
+    return value, (counts, lists, cells)
+
+
+def _dropout_arg(problem) -> tuple:
+    """``(seed_lo, seed_hi, threshold, rescale)``: :mod:`cuflash.dropout`'s keep-mask. Without dropout
+    ``(0, 0, 0, 1)``: threshold 0 keeps every element and the kernels skip the generator."""
+    p = problem.dropout_p
+    if not p:
+        return (0, 0, 0, 1.0)
+    seed = int(problem.seed)
+    return (seed & 0xFFFFFFFF, seed >> 32, dropout.threshold(p), 1.0 / (1.0 - p))
+
+
+def _window(w) -> int:
+    return UNBOUNDED if w is None else min(w, UNBOUNDED)
+
+
+def _common(problem, d8: int) -> dict:
+    """The params fields every kernel of a problem shares."""
+    b, sq, hq, _ = problem.q.shape
+    return dict(seqlens_q=problem.seqlens_q, seqlens_k=problem.seqlens_k, seqlen_q=sq, seqlen_k=problem.seqlen_k,
+                head_dim=d8, heads_per_kv=problem.group, scale=problem.scale,
+                scale_log2=np.float32(problem.scale * np.log2(np.e)),  # rounded once: every kernel multiplies by it
+                window_left=_window(problem.window_left), window_right=_window(problem.window_right),
+                stats_batch_stride=hq * sq, stats_head_stride=sq, dropout=_dropout_arg(problem))
+
+
+def _launch(spec: specs.KernelSpec, grid, values: dict, keep: tuple, module=()) -> LaunchSpec:
+    return LaunchSpec(source=kernel_source(spec.source), name_expression=spec.name_expression, grid=grid,
+                      block=(spec.threads, 1, 1), shared_bytes=spec.smem_bytes, args=(params.pack(**values),),
+                      module=module, keep=keep)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------------------------
+# The forward
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """A forward launch and the arrays it writes; :meth:`result` gives ``(out, lse)``."""
+
+    launch: Optional[LaunchSpec]  # None when there is nothing to compute (an empty problem)
+    out: Any                      # (B, Sq, Hq, d8) in the input dtype
+    lse: Any                      # (B, Hq, Sq) float32
+    head_dim: int
+
+    def result(self):
+        out = self.out if self.out.shape[-1] == self.head_dim else self.out[..., :self.head_dim].copy()
+        return out, self.lse
+
+
+def forward_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80],
+                   spec: Optional[specs.KernelSpec] = None) -> ForwardLaunch:
+    """The forward kernel's launch for ``problem`` (CuPy or NumPy arrays alike); allocates ``out``/``lse``."""
+    xp = problem.xp
+    b, sq, hq, d = problem.q.shape
+    spec = spec or specs.select("fwd", problem.element_type, d, max_smem)
+    if spec.dtype != problem.element_type or spec.head_dim < d:
+        raise ValueError(f"kernel {spec} cannot run a {problem.element_type} problem of head_dim {d}")
+    check_launch_limits(problem, "forward")
+    d8 = padded_head_dim(d)
+    out = xp.empty((b, sq, hq, d8), dtype=problem.q.dtype)
+    lse = xp.empty((b, hq, sq), dtype=np.float32)
+    if b == 0 or sq == 0:
+        return ForwardLaunch(None, out, lse, d)
+    q, k, v = (_prepare(xp, a, d8) for a in (problem.q, problem.k, problem.v))
+    mask, mask_keep = _mask_arg(xp, problem.block_mask, spec.block_m, spec.block_n, sq, problem.seqlen_k, False)
+    values = dict(_common(problem, d8), q=q, k=k, v=v, o=out, lse=lse, mask=mask)
+    launch = _launch(spec, (_cdiv(sq, spec.block_m), hq, b), values, (q, k, v, out, lse, *mask_keep))
+    return ForwardLaunch(launch, out, lse, d)
+
+
+# ------------------------------------------------------------------------------------------------
+# The backward
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """The launches of one backward, in order, and the arrays they write; :meth:`result` gives
+    ``(dq, dk, dv)`` with the problem's head_dim."""
+
+    launches: tuple  # LaunchSpec, ... (empty for an empty problem)
+    dq: Any          # (B, Sq, Hq, d8) in the input dtype
+    dk: Any          # (B, Sk, Hkv, d8)
+    dv: Any
+    head_dim: int
+
+    def result(self):
+        d = self.head_dim
+        if self.dq.shape[-1] == d:
+            return self.dq, self.dk, self.dv
+        return tuple(a[..., :d].copy() for a in (self.dq, self.dk, self.dv))
+
+
+def backward_specs(problem, max_smem: int) -> tuple[specs.KernelSpec, specs.KernelSpec]:
+    """The (bwd, dq) specializations for ``problem`` on a GPU allowing ``max_smem`` bytes per block."""
+    d = problem.head_dim
+    return specs.select("bwd", problem.element_type, d, max_smem), specs.select("dq", problem.element_type, d,
+                                                                              max_smem)
+
+
+def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max_smem: int = specs.SMEM_LIMIT[80],
+                    spec: Optional[specs.KernelSpec] = None,
+                    dq_spec: Optional[specs.KernelSpec] = None) -> BackwardLaunch:
+    """The backward's launches for ``problem`` (CuPy or NumPy arrays alike).
+
+    ``dout``, ``out`` are ``(B, Sq, Hq, D)`` in the input dtype and ``lse`` ``(B, Hq, Sq)`` (the
+    flattened arrays of :func:`cuflash.problem.check_backward`). Allocates dq, dk, dv and the fp32
+    workspaces (L, D: O(B·H·Sq); the dQ accumulator: O(B·Sq·H·D), default mode only) on
+    ``problem.xp``; nothing of size N². With ``problem.dropout_p > 0`` the kernels regenerate the
+    forward's keep-mask from ``problem.seed``.
+    """
+    xp = problem.xp
+    b, sq, hq, d = problem.q.shape
+    sk, hkv = problem.seqlen_k, problem.heads_kv
+    if spec is None or dq_spec is None:
+        chosen = backward_specs(problem, max_smem)
+        spec, dq_spec = spec or chosen[0], dq_spec or chosen[1]
+    for s in (spec, dq_spec):
+        if s.dtype != problem.element_type or s.head_dim < d:
+            raise ValueError(f"kernel {s} cannot run a {problem.element_type} problem of head_dim {d}")
+    check_launch_limits(problem, "backward")
+    d8 = padded_head_dim(d)
+    dt = problem.q.dtype
+    nothing = b == 0 or sq == 0 or sk == 0  # no key or no query: zero gradients, no launch
+    alloc = xp.zeros if nothing else xp.empty  # otherwise the kernels write every element
+    dq, dk, dv = alloc((b, sq, hq, d8), dtype=dt), alloc((b, sk, hkv, d8), dtype=dt), alloc((b, sk, hkv, d8), dtype=dt)
+    if nothing:
+        return BackwardLaunch((), dq, dk, dv, d)
+
+    q, k, v, do, o = (_prepare(xp, a, d8) for a in (problem.q, problem.k, problem.v, dout, out))
+    lse = xp.ascontiguousarray(lse, dtype=np.float32)
+    lse_log2, dsum = xp.empty((b, hq, sq), dtype=np.float32), xp.empty((b, hq, sq), dtype=np.float32)
+    acc = None if deterministic else xp.empty((b, sq, hq, d8), dtype=np.float32)
+    common = dict(_common(problem, d8), q=q, k=k, v=v, o=o, dout=do, dq=dq, dk=dk, dv=dv, dq_accum=acc, lse=lse,
+                  lse_log2=lse_log2, dsum=dsum)
+    keep = (q, k, v, o, do, dq, dk, dv, acc, lse, lse_log2, dsum)
+    # One RawModule per (bwd, dq) pair holds every backward kernel, so both modes share one compilation.
+    module = (*specs.helper_names(problem.element_type), spec.name_expression, dq_spec.name_expression)
+    preprocess, convert = specs.helper_names(problem.element_type)
+    src = kernel_source(spec.source)
+    rows = (_cdiv(sq, ROWS_PER_BLOCK), hq, b)
+
+    def helper(name):
+        return LaunchSpec(source=src, name_expression=name, grid=rows, block=(32 * ROWS_PER_BLOCK, 1, 1),
+                          shared_bytes=0, args=(params.pack(**common),), module=module, keep=keep)
+
+    mask, mask_keep = _mask_arg(xp, problem.block_mask, spec.block_m, spec.block_n, sq, sk, transposed=True)
+    launches = [helper(preprocess),
+                _launch(spec, (_cdiv(sk, spec.block_n), hkv, b), dict(common, mask=mask), keep + mask_keep, module)]
+    if deterministic:
+        mask, mask_keep = _mask_arg(xp, problem.block_mask, dq_spec.block_m, dq_spec.block_n, sq, sk, False)
+        launches.append(_launch(dq_spec, (_cdiv(sq, dq_spec.block_m), hq, b), dict(common, mask=mask),
+                                keep + mask_keep, module))
+    else:
+        launches.append(helper(convert))
+    return BackwardLaunch(tuple(launches), dq, dk, dv, d)

@@ -1,0 +1,102 @@
+"""The kernels' params struct (``kernels/params.cuh``) as a NumPy structured dtype, and its packing.
+
+CuPy passes a size-1 NumPy array by value as a kernel argument (``cupy/cuda/function.pyx``:
+``_pointer`` → ``CNumpyArray``), and so does :mod:`cuflash.emulate`; :data:`PARAMS` must therefore
+match the C++ layout byte for byte. :func:`layout_asserts` turns the dtype into C++
+``static_assert``\\ s on ``sizeof``/``offsetof`` that every compilation of a kernel source carries
+(:func:`cuflash.cuda.source.kernel_source`), so the two sides cannot drift apart silently.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_PTR, _I64, _I32, _U32, _F32 = np.uint64, np.int64, np.int32, np.uint32, np.float32
+
+
+def _struct(fields, ctype: str) -> np.dtype:
+    # align=True lays fields out as a C compiler does (each at a multiple of its alignment, the size a
+    # multiple of the largest one); metadata names the C++ type for error messages and the asserts.
+    return np.dtype(fields, align=True, metadata={"ctype": ctype})
+
+
+TENSOR = _struct([("ptr", _PTR), ("batch_stride", _I64), ("row_stride", _I64), ("head_stride", _I64)],
+                 "cuflash::TensorArg")
+BLOCK_MASK = _struct([("tile_counts", _PTR), ("tile_lists", _PTR), ("cells", _PTR),
+                      ("tiles_batch_stride", _I64), ("tiles_head_stride", _I64),
+                      ("cells_batch_stride", _I64), ("cells_head_stride", _I64),
+                      ("list_len", _I32), ("block_q", _I32), ("block_k", _I32), ("n_k_blocks", _I32)],
+                     "cuflash::BlockMaskArg")
+DROPOUT = _struct([("seed_lo", _U32), ("seed_hi", _U32), ("threshold", _U32), ("rescale", _F32)],
+                  "cuflash::DropoutArg")
+TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "dq_accum")
+PARAMS = _struct([*((name, TENSOR) for name in TENSORS),
+                  ("lse", _PTR), ("lse_log2", _PTR), ("dsum", _PTR),
+                  ("stats_batch_stride", _I64), ("stats_head_stride", _I64),
+                  ("seqlens_q", _PTR), ("seqlens_k", _PTR),
+                  ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32), ("heads_per_kv", _I32),
+                  ("scale", _F32), ("scale_log2", _F32), ("window_left", _I32), ("window_right", _I32),
+                  ("mask", BLOCK_MASK), ("dropout", DROPOUT)],
+                 "cuflash::Params")
+
+
+def address(a) -> int:
+    """Device address of a CuPy array (or of a NumPy array standing in for device memory); 0 for None."""
+    if a is None:
+        return 0
+    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
+
+
+def tensor(a) -> tuple:
+    """A (batch, row, head, dim) array as a ``TensorArg`` value: address and element strides."""
+    if a is None:
+        return (0, 0, 0, 0)
+    if a.ndim != 4:
+        raise ValueError(f"a kernel tensor is (batch, row, head, dim), got shape {a.shape}")
+    return (address(a), *(s // a.dtype.itemsize for s in a.strides[:3]))
+
+
+def pack(**values) -> np.ndarray:
+    """A size-1 :data:`PARAMS` array: every field zero (null pointers) except ``values``.
+
+    Arrays given for the tensor fields are packed with :func:`tensor`; for pointer fields, with
+    :func:`address`. Nested structs take a tuple in field order. Unknown names raise ``KeyError``.
+    """
+    p = np.zeros(1, dtype=PARAMS)
+    for name, value in values.items():
+        kind = PARAMS.fields[name][0]
+        if kind == TENSOR:
+            value = tensor(value)
+        elif kind == np.dtype(_PTR):
+            value = address(value)
+        p[name] = value
+    return p
+
+
+def _members(dtype: np.dtype, prefix: str = ""):
+    for name in dtype.names:
+        sub, offset = dtype.fields[name][:2]
+        yield prefix + name, offset, sub
+        if sub.names:
+            for path, off, leaf in _members(sub, f"{prefix}{name}."):
+                yield path, offset + off, leaf
+
+
+def layout_asserts(dtype: np.dtype = PARAMS) -> str:
+    """C++ ``static_assert``\\ s that the struct ``dtype`` describes has ``dtype``'s size and offsets.
+
+    Sizes are checked by every compiler. Offsets need ``__builtin_offsetof``, which NVRTC lacks (no
+    ``offsetof`` is a constant expression there), so they are checked where the host compiler builds
+    the source: the CPU emulator (g++) and the compile check's host pass
+    (:func:`cuflash.cuda.compile.check_host_layout`). Device and host agree on the layout of a kernel
+    parameter type by CUDA's ABI; a GPU test also reads the offsets back from a kernel.
+    """
+    structs = {dtype.metadata["ctype"]: dtype}
+    structs.update({sub.metadata["ctype"]: sub for _, _, sub in _members(dtype) if sub.names})
+    lines = [f'static_assert(sizeof({ctype}) == {d.itemsize}, "{ctype}: size differs from cuflash/cuda/params.py");'
+             for ctype, d in structs.items()]
+    lines.append("#ifndef __CUDACC_RTC__")
+    ctype = dtype.metadata["ctype"]
+    lines += [f'static_assert(__builtin_offsetof({ctype}, {path}) == {offset}, "{ctype}::{path}: offset differs '
+              f'from cuflash/cuda/params.py");' for path, offset, _ in _members(dtype)]
+    lines.append("#endif")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,66 @@
+// cuflash — the one argument of every kernel: a params struct passed by value (FA2's Flash_fwd_params idea).
+//
+// Python packs the same layout as a NumPy structured dtype (cuflash/cuda/params.py) and CuPy passes it by value
+// (a size-1 NumPy array). The two layouts are held together by static_asserts on sizeof/offsetof that Python
+// generates from the dtype and appends to every compiled source (CuPy at run time, the compile check, the CPU
+// emulator): a field added on one side only fails to compile everywhere.
+//
+// Kernels take it as `const __grid_constant__ Params p`: members are read straight from the parameter bank
+// (no copy to local memory, whatever the kernel does with their addresses).
+#pragma once
+
+namespace cuflash {
+
+// A (batch, row, head, dim) tensor in global memory: base pointer and strides in elements (64-bit: batch * seqlen
+// * heads * head_dim may exceed 2^31); the head dim is contiguous.
+struct TensorArg {
+  void* ptr;
+  long long batch_stride, row_stride, head_stride;
+
+  template <typename T>
+  __device__ __forceinline__ T* at(long long batch, long long head) const {
+    return static_cast<T*>(ptr) + batch * batch_stride + head * head_stride;
+  }
+};
+
+// A BlockMask as a kernel reads it (cuflash/cuda/launch.py): per (batch|1, head|1, tile) the sorted list of
+// tiles to visit (~t for a tile the mask keeps only partly), strides 0 over a broadcast batch/head; and, for
+// partly kept tiles, the mask's grid of blocks (uint8, original orientation). Null lists: no BlockMask.
+struct BlockMaskArg {
+  const int* tile_counts;
+  const int* tile_lists;
+  const unsigned char* cells;
+  long long tiles_batch_stride, tiles_head_stride;
+  long long cells_batch_stride, cells_head_stride;
+  int list_len, block_q, block_k, n_k_blocks;
+};
+
+// Attention dropout (cuflash/dropout.py): keep iff Philox bits >= threshold; threshold 0 keeps everything and the
+// kernels skip the generator. rescale = 1/(1-p) (1 without dropout).
+struct DropoutArg {
+  unsigned int seed_lo, seed_hi, threshold;
+  float rescale;
+};
+
+struct Params {
+  // q, dout, dq: (B, Sq, Hq, ld); k, v, dk, dv: (B, Sk, Hkv, ld); o: like q; dq_accum: fp32 like q, or null.
+  TensorArg q, k, v, o, dout, dq, dk, dv, dq_accum;
+  // (B, Hq, Sq) fp32 rows of statistics with row stride 1: lse (natural log, the forward's output), and the
+  // backward's lse * log2(e) and D = rowsum(dO o O).
+  float* lse;
+  float* lse_log2;
+  float* dsum;
+  long long stats_batch_stride, stats_head_stride;
+  const int* seqlens_q;  // int32 (B,) own lengths, or null for the full lengths
+  const int* seqlens_k;
+  int seqlen_q, seqlen_k;
+  int head_dim;      // columns read and written (a multiple of 8, <= the specialization's head dim)
+  int heads_per_kv;  // GQA/MQA group size
+  float scale;       // softmax scale (dK, dQ)
+  float scale_log2;  // scale * log2(e): the one multiply per score of every kernel (base-2 softmax)
+  int window_left, window_right;  // kUnbounded (mask.cuh) for none; causal is right = 0
+  BlockMaskArg mask;
+  DropoutArg dropout;
+};
+
+}  // namespace cuflash

@@ -1,0 +1,148 @@
+"""The compile check (cuflash.cuda.compile): every specialization, compiled as CuPy compiles it on a GPU machine.
+
+The table tests need nothing; the compile tests need CuPy with NVRTC (the test extra installs cupy-cuda12x and the
+CUDA 12 NVRTC and runtime headers on Linux x86-64) and skip with the reason elsewhere. None needs a GPU.
+"""
+import io
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cuflash.cuda import compile as cc
+from cuflash.cuda import params, specs
+from cuflash.cuda.source import kernel_source
+
+
+def _need_cupy():
+    try:
+        return cc.cupy_compiler()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+
+
+# ------------------------------------------------------------------------------------------------ the tables
+def test_every_head_dim_has_a_tile_that_fits():
+    for family in specs.TILES:
+        for dtype in specs.CTYPES:
+            for d in range(1, 257):
+                for limit in specs.SMEM_LIMIT.values():
+                    try:
+                        spec = specs.select(family, dtype, d, limit)
+                    except ValueError as exc:  # the one hole of the table, said in the message
+                        assert (family, limit, d > 192) == ("bwd", 99 * 1024, True), exc
+                        assert "needs an A100/H100-class GPU" in str(exc)
+                        continue
+                    assert spec.head_dim >= d and spec.smem_bytes <= limit, (family, dtype, d, limit, spec)
+
+
+def test_name_expression_and_limits():
+    spec = specs.select("fwd", "bfloat16", 40)
+    assert spec.name_expression == "cuflash::flash_fwd_kernel<__nv_bfloat16, 64, 128, 64, 4>"
+    with pytest.raises(ValueError, match="at most 256"):
+        specs.select("fwd", "float16", 320)
+    with pytest.raises(ValueError, match="invalid kernel specialization"):
+        specs.KernelSpec("fwd", "float16", 64, 128, 64, 3)
+
+
+def test_parse_ptxas():
+    text = ("ptxas info    : Compiling entry function '_ZN7cuflash16flash_fwd_kernelI6__halfE' for 'sm_80'\n"
+            "ptxas info    : Function properties for _ZN7cuflash16flash_fwd_kernelI6__halfE\n"
+            "    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+            "ptxas info    : Used 255 registers, used 1 barriers, 16 bytes smem, 628 bytes cmem[0]\n")
+    assert cc.parse_ptxas(text) == {("_ZN7cuflash16flash_fwd_kernelI6__halfE", 80):
+                                    {"registers": 255, "stack": 8, "spill": 8, "static_smem": 16}}
+
+
+def test_row_judgement():
+    spec = specs.select("fwd", "float16", 64)
+    assert cc.Row(spec, 80, 99 * 1024, registers=200).judge().problems == []
+    bad = cc.Row(spec, 80, 1024, registers=250, spill=8, stack=16).judge().problems
+    assert len(bad) == 4 and any("spare" in p for p in bad) and any("shared" in p for p in bad)
+
+
+# ------------------------------------------------------------------------------------------------ the params struct
+def test_host_layout_check_passes_and_catches_a_drifted_dtype(monkeypatch):
+    try:
+        assert cc.check_host_layout() is None
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    names = list(params.PARAMS.names)
+    i, j = names.index("seqlen_q"), names.index("seqlen_k")
+    names[i], names[j] = names[j], names[i]  # the same fields, two of them swapped
+    drifted = np.dtype([(n, params.PARAMS.fields[n][0]) for n in names], align=True,
+                       metadata={"ctype": "cuflash::Params"})
+    monkeypatch.setattr(params, "PARAMS", drifted)
+    monkeypatch.setattr(params.layout_asserts, "__defaults__", (drifted,))
+    log = cc.check_host_layout()
+    assert log is not None and "seqlen_q: offset differs" in log
+
+
+# ------------------------------------------------------------------------------------------------ NVRTC
+def test_runtime_options_are_what_cupy_passes_to_nvrtc(monkeypatch):
+    """CuPy's own RawModule path (compile_with_cache), with its two device queries stubbed, records the options it
+    hands to NVRTC: they must be runtime_options (the check adds only ptxas' -v; --pch only caches parsing)."""
+    compiler, core = _need_cupy()
+    seen = []
+
+    class Recorder(compiler._NVRTCProgram):
+        def compile(self, options=(), log_stream=None):
+            seen.append((self.src, tuple(options)))
+            if self.src == "":  # CuPy's version probe of an empty file
+                return super().compile(options, log_stream)
+            raise KeyboardInterrupt  # stop before loading a module (no GPU)
+
+    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")  # no disk cache hit: always compile
+    monkeypatch.setattr(compiler, "_NVRTCProgram", Recorder)
+    monkeypatch.setattr(compiler, "_get_arch", lambda: "90")
+    monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
+    source = kernel_source("flash_fwd.cu")
+    with pytest.raises(KeyboardInterrupt):
+        core.compile_with_cache(source, cc.KERNEL_OPTIONS, prepend_cupy_headers=False,
+                                name_expressions=[specs.select("fwd", "float16", 64).name_expression])
+    options = [o for src, o in seen if src == source]
+    assert len(options) == 1
+    assert tuple(o for o in options[0] if o != "--pch") == cc.runtime_options(90)
+
+
+def test_nvrtc_reports_a_compile_error():
+    """Guard against a check that passes vacuously: a source NVRTC must reject is rejected (NVRTC has no
+    <math.h>: an INFINITY once passed nvcc and the emulator and would have failed on the first GPU)."""
+    compiler, _ = _need_cupy()
+    with pytest.raises(compiler.CompileException, match="INFINITY"):
+        cc.compile_names("__global__ void k(float* x) { x[0] = INFINITY; }", ["k"], 80)
+
+
+def test_shared_memory_assert_catches_a_drifted_formula():
+    compiler, _ = _need_cupy()
+
+    class Drifted(specs.KernelSpec):
+        smem_bytes = property(lambda self: specs.KernelSpec.smem_bytes.fget(self) + 16)
+
+    spec = specs.select("fwd", "float16", 64)
+    drifted = Drifted(*(getattr(spec, f) for f in ("family", "dtype", "head_dim", "block_m", "block_n", "warps")))
+    source = kernel_source(spec.source)
+    cc.compile_names(cc.translation_unit(source, [spec]), [spec.name_expression], 80)
+    with pytest.raises(compiler.CompileException, match="shared memory differs"):
+        cc.compile_names(cc.translation_unit(source, [drifted]), [spec.name_expression], 80)
+
+
+def test_compile_check_all_specializations():
+    """`python -m cuflash build --check`: every specialization for sm_80 and sm_90, 0 spills, register headroom,
+    shared memory within limits and equal in C++ and Python (~35 s on 2 cores)."""
+    _need_cupy()
+    res = subprocess.run([sys.executable, "-m", "cuflash", "build", "--check"], capture_output=True, text=True,
+                         timeout=900)
+    print(res.stdout)
+    assert res.returncode == 0, res.stdout + res.stderr
+    n = len(specs.specs_by_arch()[80]) + len(specs.specs_by_arch()[90])
+    assert f"{n} specializations, 0 failing" in res.stdout and "params layout (host compiler, every offset): ok" in \
+        res.stdout
+
+
+def test_check_reports_missing_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setitem(sys.modules, "cupy._core", None)
+    out = io.StringIO()
+    assert cc.check(out=out) == -1 and "compile check not run: CuPy with NVRTC is needed" in out.getvalue()
