@@ -1,0 +1,472 @@
+"""Score and mask modifiers: a small expression language, FlexAttention's idea without torch.
+
+A modifier is one expression in Python syntax, parsed with :mod:`ast` against a whitelisted grammar
+(never ``eval``), then
+
+- evaluated vectorized by the NumPy backend and the float64 reference (:meth:`Expr.evaluate`),
+- emitted as C++ for the kernel specialization (:meth:`Expr.cpp`),
+- differentiated symbolically for the backward (:meth:`Expr.derivative`).
+
+Variables: ``score`` (the scaled score, ``scale * q·k``; score modifiers only), ``b`` (the flattened
+batch index), ``h`` (the query head), ``q_idx``, ``kv_idx`` (the query row and key column). Named
+arrays (``mod_arrays``) are read as ``name[v1, v2, ...]`` where each index is one of the variables
+``b, h, q_idx, kv_idx`` (so an index can never leave the array: its extents are checked against the
+problem once, before anything runs), and named scalars (Python numbers or 0-d arrays) as ``name``.
+
+Grammar: numbers, ``True``/``False``, ``+ - * /`` (``/`` is float division), ``// %`` (integers),
+unary ``-``, comparisons (chained too), ``and``/``or``/``not``, ``a if c else b``, and the functions
+``abs, min, max, exp, log, tanh, sqrt, where(c, a, b)``. A score modifier evaluates to a number, a
+mask modifier to a bool; integers are 64-bit in NumPy and 32-bit in the kernels (indices are below
+2**30), floats are the working precision (float32, float64 for float64 inputs).
+"""
+from __future__ import annotations
+
+import ast
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
+FUNCTIONS = {"abs": 1, "min": 2, "max": 2, "exp": 1, "log": 1, "tanh": 1, "sqrt": 1, "where": 3}
+_FLOAT_FUNCTIONS = ("exp", "log", "tanh", "sqrt")
+_BIN = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%"}
+_CMP = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
+KINDS = ("score", "mask")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of the expression tree. ``op``: "const", "var", "array", "scalar", "call", a binary or
+    comparison operator, "and", "or", "not", "neg", "if". ``type``: "int", "float" or "bool"."""
+
+    op: str
+    type: str
+    args: tuple = ()
+    value: Any = None  # constant value, variable/array/scalar/function name
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A named array or scalar of ``mod_arrays`` as the language sees it: its type and, for an array, every
+    tuple of index variables it is read with (one variable per dimension, e.g. ``(("q_idx",), ("kv_idx",))``
+    for ``doc[q_idx] == doc[kv_idx]``)."""
+
+    name: str
+    type: str
+    indexings: tuple = ()  # empty: a scalar
+
+    @property
+    def is_array(self) -> bool:
+        return bool(self.indexings)
+
+
+def _float(n: Node) -> Node:
+    """``n`` in a float context: integers are converted explicitly (C++ and NumPy then agree on every op)."""
+    return n if n.type == "float" else Node("float", "float", (n,))
+
+
+def _type_of_dtype(dtype) -> str:
+    kind = np.dtype(dtype).kind
+    if kind == "b":
+        return "bool"
+    if kind in "iu":
+        return "int"
+    if kind == "f":
+        return "float"
+    raise TypeError(f"mod_arrays entries must be bool, integer or floating point, got dtype {dtype}")
+
+
+class _Parser:
+    def __init__(self, text: str, kind: str, arrays: dict, what: str):
+        self.text, self.kind, self.arrays, self.what = text, kind, arrays, what
+        self.operands: dict[str, Operand] = {}
+
+    def fail(self, node, message):
+        col = getattr(node, "col_offset", None)
+        where = f" at column {col + 1}" if col is not None else ""
+        token = ast.get_source_segment(self.text, node) if hasattr(node, "lineno") else None
+        raise ValueError(f"{self.what}: {message}{where}" + (f" ({token!r})" if token else "") +
+                         f" in {self.text!r}")
+
+    # ------------------------------------------------------------------ nodes
+    def visit(self, node) -> Node:
+        method = getattr(self, "visit_" + type(node).__name__, None)
+        if method is None:
+            self.fail(node, f"{type(node).__name__} is not part of the modifier grammar (numbers, variables, "
+                            f"arrays indexed by b/h/q_idx/kv_idx, arithmetic, comparisons, and/or/not, "
+                            f"if-else, {', '.join(FUNCTIONS)})")
+        return method(node)
+
+    def visit_Expression(self, node):
+        return self.visit(node.body)
+
+    def visit_Constant(self, node):
+        v = node.value
+        if isinstance(v, bool):
+            return Node("const", "bool", value=v)
+        if isinstance(v, int):
+            if abs(v) >= 2**31:
+                self.fail(node, "integer constants must fit in 32 bits (the kernels' index arithmetic)")
+            return Node("const", "int", value=v)
+        if isinstance(v, float):
+            return Node("const", "float", value=v)
+        self.fail(node, f"constant of type {type(v).__name__} is not allowed")
+
+    def visit_Name(self, node):
+        name = node.id
+        if name == "score":
+            if self.kind != "score":
+                self.fail(node, "'score' is only available to a score modifier")
+            return Node("var", "float", value=name)
+        if name in INDEX_VARS:
+            return Node("var", "int", value=name)
+        if name in ("inf", "nan"):
+            return Node("const", "float", value=float(name))
+        if name in self.arrays:
+            value = self.arrays[name]
+            if _is_scalar(value):
+                t = "float" if isinstance(value, float) else _scalar_type(value)
+                self.operands[name] = Operand(name, t)
+                return Node("scalar", t, value=name)
+            self.fail(node, f"array {name!r} must be indexed by {', '.join(INDEX_VARS)} (e.g. {name}[h])")
+        self.fail(node, f"unknown name {name!r}: the variables are score, {', '.join(INDEX_VARS)}, "
+                        f"and the names of mod_arrays ({', '.join(sorted(self.arrays)) or 'none given'})")
+
+    def visit_Subscript(self, node):
+        if not isinstance(node.value, ast.Name) or node.value.id not in self.arrays or \
+                _is_scalar(self.arrays[node.value.id]):
+            self.fail(node, "only arrays of mod_arrays can be indexed")
+        name = node.value.id
+        array = self.arrays[name]
+        index = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        names = []
+        for i in index:
+            if not (isinstance(i, ast.Name) and i.id in INDEX_VARS):
+                self.fail(i, f"array indices must be the variables {', '.join(INDEX_VARS)} (so no index can "
+                             f"leave the array)")
+            names.append(i.id)
+        if len(set(names)) != len(names):
+            self.fail(node, f"array {name!r} indexed twice by the same variable")
+        if len(names) != array.ndim:
+            self.fail(node, f"array {name!r} has {array.ndim} dimensions but is indexed by {len(names)}")
+        t = _type_of_dtype(array.dtype)
+        seen = self.operands.get(name, Operand(name, t)).indexings
+        self.operands[name] = Operand(name, t, seen + (tuple(names),) if tuple(names) not in seen else seen)
+        return Node("array", t, value=(name, tuple(names)))
+
+    def visit_UnaryOp(self, node):
+        a = self.visit(node.operand)
+        if isinstance(node.op, ast.Not):
+            return Node("not", "bool", (self.need(node, a, "bool"),))
+        if isinstance(node.op, (ast.USub, ast.UAdd)):
+            self.need(node, a, "number")
+            return a if isinstance(node.op, ast.UAdd) else Node("neg", a.type, (a,))
+        self.fail(node, "unary operator not allowed")
+
+    def visit_BinOp(self, node):
+        op = _BIN.get(type(node.op))
+        if op is None:
+            self.fail(node, f"operator {type(node.op).__name__} is not allowed (+ - * / // % only)")
+        a, b = self.need(node, self.visit(node.left), "number"), self.need(node, self.visit(node.right), "number")
+        if op in ("//", "%"):
+            if a.type != "int" or b.type != "int":
+                self.fail(node, f"'{op}' takes integers")
+            return Node(op, "int", (a, b))
+        if op == "/" or "float" in (a.type, b.type):
+            return Node(op, "float", (_float(a), _float(b)))
+        return Node(op, "int", (a, b))
+
+    def visit_BoolOp(self, node):
+        op = "and" if isinstance(node.op, ast.And) else "or"
+        values = [self.need(node, self.visit(v), "bool") for v in node.values]
+        out = values[0]
+        for v in values[1:]:
+            out = Node(op, "bool", (out, v))
+        return out
+
+    def visit_Compare(self, node):
+        left = self.visit(node.left)
+        out = None
+        for op, right_node in zip(node.ops, node.comparators):
+            right = self.visit(right_node)
+            sym = _CMP.get(type(op))
+            if sym is None:
+                self.fail(node, f"comparison {type(op).__name__} is not allowed")
+            if sym in ("==", "!=") and (left.type == "bool") != (right.type == "bool"):
+                self.fail(node, "== and != compare two numbers or two bools")
+            if sym not in ("==", "!="):
+                self.need(node, left, "number"), self.need(node, right, "number")
+            if "float" in (left.type, right.type):
+                cmp = Node(sym, "bool", (_float(left), _float(right)))
+            else:
+                cmp = Node(sym, "bool", (left, right))
+            out = cmp if out is None else Node("and", "bool", (out, cmp))
+            left = right
+        return out
+
+    def visit_IfExp(self, node):
+        return self._where(node, self.visit(node.test), self.visit(node.body), self.visit(node.orelse))
+
+    def visit_Call(self, node):
+        if not isinstance(node.func, ast.Name) or node.func.id not in FUNCTIONS or node.keywords:
+            self.fail(node, f"only the functions {', '.join(FUNCTIONS)} can be called (positional arguments)")
+        name = node.func.id
+        if len(node.args) != FUNCTIONS[name]:
+            self.fail(node, f"{name} takes {FUNCTIONS[name]} argument(s), got {len(node.args)}")
+        args = [self.visit(a) for a in node.args]
+        if name == "where":
+            return self._where(node, *args)
+        for a in args:
+            self.need(node, a, "number")
+        if name in _FLOAT_FUNCTIONS or "float" in (a.type for a in args):
+            return Node("call", "float", tuple(_float(a) for a in args), name)
+        return Node("call", "int", tuple(args), name)
+
+    # ------------------------------------------------------------------ helpers
+    def _where(self, node, c, a, b):
+        self.need(node, c, "bool")
+        if (a.type == "bool") != (b.type == "bool"):
+            self.fail(node, "both branches must be numbers or both bools")
+        if a.type != "bool" and "float" in (a.type, b.type):
+            return Node("if", "float", (c, _float(a), _float(b)))
+        return Node("if", a.type, (c, a, b))
+
+    def need(self, node, n: Node, what: str) -> Node:
+        ok = n.type == "bool" if what == "bool" else n.type in ("int", "float")
+        if not ok:
+            self.fail(node, f"expected {'a bool' if what == 'bool' else 'a number'} here, got {n.type}")
+        return n
+
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, numbers.Number) or (hasattr(value, "ndim") and value.ndim == 0)
+
+
+def _scalar_type(value) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, numbers.Integral):
+        return "int"
+    if isinstance(value, numbers.Real):
+        return "float"
+    return _type_of_dtype(value.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ Expr
+@dataclass(frozen=True)
+class Expr:
+    """A parsed, type-checked modifier. ``root`` is the tree, ``operands`` the arrays and scalars it reads."""
+
+    text: str
+    kind: str
+    root: Node
+    operands: tuple  # Operand, sorted by name
+
+    def evaluate(self, env: dict, values: dict, dtype=np.float64):
+        """Vectorized value: ``env`` maps ``score``/``b``/``h``/``q_idx``/``kv_idx`` to broadcastable arrays,
+        ``values`` the operand names to host arrays/numbers; floats computed in ``dtype``."""
+        return _evaluate(self.root, env, values, np.dtype(dtype))
+
+    def cpp(self, read) -> str:
+        """C++ text of the expression. ``read(name, index)`` gives the C++ expression of array ``name``'s element
+        at the index variables ``index`` (a tuple), or of scalar ``name`` (``index`` None)."""
+        return _cpp(self.root, read)
+
+    def derivative(self) -> "Expr":
+        """d(expression)/d(score), simplified: the factor a score modifier's backward multiplies dS by."""
+        if self.kind != "score":
+            raise ValueError("only a score modifier has a derivative")
+        return Expr(f"d/dscore({self.text})", "score", _simplify(_d(self.root)), self.operands)
+
+    @property
+    def uses_score(self) -> bool:
+        return _uses(self.root, "score")
+
+
+def parse(text: str, *, kind: str, arrays: Optional[dict] = None, what: Optional[str] = None) -> Expr:
+    """Parse and type-check a modifier. ``kind``: "score" (a number) or "mask" (a bool); ``arrays``: the
+    ``mod_arrays`` (arrays and scalars) it may read; ``what`` names it in errors (default ``score_mod``/
+    ``mask_mod``). Raises ``TypeError``/``ValueError`` naming the offending token."""
+    what = what or f"{kind}_mod"
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a string holding one expression, got {type(text).__name__}")
+    arrays = dict(arrays or {})
+    for name in arrays:
+        if not isinstance(name, str) or not name.isidentifier() or name in INDEX_VARS + ("score", "inf", "nan") \
+                or name in FUNCTIONS:
+            raise ValueError(f"mod_arrays key {name!r} must be an identifier other than the variables and functions")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"{what}: not one Python expression ({exc.msg} at column {exc.offset}) in {text!r}") \
+            from None
+    parser = _Parser(text.strip(), kind, arrays, what)
+    root = parser.visit(tree)
+    if kind == "mask" and root.type != "bool":
+        raise ValueError(f"{what} must evaluate to a bool (True keeps the score), got {root.type} in {text!r}")
+    if kind == "score" and root.type == "bool":
+        raise ValueError(f"{what} must evaluate to a number, got bool in {text!r}")
+    if kind == "score":
+        root = _float(root)
+    return Expr(text.strip(), kind, root, tuple(sorted(parser.operands.values(), key=lambda o: o.name)))
+
+
+def _uses(n: Node, name: str) -> bool:
+    return (n.op == "var" and n.value == name) or any(_uses(a, name) for a in n.args)
+
+
+# ------------------------------------------------------------------------------------------------ NumPy
+_NP = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.true_divide, "//": np.floor_divide, "%": np.mod,
+       "==": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">": np.greater,
+       ">=": np.greater_equal, "and": np.logical_and, "or": np.logical_or, "not": np.logical_not,
+       "neg": np.negative, "if": np.where, "abs": np.abs, "min": np.minimum, "max": np.maximum, "exp": np.exp,
+       "log": np.log, "tanh": np.tanh, "sqrt": np.sqrt}
+
+
+def _evaluate(n: Node, env, values, dtype):
+    def num(x, t):  # floats in the working precision; integers and bools as they are
+        return np.asarray(x).astype(dtype, copy=False) if t == "float" else x
+
+    if n.op == "const":
+        return dtype.type(n.value) if n.type == "float" else n.value
+    if n.op == "var":
+        return num(env[n.value], n.type)
+    if n.op == "scalar":
+        return num(np.asarray(values[n.value])[()], n.type)
+    if n.op == "array":
+        name, index = n.value
+        return num(np.asarray(values[name])[tuple(env[v] for v in index)], n.type)
+    args = [_evaluate(a, env, values, dtype) for a in n.args]
+    if n.op == "float":
+        return num(args[0], "float")
+    with np.errstate(all="ignore"):
+        return _NP[n.value if n.op == "call" else n.op](*args)
+
+
+# ------------------------------------------------------------------------------------------------ C++
+_CPP_FLOAT = {"abs": "fabsf", "min": "fminf", "max": "fmaxf", "exp": "expf", "log": "logf", "tanh": "tanhf",
+              "sqrt": "sqrtf"}
+
+
+def _cpp(n: Node, read) -> str:
+    op = n.op
+    if op == "const":
+        if n.type == "bool":
+            return "true" if n.value else "false"
+        if n.type == "int":
+            return str(n.value)
+        if math.isinf(n.value):
+            return "pos_inf()" if n.value > 0 else "neg_inf()"
+        if math.isnan(n.value):
+            return "__int_as_float(0x7fc00000)"
+        return f"{float(n.value)!r}f"
+    if op == "var":
+        return n.value
+    if op == "scalar":
+        return read(n.value, None)
+    if op == "array":
+        return read(*n.value)
+    a = [_cpp(x, read) for x in n.args]
+    if op == "float":
+        return f"float({a[0]})"
+    if op == "neg":
+        return f"(-{a[0]})"
+    if op == "not":
+        return f"(!{a[0]})"
+    if op in ("and", "or"):
+        return f"({a[0]} {'&&' if op == 'and' else '||'} {a[1]})"
+    if op == "if":
+        return f"({a[0]} ? {a[1]} : {a[2]})"
+    if op == "//":  # Python's floor division and modulo, not C's truncation
+        return f"floor_div({a[0]}, {a[1]})"
+    if op == "%":
+        return f"floor_mod({a[0]}, {a[1]})"
+    if op == "call":
+        fn = _CPP_FLOAT[n.value] if n.type == "float" else ("::abs" if n.value == "abs" else n.value)
+        return f"{fn}({', '.join(a)})"
+    return f"({a[0]} {op} {a[1]})"
+
+
+# ------------------------------------------------------------------------------------------------ d/dscore
+def _const(x: float) -> Node:
+    return Node("const", "float", value=float(x))
+
+
+def _d(n: Node) -> Node:
+    """The derivative of a float node with respect to ``score`` (chain rule, node by node)."""
+    if not _uses(n, "score") or n.type != "float":
+        return _const(0)
+    op, args = n.op, n.args
+    if op == "var":
+        return _const(1)
+    if op == "float":
+        return _d(args[0])
+    if op in ("+", "-"):
+        return Node(op, "float", (_d(args[0]), _d(args[1])))
+    if op == "neg":
+        return Node("neg", "float", (_d(args[0]),))
+    if op == "*":
+        return Node("+", "float", (Node("*", "float", (_d(args[0]), args[1])),
+                                   Node("*", "float", (args[0], _d(args[1])))))
+    if op == "/":
+        num = Node("-", "float", (Node("*", "float", (_d(args[0]), args[1])),
+                                  Node("*", "float", (args[0], _d(args[1])))))
+        return Node("/", "float", (num, Node("*", "float", (args[1], args[1]))))
+    if op == "if":
+        return Node("if", "float", (args[0], _d(args[1]), _d(args[2])))
+    if op == "call":
+        f, a = n.value, args[0]
+        da = _d(a)
+        if f == "exp":
+            outer = n
+        elif f == "log":
+            outer = Node("/", "float", (_const(1), a))
+        elif f == "tanh":
+            outer = Node("-", "float", (_const(1), Node("*", "float", (n, n))))
+        elif f == "sqrt":
+            outer = Node("/", "float", (_const(0.5), n))
+        elif f == "abs":  # sign(a); 0 at 0, as torch
+            outer = Node("if", "float", (Node(">", "bool", (a, _const(0))), _const(1),
+                                         Node("if", "float", (Node("<", "bool", (a, _const(0))), _const(-1),
+                                                              _const(0)))))
+        else:  # min / max: the derivative of the branch taken (the first on ties)
+            cmp = "<=" if f == "min" else ">="
+            return Node("if", "float", (Node(cmp, "bool", args), _d(args[0]), _d(args[1])))
+        return Node("*", "float", (outer, da))
+    raise ValueError(f"score_mod: the operation {op!r} has no derivative with respect to score")
+
+
+def _is(n: Node, x: float) -> bool:
+    return n.op == "const" and n.type == "float" and n.value == x
+
+
+_FOLD = {"+": float.__add__, "-": float.__sub__, "*": float.__mul__, "/": float.__truediv__}
+
+
+def _simplify(n: Node) -> Node:
+    args = tuple(_simplify(a) for a in n.args)
+    n = Node(n.op, n.type, args, n.value)
+    if n.op in _FOLD and all(a.op == "const" and a.type == "float" for a in args) and not _is(args[1], 0):
+        return _const(_FOLD[n.op](float(args[0].value), float(args[1].value)))
+    if n.op == "*":
+        if _is(args[0], 0) or _is(args[1], 0):
+            return _const(0)
+        if _is(args[0], 1):
+            return args[1]
+        if _is(args[1], 1):
+            return args[0]
+    if n.op == "+":
+        if _is(args[0], 0):
+            return args[1]
+        if _is(args[1], 0):
+            return args[0]
+    if n.op == "-" and _is(args[1], 0):
+        return args[0]
+    if n.op == "neg" and _is(args[0], 0):
+        return _const(0)
+    return n
