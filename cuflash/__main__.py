@@ -1,4 +1,5 @@
-"""``python -m cuflash``: version, backends, and a long-sequence demo; ``python -m cuflash bench``."""
+"""``python -m cuflash``: version, backends, and a long-sequence demo. The benchmarks live outside the
+package: ``python -m benchmarks.run`` from a checkout."""
 from __future__ import annotations
 
 import sys
@@ -47,12 +48,12 @@ def demo(seqlen=16384, heads=4, head_dim=64):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "bench":
-        from cuflash import bench
-
-        return bench.main(argv[1:])
+    if argv and argv[0] == "bench":  # the benchmark runner moved out of the package (benchmarks/)
+        print("the benchmarks are not part of the cuflash package: run `python -m benchmarks.run --quick|--full` "
+              "from a cuflash checkout (see benchmarks/README.md)", file=sys.stderr)
+        return 2
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: python -m cuflash [bench [--quick|--full] [--out DIR]]")
+        print("usage: python -m cuflash    (benchmarks: python -m benchmarks.run, from a checkout)")
         return 0
     demo()
     return 0
