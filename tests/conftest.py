@@ -96,12 +96,16 @@ class GoldenVector:
 
 
 class GoldenLoader:
-    """``loader(name) -> GoldenVector``; ``loader.names``: every vector's name. Both fail the test
-    (:data:`GOLDEN_MISSING`) when there are no vectors."""
+    """``loader(name) -> GoldenVector``; ``loader.names``: every vector's name; ``loader.directory``: where
+    they are. Each fails the test (:data:`GOLDEN_MISSING`) when there are no vectors."""
 
     @property
     def names(self):
         return golden_names() or pytest.fail(GOLDEN_MISSING, pytrace=False)
+
+    @property
+    def directory(self):
+        return GOLDEN_DIR or pytest.fail(GOLDEN_MISSING, pytrace=False)
 
     def __call__(self, name):
         if name is None:  # the one "missing" case of pytest_generate_tests
