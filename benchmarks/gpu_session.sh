@@ -12,7 +12,8 @@
 #
 # GPU_SESSION_DRY_RUN=1: the same steps at toy size on a fake GPU (tests/fake_gpu: CuPy is tests/fake_cupy.py's
 # fake, kernels run on the CPU emulator, nvidia-smi answers for FAKE_GPUS); session.json says "dry_run": true.
-# tests/test_gpu_session.py runs it in CI. PYTHON names the interpreter (default python3).
+# tests/test_gpu_session.py runs it in CI. PYTHON names the interpreter (default python3); GPU_SESSION_WORKERS the
+# pytest-xdist workers (default auto: one per core).
 set -euo pipefail
 
 what="${1:-all}"
