@@ -1,10 +1,10 @@
 """pytest-benchmark suite of cuflash: ``python -m pytest benchmarks/`` (not part of the test run).
 
-Every case is a :class:`cuflash.bench.Case` measured by the same code as ``python -m cuflash bench``:
+Every case is a :class:`benchmarks.cases.Case` measured by the same code as ``python -m benchmarks.run``:
 the first call (warm-up: compilation, caches) observes peak memory, further warm-up calls follow,
 then pytest-benchmark times rounds of the runner's timed function — on a GPU, with CUDA events
-around calls that end by synchronizing the device. ``extra_info`` carries the record of
-``cuflash.bench`` (median ms from the event timer, TFLOP/s, GB/s, peak bytes, io_cost bytes).
+around calls that end by synchronizing the device. ``extra_info`` carries the
+:class:`benchmarks.report.Record` (median ms from the event timer, TFLOP/s, GB/s, peak bytes, io_cost bytes).
 
 GPU cases carry ``@pytest.mark.gpu`` and skip cleanly without CuPy and a GPU; a baseline that is
 not importable (PyTorch, JAX) or does not support a case skips with the reason.
@@ -15,7 +15,11 @@ from dataclasses import asdict
 
 import pytest
 
-from cuflash import bench
+from benchmarks.environment import gpu_available
+from benchmarks.impls import IMPLS, Skip, applicable, model_io_bytes
+from benchmarks.inputs import make_inputs
+from benchmarks.report import Record
+from benchmarks.timing import Timer, first_call_peak, is_oom, release_memory
 
 
 def pytest_configure(config):
@@ -23,7 +27,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if bench.gpu_available():
+    if gpu_available():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU with CuPy here")
     for item in items:
@@ -31,28 +35,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_case(benchmark, case: bench.Case, impl_name: str, *, rounds: int, warmup: int = 1):
+def run_case(benchmark, case, impl_name: str, *, rounds: int, warmup: int = 1):
     """Measure ``impl_name`` on ``case`` with pytest-benchmark; skip with the reason when it cannot run."""
-    impl = bench.IMPLS[impl_name]
-    why = bench.applicable(impl, case)
+    impl = IMPLS[impl_name]
+    why = applicable(impl, case)
     if why:
         pytest.skip(why)
     try:
         impl.check(case.device)
-        run, sync = impl.build(case, bench.make_inputs(case))
-        peak = bench.first_call_peak(run, sync, device=case.device, memory=impl.memory)
-    except bench.Skip as exc:
+        run, sync = impl.build(case, make_inputs(case))
+        peak = first_call_peak(run, sync, device=case.device, memory=impl.memory)
+    except Skip as exc:
         pytest.skip(str(exc))
     except Exception as exc:  # noqa: BLE001
-        if bench.is_oom(exc):
+        if is_oom(exc):
             pytest.skip(f"out of memory: {exc}")
         raise
     for _ in range(warmup):
         sync(run())
-    timer = bench.Timer(run, sync, device=case.device)
+    timer = Timer(run, sync, device=case.device)
     benchmark.pedantic(timer.sample, rounds=rounds, iterations=1, warmup_rounds=0)
-    record = bench.Record.of(case, impl_name, timer, peak, bench.model_io_bytes(case, impl))
+    record = Record.of(case, impl_name, timer, peak, model_io_bytes(case, impl))
     benchmark.extra_info.update(asdict(record))
     benchmark.extra_info["timer"] = "cuda-events" if case.device == "cuda" else "perf_counter"
-    bench.release_memory(case.device)
+    release_memory(case.device)
     return record

@@ -1,31 +1,158 @@
 #!/usr/bin/env bash
-# Device calls that use a lent GPU fully: the GPU tests, then the full benchmark, results packed for the
-# trip back (the device tool returns at most 8 files from $OUT). One command must end within 10 minutes:
-#   bash benchmarks/gpu_session.sh tests    # GPU tests only (up to ~9 minutes)
-#   bash benchmarks/gpu_session.sh bench    # full benchmark only (up to ~9 minutes)
-#   bash benchmarks/gpu_session.sh          # both, with half the time each
-# then here: tar -xzf <files_at>/results.tar.gz -C benchmarks/results/<device>/ && git add benchmarks/results
-set -uo pipefail
+# One device call's worth of work on a lent GPU (under 10 minutes), failing loudly instead of reporting success:
+#   bash benchmarks/gpu_session.sh tests    # the whole GPU test suite (-m gpu), at most 470 s, xdist on every core
+#   bash benchmarks/gpu_session.sh bench    # the full benchmark, CUDA backend only, at most 540 s
+#   bash benchmarks/gpu_session.sh [all]    # both, about half the time each; no benchmark if a test failed
+# Before the call, where ../shared/golden exists (the copy of the tree sent to the GPU has no ../shared):
+#   mkdir -p .golden && cp ../shared/golden/*.npz .golden/      then name ".golden" in the device tool's carry,
+#   and write the commit into the command (the copy has no .git):  GPU_SESSION_COMMIT=<sha> bash benchmarks/...
+# $OUT gets at most 8 files: session.json (commit, date, device, driver, NVRTC, CuPy, every step's outcome),
+# session.txt (this log), gpu_tests.txt + gpu_tests.xml, bench.txt, results.tar.gz (the benchmark's JSON/PNG).
+# Then here: tar -xzf <files_at>/results.tar.gz -C benchmarks/results/<device>/ && git add benchmarks/results
+#
+# GPU_SESSION_DRY_RUN=1: the same steps at toy size on a fake GPU (tests/fake_gpu: CuPy is tests/fake_cupy.py's
+# fake, kernels run on the CPU emulator, nvidia-smi answers for FAKE_GPUS); session.json says "dry_run": true.
+# tests/test_gpu_session.py runs it in CI. PYTHON names the interpreter (default python3); GPU_SESSION_WORKERS the
+# pytest-xdist workers (default auto: one per core).
+set -euo pipefail
+
 what="${1:-all}"
+case "$what" in
+    tests | bench | all) ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh [tests|bench|all]" >&2; exit 2 ;;
+esac
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root="$PWD"
+py="${PYTHON:-python3}"
+dry="${GPU_SESSION_DRY_RUN:-0}"
 OUT="${OUT:-/tmp/cuflash-out}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ "$what" = all ]; then t_tests=240; t_bench=270; else t_tests=540; t_bench=540; fi
-{ nvidia-smi; python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"; } \
-    > "$OUT/device.txt" 2>&1
+log="$OUT/session.txt"
+: > "$log"
+work="$(mktemp -d)"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$dry" = 1 ]; then
+    export PATH="$root/tests/fake_gpu/bin:$PATH"
+    export PYTHONPATH="$root/tests/fake_gpu:$root/tests:$PYTHONPATH"
+    t_tests=120; t_bench=120; bench_args=(--smoke --only tiles,decode --impl cuflash --time-limit 20)
+elif [ "$what" = all ]; then
+    t_tests=240; t_bench=270; bench_args=(--full --time-limit 230)
+else
+    t_tests=470; t_bench=540; bench_args=(--full --time-limit 500)
+fi
+commit="${GPU_SESSION_COMMIT:-$(git rev-parse HEAD 2> /dev/null || echo unknown)}"
+date_utc="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+failure="" golden="" n_golden=0 smi="" tests_rc=null bench_rc=null
+
+say() { echo "$*" | tee -a "$log"; }
+fail() {
+    failure="$*"
+    say "gpu_session: FAIL: $*"
+    exit 1
+}
+
+finish() {  # on every exit: pack the benchmark's files and write session.json, whatever happened before
+    local status=$? extra=()
+    set +e
+    if [ -d "$work/bench" ] && [ -n "$(ls -A "$work/bench")" ]; then
+        tar -czf "$OUT/results.tar.gz" -C "$work/bench" .
+    fi
+    [ -z "$failure" ] || extra+=("failed=$failure")
+    "$py" -m benchmarks.session finish --out "$OUT/session.json" --probe "$work/probe.json" \
+        --junit "$OUT/gpu_tests.xml" --set "what=$what" "dry_run=$dry" "commit=$commit" "date=$date_utc" \
+        "nvidia_smi=$smi" "golden_dir=$golden" "golden_files=$n_golden" "tests_rc=$tests_rc" "bench_rc=$bench_rc" \
+        "status=$status" "${extra[@]}" >> "$log" 2>&1 ||
+        printf '{"status": %d, "failed": "session.json could not be written (see session.txt)"}\n' "$status" \
+            > "$OUT/session.json"
+    rm -rf "$work"
+    say "gpu_session: exit $status; in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+    exit "$status"
+}
+trap finish EXIT
+
+probe() {
+    say "gpu_session $what: commit $commit, $date_utc$([ "$dry" = 1 ] && echo ', DRY RUN on a fake GPU')"
+    [ "$commit" != unknown ] || say "note: commit unknown (this copy has no .git): put GPU_SESSION_COMMIT=<sha> in the command"
+    command -v "$py" > /dev/null || fail "$py not found"
+    command -v nvidia-smi > /dev/null || fail "nvidia-smi not found: no NVIDIA driver here"
+    smi="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)" ||
+        fail "no GPU visible to nvidia-smi: $smi"
+    say "nvidia-smi: $smi"
+    local need=()
+    [ "$what" = bench ] || need=(--need-pytest)
+    # the probe prints its own FAIL line and stores it in probe.json, which session.json takes up
+    "$py" -m benchmarks.session probe --json "$work/probe.json" "${need[@]}" 2>&1 | tee -a "$log"
+}
+
+find_golden() {  # the same order as tests/conftest.py: $CUFLASH_GOLDEN_DIR alone if set, else .golden, ../shared/golden
+    local candidates=("$root/.golden" "$root/../shared/golden") files d
+    [ -z "${CUFLASH_GOLDEN_DIR:-}" ] || candidates=("$CUFLASH_GOLDEN_DIR")
+    shopt -s nullglob
+    for d in "${candidates[@]}"; do
+        files=("$d"/*.npz)
+        if [ "${#files[@]}" -gt 0 ]; then
+            golden="$(cd "$d" && pwd)" n_golden="${#files[@]}"
+            break
+        fi
+    done
+    shopt -u nullglob
+    [ "$n_golden" -gt 0 ] || fail "golden vectors not found (looked in ${candidates[*]}): before the device call run" \
+        "'mkdir -p .golden && cp ../shared/golden/*.npz .golden/' and name .golden in carry, or set CUFLASH_GOLDEN_DIR"
+    export CUFLASH_GOLDEN_DIR="$golden"
+    say "golden: $n_golden vectors in $golden"
+    # tests/fwd_cases.py and tests/bwd_cases.py (the GPU golden tests) read ../shared/golden only: give them the
+    # copy there when that path is free (a device machine), so that they do not collect zero cases
+    if [ "$dry" != 1 ] && [ ! -e "$root/../shared/golden" ]; then
+        mkdir -p "$root/../shared" && ln -s "$golden" "$root/../shared/golden"
+        say "linked ../shared/golden -> $golden"
+    fi
+}
+
+run_tests() {
+    local select=(-m gpu tests/) workers=()
+    [ "$dry" != 1 ] || select=(tests/test_golden.py -k covers_the_semantics)
+    if "$py" -c "import xdist" 2> /dev/null; then
+        workers=(-n "${GPU_SESSION_WORKERS:-auto}")
+    else
+        say "note: pytest-xdist is not importable: the tests run serially"
+    fi
+    say "tests: pytest ${select[*]} ${workers[*]} (SIGINT after ${t_tests}s, so that the XML is written)"
+    tests_rc=0
+    # Up to 10 failures, not 1: a device call is scarce, so one call should show every broken feature (the
+    # derandomized ci profile, so a failure reproduces; the XML lists every test's outcome).
+    HYPOTHESIS_PROFILE=ci timeout -s INT -k 30 "$t_tests" "$py" -m pytest -q -rf "${select[@]}" "${workers[@]}" \
+        --maxfail=10 -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1 || tests_rc=$?
+    tail -5 "$OUT/gpu_tests.txt" | tee -a "$log"
+    [ "$tests_rc" != 124 ] || say "tests: time limit reached"
+    # zero tests run, or no golden case among them, is a failure even when pytest says otherwise
+    "$py" -m benchmarks.session junit "$OUT/gpu_tests.xml" --require-golden 2>&1 | tee -a "$log" ||
+        { [ "$tests_rc" != 0 ] || tests_rc=1; }
+    say "tests rc=$tests_rc"
+}
+
+run_bench() {
+    [ "$commit" = unknown ] || bench_args+=(--commit "$commit")
+    say "bench: benchmarks.run ${bench_args[*]} --device cuda --require-device cuda (SIGINT after ${t_bench}s)"
+    bench_rc=0
+    # --require-device cuda: numbers of any other backend must never be packed as GPU results
+    timeout -s INT -k 30 "$t_bench" "$py" -m benchmarks.run "${bench_args[@]}" --device cuda --require-device cuda \
+        --no-progress --out "$work/bench" > "$OUT/bench.txt" 2>&1 || bench_rc=$?
+    tail -40 "$OUT/bench.txt" | tee -a "$log"
+    say "bench rc=$bench_rc"
+}
+
+probe
 if [ "$what" != bench ]; then
-    # The GPU tests first: a wrong kernel makes every number after it meaningless. Up to 10 failures, not 1: a
-    # device call is scarce, so one call should show every broken feature (the derandomized ci profile, so a
-    # failure reproduces; the XML lists every test's outcome).
-    HYPOTHESIS_PROFILE=ci timeout "$t_tests" python3 -m pytest -q -rf -m gpu tests/ --maxfail=10 \
-        -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1
-    echo "gpu tests rc=$?" | tee -a "$OUT/gpu_tests.txt"
-    tail -5 "$OUT/gpu_tests.txt"
+    find_golden
+    run_tests
 fi
 if [ "$what" != tests ]; then
-    timeout "$t_bench" python3 -m cuflash bench --full --no-progress --time-limit $((t_bench - 40)) \
-        --out "$OUT/bench" > "$OUT/bench.txt" 2>&1
-    echo "bench rc=$?"
-    tail -40 "$OUT/bench.txt"
-    (cd "$OUT/bench" 2>/dev/null && tar -czf "$OUT/results.tar.gz" .) && rm -rf "$OUT/bench"
+    if [ "$tests_rc" != null ] && [ "$tests_rc" != 0 ]; then
+        say "bench skipped: the GPU tests failed, so its numbers would mean nothing"
+    else
+        run_bench
+    fi
 fi
+[ "$tests_rc" = null ] || [ "$tests_rc" = 0 ] || fail "GPU tests failed (rc $tests_rc; see gpu_tests.txt)"
+[ "$bench_rc" = null ] || [ "$bench_rc" = 0 ] || fail "benchmark failed or was refused (rc $bench_rc; see bench.txt)"
+say "gpu_session: $what done"

@@ -6,24 +6,24 @@ PyTorch's CPU SDPA (``torch-flash``, SDPA's own choice for fp32 on the CPU).
 """
 import pytest
 
-from cuflash import bench
-from conftest import run_case
+from benchmarks.cases import OPS, PRODUCT_IMPLS, Case, fa_config, product_case
+from benchmarks.conftest import run_case
 
 
-@pytest.mark.parametrize("impl", bench.PRODUCT_IMPLS)
+@pytest.mark.parametrize("impl", PRODUCT_IMPLS)
 def test_product(benchmark, impl):
     benchmark.group = "product: fp32 N=4096 H=4 d=64 fwd"
-    run_case(benchmark, bench.product_case(), impl, rounds=5)
+    run_case(benchmark, product_case(), impl, rounds=5)
 
 
 @pytest.mark.parametrize("impl", ["cuflash", "numpy", "torch-flash", "torch-math"])
-@pytest.mark.parametrize("op", bench.OPS)
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_throughput(benchmark, impl, op, causal):
     n, d = 1024, 64
-    b, h = bench.fa_config(n, d, tokens=2048, hidden=256)
+    b, h = fa_config(n, d, tokens=2048, hidden=256)
     benchmark.group = f"throughput {op} N={n} d={d} {'causal' if causal else 'full'}"
-    run_case(benchmark, bench.Case("throughput", "cpu", op, "float32", b, h, n, n, d, causal), impl, rounds=5)
+    run_case(benchmark, Case("throughput", "cpu", op, "float32", b, h, n, n, d, causal=causal), impl, rounds=5)
 
 
 @pytest.mark.parametrize("density", [1.0, 0.5, 0.25])
@@ -31,7 +31,7 @@ def test_block_sparse(benchmark, density):
     from cuflash.backends.numpy import BLOCK_K, BLOCK_Q
 
     benchmark.group = "block-sparse fwd N=2048"
-    case = bench.Case("blocksparse", "cpu", "fwd", "float32", 1, 4, 2048, 2048, 64, density=density,
+    case = Case("blocksparse", "cpu", "fwd", "float32", 1, 4, 2048, 2048, 64, density=density,
                       mask_block=(BLOCK_Q, BLOCK_K))
     run_case(benchmark, case, "cuflash", rounds=5)
 
@@ -39,7 +39,7 @@ def test_block_sparse(benchmark, density):
 @pytest.mark.parametrize("block_k", [128, 256, 512, 1024, 2048])
 def test_tile_sweep(benchmark, block_k):
     benchmark.group = "tiles: numpy backend block_k, fwd N=2048"
-    case = bench.Case("tiles", "cpu", "fwd", "float32", 1, 4, 2048, 2048, 64, block_k=block_k)
+    case = Case("tiles", "cpu", "fwd", "float32", 1, 4, 2048, 2048, 64, block_k=block_k)
     run_case(benchmark, case, "cuflash", rounds=5)
 
 
@@ -47,4 +47,4 @@ def test_tile_sweep(benchmark, block_k):
 @pytest.mark.parametrize("seqlen_q", [1, 16])
 def test_decode(benchmark, impl, seqlen_q):
     benchmark.group = f"decode Sq={seqlen_q} Sk=16384"
-    run_case(benchmark, bench.Case("decode", "cpu", "fwd", "float32", 1, 8, seqlen_q, 16384, 64), impl, rounds=5)
+    run_case(benchmark, Case("decode", "cpu", "fwd", "float32", 1, 8, seqlen_q, 16384, 64), impl, rounds=5)

@@ -4,13 +4,16 @@ forward time). Marked ``gpu``: skipped without CuPy and a GPU.
 Each pytest-benchmark group holds one shape (the FA configuration: 16384 tokens, hidden 2048, fp16) with
 ``dropout_p`` 0 and 0.1 (the cost does not depend on p: every tile generates its keep bits either way), so
 ``--benchmark-compare`` or the group table shows the overhead directly; ``extra_info`` carries
-:mod:`cuflash.bench`'s record (median ms from CUDA events, TFLOP/s) plus ``dropout_p``.
+:class:`benchmarks.report.Record` (median ms from CUDA events, TFLOP/s) plus ``dropout_p``.
 """
 from dataclasses import asdict
 
 import pytest
 
-from cuflash import bench
+from benchmarks.cases import Case, fa_config
+from benchmarks.inputs import make_inputs
+from benchmarks.report import Record
+from benchmarks.timing import Timer, release_memory
 
 pytestmark = pytest.mark.gpu
 
@@ -26,10 +29,10 @@ def test_forward_dropout_overhead(benchmark, causal, head_dim, seqlen, dropout_p
 
     import cuflash
 
-    b, h = bench.fa_config(seqlen, head_dim, tokens=16384, hidden=2048)
+    b, h = fa_config(seqlen, head_dim, tokens=16384, hidden=2048)
     benchmark.group = f"fwd dropout d={head_dim} {'causal' if causal else 'full'} N={seqlen}"
-    case = bench.Case("dropout", "cuda", "fwd", "float16", b, h, seqlen, seqlen, head_dim, causal)
-    x = bench.make_inputs(case)
+    case = Case("dropout", "cuda", "fwd", "float16", b, h, seqlen, seqlen, head_dim, causal=causal)
+    x = make_inputs(case)
     opts = dict(causal=causal, dropout_p=dropout_p, seed=SEED if dropout_p else None)
 
     def run():
@@ -40,9 +43,9 @@ def test_forward_dropout_overhead(benchmark, causal, head_dim, seqlen, dropout_p
 
     for _ in range(3):  # compilation, caches
         sync(run())
-    timer = bench.Timer(run, sync, device="cuda")
+    timer = Timer(run, sync, device="cuda")
     benchmark.pedantic(timer.sample, rounds=20, iterations=1, warmup_rounds=0)
-    record = bench.Record.of(case, "cuflash", timer, None, None)
+    record = Record.of(case, "cuflash", timer, None, None)
     benchmark.extra_info.update(asdict(record))
     benchmark.extra_info.update(dropout_p=dropout_p, timer="cuda-events")
-    bench.release_memory("cuda")
+    release_memory("cuda")

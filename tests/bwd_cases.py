@@ -57,9 +57,9 @@ def check_golden_grads(grads, case: Case, name: str):
     """Gradients of the fp16-rounded golden inputs against the golden float64 gradients (of the unrounded
     inputs): within 3x the naive same-dtype error against the same golden, plus two fp16 roundings at the
     term magnitude."""
-    from pathlib import Path
+    from golden import GoldenVector
 
-    z = np.load(Path(__file__).resolve().parents[2] / "shared" / "golden" / f"{name}.npz")
+    z = GoldenVector(name).arrays
     bases = reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=case.q.dtype,
                                          **case.options)
     mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **case.options)

@@ -12,16 +12,12 @@ A test whose examples are expensive asks for a fraction of the active profile's 
 (``settings.default.max_examples``, read after this file has loaded the profile) rather than a
 fixed number, so ``fuzz`` still scales it up.
 
-Golden vectors live in ``../shared/golden`` (next to the repository); tests that use them are
-skipped with a reason when that directory is absent, e.g. in a bare clone.
+Golden vectors: see tests/golden.py (where they are looked for; a golden test with no vector fails).
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -34,66 +30,42 @@ settings.load_profile(PROFILE)
 
 
 # ------------------------------------------------------------------------------------ golden
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
-GOLDEN_MISSING = f"golden vectors not found at {GOLDEN_DIR} (they live in ../shared/golden next to the repo)"
-
-
-def golden_names():
-    """Stems of the golden ``.npz`` files, sorted; empty when the directory is absent."""
-    return sorted(p.stem for p in GOLDEN_DIR.glob("*.npz")) if GOLDEN_DIR.is_dir() else []
-
-
-class GoldenVector:
-    """One golden ``.npz``: arrays as attributes and ``kwargs`` for :func:`cuflash.attention`."""
-
-    def __init__(self, name):
-        from cuflash import BlockMask
-
-        self.name = name
-        with np.load(GOLDEN_DIR / f"{name}.npz") as data:
-            self.arrays = {key: data[key] for key in data.files}
-        self.options = json.loads(str(self.arrays.pop("options")))
-        for key in ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv"):
-            setattr(self, key, self.arrays[key])
-        kw = {}
-        if self.options.get("causal"):
-            kw["causal"] = True
-        if self.options.get("scale") is not None:
-            kw["scale"] = float(self.options["scale"])
-        if self.options.get("window") is not None:
-            kw["window"] = tuple(self.options["window"])
-        if "block_mask" in self.arrays:
-            kw["block_mask"] = BlockMask(self.arrays["block_mask"], block=tuple(self.options["block"]),
-                                         seqlen_q=self.q.shape[-3], seqlen_k=self.k.shape[-3])
-        for key in ("seqlens_q", "seqlens_k"):
-            if key in self.arrays:
-                kw[key] = self.arrays[key]
-        self.kwargs = kw
-
-    def __repr__(self):
-        return f"GoldenVector({self.name!r}, q={self.q.shape}, k={self.k.shape}, options={self.options})"
+from golden import GOLDEN_DIR, GOLDEN_MISSING, GoldenVector, golden_names  # noqa: E402
 
 
 class GoldenLoader:
-    """``loader(name) -> GoldenVector``; ``loader.names``: every vector's name."""
+    """``loader(name) -> GoldenVector``; ``loader.names``: every vector's name; ``loader.directory``: where
+    they are. Each fails the test (:data:`GOLDEN_MISSING`) when there are no vectors."""
 
-    names = property(lambda self: golden_names())
+    @property
+    def names(self):
+        return golden_names() or pytest.fail(GOLDEN_MISSING, pytrace=False)
+
+    @property
+    def directory(self):
+        return GOLDEN_DIR or pytest.fail(GOLDEN_MISSING, pytrace=False)
 
     def __call__(self, name):
+        if name is None:  # the one "missing" case of pytest_generate_tests
+            pytest.fail(GOLDEN_MISSING, pytrace=False)
         return GoldenVector(name)
 
 
 @pytest.fixture(scope="session")
 def golden():
-    """A :class:`GoldenLoader`; skips the test when ../shared/golden is absent."""
-    if not golden_names():
-        pytest.skip(GOLDEN_MISSING)
+    """A :class:`GoldenLoader`."""
     return GoldenLoader()
 
 
 def pytest_generate_tests(metafunc):
-    """A test that takes ``golden_name`` runs once per golden file, with the file's stem as id."""
+    """A test that takes ``golden_name`` runs once per golden file, with the file's stem as id; without
+    any file, once as ``missing``, a case that fails (an empty parametrization would pass unseen)."""
     if "golden_name" in metafunc.fixturenames:
         names = golden_names()
-        params = names or [pytest.param(None, marks=pytest.mark.skip(reason=GOLDEN_MISSING))]
-        metafunc.parametrize("golden_name", params, ids=names or ["missing"])
+        metafunc.parametrize("golden_name", names or [None], ids=names or ["missing"])
+
+
+def pytest_runtest_setup(item):
+    """The ``missing`` case of :func:`golden.golden_cases` fails, saying where it looked."""
+    if item.get_closest_marker("golden_missing"):
+        pytest.fail(GOLDEN_MISSING, pytrace=False)

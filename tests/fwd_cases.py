@@ -1,16 +1,13 @@
 """Forward-kernel cases shared by the emulated and the GPU tests: one explicit case per feature,
-and the golden vectors of ../shared/golden as (Case, golden out, golden lse)."""
+and cases built from them (the golden vectors: tests/golden.py)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 
 from cuflash.blockmask import BlockMask
 from cuflash.testing import Case, check_forward  # noqa: F401  (re-exported for the kernel tests)
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 
 
 def bf16():
@@ -70,25 +67,3 @@ def feature_cases(dtype=np.float16):
     return c
 
 
-def golden_cases(dtype=np.float16):
-    """(name, Case with inputs rounded to ``dtype``, golden out, golden lse) for each golden vector."""
-    out = []
-    for path in sorted(GOLDEN.glob("*.npz")):
-        z = np.load(path)
-        opts = json.loads(str(z["options"]))
-        kw = {}
-        if opts.get("causal"):
-            kw["causal"] = True
-        if "scale" in opts:
-            kw["scale"] = opts["scale"]
-        if "window" in opts:
-            kw["window"] = tuple(opts["window"])
-        if "block_mask" in z.files:
-            sq, sk = z["q"].shape[1], z["k"].shape[1]
-            kw["block_mask"] = BlockMask(z["block_mask"], block=tuple(opts["block"]), seqlen_q=sq, seqlen_k=sk)
-        for name in ("seqlens_q", "seqlens_k"):
-            if name in z.files:
-                kw[name] = z[name]
-        q, k, v, dout = (z[n].astype(dtype) for n in ("q", "k", "v", "dout"))
-        out.append((path.stem, Case(q, k, v, dout, options=kw), z["out"], z["lse"]))
-    return out

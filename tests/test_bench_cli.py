@@ -1,15 +1,22 @@
-"""cuflash.io_cost against the seeds' byte ledger, and the bench runner end to end at toy sizes.
+"""cuflash.io_cost against the seeds' byte ledger, and the benchmark runner (``benchmarks/``, outside the
+package) end to end at toy sizes.
 
 Fast (a few seconds): the runner is exercised through ``--smoke``, the quick mode's code paths at
-toy sizes; no timing is asserted anywhere.
+toy sizes; no timing is asserted anywhere. ``benchmarks`` is imported from the checkout (the repository
+root is on ``sys.path``: ``python -m pytest`` from the root, or the root ``conftest.py``).
 """
 import json
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cuflash import bench, reference
+from benchmarks import cases, impls, inputs, report, run, timing
+from cuflash import reference
 from cuflash.blockmask import BlockMask
 from cuflash.io_cost import io_cost
 
@@ -105,25 +112,47 @@ def test_io_cost_rejects_bad_arguments(kw, match):
 
 
 # ---------------------------------------------------------------------------------------------
-# The bench runner
+# The benchmark runner: cases and suites
 # ---------------------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+COMMITTED = REPO / "benchmarks" / "results" / "cpu-amd-epyc-2c"
+
+
 def test_flops_follow_the_fa_convention():
     base = dict(figure="throughput", device="cpu", dtype="float16", batch=2, heads=3, head_dim=64)
-    fwd = bench.Case(op="fwd", seqlen_q=512, seqlen_k=512, **base)
+    fwd = cases.Case(op="fwd", seqlen_q=512, seqlen_k=512, **base)
     assert fwd.flops == 4 * 2 * 3 * 512 * 512 * 64
-    assert bench.Case(op="fwd", seqlen_q=512, seqlen_k=512, causal=True, **base).flops == fwd.flops / 2
-    assert bench.Case(op="fwd", seqlen_q=16, seqlen_k=512, causal=True, **base).flops == 4 * 2 * 3 * 16 * 512 * 64
-    assert bench.Case(op="bwd", seqlen_q=512, seqlen_k=512, **base).flops == 2.5 * fwd.flops
-    assert bench.Case(op="fwd_bwd", seqlen_q=512, seqlen_k=512, **base).flops == 3.5 * fwd.flops
-    assert bench.Case(op="fwd", seqlen_q=512, seqlen_k=512, density=0.25, **base).flops == fwd.flops / 4
+    assert cases.Case(op="fwd", seqlen_q=512, seqlen_k=512, causal=True, **base).flops == fwd.flops / 2
+    assert cases.Case(op="fwd", seqlen_q=16, seqlen_k=512, causal=True, **base).flops == 4 * 2 * 3 * 16 * 512 * 64
+    assert cases.Case(op="bwd", seqlen_q=512, seqlen_k=512, **base).flops == 2.5 * fwd.flops
+    assert cases.Case(op="fwd_bwd", seqlen_q=512, seqlen_k=512, **base).flops == 3.5 * fwd.flops
+    sparse = cases.Case(op="fwd", seqlen_q=512, seqlen_k=512, density=0.25, mask_block=(64, 64), **base)
+    assert sparse.flops == fwd.flops / 4
     assert fwd.bytes == 2 * 3 * 64 * (4 * 512) * 2
 
 
+@pytest.mark.parametrize("kw, match", [(dict(op="both"), "op must be"), (dict(device="gpu"), "device must be"),
+                                       (dict(density=0.5), "mask_block")])
+def test_case_rejects_bad_arguments(kw, match):
+    args = dict(figure="decode", device="cpu", op="fwd", dtype="float32", batch=1, heads=1, seqlen_q=1,
+                seqlen_k=64, head_dim=16) | kw
+    with pytest.raises(ValueError, match=match):
+        cases.Case(**args)
+    with pytest.raises(TypeError):  # the options are keyword-only
+        cases.Case("decode", "cpu", "fwd", "float32", 1, 1, 1, 64, 16, True)
+
+
+@pytest.mark.parametrize("device, mode, match", [("gpu", "quick", "device must be"), ("cpu", "fast", "mode must be")])
+def test_suite_rejects_unknown_device_or_mode(device, mode, match):
+    with pytest.raises(ValueError, match=match):
+        cases.suite(device, mode)
+
+
 def test_fa_config_and_the_product_case():
-    assert bench.fa_config(2048, 128, tokens=16384, hidden=2048) == (8, 16)
-    assert bench.fa_config(65536, 64, tokens=16384, hidden=2048) == (1, 32)
+    assert cases.fa_config(2048, 128, tokens=16384, hidden=2048) == (8, 16)
+    assert cases.fa_config(65536, 64, tokens=16384, hidden=2048) == (1, 32)
     for mode in ("quick", "full"):
-        product = [c for c in bench.suite("cpu", mode) if c.figure == "product"]
+        product = [c for c in cases.suite("cpu", mode) if c.figure == "product"]
         assert len(product) == 1
         c = product[0]
         assert (c.op, c.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.heads, c.head_dim, c.causal) == \
@@ -132,126 +161,231 @@ def test_fa_config_and_the_product_case():
 
 
 def test_quick_cpu_suite_stays_small():
-    cases = bench.suite("cpu", "quick")
-    work = bench.plan_work(cases)
-    assert len(work) <= 70
-    biggest = max(c.flops for c in cases)
-    assert biggest <= bench.product_case().flops * 2.5  # nothing much heavier than the product case
+    suite = cases.suite("cpu", "quick")
+    assert len(run.plan_work(suite)) <= 70
+    assert max(c.flops for c in suite) <= cases.product_case().flops * 2.5  # nothing much heavier
 
 
 def test_gpu_full_suite_shape():
-    cases = bench.suite("cuda", "full")
-    figs = {c.figure for c in cases}
-    assert figs == set(bench.FIGURES)
-    thr = [c for c in cases if c.figure == "throughput"]
+    suite = cases.suite("cuda", "full")
+    # every figure but the product case, which measures the NumPy backend: no device time for the CPU
+    assert {c.figure for c in suite} == set(cases.FIGURES) - {"product"}
+    assert all(c.device == "cuda" for m in cases.MODES for c in cases.suite("cuda", m))
+    thr = [c for c in suite if c.figure == "throughput"]
     assert {c.seqlen_q for c in thr} == {512, 1024, 2048, 4096, 8192, 16384}
     assert all(c.batch * c.seqlen_q == 16384 and c.heads * c.head_dim == 2048 for c in thr)
-    assert {c.op for c in thr} == set(bench.OPS) and {c.causal for c in thr} == {False, True}
-    decode = [c for c in cases if c.figure == "decode"]
+    assert {c.op for c in thr} == set(cases.OPS) and {c.causal for c in thr} == {False, True}
+    decode = [c for c in suite if c.figure == "decode"]
     assert {c.seqlen_q for c in decode} == {1, 2, 4, 8, 16}
     # JAX goes last so that its allocator cannot starve CuPy and PyTorch
-    order = [name for _, name in bench.plan_work(cases)]
+    order = [name for _, name in run.plan_work(suite)]
     first_jax = min(i for i, n in enumerate(order) if n.startswith("jax"))
     assert all(n.startswith("jax") for n in order[first_jax:])
 
 
+@pytest.mark.parametrize("mode", cases.MODES)
+def test_cuda_tile_sweeps_are_valid_kernel_specializations(mode):
+    """Every swept key tile is a KernelSpec the CUDA backend accepts (``replace`` validates it)."""
+    from dataclasses import replace
+
+    from cuflash.cuda import specs
+
+    tiles = [c for c in cases.suite("cuda", mode) if c.figure == "tiles"]
+    assert len({c.block_k for c in tiles}) >= 2
+    for c in tiles:
+        spec = replace(specs.select("fwd", c.dtype, c.head_dim), block_n=c.block_k)
+        assert spec.block_n == c.block_k and spec.smem_bytes <= specs.SMEM_LIMIT[80]
+
+
+def test_cuda_smoke_suite_fits_the_cpu_emulator():
+    """A dry run of gpu_session.sh measures ``--smoke`` on the emulated CUDA backend: toy sizes only."""
+    suite = cases.suite("cuda", "smoke")
+    assert {c.figure for c in suite} == set(cases.FIGURES) - {"product"}
+    assert max(c.batch * c.heads * c.seqlen_q * c.seqlen_k * c.head_dim for c in suite) <= 1 << 22
+    assert {c.dtype for c in suite} == {"float16"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapters, timer, runner
+# ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_standard_attention_baseline_is_attention(inplace, causal):
     rng = np.random.default_rng(1)
     q = rng.standard_normal((2, 33, 3, 16))
     k, v = rng.standard_normal((2, 40, 3, 16)), rng.standard_normal((2, 40, 3, 16))
-    bias = bench.causal_bias(np, 33, 40, np.float64) if causal else None
-    got = bench.standard_attention(q, k, v, bias=bias, inplace=inplace)
+    bias = impls.causal_bias(np, 33, 40, np.float64) if causal else None
+    got = impls.standard_attention(q, k, v, bias=bias, inplace=inplace)
     np.testing.assert_allclose(got, reference.attention(q, k, v, causal=causal), rtol=1e-12, atol=1e-12)
     q32 = q.astype(np.float32)
-    assert bench.standard_attention(q32, q32, q32, inplace=inplace).dtype == np.float32
+    assert impls.standard_attention(q32, q32, q32, inplace=inplace).dtype == np.float32
 
 
 def test_timer_and_peak_on_cpu():
     calls = []
-    timer = bench.time_it(lambda: calls.append(np.zeros(1000)), lambda r=None: None, device="cpu",
-                          timing=bench.Timing(warmup=1, min_repeats=3, max_repeats=5, budget_s=0.0))
+    timer = timing.time_it(lambda: calls.append(np.zeros(1000)), lambda r=None: None, device="cpu",
+                           timing=timing.Timing(warmup=1, min_repeats=3, max_repeats=5, budget_s=0.0))
     assert len(timer.samples) == 3 and len(calls) == 4 and timer.median_ms >= 0
-    peak = bench.first_call_peak(lambda: np.ones(1 << 20), lambda r=None: None, device="cpu", memory="pool")
+    peak = timing.first_call_peak(lambda: np.ones(1 << 20), lambda r=None: None, device="cpu", memory="pool")
     assert peak >= 8 << 20
 
 
 def test_unavailable_and_late_pairs_are_skipped_with_a_reason():
-    case = bench.Case("decode", "cpu", "fwd", "float32", 1, 2, 1, 64, 16, impls=("cupy-standard", "cuflash"))
-    result = bench.run_cases([case], timing=bench.TIMINGS["smoke"], progress=False)
+    case = cases.Case("decode", "cpu", "fwd", "float32", 1, 2, 1, 64, 16, impls=("cupy-standard", "cuflash"))
+    result = run.run_cases([case], timing=timing.TIMINGS["smoke"], progress=False)
     assert [r.impl for _, r in result.records] == ["cuflash"]
     assert "does not run on cpu" in result.skipped[0][1]["reason"]
     saved = []
-    bench.run_cases([case], timing=bench.TIMINGS["smoke"], progress=False, checkpoint=saved.append, checkpoint_s=0)
+    run.run_cases([case], timing=timing.TIMINGS["smoke"], progress=False, checkpoint=saved.append, checkpoint_s=0)
     assert len(saved) == 1 and saved[-1].records  # after each measured pair: a killed run leaves its results
-    late = bench.run_cases([case], timing=bench.TIMINGS["smoke"], progress=False, deadline=0.0)
+    late = run.run_cases([case], timing=timing.TIMINGS["smoke"], progress=False, deadline=0.0)
     assert late.records == [] and any("time limit" in e["reason"] for _, e in late.skipped)
-    assert bench.is_oom(MemoryError()) and bench.is_oom(RuntimeError("CUDA out of memory. Tried"))
-    assert not bench.is_oom(ValueError("bad head_dim"))
+    assert timing.is_oom(MemoryError()) and timing.is_oom(RuntimeError("CUDA out of memory. Tried"))
+    assert not timing.is_oom(ValueError("bad head_dim"))
+
+
+def test_an_interrupted_run_keeps_what_it_measured(monkeypatch):
+    """SIGINT (``timeout -s INT`` in gpu_session.sh) ends the run with its records, marked interrupted."""
+    pairs = [cases.Case("decode", "cpu", "fwd", "float32", 1, 2, sq, 64, 16, impls=("cuflash",)) for sq in (1, 2, 4)]
+    measure, calls = run.measure, []
+
+    def interrupt_second(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return measure(*args, **kw)
+
+    monkeypatch.setattr(run, "measure", interrupt_second)
+    result = run.run_cases(pairs, timing=timing.TIMINGS["smoke"], progress=False)
+    assert result.interrupted and len(calls) == 2
+    assert [r.seqlen_q for _, r in result.records] == [1]
 
 
 def test_device_slug():
-    assert bench.device_slug({"kind": "cuda", "name": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100-80gb-hbm3"
-    assert bench.device_slug({"kind": "cpu", "name": "Intel(R) Xeon(R) Gold 6338", "cores": 2}) == \
+    from benchmarks.environment import device_slug
+
+    assert device_slug({"kind": "cuda", "name": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100-80gb-hbm3"
+    assert device_slug({"kind": "cpu", "name": "Intel(R) Xeon(R) Gold 6338", "cores": 2}) == \
         "cpu-intel-xeon-gold-6338-2c"
 
 
+def _impl_ops():
+    cpu = [n for n, i in impls.IMPLS.items() if "cpu" in i.devices] + ["jax-xla"]
+    return [(n, op) for n in cpu for op in impls.IMPLS[n].ops]
+
+
+@pytest.mark.parametrize("impl, op", _impl_ops())
+def test_every_cpu_capable_baseline_computes_attention(impl, op):
+    """Each impl's timed call computes causal attention (or its gradients); baselines that are not
+    installed skip. JAX runs its XLA path on the CPU here (the runner uses JAX on GPUs only)."""
+    if impl.startswith(("torch", "jax")):
+        pytest.importorskip(impl.split("-")[0])
+    case = cases.Case("throughput", "cpu", op, "float32", 2, 3, 64, 64, 16, causal=True)
+    x = inputs.make_inputs(case)
+    fn, sync = impls.IMPLS[impl].build(case, x)
+    got = fn()
+    sync(got)
+
+    def host(a):
+        return np.asarray(a.detach() if hasattr(a, "detach") else a)
+
+    if op == "fwd":
+        out = host(got)
+        out = out.transpose(0, 2, 1, 3) if impl.startswith("torch") else out  # torch returns (B, H, S, d)
+        np.testing.assert_allclose(out, reference.attention(x.q, x.k, x.v, causal=True), atol=2e-5)
+    else:
+        for g, w in zip(got, reference.attention_backward(x.dout, x.q, x.k, x.v, causal=True)):
+            np.testing.assert_allclose(host(g), w, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line, JSON, committed results
+# ---------------------------------------------------------------------------------------------
 SCHEMA = {"impl", "op", "dtype", "head_dim", "seqlen_q", "seqlen_k", "batch", "heads", "causal", "density", "ms",
           "tflops", "peak_bytes"}
+SMOKE = ["--smoke", "--no-plot", "--no-progress"]
 
 
 def test_smoke_run_writes_every_figure_in_the_schema(tmp_path, capsys):
-    status = bench.main(["--smoke", "--out", str(tmp_path), "--impl", "cuflash,numpy", "--no-plot",
-                         "--no-progress"])
+    status = run.main(SMOKE + ["--out", str(tmp_path), "--impl", "cuflash,numpy", "--commit", "abc123"])
     assert status == 0
     printed = capsys.readouterr().out
     for fig in ("throughput", "memory", "blocksparse", "tiles", "decode"):
         assert f"== {fig}" in printed
-        payload = json.loads((tmp_path / f"{bench.FIGURE_FILES[fig]}.json").read_text())
+        payload = json.loads((tmp_path / f"{cases.FIGURE_FILES[fig]}.json").read_text())
         assert {"device", "commit", "date", "versions", "records"} <= set(payload)
+        assert payload["commit"] == "abc123" and payload["dirty"] is None  # --commit: a copy without .git
         assert payload["records"] and all(SCHEMA <= set(r) for r in payload["records"])
         assert all(r["impl"] in ("cuflash", "numpy") and r["ms"] > 0 for r in payload["records"])
-    memory = json.loads((tmp_path / "fig2_memory.json").read_text())["records"]
+    loaded = report.load_results(tmp_path)
+    assert set(loaded) == {"throughput", "memory", "blocksparse", "tiles", "decode"}
+    memory = loaded["memory"]["records"]
     assert all(r["peak_bytes"] is not None for r in memory)
-    tiles = json.loads((tmp_path / "fig4_tiles.json").read_text())["records"]
-    assert sorted(r["block_k"] for r in tiles) == [64, 128]
-    sparse = json.loads((tmp_path / "fig3_blocksparse.json").read_text())["records"]
-    assert sorted(r["density"] for r in sparse) == [0.5, 1.0]
+    assert sorted(r["block_k"] for r in loaded["tiles"]["records"]) == [64, 128]
+    assert sorted(r["density"] for r in loaded["blocksparse"]["records"]) == [0.5, 1.0]
+
+
+def test_committed_results_fit_the_schema():
+    """The JSON under benchmarks/results/ is data the current code must still read (and replot)."""
+    loaded = report.load_results(COMMITTED)
+    assert set(loaded) == set(cases.FIGURES)
+    result = report.RunResult(records=[(fig, report.Record(**r)) for fig, p in loaded.items() for r in p["records"]])
+    text = report.table(result)
+    assert "== product" in text and "product targets (this run):" in text
+
+
+def test_load_results_names_a_file_that_does_not_fit(tmp_path):
+    payload = json.loads((COMMITTED / "fig4_tiles.json").read_text())
+    payload["records"][0]["speed"] = 1.0
+    (tmp_path / "fig4_tiles.json").write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match=r"fig4_tiles.json.*\['speed'\]"):
+        report.load_results(tmp_path)
 
 
 def test_plots_when_matplotlib_is_there(tmp_path):
     pytest.importorskip("matplotlib")
-    assert bench.main(["--smoke", "--out", str(tmp_path), "--impl", "cuflash", "--only", "tiles,decode",
-                       "--no-progress"]) == 0
+    assert run.main(SMOKE[:1] + ["--out", str(tmp_path), "--impl", "cuflash", "--only", "tiles,decode",
+                                 "--no-progress"]) == 0
     assert (tmp_path / "fig4_tiles.png").stat().st_size > 0
-    assert bench.main(["--replot", str(tmp_path)]) == 0
+    assert run.main(["--replot", str(tmp_path)]) == 0
 
 
-@pytest.mark.parametrize("impl", ["cuflash", "numpy", "numpy-inplace", "torch-flash", "torch-math", "jax-xla"])
-@pytest.mark.parametrize("op", bench.OPS)
-def test_every_cpu_capable_baseline_computes_attention(impl, op):
-    """Each impl's timed call computes causal attention (or its gradients); baselines that are not
-    installed skip. JAX runs its XLA path on the CPU here (the runner uses JAX on GPUs only)."""
-    if impl.startswith("torch"):
-        pytest.importorskip("torch")
-    if impl.startswith("jax"):
-        pytest.importorskip("jax")
-    case = bench.Case("throughput", "cpu", op, "float32", 2, 3, 64, 64, 16, causal=True)
-    if op not in bench.IMPLS[impl].ops:
-        pytest.skip(f"{impl} has no {op}")
-    x = bench.make_inputs(case)
-    run, sync = bench.IMPLS[impl].build(case, x)
-    got = run()
-    sync(got)
-    def layout(a):
-        return np.asarray(a.detach() if hasattr(a, "detach") else a)
+@pytest.mark.parametrize("argv, match", [
+    (["--device", "cpu", "--require-device", "cuda"], "would measure on 'cpu'.*refusing"),
+    (["--device", "cuda"], "--device cuda needs CuPy and a visible GPU"),
+    (["--require-device", "cuda"], "--require-device cuda: .*refusing"),
+    (["--only", "speed"], r"unknown figure\(s\) \['speed'\]"),
+    (["--impl", "flash3"], r"unknown impl\(s\) \['flash3'\]"),
+])
+def test_refusals_are_usage_errors(argv, match, tmp_path, capsys, monkeypatch):
+    """No silent fallback: a run that cannot measure what it was asked to exits 2 before measuring."""
+    from benchmarks import environment
 
-    if op == "fwd":
-        want = reference.attention(x.q, x.k, x.v, causal=True)
-        out = layout(got)
-        out = out.transpose(0, 2, 1, 3) if impl.startswith("torch") else out  # torch returns (B, H, S, d)
-        np.testing.assert_allclose(out, want, atol=2e-5)
-    else:
-        for g, w in zip(got, reference.attention_backward(x.dout, x.q, x.k, x.v, causal=True)):
-            np.testing.assert_allclose(layout(g), w, atol=2e-5)
+    monkeypatch.setattr(environment, "gpu_available", lambda: False)  # this machine has no GPU, CI neither
+    with pytest.raises(SystemExit) as exc:
+        run.main(SMOKE + ["--out", str(tmp_path)] + argv)
+    assert exc.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not list(tmp_path.iterdir())
+
+
+def test_require_device_fails_a_run_without_cuflash_records(tmp_path):
+    common = SMOKE + ["--out", str(tmp_path), "--only", "decode", "--require-device", "cpu"]
+    assert run.main(common + ["--impl", "cuflash"]) == 0
+    assert run.main(common + ["--impl", "numpy"]) == 1  # only a baseline measured: not a cuflash benchmark
+
+
+def test_package_no_longer_benchmarks_and_never_imports_them():
+    code = ("import pkgutil, sys, importlib, cuflash\n"
+            "from cuflash.__main__ import main\n"
+            "for m in pkgutil.walk_packages(cuflash.__path__, 'cuflash.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "status = main(['bench', '--quick'])\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'benchmarks'], 'cuflash imported benchmarks'\n"
+            "sys.exit(status)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "python -m benchmarks.run" in lines[0]
+    assert not (REPO / "cuflash" / "bench.py").exists()

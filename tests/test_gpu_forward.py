@@ -14,7 +14,8 @@ import cuflash
 from cuflash.cuda import specs
 from cuflash.testing import Case, assert_attention_close, attention_cases
 
-from fwd_cases import bf16, check_forward, feature_cases, golden_cases, make_case
+from golden import golden_cases
+from fwd_cases import bf16, check_forward, feature_cases, make_case
 
 import gpu_support  # noqa: E402
 
@@ -54,7 +55,7 @@ def test_feature(name, case):
     check_forward(on_gpu, case)
 
 
-@pytest.mark.parametrize("name,case,gold_out,gold_lse", golden_cases(), ids=[g[0] for g in golden_cases()])
+@pytest.mark.parametrize("name,case,gold_out,gold_lse", golden_cases())
 def test_golden(name, case, gold_out, gold_lse):
     from cuflash import reference
 

@@ -18,7 +18,8 @@ from cuflash.cuda.source import KERNELS_DIR, inline_includes
 from cuflash.problem import key_range, make_problem, visible
 from cuflash.testing import Case, assert_attention_close, attention_cases
 
-from fwd_cases import bf16, check_forward, feature_cases, golden_cases, make_case
+from golden import golden_cases
+from fwd_cases import bf16, check_forward, feature_cases, make_case
 
 from emulated_support import DTYPES, emulated, pytestmark  # noqa: F401  (pytestmark marks the module)
 
@@ -41,7 +42,7 @@ def test_feature(name, case, dtype):
     assert lse.dtype == np.float32
 
 
-@pytest.mark.parametrize("name,case,gold_out,gold_lse", golden_cases(), ids=[g[0] for g in golden_cases()])
+@pytest.mark.parametrize("name,case,gold_out,gold_lse", golden_cases())
 def test_golden(name, case, gold_out, gold_lse):
     out, lse = emulated(case.q, case.k, case.v, **case.options)
     base, base_lse = reference.attention(case.q, case.k, case.v, return_lse=True, compute_dtype=case.q.dtype,

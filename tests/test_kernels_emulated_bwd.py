@@ -16,7 +16,8 @@ from cuflash.cuda.specs import KernelSpec
 from cuflash.testing import Case, attention_cases
 
 import bwd_cases
-from fwd_cases import bf16, feature_cases, golden_cases, make_case
+from golden import golden_cases
+from fwd_cases import bf16, feature_cases, make_case
 
 from emulated_support import emulated_backward, forward, kernel_grads, pytestmark  # noqa: F401  (pytestmark marks the module)
 
@@ -110,7 +111,7 @@ def test_every_table_row(spec):
 # ------------------------------------------------------------------------------------------------
 # Golden vectors (float64 gradients from an independent oracle), inputs rounded to fp16
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,case,gold_out,gold_lse", golden_cases(), ids=[g[0] for g in golden_cases()])
+@pytest.mark.parametrize("name,case,gold_out,gold_lse", golden_cases())
 def test_golden(name, case, gold_out, gold_lse):
     out, lse = forward(case)
     bwd_cases.check_golden_grads(emulated_backward()(case.dout, case.q, case.k, case.v, out, lse, **case.options),

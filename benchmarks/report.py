@@ -1,0 +1,157 @@
+"""Records, the JSON files (one per figure, one schema) and the text table of a run."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+from .cases import FIGURE_FILES, FIGURE_TITLES, FIGURES, Case
+from .impls import NA
+from .timing import Timer
+
+
+@dataclass
+class Record:
+    """One measurement; fields as in the benchmarks issue's schema, null where not applicable."""
+
+    impl: str
+    op: str
+    dtype: str
+    head_dim: int
+    seqlen_q: int
+    seqlen_k: int
+    batch: int
+    heads: int
+    causal: bool
+    density: Optional[float]
+    ms: Optional[float]
+    tflops: Optional[float]
+    peak_bytes: Optional[int]
+    gbps: Optional[float] = None
+    io_bytes: Optional[int] = None
+    block_k: Optional[int] = None
+    device: str = "cpu"
+    repeats: int = 0
+    calls_per_sample: int = 1
+
+    @classmethod
+    def of(cls, case: Case, impl: str, timer: Timer, peak: Optional[int], io_bytes: Optional[int]) -> "Record":
+        """The record of ``impl`` on ``case`` from its timer, observed peak and modelled bytes."""
+        ms = timer.median_ms
+        return cls(impl=impl, op=case.op, dtype=case.dtype, head_dim=case.head_dim, seqlen_q=case.seqlen_q,
+                   seqlen_k=case.seqlen_k, batch=case.batch, heads=case.heads, causal=case.causal,
+                   density=case.density, ms=round(ms, 6), tflops=round(case.flops / (ms * 1e-3) / 1e12, 4),
+                   peak_bytes=peak, gbps=round(case.bytes / (ms * 1e-3) / 1e9, 3), io_bytes=io_bytes,
+                   block_k=case.block_k, device=case.device, repeats=len(timer.samples),
+                   calls_per_sample=timer.calls)
+
+
+RECORD_FIELDS = tuple(f.name for f in fields(Record))
+
+
+@dataclass
+class RunResult:
+    records: list = field(default_factory=list)   # (figure, Record)
+    skipped: list = field(default_factory=list)   # (figure, dict with the case's fields and "reason")
+    interrupted: bool = False                     # stopped by SIGINT/Ctrl-C before every pair was tried
+
+
+# ------------------------------------------------------------------------------------------------ JSON
+def payloads(result: RunResult, *, meta: dict) -> dict:
+    """``{figure: JSON object}``: every figure that has a record, in the issue's schema."""
+    out = {}
+    for fig in FIGURES:
+        recs = [asdict(r) for f, r in result.records if f == fig]
+        if not recs:
+            continue
+        skipped = [e for f, e in result.skipped if f == fig]
+        out[fig] = {"figure": fig, "title": FIGURE_TITLES[fig], **meta, "records": recs, "skipped": skipped}
+    return out
+
+
+def write_results(payload_by_fig: dict, out_dir: Path, *, plots: bool = True) -> list[Path]:
+    """Write ``<figure>.json`` (and ``.png`` when matplotlib is importable) into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fig, payload in payload_by_fig.items():
+        path = out_dir / f"{FIGURE_FILES[fig]}.json"
+        path.write_text(json.dumps(payload, indent=1) + "\n")
+        written.append(path)
+    if plots:
+        from .plots import write_plots
+
+        written += write_plots(payload_by_fig, out_dir)
+    return written
+
+
+def load_results(folder: Path) -> dict:
+    """``{figure: JSON object}`` of every figure JSON in ``folder``; records are checked against
+    :class:`Record` (a ValueError names the file and the fields that do not fit)."""
+    by_fig = {}
+    for fig, stem in FIGURE_FILES.items():
+        path = folder / f"{stem}.json"
+        if not path.exists():
+            continue
+        payload = json.loads(path.read_text())
+        for rec in payload.get("records", []):
+            if set(rec) != set(RECORD_FIELDS):
+                raise ValueError(f"{path}: a record's fields {sorted(set(rec) ^ set(RECORD_FIELDS))} do not fit "
+                                 f"the schema")
+        by_fig[fig] = payload
+    return by_fig
+
+
+# ------------------------------------------------------------------------------------------------ table
+_COLUMNS = (("impl", 15, "{}"), ("op", 7, "{}"), ("dtype", 7, "{}"), ("B", 3, "{}"), ("H", 3, "{}"),
+            ("Sq", 6, "{}"), ("Sk", 6, "{}"), ("d", 4, "{}"), ("causal", 6, "{}"), ("mask/bk", 7, "{}"),
+            ("ms", 10, "{:.3f}"), ("TFLOP/s", 8, "{:.3g}"), ("GB/s", 8, "{:.3g}"), ("peak MB", 9, "{:.1f}"),
+            ("x cuflash", 9, "{:.2f}"))
+
+
+def table(result: RunResult) -> str:
+    """The run as text: one block per figure; ``x cuflash`` is ms / cuflash's ms on the same case."""
+    ref = {_rkey(fig, r): r.ms for fig, r in result.records if r.impl == "cuflash"}
+    head = " ".join(f"{name:>{w}}" for name, w, _ in _COLUMNS)
+    out = []
+    for fig in FIGURES:
+        rows = [r for f, r in result.records if f == fig]
+        if rows:
+            out += ["", f"== {fig}: {FIGURE_TITLES[fig]}", head]
+            out += [_row(r, ref.get(_rkey(fig, r))) for r in rows]
+    out += product_targets(result)
+    reasons = sorted({e["reason"] for _, e in result.skipped if not e["reason"].startswith(NA)})
+    if reasons:
+        out += ["", f"{len(result.skipped)} (case, impl) pairs not measured (see 'skipped' in the JSON); "
+                    f"reasons besides an impl lacking the op, device, mask or tile option:"]
+        out += [f"  - {r}" for r in reasons[:20]]
+    return "\n".join(out)
+
+
+def _row(r: Record, cuflash_ms: Optional[float]) -> str:
+    mask = r.density if r.density is not None else r.block_k
+    vals = (r.impl, r.op, r.dtype, r.batch, r.heads, r.seqlen_q, r.seqlen_k, r.head_dim,
+            "yes" if r.causal else "no", "-" if mask is None else f"{mask:g}", r.ms, r.tflops, r.gbps,
+            None if r.peak_bytes is None else r.peak_bytes / 2**20, r.ms / cuflash_ms if cuflash_ms else None)
+    return " ".join(f"{'-' if v is None else fmt.format(v):>{w}}" for (_, w, fmt), v in zip(_COLUMNS, vals))
+
+
+def product_targets(result: RunResult) -> list[str]:
+    """The NumPy backend's targets, as measured in this run: naive NumPy / cuflash (>= 4) and
+    cuflash / PyTorch CPU SDPA (<= 3)."""
+    ms = {r.impl: r.ms for f, r in result.records if f == "product"}
+    if "cuflash" not in ms or not {"numpy", "torch-flash"} & set(ms):
+        return []
+    lines = ["", "product targets (this run):"]
+    if "numpy" in ms:
+        x = ms["numpy"] / ms["cuflash"]
+        lines.append(f"  naive numpy / cuflash = {x:.2f}x (target >= 4x: {'met' if x >= 4 else 'not met'})")
+    if "torch-flash" in ms:
+        x = ms["cuflash"] / ms["torch-flash"]
+        lines.append(f"  cuflash / torch SDPA  = {x:.2f}x (target <= 3x: {'met' if x <= 3 else 'not met'})")
+    return lines
+
+
+def _rkey(fig: str, r: Record) -> tuple:
+    return (fig, r.device, r.op, r.dtype, r.batch, r.heads, r.seqlen_q, r.seqlen_k, r.head_dim, r.causal,
+            r.density, r.block_k)

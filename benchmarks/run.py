@@ -1,0 +1,269 @@
+"""The runner and its command line: ``python -m benchmarks.run --quick|--full|--smoke [--out DIR] ...``.
+
+Measures every applicable (case, impl) pair of a suite (:func:`benchmarks.cases.suite`), prints a
+table and writes one JSON per figure (+ PNG with matplotlib); see ``benchmarks/README.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from . import environment
+from .cases import FIGURES, Case, suite
+from .impls import IMPLS, Impl, Skip, applicable, model_io_bytes
+from .inputs import Inputs, make_inputs
+from .report import Record, RunResult, load_results, payloads, table, write_results
+from .timing import TIMINGS, Timing, first_call_peak, is_oom, release_memory, time_it
+
+#: Seconds of measuring after which the remaining pairs are skipped: a quick CPU run must end within a
+#: minute, a full GPU run within one 10-minute device call (imports, compilation and plots included).
+DEFAULT_TIME_LIMIT = {"smoke": None, "quick": 50.0, "full": 500.0}
+
+
+class Progress:
+    """A progress bar on stderr without dependencies (one line per 10% when stderr is no terminal)."""
+
+    def __init__(self, total: int, *, enabled: bool = True, stream=None):
+        self.total, self.done, self.enabled = max(1, total), 0, enabled
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self._last_decile = -1
+
+    def step(self, label: str):
+        self.done += 1
+        if not self.enabled:
+            return
+        frac = self.done / self.total
+        line = f"[{'#' * int(frac * 24):<24}] {self.done}/{self.total} {time.perf_counter() - self.t0:5.0f}s {label}"
+        if self.tty:
+            self.stream.write("\r" + line[:119].ljust(119))
+        elif int(frac * 10) != self._last_decile or self.done == self.total:
+            self._last_decile = int(frac * 10)
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self):
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def plan_work(cases: list[Case], *, impl_filter: Optional[set] = None) -> list[tuple[Case, str]]:
+    """(case, impl) pairs in run order: JAX last, so its allocator cannot starve the others."""
+    work = [(c, name) for c in cases for name in c.impls if impl_filter is None or name in impl_filter]
+    return sorted(work, key=lambda w: w[1].startswith("jax"))  # stable: keeps the suite order otherwise
+
+
+def run_cases(cases: list[Case], *, timing: Timing, deadline: Optional[float] = None,
+              impl_filter: Optional[set] = None, progress: bool = True,
+              checkpoint: Optional[Callable] = None, checkpoint_s: float = 60.0) -> RunResult:
+    """Measure every applicable (case, impl) pair; failures become ``skipped`` entries with the reason.
+
+    ``deadline`` (``time.monotonic()`` value): pairs not started by then are skipped. Once an impl
+    runs out of memory on a figure, its larger cases on that figure are skipped. ``checkpoint(result)``
+    is called every ``checkpoint_s`` seconds, so a run killed from outside still leaves its results;
+    an interrupt (SIGINT) ends the loop with ``result.interrupted`` set and the records kept.
+    """
+    result = RunResult()
+    last_checkpoint = time.monotonic()
+    work = plan_work(cases, impl_filter=impl_filter)
+    bar = Progress(len(work), enabled=progress)
+    unusable: dict[str, str] = {}      # impl@device -> why not ("" when usable)
+    oom_at: dict[tuple, int] = {}      # (figure, impl) -> smallest seqlen that ran out of memory
+    inputs_key, inputs = None, None
+    try:
+        for case, name in work:
+            bar.step(f"{name} {case.label()}")
+            why = _why_not(case, name, unusable, oom_at, deadline)
+            if why is not None:
+                result.skipped.append((case.figure, skip_entry(case, name, why)))
+                continue
+            if inputs_key != case.inputs_key:
+                inputs = None
+                release_memory(case.device)
+                inputs, inputs_key = make_inputs(case), case.inputs_key
+            failed = _measure_into(result, case, name, inputs, timing, oom_at)
+            # after a failure the traceback's frames (holding the big temporaries) sit in a cycle
+            release_memory(case.device, collect=failed)
+            if checkpoint is not None and time.monotonic() - last_checkpoint > checkpoint_s:
+                checkpoint(result)
+                last_checkpoint = time.monotonic()
+    except KeyboardInterrupt:  # `timeout -s INT`: keep what was measured, so the caller can still write it
+        result.interrupted = True
+    bar.close()
+    return result
+
+
+def _measure_into(result: RunResult, case: Case, name: str, inputs: Inputs, timing: Timing, oom_at: dict) -> bool:
+    """Measure one pair into ``result``; returns whether it failed (a failure is a ``skipped`` entry)."""
+    try:
+        result.records.append((case.figure, measure(case, IMPLS[name], inputs, timing=timing)))
+        return False
+    except Exception as exc:  # noqa: BLE001 -- a baseline failing must not end the run
+        if is_oom(exc):
+            oom_at[(case.figure, name)] = min(oom_at.get((case.figure, name), 1 << 62), case.seqlen_k)
+        result.skipped.append((case.figure, skip_entry(case, name, _reason(exc))))
+        return True
+
+
+def _why_not(case, name, unusable, oom_at, deadline) -> Optional[str]:
+    impl = IMPLS[name]
+    why = applicable(impl, case)
+    if why:
+        return why
+    if deadline is not None and time.monotonic() > deadline:
+        return "time limit of the run reached"
+    if (case.figure, name) in oom_at and case.seqlen_k >= oom_at[(case.figure, name)]:
+        return f"out of memory (ran out at seqlen {oom_at[(case.figure, name)]})"
+    key = f"{name}@{case.device}"
+    if key not in unusable:
+        try:
+            impl.check(case.device)
+            unusable[key] = ""
+        except Skip as exc:
+            unusable[key] = str(exc)
+    return unusable[key] or None
+
+
+def measure(case: Case, impl: Impl, inputs: Inputs, *, timing: Timing) -> Record:
+    """Time one impl on one case and observe its peak memory; returns the Record."""
+    run, sync = impl.build(case, inputs)
+    peak = first_call_peak(run, sync, device=case.device, memory=impl.memory)
+    timer = time_it(run, sync, device=case.device, timing=timing)
+    return Record.of(case, impl.name, timer, peak, model_io_bytes(case, impl))
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, Skip):
+        return str(exc)
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:200]}"
+
+
+def skip_entry(case: Case, impl: str, reason: str) -> dict:
+    """The JSON ``skipped`` entry of a pair not measured: the case's fields and the reason."""
+    return {"impl": impl, "op": case.op, "dtype": case.dtype, "head_dim": case.head_dim,
+            "seqlen_q": case.seqlen_q, "seqlen_k": case.seqlen_k, "batch": case.batch, "heads": case.heads,
+            "causal": case.causal, "density": case.density, "block_k": case.block_k, "device": case.device,
+            "reason": reason}
+
+
+# ================================================================================================
+# Command line
+# ================================================================================================
+def replot(folder: Path) -> int:
+    """Redraw the PNG of every figure JSON in ``folder``; 1 when there is none."""
+    from .plots import write_plots
+
+    by_fig = load_results(folder)
+    if not by_fig:
+        print(f"no result JSON in {folder}", file=sys.stderr)
+        return 1
+    written = write_plots(by_fig, folder)
+    print(f"wrote {len(written)} plots to {folder}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run",
+                                description="Benchmark cuflash against the baselines importable here; "
+                                            "prints a table, writes JSON (+ PNG with matplotlib).")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="a small case list (default; under a minute on the NumPy backend)")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full",
+                      help="every figure at full size (on a GPU: fits one 10-minute call)")
+    mode.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
+                      help="the quick code paths at toy sizes (tests, CI, a dry run of gpu_session.sh)")
+    p.add_argument("--out", type=Path, default=None, help="result folder (default benchmarks/results/<device>/)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: CuPy + GPU (an error without them); cpu: the NumPy backend (default: cuda when "
+                        "available)")
+    p.add_argument("--require-device", choices=("cpu", "cuda"), default=None,
+                   help="refuse to run unless the run's device is this one and cuflash's backend for it is "
+                        "available; exit 1 when no cuflash case was measured (gpu_session.sh: cuda)")
+    p.add_argument("--only", default=None, help=f"comma-separated figures from {', '.join(FIGURES)}")
+    p.add_argument("--impl", default=None, help="comma-separated impls to run (default: all importable)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds after which remaining cases are skipped (quick 50, full 500)")
+    p.add_argument("--commit", default=None,
+                   help="commit to record when this tree is no git checkout (a device machine's copy)")
+    p.add_argument("--no-plot", action="store_true", help="write JSON only")
+    p.add_argument("--replot", type=Path, default=None, metavar="DIR",
+                   help="only redraw the PNGs of the result JSON files in DIR, measuring nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(mode="quick")
+    return p
+
+
+def _names(text: Optional[str], known, what: str, parser: argparse.ArgumentParser) -> Optional[set]:
+    """The comma-separated names of ``text`` (None: no filter); an unknown name is a usage error."""
+    if text is None:
+        return None
+    names = {s.strip() for s in text.split(",") if s.strip()}
+    if names - set(known):
+        parser.error(f"unknown {what} {sorted(names - set(known))}; choose from {', '.join(known)}")
+    return names
+
+
+def _device(args, parser: argparse.ArgumentParser) -> str:
+    """The run's device; a usage error where it cannot be what the arguments ask for. Never a silent
+    fallback: numbers of the NumPy backend must not pass for GPU numbers."""
+    device = environment.best_device() if args.device == "auto" else args.device
+    if device == "cuda" and not environment.gpu_available():
+        parser.error("--device cuda needs CuPy and a visible GPU")
+    if args.require_device is not None:
+        if device != args.require_device:
+            parser.error(f"--require-device {args.require_device}: this run would measure on {device!r} "
+                         f"(CuPy with a visible GPU: {environment.gpu_available()}); refusing")
+        ok, why = environment.cuflash_backend_status(device)
+        if not ok:
+            parser.error(f"--require-device {device}: cuflash's {device} backend is unavailable ({why}); refusing")
+    return device
+
+
+def main(argv=None) -> int:
+    """Entry point of ``python -m benchmarks.run``; returns the exit status (2: usage error)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.replot is not None:
+        return replot(args.replot)
+    device = _device(args, parser)
+    figures = _names(args.only, FIGURES, "figure(s)", parser)
+    impls = _names(args.impl, tuple(IMPLS), "impl(s)", parser)
+    info = environment.gpu_info() if device == "cuda" else environment.cpu_info()
+    cases = [c for c in suite(device, args.mode) if figures is None or c.figure in figures]
+    limit = DEFAULT_TIME_LIMIT[args.mode] if args.time_limit is None else args.time_limit
+    print(f"benchmarks.run --{args.mode} on {info['name']} ({device}); {len(cases)} cases", file=sys.stderr)
+    out_dir = args.out or Path("benchmarks") / "results" / environment.device_slug(info)
+    commit, dirty = environment.git_commit(given=args.commit)
+    t0 = time.monotonic()
+
+    def meta(**more):
+        return {"mode": args.mode, "device": info, "host": environment.cpu_info(), "commit": commit,
+                "dirty": dirty, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "versions": environment.versions(device), "seconds": round(time.monotonic() - t0, 1), **more}
+
+    result = run_cases(cases, timing=TIMINGS[args.mode], impl_filter=impls, progress=not args.no_progress,
+                       deadline=None if limit is None else t0 + limit,
+                       checkpoint=lambda r: write_results(payloads(r, meta=meta(partial=True)), out_dir, plots=False))
+    final = meta(partial=True) if result.interrupted else meta()
+    print(table(result))
+    written = write_results(payloads(result, meta=final), out_dir, plots=not args.no_plot)
+    print(f"\n{len(result.records)} records in {final['seconds']} s; wrote {len(written)} files to {out_dir}")
+    if result.interrupted:
+        print("error: interrupted; the results written are partial", file=sys.stderr)
+        return 130
+    if args.require_device and not any(r.impl == "cuflash" and r.device == device for _, r in result.records):
+        print(f"error: no cuflash case was measured on {device} (see 'skipped')", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

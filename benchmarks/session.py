@@ -1,0 +1,161 @@
+"""The Python half of ``benchmarks/gpu_session.sh``: probes that fail loudly, the JUnit check, ``session.json``.
+
+``python3 -m benchmarks.session probe --json FILE [--need-pytest]``
+    Print the versions of python, numpy, CuPy, NVRTC, the CUDA driver and runtime, torch, pytest and
+    pytest-xdist, the device and cuflash's cuda backend; write them to FILE. Exit 1 with one
+    ``gpu_session: FAIL: ...`` line (also stored as ``failed`` in FILE) when CuPy is missing, no GPU is
+    visible, NVRTC cannot be loaded, or (``--need-pytest``) pytest is missing.
+``python3 -m benchmarks.session junit XML [--require-golden]``
+    Summarize a pytest JUnit XML; exit 1 when no test ran, or (``--require-golden``) no golden case ran.
+``python3 -m benchmarks.session finish --out FILE [--probe FILE] [--junit XML] [--set KEY=VALUE ...]``
+    Write ``session.json``: the probe's facts, the JUnit summary, every ``KEY=VALUE`` (VALUE read as JSON
+    when it parses, else kept as text) and the files of FILE's folder.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Optional
+
+
+class SessionError(Exception):
+    """A precondition of a GPU session does not hold; the message is the one line to show."""
+
+
+def _version(module: str) -> Optional[str]:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "unknown")
+    except ImportError:
+        return None
+
+
+def probe(*, need_pytest: bool) -> dict:
+    """The facts of this machine that a GPU result depends on; raises :class:`SessionError`."""
+    import numpy as np
+
+    facts = {"python": platform.python_version(), "numpy": np.__version__}
+    try:
+        import cupy
+    except ImportError as exc:
+        raise SessionError(f"CuPy is not importable ({exc}): install cupy-cuda12x or cupy-cuda13x") from None
+    facts["cupy"] = cupy.__version__
+    try:
+        facts["gpus"] = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 -- CUDARuntimeError: no driver, no device
+        raise SessionError(f"no GPU visible to CuPy ({type(exc).__name__}: {exc})") from None
+    if facts["gpus"] < 1:
+        raise SessionError("no GPU visible to CuPy (getDeviceCount() == 0)")
+    from . import environment
+
+    facts.update(environment.cuda_versions())
+    if facts["nvrtc"].startswith("unavailable"):
+        raise SessionError(f"NVRTC {facts['nvrtc']}: the kernels cannot be compiled")
+    facts["device"] = environment.gpu_info()
+    ok, why = environment.cuflash_backend_status("cuda")
+    facts["cuflash_cuda_backend"] = why if ok else f"unavailable: {why}"
+    facts.update(torch=_version("torch"), pytest=_version("pytest"), xdist=_version("xdist"))
+    if need_pytest and facts["pytest"] is None:
+        raise SessionError("pytest is not importable: the GPU tests cannot run")
+    return facts
+
+
+def _print_facts(facts: dict):
+    for key, value in facts.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v}" for k, v in value.items())
+        print(f"{key:22s} {'not installed' if value is None else value}")
+
+
+def junit_summary(path: Path) -> dict:
+    """``{"tests", "failures", "errors", "skipped", "run", "golden_run"}`` of a JUnit XML (every
+    ``testsuite`` summed); ``run`` counts cases neither skipped nor errored at collection, ``golden_run``
+    those whose name says ``golden``."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    out = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    ran = [c for s in suites for c in s.iter("testcase") if c.find("skipped") is None]
+    out["run"] = len(ran)
+    out["golden_run"] = sum("golden" in c.get("name", "") for c in ran)
+    return out
+
+
+def _junit(args) -> int:
+    path = Path(args.xml)
+    if not path.exists():
+        print(f"gpu_session: FAIL: {path} was not written (pytest died before its report)")
+        return 1
+    s = junit_summary(path)
+    print(f"tests: {s['run']} run ({s['failures']} failed, {s['errors']} errors), {s['skipped']} skipped; "
+          f"golden cases run: {s['golden_run']}")
+    if s["run"] == 0:
+        print("gpu_session: FAIL: no test ran (all skipped or none collected)")
+        return 1
+    if args.require_golden and s["golden_run"] == 0:
+        print("gpu_session: FAIL: no golden case ran (are the golden vectors where the tests look?)")
+        return 1
+    return 0
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _finish(args) -> int:
+    out = Path(args.out)
+    session = {}
+    if args.probe and Path(args.probe).exists():
+        session.update(json.loads(Path(args.probe).read_text()))
+    if args.junit and Path(args.junit).exists():
+        session["tests"] = junit_summary(Path(args.junit))
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
+        session[key] = _parse_value(value)
+    session["dry_run"] = bool(session.get("dry_run"))
+    session["files"] = sorted({p.name for p in out.parent.iterdir() if p.is_file()} | {out.name})
+    out.write_text(json.dumps(session, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+def _probe(args) -> int:
+    try:
+        facts = probe(need_pytest=args.need_pytest)
+    except SessionError as exc:
+        print(f"gpu_session: FAIL: {exc}")
+        Path(args.json).write_text(json.dumps({"failed": str(exc)}) + "\n")
+        return 1
+    _print_facts(facts)
+    Path(args.json).write_text(json.dumps(facts) + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    """Entry point of ``python3 -m benchmarks.session``; returns the exit status."""
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.session", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pr = sub.add_parser("probe")
+    pr.add_argument("--json", required=True)
+    pr.add_argument("--need-pytest", action="store_true")
+    ju = sub.add_parser("junit")
+    ju.add_argument("xml")
+    ju.add_argument("--require-golden", action="store_true")
+    fi = sub.add_parser("finish")
+    fi.add_argument("--out", required=True)
+    fi.add_argument("--probe", default=None)
+    fi.add_argument("--junit", default=None)
+    fi.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    return {"probe": _probe, "junit": _junit, "finish": _finish}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""benchmarks/gpu_session.sh without a GPU: its dry run (``GPU_SESSION_DRY_RUN=1``) and its failure paths.
+
+The dry run takes every step of a device call at toy size on a fake GPU (tests/fake_gpu: CuPy is
+tests/fake_cupy_bench.py's fake, kernels run on the CPU emulator, a fake nvidia-smi answers for
+``FAKE_GPUS``): the version probes, the golden-vector check, a one-test pytest call, a smoke benchmark on
+the (emulated) cuda backend, and the packing. The tests check what comes back in ``$OUT`` and that each
+missing precondition ends the script non-zero with a line saying what is missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from cuflash import emulate
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_session.sh"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+PACKED = {"session.json", "session.txt", "gpu_tests.txt", "gpu_tests.xml", "bench.txt", "results.tar.gz"}
+needs_emulator = pytest.mark.skipif(not emulate.available()[0], reason=f"CPU emulation unavailable: "
+                                                                       f"{emulate.available()[1]}")
+
+
+def session(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run the script's dry run with ``env`` on top of a clean environment; ``(process, $OUT)``."""
+    out = tmp_path / "out"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_", "GPU_SESSION_", "CUFLASH_GOLDEN"))}
+    base.update(OUT=str(out), PYTHON=sys.executable, GPU_SESSION_DRY_RUN="1", GPU_SESSION_COMMIT=COMMIT, **env)
+    done = subprocess.run(["bash", str(SCRIPT), *args], env=base, capture_output=True, text=True, timeout=180)
+    return done, out
+
+
+def session_json(out: Path) -> dict:
+    return json.loads((out / "session.json").read_text())
+
+
+@pytest.fixture
+def golden_copy(tmp_path, golden):
+    """A copy of the golden vectors in a folder of its own, as a device machine gets them in .golden/."""
+    return Path(shutil.copytree(golden.directory, tmp_path / "golden"))
+
+
+@needs_emulator
+def test_dry_run_packs_what_a_gpu_session_would(tmp_path, golden_copy):
+    done, out = session(tmp_path, "all", CUFLASH_GOLDEN_DIR=str(golden_copy))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {p.name for p in out.iterdir()} == PACKED  # at most 8 files come back from a device call
+    facts = session_json(out)
+    assert facts["dry_run"] is True and facts["status"] == 0 and facts["commit"] == COMMIT
+    assert facts["cupy"].endswith("+fake") and facts["nvrtc"] == "13.0" and facts["cuda_driver"] == 13000
+    assert facts["device"]["name"] == "fake H100" and "fake H100" in facts["nvidia_smi"]
+    assert facts["date"].endswith("Z") and facts["files"] == sorted(PACKED)
+    # the golden vectors reached the tests: the one test run is a golden one and it passed
+    assert facts["golden_dir"] == str(golden_copy) and facts["golden_files"] == len(list(golden_copy.glob("*.npz")))
+    assert facts["tests"] == {"tests": 1, "run": 1, "failures": 0, "errors": 0, "skipped": 0, "golden_run": 1}
+    cases = list(ET.parse(out / "gpu_tests.xml").getroot().iter("testcase"))
+    assert [c.get("name") for c in cases] == ["test_golden_set_covers_the_semantics"]
+    # the benchmark measured cuflash on the cuda backend, and says where and with what
+    with tarfile.open(out / "results.tar.gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+        assert {"fig4_tiles.json", "fig5_decode.json"} <= names
+        payload = json.load(tar.extractfile("./fig4_tiles.json"))
+    assert payload["commit"] == COMMIT and payload["device"]["kind"] == "cuda"
+    assert payload["versions"]["nvrtc"] == "13.0" and payload["versions"]["cupy"] == facts["cupy"]
+    recs = payload["records"]
+    assert {r["block_k"] for r in recs} == {32, 64} and all(r["impl"] == "cuflash" and r["device"] == "cuda"
+                                                            for r in recs)
+
+
+def test_missing_golden_vectors_fail_the_session(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done, out = session(tmp_path, "tests", CUFLASH_GOLDEN_DIR=str(empty))
+    assert done.returncode == 1
+    facts = session_json(out)
+    assert "golden vectors not found" in facts["failed"] and str(empty) in facts["failed"]
+    assert ".golden" in facts["failed"]  # says how to provide them
+    assert not (out / "gpu_tests.xml").exists() and facts["tests_rc"] is None  # no test ran without them
+
+
+@pytest.mark.parametrize("env, message", [
+    (dict(FAKE_GPUS=""), "no GPU visible to nvidia-smi"),
+    (dict(FAKE_CUPY_MISSING="1"), "CuPy is not importable"),
+])
+def test_missing_gpu_or_cupy_fail_the_session(tmp_path, env, message):
+    done, out = session(tmp_path, "bench", **env)
+    assert done.returncode == 1
+    assert f"gpu_session: FAIL: {message}" in done.stdout
+    facts = session_json(out)
+    assert message in facts["failed"] and facts["status"] == 1 and facts["bench_rc"] is None
+    assert set(facts["files"]) == {"session.json", "session.txt"}
+
+
+def test_benchmark_refuses_a_backend_other_than_cuda(tmp_path):
+    """A GPU cuflash's cuda backend cannot use (sm_75): the runner refuses instead of measuring elsewhere."""
+    done, out = session(tmp_path, "bench", FAKE_GPUS="T4")
+    assert done.returncode == 1
+    assert "cuda backend is unavailable" in (out / "bench.txt").read_text()
+    facts = session_json(out)
+    assert facts["bench_rc"] == 2 and "benchmark failed or was refused" in facts["failed"]
+    assert not (out / "results.tar.gz").exists()
+
+
+def test_unknown_step_is_a_usage_error(tmp_path):
+    done, _ = session(tmp_path, "benchmark")
+    assert done.returncode == 2 and "usage:" in done.stderr
+
+
+@needs_emulator
+def test_cuda_tile_sweep_launches_the_swept_kernel(monkeypatch, request):
+    """The tile figure on CUDA runs the tile table's specialization with ``block_n = block_k`` through
+    ``cuda.forward(spec=)``: the launch recorded by the fake is that kernel, not the table's choice."""
+    from dataclasses import replace
+
+    import fake_cupy_bench
+    from benchmarks import cases, impls, inputs, run, timing
+    from cuflash.backends import cuda
+    from cuflash.cuda import specs
+
+    cp = fake_cupy_bench.make()
+    for name, module in fake_cupy_bench.modules(cp).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    cuda._memoized.cache_clear()  # kernels memoized for another (fake) CuPy, and again after this test
+    request.addfinalizer(cuda._memoized.cache_clear)
+    case = cases.Case("tiles", "cuda", "fwd", "float16", 1, 2, 128, 128, 32, block_k=32)
+    table = specs.select("fwd", "float16", 32)
+    assert table.block_n != 32
+    record = run.measure(case, impls.IMPLS["cuflash"], inputs.make_inputs(case), timing=timing.TIMINGS["smoke"])
+    assert record.block_k == 32 and record.ms > 0
+    assert {launch.name for launch in cp._launches} == {replace(table, block_n=32).name_expression}
