@@ -117,3 +117,22 @@ def test_current_stream(seed):
         out, lse = cuflash.attention(cp.asarray(case.q), cp.asarray(case.k), cp.asarray(case.v), return_lse=True)
         stream.synchronize()
     check_forward(lambda *a, **o: (out, lse), case)
+
+
+def test_params_layout_on_the_device():
+    """NVRTC cannot check offsets at compile time (no offsetof constant expression there): a kernel reads
+    the address of every field of the params struct and the offsets must be the NumPy dtype's."""
+    from cuflash.backends.cuda import KERNEL_OPTIONS
+    from cuflash.cuda import params
+    from cuflash.cuda.source import KERNELS_DIR, inline_includes
+
+    fields = [(path, offset) for path, offset, _ in params._members(params.PARAMS)]
+    body = "\n".join(f"  out[{i}] = (const char*)&p.{path} - (const char*)&p;" for i, (path, _) in enumerate(fields))
+    source = (inline_includes(KERNELS_DIR / "params.cuh") +
+              f'\nextern "C" __global__ void layout(const __grid_constant__ cuflash::Params p, long long* out) {{\n'
+              f"{body}\n  out[{len(fields)}] = sizeof(cuflash::Params);\n}}\n")
+    out = cp.zeros(len(fields) + 1, dtype=np.int64)
+    module = cp.RawModule(code=source, options=KERNEL_OPTIONS, name_expressions=("layout",))
+    module.get_function("layout")((1,), (1,), (params.pack(), out))
+    got = cp.asnumpy(out)
+    assert list(got[:-1]) == [offset for _, offset in fields] and got[-1] == params.PARAMS.itemsize
