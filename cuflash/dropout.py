@@ -14,6 +14,8 @@ log-sum-exp is that of the undropped scores.
 """
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
@@ -64,9 +66,17 @@ def dropout_mask(shape, *, seed: int, p: float):
     p : float in [0, 1)
         Dropout probability.
     """
+    from .problem import check_dropout
+
+    if not isinstance(shape, (tuple, list)) or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
+                                                       and s >= 0 for s in shape):
+        raise TypeError(f"shape must be a tuple of ints >= 0, (*batch, heads, seqlen_q, seqlen_k), got {shape!r}")
     shape = tuple(int(s) for s in shape)
     if len(shape) < 3:
         raise ValueError(f"shape must be (*batch, heads, seqlen_q, seqlen_k), got {shape}")
+    p, seed = check_dropout(p, seed, what="p")
+    if seed is None:
+        raise ValueError("seed is required: an int in [0, 2**64)")
     *batch, heads, sq, sk = shape
     nb = int(np.prod(batch))
     b = np.arange(nb)[:, None, None, None]

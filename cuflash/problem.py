@@ -65,9 +65,12 @@ def _is_cupy(x) -> bool:
 
 
 def array_module(*arrays, names):
-    """Return ``numpy`` or ``cupy`` for the arrays; reject non-arrays and mixtures."""
+    """Return ``numpy`` or ``cupy`` for the arrays; reject non-arrays, masked arrays and mixtures."""
     kinds = {}
     for a, name in zip(arrays, names):
+        if isinstance(a, np.ma.MaskedArray):
+            raise TypeError(f"{name} is a numpy.ma.MaskedArray: its mask would be ignored; pass a plain array and "
+                            f"express the mask with causal/window/seqlens/block_mask/mask_mod")
         if isinstance(a, np.ndarray):
             kinds[name] = "numpy"
         elif _is_cupy(a) and hasattr(a, "__cuda_array_interface__"):
@@ -178,6 +181,17 @@ def _flatten(x, n_batch: int):
     return x.reshape((math.prod(x.shape[:n_batch]),) + x.shape[n_batch:])
 
 
+def native(a):
+    """``a`` as a plain array in native byte order: a NumPy subclass is viewed as its ndarray (a masked array
+    was refused earlier), non-native byte order converted (a copy). Kernels and BLAS read raw native bytes, so
+    a big-endian array would otherwise be reinterpreted."""
+    if isinstance(a, np.ndarray):
+        a = a.view(np.ndarray) if type(a) is not np.ndarray else a
+        if not a.dtype.isnative:
+            a = a.astype(a.dtype.newbyteorder("="))
+    return a
+
+
 def _check_element_type(q, dtype):
     """The element type of q, k, v: their dtype, or bfloat16 declared over uint16 bits."""
     if dtype is None:
@@ -227,7 +241,7 @@ def _check_scale(scale, head_dim):
     return float(scale)
 
 
-def _check_window(window, causal):
+def _check_window(window, causal, span: int):
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     left = right = None
@@ -241,7 +255,9 @@ def _check_window(window, causal):
                 raise TypeError(f"window {side} must be an int >= 0 or None, got {w!r}")
             if w < 0:
                 raise ValueError(f"window {side} must be >= 0 or None, got {w}")
-        left, right = (None if w is None else int(w) for w in window)
+        # Any bound beyond seqlen_q + seqlen_k keeps every key of every row: it means "unbounded" exactly, and
+        # clamping keeps the index arithmetic of every backend far from integer overflow.
+        left, right = (None if w is None else min(int(w), span) for w in window)
     if causal:
         right = 0 if right is None else min(right, 0)
     return left, right
@@ -262,11 +278,12 @@ def _check_seqlens(x, name, batch_shape, full, xp):
     return xp.asarray(host.astype(np.int32))
 
 
-def _check_dropout(dropout_p, seed):
+def check_dropout(dropout_p, seed, what="dropout_p"):
+    """``(p, seed)`` validated: ``p`` a real in [0, 1), ``seed`` None or an int in [0, 2**64)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+        raise TypeError(f"{what} must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:  # NaN fails this too
+        raise ValueError(f"{what} must lie in [0, 1), got {dropout_p}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                              or not 0 <= seed < 2**64):
         raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
@@ -277,13 +294,14 @@ def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=N
                  seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, dtype=None) -> Problem:
     """Validate the forward arguments and return the normalized :class:`Problem`."""
     xp = array_module(q, k, v, names=("q", "k", "v"))
+    q, k, v = native(q), native(k), native(v)
     element_type = _check_element_type(q, dtype)
     _check_qkv(q, k, v, element_type)
     n_batch = q.ndim - 3
     batch_shape = tuple(q.shape[:n_batch])
     scale = _check_scale(scale, q.shape[-1])
-    left, right = _check_window(window, causal)
-    dropout_p, seed = _check_dropout(dropout_p, seed)
+    left, right = _check_window(window, causal, q.shape[-3] + k.shape[-3])
+    dropout_p, seed = check_dropout(dropout_p, seed)
     sq = _check_seqlens(seqlens_q, "seqlens_q", batch_shape, q.shape[-3], xp)
     sk = _check_seqlens(seqlens_k, "seqlens_k", batch_shape, k.shape[-3], xp)
     qf, kf, vf = (_flatten(a, n_batch) for a in (q, k, v))
@@ -300,6 +318,7 @@ def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=N
 def check_backward(problem: Problem, dout, out, lse):
     """Validate the backward's extra arrays against the forward problem; return them flattened."""
     xp = array_module(dout, out, lse, names=("dout", "out", "lse"))
+    dout, out, lse = native(dout), native(out), native(lse)
     if xp is not problem.xp:
         raise TypeError("dout, out, lse must live on the same array module as q, k, v")
     want = problem.batch_shape + problem.q.shape[1:]
