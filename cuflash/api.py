@@ -22,6 +22,27 @@ _OPTIONS_DOC = """
         Block-sparse grid ``(batch|1, heads|1, ceil(Sq/bq), ceil(Sk/bk))``; False blocks are skipped.
     seqlens_q, seqlens_k : integer array of the batch shape, optional
         Valid length of each sequence; rows past ``seqlens_q`` give ``out = 0``, ``lse = -inf``.
+    bias : float array broadcastable to ``(..., heads, seqlen_q, seqlen_k)``, optional
+        Added to the scores (after the scale and softcap, before the softmax); the batch dimensions
+        broadcast all or none. The backward returns its gradient with ``return_dbias=True``.
+    alibi_slopes : float array ``(heads,)`` or ``(..., heads)``, optional
+        ALiBi (FlashAttention-2's convention): adds ``-slope[h] * |i + Lk - Lq - j|``.
+    softcap : float > 0, optional
+        Soft-capping (FlashAttention-2's convention): a score ``s`` becomes ``softcap * tanh(s / softcap)``
+        (first of the modifiers, right after the scale).
+    score_mod : str, optional
+        A score modifier written once as a Python expression over ``score, b, h, q_idx, kv_idx, q_len,
+        kv_len`` and the names of ``mod_arrays`` (:mod:`cuflash.mods` gives the grammar), e.g.
+        ``"score + slope[h] * (kv_idx - q_idx)"``; applied last, after bias and ALiBi. Differentiated
+        symbolically for the backward.
+    mask_mod : str, optional
+        A mask as an expression of the same variables (no ``score``) evaluating to a bool, e.g.
+        ``"doc[q_idx] == doc[kv_idx]"``; False removes the score. Evaluated on every visited tile: for
+        skipping whole tiles use ``BlockMask.from_mask_mod``.
+    mod_arrays : dict of str to array or number, optional
+        The arrays and scalars ``score_mod``/``mask_mod`` read. An array is indexed by the variables
+        ``b, h, q_idx, kv_idx`` only, and its shape must be their extents exactly (``b`` runs over the
+        flattened batch).
     dropout_p : float in [0, 1), default 0
         Attention dropout: after normalization, P is multiplied by a keep-mask and by
         ``1/(1 - dropout_p)``; ``lse`` is of the undropped scores. The mask is a pure function of
@@ -38,10 +59,14 @@ _OPTIONS_DOC = """
     All masks combine by AND. A query row that sees no key gets ``out = 0``, ``lse = -inf`` and
     zero gradients."""
 
+#: the options attention and attention_backward share (the forward's must be the backward's)
+OPTIONS = ("causal", "scale", "window", "block_mask", "seqlens_q", "seqlens_k", "bias", "alibi_slopes", "softcap",
+           "score_mod", "mask_mod", "mod_arrays", "dropout_p", "seed", "dtype")
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
-              seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, return_lse=False, dtype=None,
-              backend=None):
+
+def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None, seqlens_q=None, seqlens_k=None,
+              bias=None, alibi_slopes=None, softcap=None, score_mod=None, mask_mod=None, mod_arrays=None,
+              dropout_p=0.0, seed=None, return_lse=False, dtype=None, backend=None):
     """Exact softmax attention, computed block by block without materializing the score matrix.
 
     Parameters
@@ -65,8 +90,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
         (``(out, seed)`` or ``(out, lse, seed)``).
     """
     drawn = seed is None and dropout_p
-    kw = dict(causal=causal, scale=scale, window=window, block_mask=block_mask, seqlens_q=seqlens_q,
-              seqlens_k=seqlens_k, dropout_p=dropout_p, seed=fresh_seed() if drawn else seed, dtype=dtype)
+    kw = {name: value for name, value in locals().items() if name in OPTIONS}
+    kw["seed"] = fresh_seed() if drawn else seed
     problem = make_problem(q, k, v, **kw)
     out, lse = backends.select(problem, backend).forward(problem)
     result = (problem.unflatten(out, problem.q.shape[1:]),)
@@ -77,9 +102,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
     return result if len(result) > 1 else result[0]
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
-                       block_mask=None, seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None,
-                       dtype=None, deterministic=False, backend=None):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, block_mask=None,
+                       seqlens_q=None, seqlens_k=None, bias=None, alibi_slopes=None, softcap=None, score_mod=None,
+                       mask_mod=None, mod_arrays=None, dropout_p=0.0, seed=None, dtype=None, deterministic=False,
+                       return_dbias=False, backend=None):
     """Gradients of :func:`attention` by recomputation from the saved ``lse`` (FA2 Algorithm 2).
 
     Parameters
@@ -93,26 +119,35 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         may differ from run to run (dK and dV never do). ``True`` computes dQ in a second pass
         over query blocks without atomics: bitwise reproducible, at the cost of recomputing S, P
         and dP once more. The ``numpy`` backend is always bitwise reproducible.
+    return_dbias : bool, default False
+        Also return the gradient of ``bias`` (in ``bias``'s own shape and dtype).
     {options}
 
     Returns
     -------
     dq, dk, dv : arrays with the shapes and dtype of q, k, v
         ``dk``/``dv`` of a kv head sum the contributions of its query heads.
+    dbias : array, bias's shape and dtype
+        Only with ``return_dbias``: summed over the dimensions ``bias`` broadcasts.
     """
     if dropout_p and seed is None:
         raise ValueError("seed is required when dropout_p > 0: pass the seed the forward used "
                          "(returned by attention when it drew one)")
-    kw = dict(causal=causal, scale=scale, window=window, block_mask=block_mask, seqlens_q=seqlens_q,
-              seqlens_k=seqlens_k, dropout_p=dropout_p, seed=seed, dtype=dtype)
-    problem = make_problem(q, k, v, **kw)
+    problem = make_problem(q, k, v, **{name: value for name, value in locals().items() if name in OPTIONS})
     dout_f, out_f, lse_f = check_backward(problem, dout, out, lse)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    for name, flag in (("deterministic", deterministic), ("return_dbias", return_dbias)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if return_dbias and (problem.mods is None or problem.mods.bias_shape is None):
+        raise ValueError("return_dbias=True needs bias=: there is no bias to differentiate")
     module = backends.select(problem, backend)
-    dq, dk, dv = module.backward(problem, dout_f, out_f, lse_f, deterministic=deterministic)
-    return (problem.unflatten(dq, problem.q.shape[1:]), problem.unflatten(dk, problem.k.shape[1:]),
-            problem.unflatten(dv, problem.v.shape[1:]))
+    grads = module.backward(problem, dout_f, out_f, lse_f, deterministic=deterministic, dbias=return_dbias)
+    dq, dk, dv = grads[:3]
+    result = (problem.unflatten(dq, problem.q.shape[1:]), problem.unflatten(dk, problem.k.shape[1:]),
+              problem.unflatten(dv, problem.v.shape[1:]))
+    if return_dbias:  # in bias's own shape (the backend summed what it broadcasts) and dtype
+        result += (grads[3].reshape(problem.mods.bias_shape).astype(bias.dtype, copy=False),)
+    return result
 
 
 def attention_vjp(q, k, v, **options):

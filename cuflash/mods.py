@@ -8,7 +8,8 @@ A modifier is one expression in Python syntax, parsed with :mod:`ast` against a 
 - differentiated symbolically for the backward (:meth:`Expr.derivative`).
 
 Variables: ``score`` (the scaled score, ``scale * q·k``; score modifiers only), ``b`` (the flattened
-batch index), ``h`` (the query head), ``q_idx``, ``kv_idx`` (the query row and key column). Named
+batch index), ``h`` (the query head), ``q_idx``, ``kv_idx`` (the query row and key column), ``q_len``,
+``kv_len`` (the sequence's own lengths: ``seqlens_q/k`` where given, else the array lengths). Named
 arrays (``mod_arrays``) are read as ``name[v1, v2, ...]`` where each index is one of the variables
 ``b, h, q_idx, kv_idx`` (so an index can never leave the array: its extents are checked against the
 problem once, before anything runs), and named scalars (Python numbers or 0-d arrays) as ``name``.
@@ -30,6 +31,9 @@ from typing import Any, Optional
 import numpy as np
 
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
+LENGTH_VARS = ("q_len", "kv_len")
+#: names cuflash gives its own operands (bias, ALiBi slopes, softcap): user mod_arrays may not start with it
+RESERVED_PREFIX = "cuflash_"
 FUNCTIONS = {"abs": 1, "min": 2, "max": 2, "exp": 1, "log": 1, "tanh": 1, "sqrt": 1, "where": 3}
 _FLOAT_FUNCTIONS = ("exp", "log", "tanh", "sqrt")
 _BIN = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%"}
@@ -121,7 +125,7 @@ class _Parser:
             if self.kind != "score":
                 self.fail(node, "'score' is only available to a score modifier")
             return Node("var", "float", value=name)
-        if name in INDEX_VARS:
+        if name in INDEX_VARS + LENGTH_VARS:
             return Node("var", "int", value=name)
         if name in ("inf", "nan"):
             return Node("const", "float", value=float(name))
@@ -132,7 +136,7 @@ class _Parser:
                 self.operands[name] = Operand(name, t)
                 return Node("scalar", t, value=name)
             self.fail(node, f"array {name!r} must be indexed by {', '.join(INDEX_VARS)} (e.g. {name}[h])")
-        self.fail(node, f"unknown name {name!r}: the variables are score, {', '.join(INDEX_VARS)}, "
+        self.fail(node, f"unknown name {name!r}: the variables are score, {', '.join(INDEX_VARS + LENGTH_VARS)}, "
                         f"and the names of mod_arrays ({', '.join(sorted(self.arrays)) or 'none given'})")
 
     def visit_Subscript(self, node):
@@ -275,18 +279,40 @@ class Expr:
         at the index variables ``index`` (a tuple), or of scalar ``name`` (``index`` None)."""
         return _cpp(self.root, read)
 
-    def derivative(self) -> "Expr":
-        """d(expression)/d(score), simplified: the factor a score modifier's backward multiplies dS by."""
+    def derivative(self, wrt: str = "score") -> "Expr":
+        """d(expression)/d(wrt), simplified, where ``wrt`` is ``"score"`` or an array operand read at the
+        problem's own index (``bias[b, h, q_idx, kv_idx]``): the factor the backward multiplies dS by."""
         if self.kind != "score":
             raise ValueError("only a score modifier has a derivative")
-        return Expr(f"d/dscore({self.text})", "score", _simplify(_d(self.root)), self.operands)
+        return Expr(f"d/d{wrt}({self.text})", "score", _simplify(_d(self.root, wrt)), self.operands)
+
+    def compose(self, inner: "Expr") -> "Expr":
+        """This score modifier applied to the result of ``inner`` (``score`` replaced by ``inner``'s tree)."""
+        if self.kind != "score" or inner.kind != "score":
+            raise ValueError("only score modifiers compose")
+        ops = {o.name: o for o in inner.operands}
+        for o in self.operands:
+            ops[o.name] = Operand(o.name, o.type, tuple(dict.fromkeys(ops[o.name].indexings + o.indexings))) \
+                if o.name in ops else o
+        return Expr(f"{self.text} ∘ {inner.text}", "score", _substitute(self.root, inner.root),
+                    tuple(sorted(ops.values(), key=lambda o: o.name)))
+
+    def both(self, other: "Expr") -> "Expr":
+        """The conjunction of two mask modifiers (a score is kept where both keep it)."""
+        ops = {o.name: o for o in other.operands}
+        for o in self.operands:
+            ops[o.name] = Operand(o.name, o.type, tuple(dict.fromkeys(ops[o.name].indexings + o.indexings))) \
+                if o.name in ops else o
+        return Expr(f"({self.text}) and ({other.text})", "mask", Node("and", "bool", (self.root, other.root)),
+                    tuple(sorted(ops.values(), key=lambda o: o.name)))
 
     @property
     def uses_score(self) -> bool:
         return _uses(self.root, "score")
 
 
-def parse(text: str, *, kind: str, arrays: Optional[dict] = None, what: Optional[str] = None) -> Expr:
+def parse(text: str, *, kind: str, arrays: Optional[dict] = None, what: Optional[str] = None,
+          internal: bool = False) -> Expr:
     """Parse and type-check a modifier. ``kind``: "score" (a number) or "mask" (a bool); ``arrays``: the
     ``mod_arrays`` (arrays and scalars) it may read; ``what`` names it in errors (default ``score_mod``/
     ``mask_mod``). Raises ``TypeError``/``ValueError`` naming the offending token."""
@@ -297,9 +323,10 @@ def parse(text: str, *, kind: str, arrays: Optional[dict] = None, what: Optional
         raise TypeError(f"{what} must be a string holding one expression, got {type(text).__name__}")
     arrays = dict(arrays or {})
     for name in arrays:
-        if not isinstance(name, str) or not name.isidentifier() or name in INDEX_VARS + ("score", "inf", "nan") \
-                or name in FUNCTIONS:
-            raise ValueError(f"mod_arrays key {name!r} must be an identifier other than the variables and functions")
+        if not isinstance(name, str) or not name.isidentifier() or name in INDEX_VARS + LENGTH_VARS + (
+                "score", "inf", "nan") or name in FUNCTIONS or (name.startswith(RESERVED_PREFIX) and not internal):
+            raise ValueError(f"mod_arrays key {name!r} must be an identifier other than the variables, the functions "
+                             f"and names starting with {RESERVED_PREFIX!r}")
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as exc:
@@ -317,7 +344,15 @@ def parse(text: str, *, kind: str, arrays: Optional[dict] = None, what: Optional
 
 
 def _uses(n: Node, name: str) -> bool:
-    return (n.op == "var" and n.value == name) or any(_uses(a, name) for a in n.args)
+    """Whether ``n`` reads the variable ``name`` (or the array operand ``name``)."""
+    return (n.op == "var" and n.value == name) or (n.op == "array" and n.value[0] == name) or \
+        any(_uses(a, name) for a in n.args)
+
+
+def _substitute(n: Node, inner: Node) -> Node:
+    if n.op == "var" and n.value == "score":
+        return inner
+    return Node(n.op, n.type, tuple(_substitute(a, inner) for a in n.args), n.value)
 
 
 # ------------------------------------------------------------------------------------------------ NumPy
@@ -397,31 +432,32 @@ def _const(x: float) -> Node:
     return Node("const", "float", value=float(x))
 
 
-def _d(n: Node) -> Node:
-    """The derivative of a float node with respect to ``score`` (chain rule, node by node)."""
-    if not _uses(n, "score") or n.type != "float":
+def _d(n: Node, wrt: str = "score") -> Node:
+    """The derivative of a float node with respect to ``wrt`` (``score``, or an array operand read at the
+    problem's own index), by the chain rule node by node."""
+    if not _uses(n, wrt) or n.type != "float":
         return _const(0)
     op, args = n.op, n.args
-    if op == "var":
+    if op in ("var", "array"):
         return _const(1)
     if op == "float":
-        return _d(args[0])
+        return _d(args[0], wrt)
     if op in ("+", "-"):
-        return Node(op, "float", (_d(args[0]), _d(args[1])))
+        return Node(op, "float", (_d(args[0], wrt), _d(args[1], wrt)))
     if op == "neg":
-        return Node("neg", "float", (_d(args[0]),))
+        return Node("neg", "float", (_d(args[0], wrt),))
     if op == "*":
-        return Node("+", "float", (Node("*", "float", (_d(args[0]), args[1])),
-                                   Node("*", "float", (args[0], _d(args[1])))))
+        return Node("+", "float", (Node("*", "float", (_d(args[0], wrt), args[1])),
+                                   Node("*", "float", (args[0], _d(args[1], wrt)))))
     if op == "/":
-        num = Node("-", "float", (Node("*", "float", (_d(args[0]), args[1])),
-                                  Node("*", "float", (args[0], _d(args[1])))))
+        num = Node("-", "float", (Node("*", "float", (_d(args[0], wrt), args[1])),
+                                  Node("*", "float", (args[0], _d(args[1], wrt)))))
         return Node("/", "float", (num, Node("*", "float", (args[1], args[1]))))
     if op == "if":
-        return Node("if", "float", (args[0], _d(args[1]), _d(args[2])))
+        return Node("if", "float", (args[0], _d(args[1], wrt), _d(args[2], wrt)))
     if op == "call":
         f, a = n.value, args[0]
-        da = _d(a)
+        da = _d(a, wrt)
         if f == "exp":
             outer = n
         elif f == "log":
@@ -436,9 +472,9 @@ def _d(n: Node) -> Node:
                                                               _const(0)))))
         else:  # min / max: the derivative of the branch taken (the first on ties)
             cmp = "<=" if f == "min" else ">="
-            return Node("if", "float", (Node(cmp, "bool", args), _d(args[0]), _d(args[1])))
+            return Node("if", "float", (Node(cmp, "bool", args), _d(args[0], wrt), _d(args[1], wrt)))
         return Node("*", "float", (outer, da))
-    raise ValueError(f"score_mod: the operation {op!r} has no derivative with respect to score")
+    raise ValueError(f"score_mod: the operation {op!r} has no derivative with respect to {wrt}")
 
 
 def _is(n: Node, x: float) -> bool:
@@ -470,3 +506,40 @@ def _simplify(n: Node) -> Node:
     if n.op == "neg" and _is(args[0], 0):
         return _const(0)
     return n
+
+
+# ------------------------------------------------------------------------------------------------ the bundle
+#: the built-in modifiers in the order they apply, after the scale and before the user's score_mod:
+#: FA2's softcap (``c·tanh(s/c)``), an additive bias, FA2's ALiBi (``-slope·|i + Lk - Lq - j|``).
+SOFTCAP = "cuflash_softcap * tanh(score / cuflash_softcap)"
+BIAS = "score + cuflash_bias[b, h, q_idx, kv_idx]"
+ALIBI = "score - cuflash_alibi[b, h] * abs(q_idx + kv_len - q_len - kv_idx)"
+
+
+@dataclass(frozen=True)
+class Modifiers:
+    """Everything one call modifies: the composed score modifier (``score``; None: the scaled score as is),
+    the user's mask modifier (``mask``; evaluated on every tile), their operands' values (``values``: name →
+    array on the problem's array module, or a number), and for ``bias=`` its operand name and the caller's
+    shape (``bias_shape``: dbias is reduced to it)."""
+
+    score: Optional[Expr]
+    mask: Optional[Expr]
+    values: dict
+    bias_shape: Optional[tuple] = None
+
+    @property
+    def dscore(self) -> Optional[Expr]:
+        """d(score modifier)/d(score): the backward's factor on dS; None when there is no score modifier."""
+        return None if self.score is None else self.score.derivative("score")
+
+    @property
+    def dbias(self) -> Optional[Expr]:
+        """d(score modifier)/d(bias element): the factor dbias is dS times (1 unless a score_mod follows)."""
+        return None if self.bias_shape is None else self.score.derivative("cuflash_bias")
+
+    @property
+    def key(self) -> str:
+        """What the compiled code depends on: the expressions and their operands' types and indexings."""
+        parts = [e.text + repr(e.operands) for e in (self.score, self.mask) if e is not None]
+        return " | ".join(parts)

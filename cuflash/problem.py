@@ -131,6 +131,8 @@ class Problem:
     seed: Optional[int] = None
     #: "bfloat16" when uint16 arrays carry bfloat16 bits (``dtype="bfloat16"``), else the dtype's name.
     element_type: str = ""
+    #: score and mask modifiers (:class:`cuflash.mods.Modifiers`), or None
+    mods: Any = None
 
     batch = property(lambda self: self.q.shape[0])
     seqlen_q = property(lambda self: self.q.shape[1])
@@ -291,7 +293,8 @@ def check_dropout(dropout_p, seed, what="dropout_p"):
 
 
 def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
-                 seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, dtype=None) -> Problem:
+                 seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, dtype=None, bias=None,
+                 alibi_slopes=None, softcap=None, score_mod=None, mask_mod=None, mod_arrays=None) -> Problem:
     """Validate the forward arguments and return the normalized :class:`Problem`."""
     xp = array_module(q, k, v, names=("q", "k", "v"))
     q, k, v = native(q), native(k), native(v)
@@ -311,8 +314,125 @@ def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=N
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a cuflash.BlockMask, got {type(block_mask).__name__}")
         block_mask.check_fits(qf.shape[0], qf.shape[2], qf.shape[1], kf.shape[1])
+    extents = {"b": qf.shape[0], "h": qf.shape[2], "q_idx": qf.shape[1], "kv_idx": kf.shape[1]}
+    mods = _check_modifiers(xp, batch_shape, extents, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
+                            score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays)
     return Problem(xp, qf, kf, vf, batch_shape, scale, bool(causal), left, right, sq, sk,
-                   block_mask, dropout_p, seed, element_type)
+                   block_mask, dropout_p, seed, element_type, mods)
+
+
+# --------------------------------------------------------------------------------------------
+# Score and mask modifiers
+# --------------------------------------------------------------------------------------------
+def _float_array(x, name, xp, form):
+    if not (isinstance(x, np.ndarray) or _is_cupy(x)) or array_module(x, names=(name,)) is not xp:
+        raise TypeError(f"{name} must be a {xp.__name__} array {form}, got {type(x).__name__}")
+    x = native(x)
+    if x.dtype.kind != "f" and dtype_name(x.dtype) != "bfloat16":
+        raise TypeError(f"{name} must be a floating-point array {form}, got dtype {x.dtype}")
+    return x
+
+
+def _check_bias(bias, xp, batch_shape, extents):
+    """``bias`` as a (B, H, Sq, Sk) view (zero strides where it broadcasts) and the caller's shape.
+
+    Broadcasting over batch dimensions is all or nothing (every batch dim 1, or exactly the batch shape):
+    flattening a partly broadcast batch would need a copy of the size of the full score matrix."""
+    tail = (extents["h"], extents["q_idx"], extents["kv_idx"])
+    form = f"broadcastable to (*batch, heads, seqlen_q, seqlen_k) = {batch_shape + tail}"
+    bias = _float_array(bias, "bias", xp, form)
+    nb = len(batch_shape)
+    if bias.ndim > nb + 3:
+        raise ValueError(f"bias must be {form}, got shape {tuple(bias.shape)}")
+    full = (1,) * (nb + 3 - bias.ndim) + tuple(bias.shape)
+    if any(s not in (1, t) for s, t in zip(full, batch_shape + tail)):
+        raise ValueError(f"bias must be {form}, got shape {tuple(bias.shape)}")
+    if full[:nb] not in ((1,) * nb, batch_shape):
+        raise ValueError(f"bias batch dimensions must be all 1 or exactly {batch_shape} (a partly broadcast batch "
+                         f"cannot be flattened without copying), got {full[:nb]}")
+    b = 1 if full[:nb] == (1,) * nb else extents["b"]
+    view = bias.reshape((b,) + full[nb:])
+    return xp.broadcast_to(view, (extents["b"],) + tail), tuple(bias.shape)
+
+
+def _check_alibi(slopes, xp, batch_shape, extents):
+    form = f"of shape (heads,) = ({extents['h']},) or (*batch, heads) = {batch_shape + (extents['h'],)}"
+    slopes = _float_array(slopes, "alibi_slopes", xp, form)
+    if tuple(slopes.shape) == (extents["h"],):
+        return xp.broadcast_to(slopes[None], (extents["b"], extents["h"]))
+    if tuple(slopes.shape) == batch_shape + (extents["h"],):
+        return slopes.reshape(extents["b"], extents["h"])
+    raise ValueError(f"alibi_slopes must be {form}, got shape {tuple(slopes.shape)}")
+
+
+def _check_mod_arrays(mod_arrays, xp):
+    if mod_arrays is None:
+        return {}
+    if not isinstance(mod_arrays, dict):
+        raise TypeError(f"mod_arrays must be a dict of name -> array or number, got {type(mod_arrays).__name__}")
+    out = {}
+    for name, value in mod_arrays.items():
+        if isinstance(value, numbers.Number) and not isinstance(value, complex):
+            out[name] = value
+            continue
+        if not (isinstance(value, np.ndarray) or _is_cupy(value)):
+            raise TypeError(f"mod_arrays[{name!r}] must be an array or a number, got {type(value).__name__}")
+        if value.ndim and array_module(value, names=(f"mod_arrays[{name!r}]",)) is not xp:
+            raise TypeError(f"mod_arrays[{name!r}] must be a {xp.__name__} array like q, k, v")
+        out[name] = native(value)
+    return out
+
+
+def _check_extents(expr, values, extents, what):
+    """Every array operand is read at the problem's own indices: its shape must be their extents exactly."""
+    for op in expr.operands:
+        for index in op.indexings:
+            want = tuple(extents[v] for v in index)
+            got = tuple(values[op.name].shape)
+            if got != want:
+                shown = ", ".join(f"{v}: {extents[v]}" for v in index)
+                raise ValueError(f"{what}: {op.name}[{', '.join(index)}] needs shape {want} ({shown}), got {got}")
+
+
+def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, score_mod, mask_mod, mod_arrays):
+    """The :class:`cuflash.mods.Modifiers` of a call (None without any): built-ins composed in the order
+    softcap → bias → ALiBi → score_mod, every operand checked against the problem's extents."""
+    from . import mods
+
+    if all(x is None for x in (bias, alibi_slopes, softcap, score_mod, mask_mod)):
+        if mod_arrays:
+            raise ValueError("mod_arrays given without score_mod or mask_mod to read them")
+        return None
+    values = _check_mod_arrays(mod_arrays, xp)
+    internal = {}
+    score = None
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < float(softcap) < math.inf:
+            raise ValueError(f"softcap must be a finite real > 0 or None, got {softcap!r}")
+        internal["cuflash_softcap"] = float(softcap)
+        score = mods.parse(mods.SOFTCAP, kind="score", arrays=internal, internal=True)
+    bias_shape = None
+    if bias is not None:
+        internal["cuflash_bias"], bias_shape = _check_bias(bias, xp, batch_shape, extents)
+        step = mods.parse(mods.BIAS, kind="score", arrays=internal, internal=True)
+        score = step if score is None else step.compose(score)
+    if alibi_slopes is not None:
+        internal["cuflash_alibi"] = _check_alibi(alibi_slopes, xp, batch_shape, extents)
+        step = mods.parse(mods.ALIBI, kind="score", arrays=internal, internal=True)
+        score = step if score is None else step.compose(score)
+    if score_mod is not None:
+        step = mods.parse(score_mod, kind="score", arrays=values, what="score_mod")
+        _check_extents(step, values, extents, "score_mod")
+        score = step if score is None else step.compose(score)
+    mask = None
+    if mask_mod is not None:
+        mask = mods.parse(mask_mod, kind="mask", arrays=values, what="mask_mod")
+        _check_extents(mask, values, extents, "mask_mod")
+    used = {o.name for e in (score, mask) if e is not None for o in e.operands}
+    unused = sorted(set(values) - used)
+    if unused:
+        raise ValueError(f"mod_arrays {unused} are read by neither score_mod nor mask_mod")
+    return mods.Modifiers(score, mask, {**values, **internal}, bias_shape)
 
 
 def check_backward(problem: Problem, dout, out, lse):

@@ -25,17 +25,48 @@ def _grouped(p, dtype):
     return q, k, v
 
 
-def _probabilities(p, q, k):
-    """S = scale·QKᵀ with invisible entries at -inf; P = softmax(S); lse per row (natural log).
+def _env(p, score=None):
+    """The modifier variables over the grouped (B, Hkv, G, Sq, Sk) score layout (query head h = hkv·G + g)."""
+    len_q, len_k = p.lengths
+    col = lambda x: np.asarray(x).reshape(-1, 1, 1, 1, 1)  # noqa: E731
+    env = dict(b=col(np.arange(p.batch)), q_len=col(len_q), kv_len=col(len_k),
+               h=np.arange(p.heads_q).reshape(1, p.heads_kv, p.group, 1, 1),
+               q_idx=np.arange(p.seqlen_q).reshape(1, 1, 1, -1, 1), kv_idx=np.arange(p.seqlen_k).reshape(1, 1, 1, 1, -1))
+    if score is not None:
+        env["score"] = score
+    return env
 
-    Every intermediate is rounded to q's dtype, so with ``compute_dtype`` = the input dtype this
-    is the naive same-dtype computation (libraries such as ml_dtypes compute some ops wider).
-    """
+
+def _host_values(p):
+    return {n: (v.get() if hasattr(v, "get") else v) for n, v in p.mods.values.items()}
+
+
+def _scores(p, q, k):
+    """``(S before the score modifier, S after it, visibility)``: S = scale·QKᵀ, every step rounded to q's
+    dtype; visibility is the element rule, the BlockMask and the mask modifier, (B, Hkv|1, G|1, Sq, Sk)."""
     r = _rounder(q.dtype)
     s = r(q.dtype.type(p.scale) * _mm(q, np.swapaxes(k, -1, -2)))
     keep = p.visible_mask()  # (B, Hq|1, Sq, Sk)
     heads = (1, 1) if keep.shape[1] == 1 else (p.heads_kv, p.group)
     keep = keep.reshape((keep.shape[0],) + heads + keep.shape[2:])
+    s_mod = s
+    if p.mods is not None:
+        values = _host_values(p)
+        if p.mods.score is not None:
+            s_mod = r(p.mods.score.evaluate(_env(p, s), values, q.dtype))
+        if p.mods.mask is not None:
+            keep = keep & p.mods.mask.evaluate(_env(p), values)
+    return s, s_mod, keep
+
+
+def _probabilities(p, q, k):
+    """P = softmax(S) with invisible entries at -inf, and lse per row (natural log).
+
+    Every intermediate is rounded to q's dtype, so with ``compute_dtype`` = the input dtype this
+    is the naive same-dtype computation (libraries such as ml_dtypes compute some ops wider).
+    """
+    r = _rounder(q.dtype)
+    _, s, keep = _scores(p, q, k)
     s = np.where(keep, s, s.dtype.type(-np.inf))
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     m_safe = np.where(np.isfinite(m), m, s.dtype.type(0))  # rows that see nothing: no (-inf) - (-inf)
@@ -68,17 +99,14 @@ def _ungroup(x, p):
     return x.reshape(b, hkv * g, s, d).transpose(0, 2, 1, 3)
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
-              seqlens_q=None, seqlens_k=None, return_lse=False, dropout_mask=None, dropout_p=0.0,
-              compute_dtype=np.float64, dtype=None):
-    """Float64 attention with every cuflash option; see :func:`cuflash.attention`.
+def attention(q, k, v, *, return_lse=False, dropout_mask=None, dropout_p=0.0, compute_dtype=np.float64, **options):
+    """Float64 attention with every cuflash option (``**options``: those of :func:`cuflash.attention`).
 
     ``dropout_mask`` (bool, broadcastable to ``(..., heads, Sq, Sk)``) and ``dropout_p`` apply
     dropout explicitly: ``P`` is multiplied by the mask and by ``1/(1 - p)`` after normalization.
     Returns ``out`` (and ``lse``, ``(..., heads, Sq)``) in ``compute_dtype`` (float64 by default).
     """
-    p = make_problem(q, k, v, causal=causal, scale=scale, window=window, block_mask=block_mask,
-                     seqlens_q=seqlens_q, seqlens_k=seqlens_k, dtype=dtype)
+    p = make_problem(q, k, v, **options)
     qg, kg, vg = _grouped(p, np.dtype(compute_dtype))
     prob, lse = _probabilities(p, qg, kg)
     prob = _apply_dropout(prob, p, dropout_mask, dropout_p)
@@ -87,17 +115,17 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale=None, window=None,
-                       block_mask=None, seqlens_q=None, seqlens_k=None, dropout_mask=None, dropout_p=0.0,
-                       compute_dtype=np.float64, dtype=None):
-    """Analytic float64 gradients ``(dq, dk, dv)`` of :func:`attention`.
+def attention_backward(dout, q, k, v, out=None, lse=None, *, dropout_mask=None, dropout_p=0.0,
+                       compute_dtype=np.float64, return_dbias=False, **options):
+    """Analytic float64 gradients ``(dq, dk, dv)`` of :func:`attention` (and ``dbias`` with ``return_dbias``).
 
-    dP = dO Vᵀ, D = rowsum(dO∘O), dS = P∘(dP − D), dQ = scale·dS K, dK = scale·dSᵀQ, dV = PᵀdO,
-    with dK, dV summed over the query heads of a group. ``out``/``lse`` are accepted for
-    signature parity and ignored: the reference recomputes everything in float64.
+    dP = dO Vᵀ, D = rowsum(dO∘O), dS = P∘(dP − D) (the gradient of the modified score),
+    dS₀ = dS · d(score modifier)/d(score), dQ = scale·dS₀ K, dK = scale·dS₀ᵀQ, dV = PᵀdO, with dK, dV
+    summed over the query heads of a group; dbias = dS · d(score modifier)/d(bias), summed over the
+    dimensions the bias broadcasts. ``out``/``lse`` are accepted for signature parity and checked, not
+    used: the reference recomputes everything.
     """
-    p = make_problem(q, k, v, causal=causal, scale=scale, window=window, block_mask=block_mask,
-                     seqlens_q=seqlens_q, seqlens_k=seqlens_k, dtype=dtype)
+    p = make_problem(q, k, v, **options)
     if out is not None and lse is not None:
         check_backward(p, dout, out, lse)
     qg, kg, vg = _grouped(p, np.dtype(compute_dtype))
@@ -112,34 +140,58 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale
     dprob = _apply_dropout(dpd, p, dropout_mask, dropout_p)  # d(P∘Z/(1-p))/dP
     big_d = r((do * o).sum(axis=-1, keepdims=True))
     ds = r(prob * r(dprob - big_d))
+    ds0, dbias = ds, None
+    if p.mods is not None and p.mods.score is not None:
+        s0 = _scores(p, qg, kg)[0]
+        values = _host_values(p)
+        ds0 = r(ds * p.mods.dscore.evaluate(_env(p, s0), values, qg.dtype))
+        if p.mods.dbias is not None:
+            dbias = _reduce_bias(p, r(ds * p.mods.dbias.evaluate(_env(p, s0), values, qg.dtype)))
     scale = qg.dtype.type(p.scale)
-    dq = r(scale * _mm(ds, kg))
-    dk = r(scale * _mm(np.swapaxes(ds, -1, -2), qg))
+    dq = r(scale * _mm(ds0, kg))
+    dk = r(scale * _mm(np.swapaxes(ds0, -1, -2), qg))
     shape_q, shape_k = p.q.shape[1:], p.k.shape[1:]
-    return (p.unflatten(_ungroup(dq, p), shape_q),
-            p.unflatten(_ungroup(dk.sum(axis=2, keepdims=True), p), shape_k),
-            p.unflatten(_ungroup(dv.sum(axis=2, keepdims=True), p), shape_k))
+    grads = (p.unflatten(_ungroup(dq, p), shape_q),
+             p.unflatten(_ungroup(dk.sum(axis=2, keepdims=True), p), shape_k),
+             p.unflatten(_ungroup(dv.sum(axis=2, keepdims=True), p), shape_k))
+    if return_dbias:
+        if dbias is None:
+            raise ValueError("return_dbias needs bias=")
+        grads += (dbias,)
+    return grads
 
 
-def term_magnitudes(q, k, v, dout=None, *, causal=False, scale=None, window=None, block_mask=None,
-                    seqlens_q=None, seqlens_k=None, dropout_mask=None, dropout_p=0.0, dtype=None):
+def _reduce_bias(p, ds):
+    """dS (B, Hkv, G, Sq, Sk) summed over what the caller's bias broadcasts, in its shape."""
+    full = p.batch_shape + (p.heads_q, p.seqlen_q, p.seqlen_k)
+    ds = np.broadcast_to(ds, (p.batch, p.heads_kv, p.group, p.seqlen_q, p.seqlen_k)).reshape(full)
+    shape = (1,) * (len(full) - len(p.mods.bias_shape)) + tuple(p.mods.bias_shape)
+    axes = tuple(i for i, (s, t) in enumerate(zip(shape, full)) if s == 1 and t != 1)
+    return ds.sum(axis=axes, keepdims=True).reshape(p.mods.bias_shape)
+
+
+def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **options):
     """Largest magnitude of the terms each result is summed from, in float64.
 
     ``out = P V`` sums terms ``P_ij V_j``; the lse sums ``exp`` of scores ``S_ij``; ``dQ = scale·dS K``,
     ``dK = scale·dSᵀ Q``, ``dV = Pᵀ dO``. Rounding errors scale with these, not with the results,
     which may cancel to ~0. Every term goes through ``P = exp(S - m)``, whose relative condition
-    number is ``|S - m|``: an input rounding grows by up to ``1 + max|S|`` on its way, so each
-    magnitude carries that factor. :func:`cuflash.testing.assert_attention_close` uses them for
-    its floor.
-    Dropout bounds the kept terms by ``1/(1 - dropout_p)`` (the mask itself only removes terms).
-    Returns a dict with keys ``out``, ``lse`` and, given ``dout``, ``dq``, ``dk``, ``dv``.
+    number is ``|S - m|``: an input rounding grows by up to ``1 + max|S|`` on its way (S before and
+    after a score modifier), so each magnitude carries that factor; a score modifier's backward factor
+    ``|d(mod)/d(score)|`` multiplies the gradients' terms. :func:`cuflash.testing.assert_attention_close`
+    uses them for its floor. Dropout bounds the kept terms by ``1/(1 - dropout_p)`` (the mask itself
+    only removes terms). Returns a dict with keys ``out``, ``lse`` and, given ``dout``, ``dq``, ``dk``,
+    ``dv`` (and ``dbias`` with ``bias=``).
     """
-    p = make_problem(q, k, v, causal=causal, scale=scale, window=window, block_mask=block_mask,
-                     seqlens_q=seqlens_q, seqlens_k=seqlens_k, dtype=dtype)
+    p = make_problem(q, k, v, **options)
     qg, kg, vg = _grouped(p, np.dtype(np.float64))
     prob, lse = _probabilities(p, qg, kg)
-    s = np.abs(p.scale * (qg @ np.swapaxes(kg, -1, -2))) * (prob > 0)
+    s0, s1, _ = _scores(p, qg, kg)
+    s = np.maximum(np.abs(s0), np.abs(s1)) * (prob > 0)
     cond = 1.0 + s.max(initial=0) + np.abs(lse[np.isfinite(lse)]).max(initial=0)
+    slope = 1.0
+    if p.mods is not None and p.mods.score is not None:
+        slope = float(np.abs(p.mods.dscore.evaluate(_env(p, s0), _host_values(p))[prob > 0]).max(initial=0))
     mags = {"out": (prob @ np.abs(vg)).max(initial=0), "lse": cond}
     if dout is not None:
         b, sq, hq, d = p.q.shape
@@ -149,6 +201,10 @@ def term_magnitudes(q, k, v, dout=None, *, causal=False, scale=None, window=None
         dp_terms = np.abs(do) @ np.swapaxes(np.abs(vg), -1, -2)
         d_terms = (np.abs(do) * (prob @ np.abs(vg))).sum(axis=-1, keepdims=True)
         ds = prob * (dp_terms + d_terms)
+        if p.mods is not None and p.mods.bias_shape is not None:
+            mags["dbias"] = ds.max(initial=0) * float(np.abs(p.mods.dbias.evaluate(
+                _env(p, s0), _host_values(p))).max(initial=1))
+        ds = ds * slope
         mags["dq"] = abs(p.scale) * (ds @ np.abs(kg)).max(initial=0)
         mags["dk"] = abs(p.scale) * (np.swapaxes(ds, -1, -2) @ np.abs(qg)).sum(axis=2).max(initial=0)
         mags["dv"] = (np.swapaxes(prob, -1, -2) @ np.abs(do)).sum(axis=2).max(initial=0)

@@ -188,6 +188,12 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
 
         __array_ufunc__ = None  # NumPy operations on a device array raise TypeError, as with CuPy
 
+        def __matmul__(self, other):  # a device reduction in CuPy; here on the fake device memory
+            return self._same(np.asarray(self._a @ _operand(other, self._dev)))
+
+        def __float__(self):  # CuPy synchronizes and copies a 0-d result to the host
+            return float(self._a)
+
         def get(self, stream=None, order="C", out=None):
             host = np.array(self._a, order=order, copy=True)
             if out is not None:

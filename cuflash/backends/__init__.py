@@ -60,6 +60,9 @@ def select(problem: Problem, backend):
     if problem.bf16_bits and not module.BF16_BITS:
         raise TypeError(f"backend {backend!r} takes bfloat16 as ml_dtypes.bfloat16 arrays; dtype='bfloat16' over "
                         f"uint16 bits is the fallback for CuPy versions without bfloat16")
+    if problem.mods is not None and not getattr(module, "MODIFIERS", False):
+        raise NotImplementedError(f"score and mask modifiers (bias, alibi_slopes, softcap, score_mod, mask_mod) "
+                                  f"are not implemented on backend {backend!r} yet")
     if module.MAX_HEAD_DIM is not None and problem.head_dim > module.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be at most {module.MAX_HEAD_DIM} on backend {backend!r}, got "
                          f"{problem.head_dim}")

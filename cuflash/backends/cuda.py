@@ -141,7 +141,7 @@ def forward(problem: Problem, *, spec=None):
     return fl.result()
 
 
-def backward(problem: Problem, dout, out, lse, *, deterministic=False):
+def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=False):
     """``(dq, dk, dv)`` on the current CuPy stream (:func:`cuflash.cuda.launch.backward_launch`)."""
     _check_devices(problem, dout=dout, out=out, lse=lse)
     bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=_device()[2])

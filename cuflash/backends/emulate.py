@@ -45,8 +45,8 @@ def forward(problem: Problem, *, schedule=None, seed=None, spec=None):
     return fl.result()
 
 
-def backward(problem: Problem, dout, out, lse, *, deterministic=False, schedule=None, seed=None, spec=None,
-             dq_spec=None):
+def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=False, schedule=None, seed=None,
+             spec=None, dq_spec=None):
     """``(dq, dk, dv)`` through the emulated backward kernels (:func:`cuflash.cuda.launch.backward_launch`).
 
     ``deterministic`` selects the atomic-free dQ pass; ``spec``/``dq_spec`` force the bwd / dq specializations.

@@ -154,7 +154,8 @@ def forward(problem: Problem, *, block_q=None, block_k=None, plan=None):
             lse.reshape(problem.batch, problem.heads_q, problem.seqlen_q))
 
 
-def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, plan=None, deterministic=False):
+def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, plan=None, deterministic=False,
+             dbias=False):
     """FA2 Algorithm 2: ``(dq, dk, dv)`` by recomputing P from ``lse``; no N×N buffer.
 
     Always bitwise reproducible (``deterministic`` is accepted for the API's sake)."""
