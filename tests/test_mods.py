@@ -1,0 +1,238 @@
+"""The modifier language (cuflash.mods): the grammar's refusals, NumPy evaluation against Python's own arithmetic,
+the symbolic derivative against finite differences, the C++ emitted for the kernels against NumPy (compiled and run
+by the CPU emulator), and the float64 reference's modifiers against their definitions."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cuflash
+import cuflash.emulate
+from cuflash import mods, reference
+
+ARRAYS = {"slope": np.linspace(0.5, 2.0, 3).astype(np.float32), "doc": np.array([0, 0, 1, 1, 2], np.int32),
+          "keep": np.array([True, False, True, True, False]), "c": 2.5, "n": 3}
+
+
+# ------------------------------------------------------------------------------------------------ the grammar
+@pytest.mark.parametrize("text,kind,match", [
+    ("score.real", "score", "Attribute is not part of the modifier grammar"),
+    ("__import__('os')", "score", "only the functions"),
+    ("open('x')", "score", "only the functions"),
+    ("score + x", "score", "unknown name 'x'"),
+    ("doc[q_idx + 1] == 0", "mask", "array indices must be the variables"),
+    ("doc[q_idx, kv_idx] == 0", "mask", "has 1 dimensions but is indexed by 2"),
+    ("doc[q_idx]", "mask", "must evaluate to a bool"),
+    ("q_idx < kv_idx", "score", "must evaluate to a number"),
+    ("score > 0", "mask", "'score' is only available to a score modifier"),
+    ("lambda: 1", "score", "Lambda is not part of"),
+    ("[score]", "score", "List is not part of"),
+    ("score ** 2", "score", "operator Pow is not allowed"),
+    ("q_idx / 0 > 1 or", "mask", "not one Python expression"),
+    ("q_idx // 2.0 > 1", "mask", "'//' takes integers"),
+    ("tanh(score, 1)", "score", "tanh takes 1 argument"),
+    ("where(q_idx, 1.0, 2.0)", "score", "expected a bool here"),
+    ("2**40 + score", "score", "operator Pow"),
+    ("4000000000 + score", "score", "must fit in 32 bits"),
+    ("slope", "score", "array 'slope' must be indexed"),
+])
+def test_grammar_refuses_with_the_offending_token(text, kind, match):
+    with pytest.raises(ValueError, match=match):
+        mods.parse(text, kind=kind, arrays=ARRAYS)
+
+
+def test_names_of_mod_arrays_are_checked():
+    with pytest.raises(ValueError, match="must be an identifier other than"):
+        mods.parse("score", kind="score", arrays={"q_idx": np.zeros(3)})
+    with pytest.raises(ValueError, match="names starting with 'cuflash_'"):
+        mods.parse("score", kind="score", arrays={"cuflash_bias": np.zeros(3)})
+    with pytest.raises(TypeError, match="bool, integer or floating point"):
+        mods.parse("s[h] > 0", kind="mask", arrays={"s": np.array(["a"])})
+    with pytest.raises(TypeError, match="must be a string"):
+        mods.parse(3, kind="score")
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+_ENV = dict(b=np.arange(2)[:, None, None, None], h=np.arange(3)[None, :, None, None],
+            q_idx=np.arange(5)[None, None, :, None], kv_idx=np.arange(5)[None, None, None, :],
+            q_len=np.array([5, 3])[:, None, None, None], kv_len=np.array([4, 5])[:, None, None, None])
+
+
+def _python(text, b, h, i, j, ql, kl, score):
+    """The same expression evaluated by Python itself on scalars (the definition the vectorized one must meet)."""
+    names = dict(b=b, h=h, q_idx=i, kv_idx=j, q_len=ql, kv_len=kl, score=score, inf=math.inf,
+                 slope=ARRAYS["slope"].astype(float), doc=ARRAYS["doc"].astype(int), keep=ARRAYS["keep"],
+                 c=ARRAYS["c"], n=ARRAYS["n"], abs=abs, min=min, max=max, exp=math.exp, tanh=math.tanh,
+                 sqrt=math.sqrt, log=math.log, where=lambda c, a, b: a if c else b)
+    return eval(text, {"__builtins__": {}}, names)  # test oracle only: the library never evals
+
+
+@pytest.mark.parametrize("text,kind", [
+    ("score + slope[h] * (kv_idx - q_idx)", "score"),
+    ("c * tanh(score / c)", "score"),
+    ("where(kv_idx <= q_idx + kv_len - q_len, score, score - 3)", "score"),
+    ("score * n - abs(q_idx - kv_idx) // 2 + (q_idx % 3)", "score"),
+    ("max(score, -1.0) + min(q_idx, kv_idx) + exp(score / 4)", "score"),
+    ("score / (1 + kv_idx)", "score"),
+    ("doc[q_idx] == doc[kv_idx] and (keep[kv_idx] or kv_idx == 0)", "mask"),
+    ("not (q_idx < kv_idx) or b == 1 and h != 2", "mask"),
+    ("0 <= kv_idx - q_idx < 3", "mask"),
+])
+def test_numpy_evaluation_is_pythons_arithmetic(text, kind):
+    e = mods.parse(text, kind=kind, arrays=ARRAYS)
+    rng = np.random.default_rng(0)
+    score = rng.standard_normal((2, 3, 5, 5))
+    env = dict(_ENV, score=score) if kind == "score" else _ENV
+    got = np.broadcast_to(e.evaluate(env, ARRAYS, np.float64), (2, 3, 5, 5))
+    for b, h, i, j in np.ndindex(2, 3, 5, 5):
+        want = _python(text, b, h, i, j, int(_ENV["q_len"][b, 0, 0, 0]), int(_ENV["kv_len"][b, 0, 0, 0]),
+                       float(score[b, h, i, j]))
+        assert got[b, h, i, j] == pytest.approx(want, rel=1e-12, abs=1e-12), (b, h, i, j)
+
+
+# ------------------------------------------------------------------------------------------------ d/dscore
+_UNARY = st.sampled_from(["tanh({})", "exp({} / 8)", "({}) * 1.5", "-({})", "abs({})", "({}) + slope[h]",
+                          "sqrt(({}) * ({}) + 1)", "log(1 + exp({}))", "max({}, 0.25)", "min({}, -0.5)",
+                          "({}) / (2 + kv_idx)", "where(q_idx > kv_idx, {}, 2 * {})", "c * tanh(({}) / c)"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_UNARY, min_size=1, max_size=4), st.floats(-3, 3))
+def test_derivative_matches_finite_differences(layers, x0):
+    text = "score"
+    for layer in layers:
+        text = layer.replace("{}", f"({text})")
+    e = mods.parse(text, kind="score", arrays=ARRAYS)
+    d = e.derivative()
+    score = np.full((2, 3, 5, 5), x0) + np.linspace(-0.3, 0.3, 25).reshape(5, 5)
+    h = 1e-6
+    f = lambda s: np.broadcast_to(e.evaluate(dict(_ENV, score=s), ARRAYS), score.shape)  # noqa: E731
+    numeric = (f(score + h) - f(score - h)) / (2 * h)
+    analytic = np.broadcast_to(d.evaluate(dict(_ENV, score=score), ARRAYS), score.shape)
+    # away from the kinks of abs/min/max/where, where a finite difference straddles two branches
+    smooth = np.abs(numeric - (f(score + 2 * h) - f(score - 2 * h)) / (4 * h)) < 1e-4
+    assert np.allclose(analytic[smooth], numeric[smooth], rtol=1e-5, atol=1e-6), text
+
+
+def test_derivative_with_respect_to_an_operand_and_composition():
+    bias = {"cuflash_b": np.zeros((5, 5))}
+    inner = mods.parse("score + cuflash_b[q_idx, kv_idx]", kind="score", arrays=bias, internal=True)
+    outer = mods.parse("3.0 * tanh(score / 3.0)", kind="score")
+    both = outer.compose(inner)
+    score = np.linspace(-2, 2, 25).reshape(5, 5)
+    env = dict(_ENV, score=score)
+    want = 1 - np.tanh(score / 3) ** 2  # d/dbias of 3 tanh((s + bias)/3) at bias = 0
+    assert np.allclose(both.derivative("cuflash_b").evaluate(env, bias), want)
+    assert np.allclose(both.derivative().evaluate(env, bias), want)
+    assert {o.name for o in both.operands} == {"cuflash_b"}
+
+
+# ------------------------------------------------------------------------------------------------ C++
+_CPP_KERNEL = r"""
+__device__ __forceinline__ int floor_div(int a, int b) { int q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
+__device__ __forceinline__ int floor_mod(int a, int b) { return a - floor_div(a, b) * b; }
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+__global__ void eval_kernel(const float* score, float* out, const float* slope, const int* doc, int n) {
+  for (int t = 0; t < n; ++t) {
+    const int b = t / 75, h = t / 25 % 3, q_idx = t / 5 % 5, kv_idx = t % 5;
+    const int q_len = b == 0 ? 5 : 3, kv_len = b == 0 ? 4 : 5;
+    const float s = score[t];
+    out[t] = EXPR;
+  }
+}
+"""
+
+
+@pytest.mark.emulate
+@pytest.mark.parametrize("text,kind", [
+    ("score + slope[h] * (kv_idx - q_idx)", "score"),
+    ("2.5 * tanh(score / 2.5)", "score"),
+    ("where(kv_idx <= q_idx + kv_len - q_len, score, score - 3) + (q_idx - 7) // 2 + (kv_idx - 9) % 4", "score"),
+    ("max(score, -1.0) + min(q_idx, kv_idx) + exp(score / 4) - abs(score)", "score"),
+    ("doc[q_idx] == doc[kv_idx] or -kv_idx // 2 == -1", "mask"),
+])
+def test_emitted_cpp_computes_what_numpy_computes(text, kind):
+    ok, why = cuflash.emulate.available()
+    if not ok:
+        pytest.skip(why)
+    from cuflash.cuda.launch import LaunchSpec
+
+    e = mods.parse(text, kind=kind, arrays=ARRAYS)
+    cpp = e.cpp(lambda name, index: f"{name}[{index[0]}]").replace("score", "s")
+    rng = np.random.default_rng(1)
+    score = rng.standard_normal((2, 3, 5, 5)).astype(np.float32)
+    out = np.zeros(150, np.float32)
+    source = _CPP_KERNEL.replace("EXPR", f"float({cpp})")
+    cuflash.emulate.launch(LaunchSpec(source, "eval_kernel", (1, 1, 1), (1, 1, 1), 0,
+                                      (score, out, ARRAYS["slope"], ARRAYS["doc"], np.int32(150))))
+    env = dict(_ENV, score=score) if kind == "score" else _ENV
+    want = np.broadcast_to(e.evaluate(env, ARRAYS, np.float32), (2, 3, 5, 5)).astype(np.float32).ravel()
+    assert np.allclose(out, want, rtol=2e-6, atol=2e-6)
+
+
+# ------------------------------------------------------------------------------------------------ the reference
+def _qkv(seed=0, sq=7, sk=9, h=4, hkv=2, d=8):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((2, sq, h, d)), rng.standard_normal((2, sk, hkv, d)),
+            rng.standard_normal((2, sk, hkv, d)), rng.standard_normal((2, sq, h, d)))
+
+
+def test_reference_builtins_are_their_definitions():
+    q, k, v, do = _qkv()
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+    i, j = np.arange(7)[:, None], np.arange(9)[None, :]
+    alibi = -slopes[:, None, None] * np.abs(i + 9 - 7 - j)
+    assert np.allclose(reference.attention(q, k, v, alibi_slopes=slopes), reference.attention(q, k, v, bias=alibi))
+    as_mod = reference.attention(q, k, v, score_mod="score - s[h] * abs(q_idx + kv_len - q_len - kv_idx)",
+                                 mod_arrays={"s": slopes})
+    assert np.allclose(as_mod, reference.attention(q, k, v, alibi_slopes=slopes))
+    capped = reference.attention(q, k, v, softcap=0.7, causal=True)
+    assert np.allclose(capped, reference.attention(q, k, v, score_mod="0.7 * tanh(score / 0.7)", causal=True))
+    doc = np.array([0, 0, 0, 1, 1, 1, 1, 2, 2])
+    docq = doc[2:]  # bottom-right aligned rows
+    mask = docq[:, None] == doc[None, :]
+    assert np.allclose(reference.attention(q, k, v, mask_mod="dq[q_idx] == dk[kv_idx]",
+                                           mod_arrays={"dq": docq, "dk": doc}),
+                       reference.attention(q, k, v, bias=np.where(mask, 0.0, -np.inf)))
+
+
+def test_reference_gradients_match_finite_differences():
+    q, k, v, do = _qkv(1)
+    bias = np.random.default_rng(2).standard_normal((1, 4, 7, 9))
+    opts = dict(bias=bias, softcap=1.5, alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]), score_mod="score * 1.3 + 0.1",
+                causal=True)
+    grads = reference.attention_backward(do, q, k, v, return_dbias=True, **opts)
+    loss = lambda **changed: float((reference.attention(**{**dict(q=q, k=k, v=v), **changed}, **{  # noqa: E731
+        n: x for n, x in opts.items() if n not in changed}) * do).sum())
+    eps = 1e-6
+    for name, arr, g in (("q", q, grads[0]), ("k", k, grads[1]), ("bias", bias, grads[3])):
+        for idx in [(0, 1, 1, 3), (arr.shape[0] - 1, 3, 1, 5)]:
+            e = np.zeros_like(arr)
+            e[idx] = eps
+            fd = (loss(**{name: arr + e}) - loss(**{name: arr - e})) / (2 * eps)
+            assert g[idx] == pytest.approx(fd, rel=1e-5, abs=1e-8), (name, idx)
+    assert grads[3].shape == bias.shape  # summed over the batch it broadcasts
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(bias=np.zeros((3, 7, 9))), ValueError, "bias must be broadcastable"),
+    (dict(bias=np.zeros((1, 2, 4, 7, 9))), ValueError, "bias must be broadcastable"),
+    (dict(bias=np.zeros((4, 7, 9), np.int32)), TypeError, "bias must be a floating-point array"),
+    (dict(alibi_slopes=np.zeros(3)), ValueError, "alibi_slopes must be of shape"),
+    (dict(softcap=0.0), ValueError, "softcap must be a finite real > 0"),
+    (dict(softcap=float("inf")), ValueError, "softcap must be a finite real > 0"),
+    (dict(score_mod="score + w[q_idx]", mod_arrays={"w": np.zeros(8)}), ValueError, r"needs shape \(7,\)"),
+    (dict(mask_mod="q_idx > 0", mod_arrays={"w": np.zeros(7)}), ValueError, "are read by neither"),
+    (dict(mod_arrays={"w": np.zeros(7)}), ValueError, "without score_mod or mask_mod"),
+    (dict(score_mod="score", mod_arrays=[1]), TypeError, "mod_arrays must be a dict"),
+    (dict(score_mod="score + w", mod_arrays={"w": "x"}), TypeError, "must be an array or a number"),
+])
+def test_modifier_arguments_are_validated(kw, exc, match):
+    q, k, v, _ = _qkv()
+    with pytest.raises(exc, match=match):
+        cuflash.problem.make_problem(q, k, v, **kw)
