@@ -141,6 +141,19 @@ def _scalar_ok(p: Param, value) -> bool:
     return {SIGNED: kind == "i", UNSIGNED: kind == "u", FLOAT: kind == "f"}.get(p.kind, kind in "fiuV")
 
 
+def _struct_ok(p: Param, value: np.ndarray) -> bool:
+    """A struct passed by value comes as CuPy takes it: a size-1 array of a structured dtype of the struct's size
+    (``np.dtype([...], align=True)`` lays fields out as C does)."""
+    return value.size == 1 and value.dtype.names is not None and value.dtype.itemsize == p.size
+
+
+def _value_buffer(raw: bytes):
+    """A copy of ``raw`` the kernel's parameter is read from, aligned for any type (16 bytes) and at least 8 long."""
+    buffer = (ctypes.c_longdouble * max(1, -(-len(raw) // 16)))()
+    ctypes.memmove(buffer, raw, len(raw))
+    return buffer
+
+
 def _pack_one(i: int, p: Param, value):
     mismatch = TypeError(f"argument {i}: kernel expects {_expected(p)}, got {_describe(value)}")
     if p.kind == POINTER:
@@ -149,10 +162,15 @@ def _pack_one(i: int, p: Param, value):
         if not isinstance(value, np.ndarray) or not _pointee_ok(p, value.dtype):
             raise mismatch
         return ctypes.c_void_p(value.__array_interface__["data"][0])
+    if isinstance(value, np.ndarray) and p.kind == OTHER:
+        if not _struct_ok(p, value):
+            raise TypeError(f"argument {i}: kernel expects {_expected(p)} by value (as a size-1 array of a "
+                            f"structured dtype of {p.size} bytes), got {_describe(value)} of shape {value.shape}")
+        return _value_buffer(value.tobytes())
     if value is None or isinstance(value, np.ndarray) or not _scalar_ok(p, value):
         raise mismatch
     raw = np.asarray(value).tobytes() if not isinstance(value, bool) else bytes([value])
-    return ctypes.create_string_buffer(raw, max(len(raw), 8))
+    return _value_buffer(raw)
 
 
 def pack_arguments(params: list[Param], args) -> list:
