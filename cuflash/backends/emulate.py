@@ -13,7 +13,7 @@ from .. import kernels
 from ..problem import Problem
 
 #: the GPU whose shared-memory limit picks the tile table row (default an A100/H100-class sm_80)
-ARCH = int(os.environ.get("CUFLASH_EMULATE_ARCH", "80"))
+from ..emulate._arch import ARCH  # parsed by cuflash._env at each use, not at import
 
 #: the kernels apply dropout forward (kernels/dropout.cuh) and backward (the same keep bits, regenerated)
 supports_dropout = True
