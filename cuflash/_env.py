@@ -53,6 +53,11 @@ def _text(raw: str) -> str:
     return raw
 
 
+# The smallest fiber stack the emulator accepts. The backward kernels need 12 KiB (at -O1 and -O0; 16 KiB under
+# AddressSanitizer), the forward 8 KiB (kernels/emulate/README.md); 64 KiB leaves room for device printf and for
+# kernels yet to come. Below the need, a launch dies of SIGSEGV in a fiber stack's guard page.
+EMULATE_MIN_STACK_KIB = 64
+
 VARIABLES: dict[str, Variable] = {
     "CUFLASH_NUM_THREADS": Variable(
         _integer(1, 1024), "an integer from 1 to 1024", None,
@@ -66,10 +71,10 @@ VARIABLES: dict[str, Variable] = {
     "CUFLASH_EMULATE_SEED": Variable(
         _integer(0, 2**64 - 1), "an integer from 0 to 2**64 - 1", 0, "seed of the 'random' schedule"),
     "CUFLASH_EMULATE_STACK_KIB": Variable(
-        _integer(64, 1 << 20), "an integer from 64 to 1048576 (KiB)", 256,
+        _integer(EMULATE_MIN_STACK_KIB, 1 << 20), f"an integer from {EMULATE_MIN_STACK_KIB} to 1048576 (KiB)", 256,
         "stack of each emulated GPU thread (fiber)"),
     "CUFLASH_EMULATE_CACHE": Variable(
-        _text, "a directory path", None,
+        _text, "a directory owned by you and writable only by you", None,
         "where the emulator keeps compiled kernel libraries; default ~/.cache/cuflash/emulate"),
     "CUFLASH_EMULATE_DEBUG": Variable(
         _flag, "0 or 1", False, "build emulated kernels with -O0 -g (for a debugger)"),
@@ -77,6 +82,9 @@ VARIABLES: dict[str, Variable] = {
         _flag, "0 or 1", True, "precompile the emulator's shim header once per toolchain"),
     "CUFLASH_EMULATE_CXX": Variable(
         _text, "a C++ compiler command", None, "the compiler of emulated kernels; default g++"),
+    "CUFLASH_EMULATE_HW_MATH": Variable(
+        _flag, "0 or 1", False,
+        "emulate the GPU's fp32 rounding: flush denormals to zero, exp2f with ex2.approx.ftz's error"),
 }
 
 

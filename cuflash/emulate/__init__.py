@@ -5,26 +5,32 @@ threads of each block run as cooperative fibers, and every inline PTX wrapper of
 emulated twin following the PTX ISA fragment layouts. This is test infrastructure, not a CPU backend for users
 (that is the NumPy backend). See ``kernels/emulate/README.md``.
 
-Environment variables: ``CUFLASH_EMULATE_SCHEDULE`` (forward|reverse|random), ``CUFLASH_EMULATE_SEED``,
-``CUFLASH_EMULATE_STACK_KIB`` (fiber stack, default 256), ``CUFLASH_EMULATE_CACHE`` (library cache directory),
-``CUFLASH_EMULATE_DEBUG=1`` (build with -O0 -g), ``CUFLASH_EMULATE_PCH=0`` (no precompiled shim),
-``CUFLASH_EMULATE_CXX`` (compiler).
+Environment variables (parsed by :mod:`cuflash._env`): ``CUFLASH_EMULATE_SCHEDULE`` (forward|reverse|random),
+``CUFLASH_EMULATE_SEED``, ``CUFLASH_EMULATE_STACK_KIB`` (fiber stack, default 256), ``CUFLASH_EMULATE_CACHE``
+(library cache directory), ``CUFLASH_EMULATE_DEBUG=1`` (build with -O0 -g), ``CUFLASH_EMULATE_PCH=0`` (no
+precompiled shim), ``CUFLASH_EMULATE_CXX`` (compiler), ``CUFLASH_EMULATE_HW_MATH=1`` (GPU-like fp32 rounding).
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import numpy as np
+
+from .. import _env
 from ..cuda.launch import LaunchSpec
-from ._build import CompileError, build, cache_dir, compile_log
+from ._build import CompileError, build, compile_log
+from ._cache import cache_dir
 from ._runner import SCHEDULES, BankStats, EmulationError, Library
 from ._toolchain import find
 
 __all__ = ["launch", "available", "compile", "BankStats", "EmulationError", "CompileError", "sanitizer_env", "cache_dir",
-           "compile_log", "SCHEDULES", "requires_emulation", "skip_unless_available"]
+           "compile_log", "SCHEDULES", "MIN_STACK_KIB", "requires_emulation", "skip_unless_available"]
 
 MAX_THREADS_PER_BLOCK = 1024
 MAX_SHARED_BYTES = 227 * 1024  # opt-in maximum per block on sm_90 (sm_80: 163 KiB)
+MIN_STACK_KIB = _env.EMULATE_MIN_STACK_KIB  # a smaller fiber stack would overflow in the attention kernels
+MAX_STACK_KIB = 1 << 20
 
 _libraries: dict[Path, Library] = {}
 _by_spec: dict[tuple, Library] = {}  # skips hashing the source on repeated launches of one kernel
@@ -32,7 +38,10 @@ _by_spec: dict[tuple, Library] = {}  # skips hashing the source on repeated laun
 
 def available() -> tuple[bool, str]:
     """(True, description of the toolchain) or (False, why emulated kernels cannot run here)."""
-    tc, reason = find()
+    try:
+        tc, reason = find()
+    except ValueError as exc:  # a malformed CUFLASH_EMULATE_CXX: launches raise it, this reports it
+        return False, str(exc)
     return tc is not None, reason
 
 
@@ -75,8 +84,9 @@ def compile(spec: LaunchSpec, *, sanitize: bool = False) -> Library:  # noqa: A0
     if sanitize and not _asan_loaded():
         raise RuntimeError("sanitize=True needs AddressSanitizer's runtime loaded first: run the process with "
                            "cuflash.emulate.sanitizer_env() (LD_PRELOAD=libasan.so)")
-    debug = os.environ.get("CUFLASH_EMULATE_DEBUG", "") not in ("", "0")
+    debug = _env.get("CUFLASH_EMULATE_DEBUG")
     key = (spec.source, spec.name_expression, tuple(spec.options), sanitize, debug)
+    cache_dir()  # every launch: a cache made unsafe (or misconfigured) since the last load is an error, not ignored
     if key not in _by_spec:
         path = build(_require_toolchain(), spec.source, spec.name_expression, tuple(spec.options), sanitize=sanitize,
                      debug=debug)
@@ -94,14 +104,39 @@ def _dims(name: str, value) -> tuple[int, int, int]:
 
 
 def _schedule(schedule: str | None) -> int:
-    name = schedule or os.environ.get("CUFLASH_EMULATE_SCHEDULE") or "forward"
+    name = schedule or _env.get("CUFLASH_EMULATE_SCHEDULE")
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
     return SCHEDULES[name]
 
 
+def _stack_bytes(stack_kib) -> int:
+    """Fiber stack size: the argument, else CUFLASH_EMULATE_STACK_KIB (whose table entry enforces the limits)."""
+    if stack_kib is None:
+        return _env.get("CUFLASH_EMULATE_STACK_KIB") * 1024
+    if isinstance(stack_kib, bool) or not isinstance(stack_kib, (int, np.integer)):
+        raise TypeError(f"stack_kib must be an integer number of KiB, got {type(stack_kib).__name__}")
+    if not MIN_STACK_KIB <= stack_kib <= MAX_STACK_KIB:
+        raise ValueError(f"stack_kib={stack_kib} is outside [{MIN_STACK_KIB}, {MAX_STACK_KIB}]: below "
+                         f"{MIN_STACK_KIB} KiB the attention kernels overflow their fiber stacks (SIGSEGV)")
+    return int(stack_kib) * 1024
+
+
+def _check_environment() -> None:
+    """Parses every CUFLASH_EMULATE_* variable, so that a malformed one fails the next launch (a ValueError naming
+    it) whether or not that launch reads it: the compiler and cache variables are otherwise read only when a
+    kernel is compiled."""
+    for name in _env.VARIABLES:
+        if name.startswith("CUFLASH_EMULATE_"):
+            _env.get(name)
+
+
+def _seed(seed) -> int:
+    return (_env.get("CUFLASH_EMULATE_SEED") if seed is None else int(seed)) & (2**64 - 1)
+
+
 def launch(spec: LaunchSpec, *, schedule: str | None = None, seed: int | None = None, sanitize: bool = False,
-           stack_kib: int | None = None) -> BankStats:
+           stack_kib: int | None = None, hw_math: bool | None = None) -> BankStats:
     """Run ``spec`` on the CPU. NumPy arrays in ``spec.args`` are the device buffers and are written in place.
 
     Returns the launch's shared-memory :class:`BankStats` (bank conflicts of its ldmatrix and cp.async).
@@ -109,9 +144,13 @@ def launch(spec: LaunchSpec, *, schedule: str | None = None, seed: int | None = 
     schedule: order in which a block's threads run between barriers ("forward", "reverse", "random"), default
         from ``CUFLASH_EMULATE_SCHEDULE`` or "forward"; blocks follow the same order. seed: for "random"
         (default ``CUFLASH_EMULATE_SEED`` or 0). sanitize: AddressSanitizer + UBSan build (the process must
-        have been started with :func:`sanitizer_env`). stack_kib: fiber stack size.
+        have been started with :func:`sanitizer_env`). stack_kib: fiber stack size (default
+        ``CUFLASH_EMULATE_STACK_KIB`` or 256; at least :data:`MIN_STACK_KIB`). hw_math: GPU-like fp32 (denormals
+        flushed to zero, ``exp2f``/``__expf`` with the error ex2.approx.ftz.f32 may have), default
+        ``CUFLASH_EMULATE_HW_MATH`` or off.
     Raises TypeError when an argument does not match the kernel's parameter type, EmulationError when the
     kernel fails (device assert, deadlock, divergent barrier, ...), CompileError when g++ rejects the source.
+    Ctrl-C stops the launch at its next barrier and raises KeyboardInterrupt (the library stays usable).
     """
     grid, block = _dims("grid", spec.grid), _dims("block", spec.block)
     threads = block[0] * block[1] * block[2]
@@ -119,11 +158,11 @@ def launch(spec: LaunchSpec, *, schedule: str | None = None, seed: int | None = 
         raise ValueError(f"block {block} has {threads} threads; CUDA allows {MAX_THREADS_PER_BLOCK}")
     if not 0 <= spec.shared_bytes <= MAX_SHARED_BYTES:
         raise ValueError(f"shared_bytes={spec.shared_bytes} outside [0, {MAX_SHARED_BYTES}]")
-    seed = int(os.environ.get("CUFLASH_EMULATE_SEED", "0")) if seed is None else int(seed)
-    stack = int(stack_kib or os.environ.get("CUFLASH_EMULATE_STACK_KIB") or 256) * 1024
+    _check_environment()
+    stack, order = _stack_bytes(stack_kib), _schedule(schedule)
+    hw = _env.get("CUFLASH_EMULATE_HW_MATH") if hw_math is None else bool(hw_math)
     lib = compile(spec, sanitize=sanitize)
-    return lib.launch(spec.args, grid, block, int(spec.shared_bytes), _schedule(schedule), seed & (2**64 - 1),
-                      stack)
+    return lib.launch(spec.args, grid, block, int(spec.shared_bytes), order, _seed(seed), stack, hw)
 
 
 def sanitizer_env(base: dict | None = None) -> dict:

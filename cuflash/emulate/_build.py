@@ -10,7 +10,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from .. import _env
 from ..cuda.source import KERNELS_DIR, inline_includes, kernel_source
+from . import _cache
 from ._toolchain import Toolchain
 
 RUNTIME_DIR = KERNELS_DIR / "emulate"
@@ -37,6 +39,8 @@ _ATTRIBUTES = re.compile(r"__align__\s*\([^)]*\)|alignas\s*\([^)]*\)|__attribute
 
 
 compile_log: list[tuple[str, float]] = []  # (library, seconds) of every compilation in this process
+PCH_MANIFEST = "manifest.json"  # in each precompiled-shim directory: the SHA-256 of every other file there
+_pch_seen: set[tuple] = set()  # identities of precompiled-shim files verified in this process
 
 
 class CompileError(RuntimeError):
@@ -121,8 +125,9 @@ extern "C" __attribute__((visibility("default"))) int cuflash_emu_signature(int*
 }}
 extern "C" __attribute__((visibility("default"))) int cuflash_emu_launch(void** args, const unsigned* grid,
     const unsigned* block, unsigned long long shared_bytes, int schedule, unsigned long long seed,
-    unsigned long long stack_bytes, char* err, unsigned long long err_len, int* where) {{
-  return ::cuflash_emu::launch_entry(args, grid, block, shared_bytes, schedule, seed, stack_bytes,
+    unsigned long long stack_bytes, const int* cancel, int hw_math, char* err, unsigned long long err_len,
+    int* where) {{
+  return ::cuflash_emu::launch_entry(args, grid, block, shared_bytes, schedule, seed, stack_bytes, cancel, hw_math,
                                      &cuflash_emu_wrap::thunk, err, err_len, where);
 }}
 extern "C" __attribute__((visibility("default"))) void cuflash_emu_bank_stats(unsigned long long* out) {{
@@ -174,17 +179,6 @@ def _user_options(options) -> list[str]:
     return keep
 
 
-def cache_dir() -> Path:
-    path = Path(os.environ.get("CUFLASH_EMULATE_CACHE") or Path.home() / ".cache" / "cuflash" / "emulate")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    except OSError:  # read-only home (some CI sandboxes)
-        fallback = Path(tempfile.gettempdir()) / "cuflash-emulate"
-        fallback.mkdir(parents=True, exist_ok=True)
-        return fallback
-
-
 def _flags(sanitize: bool, debug: bool) -> list[str]:
     return [*BASE_FLAGS, *(DEBUG_FLAGS if debug else ()), *(SANITIZE_FLAGS if sanitize else ())]
 
@@ -199,61 +193,150 @@ def command(tc: Toolchain, src: Path, out: Path, options, *, sanitize: bool, deb
             str(src), "-o", str(out)]
 
 
-def precompiled_shim(tc: Toolchain) -> Path | None:
-    """A copy of shim.h with its precompiled header (.gch) beside it, built once per toolchain and runtime.
-
-    Parsing the CUDA fp16/bf16 headers and the runtime is ~0.4 s of every kernel compilation. g++ uses the .gch
-    when the flags match and silently falls back to the copied text otherwise (e.g. a -D that the shim reads).
-    """
-    if os.environ.get("CUFLASH_EMULATE_PCH", "1") == "0":
-        return None
-    key = hashlib.sha256("\0".join([tc.cxx, tc.cxx_version, *tc.cuda_includes, _runtime_digest(),
+def _pch_key(tc: Toolchain) -> str:
+    return hashlib.sha256("\0".join([tc.cxx, tc.cxx_version, *tc.cuda_includes, _runtime_digest(),
                                      *BASE_FLAGS]).encode()).hexdigest()[:24]
-    final = cache_dir() / f"pch-{key}"
-    if not (final / "shim.h.gch").exists():
-        tmp = Path(tempfile.mkdtemp(prefix="pch-tmp-", dir=cache_dir()))
+
+
+def _pch_verified(directory: Path) -> bool:
+    """True when ``directory`` holds exactly the files its manifest lists, each with the recorded digest.
+
+    Hashing the ~50 MB .gch costs ~0.2 s, so a file whose identity (inode, size, mtime, ctime) has not changed
+    since it was verified in this process is not hashed again: ctime cannot be set back by anyone but root.
+    """
+    manifest = None if _cache.unsafe_reason(directory) else _cache.read_record(directory / PCH_MANIFEST)
+    files = manifest.get("files") if manifest else None
+    try:
+        present = sorted(p.name for p in directory.iterdir() if p.name != PCH_MANIFEST)
+    except OSError:  # removed meanwhile by a process that found it broken
+        return False
+    if not isinstance(files, dict) or sorted(files) != present:
+        return False
+    return all(_pch_file_ok(directory / name, digest) for name, digest in files.items())
+
+
+def _pch_file_ok(path: Path, digest) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    identity = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest)
+    if identity in _pch_seen:
+        return True
+    if _cache.file_digest(path) != digest:
+        return False
+    _pch_seen.add(identity)
+    return True
+
+
+def _build_pch(tc: Toolchain, directory: Path, final: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="pch-tmp-", dir=directory))  # mode 0700
+    try:
         for header in RUNTIME_DIR.glob("*.h"):
             shutil.copyfile(header, tmp / header.name)
         flags = [f for f in BASE_FLAGS if f != "-shared"]
         proc = subprocess.run([tc.cxx, *flags, *_includes(tc), "-x", "c++-header", str(tmp / "shim.h"), "-o",
                                str(tmp / "shim.h.gch")], capture_output=True)
+        if proc.returncode != 0:
+            return
+        for path in tmp.iterdir():
+            os.chmod(path, 0o600)  # whatever the umask: nobody else may change what every kernel includes
+        digests = {p.name: _cache.file_digest(p) for p in tmp.iterdir()}
+        _cache.write_record(tmp / PCH_MANIFEST, {"files": digests})
         try:
-            if proc.returncode == 0:
-                os.rename(tmp, final)  # atomic; fails if another process got there first
+            os.rename(tmp, final)  # atomic, manifest included; fails if another process got there first
         except OSError:
             pass
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final / "shim.h" if (final / "shim.h.gch").exists() else None
+
+
+def _discard_dir(path: Path) -> None:
+    """Move a tampered or broken directory out of the way (atomically), then delete it."""
+    trash = Path(tempfile.mkdtemp(prefix="trash-", dir=path.parent))
+    try:
+        os.rename(path, trash / path.name)
+    except OSError:
+        pass
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def precompiled_shim(tc: Toolchain, directory: Path) -> Path | None:
+    """A copy of shim.h with its precompiled header (.gch) beside it, built once per toolchain and runtime.
+
+    Parsing the CUDA fp16/bf16 headers and the runtime is ~0.4 s of every kernel compilation. g++ uses the .gch
+    when the flags match and silently falls back to the copied text otherwise (e.g. a -D that the shim reads).
+    Every file of the directory is checked against the manifest written when it was built (its headers become
+    part of every kernel): a directory that does not match is deleted and built again.
+    """
+    if not _env.get("CUFLASH_EMULATE_PCH"):
+        return None
+    final = directory / f"pch-{_pch_key(tc)}"
+    if os.path.lexists(final) and not _pch_verified(final):
+        _discard_dir(final)
+    if not os.path.lexists(final):
+        _build_pch(tc, directory, final)
+    return final / "shim.h" if _pch_verified(final) else None
+
+
+def _library_key(tc: Toolchain, source: str, name_expression: str, options, sanitize: bool, debug: bool) -> str:
+    return hashlib.sha256("\0".join([
+        source, _includes_digest(source), name_expression, *options, tc.cxx, tc.cxx_version, *tc.cuda_includes,
+        _runtime_digest(), _wrapper(name_expression),
+        *BASE_FLAGS, f"sanitize={sanitize}", f"debug={debug}",
+    ]).encode()).hexdigest()[:32]
+
+
+def _recorded_library(directory: Path, key: str) -> Path | None:
+    """The library the record ``<key>.json`` names, if its bytes have the recorded digest; else None.
+
+    A library that does not match (truncated, replaced, foreign) is deleted: it must never be loaded.
+    """
+    record = _cache.read_record(directory / f"{key}.json")
+    name, digest = (record.get("library"), record.get("sha256")) if record else (None, None)
+    if not isinstance(name, str) or not re.fullmatch(rf"{key}-[0-9a-f]{{16}}\.so", name):
+        return None
+    path = directory / name
+    if _cache.file_digest(path) != digest:
+        _cache.discard(path)
+        return None
+    return path
 
 
 def build(tc: Toolchain, source: str, name_expression: str, options=(), *, sanitize=False, debug=False) -> Path:
-    """Path of the shared library for this kernel, compiling it on a cache miss."""
-    key = hashlib.sha256("\0".join([
-        source, _includes_digest(source), name_expression, *options, tc.cxx, tc.cxx_version, *tc.cuda_includes,
-        _runtime_digest(),
-        *BASE_FLAGS, f"sanitize={sanitize}", f"debug={debug}",
-    ]).encode()).hexdigest()[:32]
-    target = cache_dir() / f"{key}.so"
-    if target.exists():
-        return target
-    return _compile(tc, target, translation_unit(source, name_expression), options, sanitize, debug)
+    """Path of the verified shared library for this kernel, compiling it when the cache has no valid copy.
+
+    The cache holds ``<key>.json`` = {"library": "<key>-<digest[:16]>.so", "sha256": digest} per kernel: the
+    library is written under its own name first, then the record is replaced atomically, so a reader always
+    finds a library and digest that belong together, even while parallel processes build the same kernel.
+    """
+    directory = _cache.cache_dir()
+    key = _library_key(tc, source, name_expression, options, sanitize, debug)
+    found = _recorded_library(directory, key)
+    if found is not None:
+        return found
+    return _compile(tc, directory, key, translation_unit(source, name_expression), options, sanitize, debug)
 
 
-def _compile(tc: Toolchain, target: Path, text: str, options, sanitize: bool, debug: bool) -> Path:
-    # Unique temporaries + atomic rename: parallel test processes may build the same library at once.
-    fd, tmp_src = tempfile.mkstemp(suffix=".cpp", prefix=target.stem + ".", dir=target.parent)
+def _compile(tc: Toolchain, directory: Path, key: str, text: str, options, sanitize: bool, debug: bool) -> Path:
+    # Unique temporaries, then renames: parallel test processes may build the same library at once.
+    fd, tmp_src = tempfile.mkstemp(suffix=".cpp", prefix=key + ".", dir=directory)
     tmp_out = Path(tmp_src).with_suffix(".so.tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        pch = None if sanitize or debug else precompiled_shim(tc)
+        pch = None if sanitize or debug else precompiled_shim(tc, directory)
         cmd = command(tc, Path(tmp_src), tmp_out, options, sanitize=sanitize, debug=debug, shim=pch or SHIM)
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise CompileError(f"g++ failed to compile the kernel for emulation (kept at {tmp_src}.failed):\n"
                                f"{proc.stderr[-8000:]}\ncommand: {' '.join(cmd)}")
+        os.chmod(tmp_out, 0o700)  # whatever the umask: nobody else may change code we load
+        digest = _cache.file_digest(tmp_out)
+        target = directory / f"{key}-{digest[:16]}.so"
         os.replace(tmp_out, target)
+        _cache.write_record(directory / f"{key}.json", {"library": target.name, "sha256": digest})
         compile_log.append((target.name, time.perf_counter() - start))
         return target
     except CompileError:

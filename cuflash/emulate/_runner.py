@@ -16,6 +16,8 @@ MAX_PARAMS = 256
 # One launch at a time in the process: a launch installs a process-wide SIGSEGV hook, and one library's runtime
 # state is global to it.
 _LAUNCH_LOCK = threading.Lock()
+# How often the waiting main thread wakes up to run Python's signal handlers (Ctrl-C) during a launch.
+_POLL_SECONDS = 0.1
 
 
 class EmulationError(RuntimeError):
@@ -84,18 +86,21 @@ class Library:
             raise TypeError(f"kernel has {n} parameters; the emulator supports {MAX_PARAMS}")
         return [Param(*desc[4 * i:4 * i + 4], _spelled(names[i].decode())) for i in range(n)]
 
-    def launch(self, args, grid, block, shared_bytes, schedule, seed, stack_bytes) -> BankStats:
+    def launch(self, args, grid, block, shared_bytes, schedule, seed, stack_bytes, hw_math=False) -> BankStats:
         buffers = pack_arguments(self.params, args)
         argv = (ctypes.c_void_p * max(1, len(buffers)))(*[ctypes.addressof(b) for b in buffers])
         err = ctypes.create_string_buffer(2048)
         where = (ctypes.c_int * 6)()
+        cancel = ctypes.c_int(0)
         fn = self._lib.cuflash_emu_launch
         fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
-                       ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_char_p,
-                       ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_int)]
+                       ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong,
+                       ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_char_p, ctypes.c_ulonglong,
+                       ctypes.POINTER(ctypes.c_int)]
         with _LAUNCH_LOCK:
-            rc = fn(argv, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, schedule, seed,
-                    stack_bytes, err, len(err), where)
+            rc = _interruptible(lambda: fn(argv, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block),
+                                           shared_bytes, schedule, seed, stack_bytes, ctypes.byref(cancel),
+                                           int(hw_math), err, len(err), where), cancel)
         if rc:
             block_idx = tuple(where[0:3]) if where[0] >= 0 else None
             thread_idx = tuple(where[3:6]) if where[3] >= 0 else None
@@ -103,6 +108,55 @@ class Library:
         counts = (ctypes.c_ulonglong * 4)()
         self._lib.cuflash_emu_bank_stats(counts)
         return BankStats(*counts)
+
+
+def _interruptible(call, cancel: ctypes.c_int) -> int:
+    """``call()`` (a launch) on a worker thread, so that Ctrl-C reaches the waiting main thread within
+    ``_POLL_SECONDS``; on any exception there (KeyboardInterrupt, SystemExit from a signal handler) the launch is
+    told to stop through ``cancel`` (the runtime checks it between blocks and at every barrier), awaited, and the
+    exception re-raised: no thread or fiber outlives the call, and the library can be launched again.
+
+    ctypes releases the GIL during the call. Python runs signal handlers in the main thread only, and a blocking
+    wait would postpone them until the launch ends (24.7 s seen), hence the short timed waits. They wait for an
+    Event, not Thread.join: a join interrupted by KeyboardInterrupt marks a running thread as stopped (CPython
+    3.11, bpo-45274), after which join returns while the launch still runs.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return call()  # only the main thread receives KeyboardInterrupt: nothing to wait for (~0.2 ms saved)
+    outcome, done = {}, threading.Event()
+
+    def run():
+        try:
+            outcome["rc"] = call()
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run, name="cuflash-emulate-launch", daemon=True)
+    worker.start()
+    try:
+        while not done.wait(_POLL_SECONDS):
+            pass
+    except BaseException:
+        cancel.value = 1
+        _wait_despite_interrupts(done)
+        raise
+    finally:
+        worker.join()  # the thread has only to return now
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["rc"]
+
+
+def _wait_despite_interrupts(done: threading.Event) -> None:
+    """Waits for a cancelled launch to return (one barrier round): returning earlier would leave it running on
+    buffers the caller may free. Further Ctrl-Cs meanwhile are dropped: the first one is being honoured."""
+    while not done.is_set():
+        try:
+            done.wait(_POLL_SECONDS)
+        except KeyboardInterrupt:
+            pass
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -141,6 +195,19 @@ def _scalar_ok(p: Param, value) -> bool:
     return {SIGNED: kind == "i", UNSIGNED: kind == "u", FLOAT: kind == "f"}.get(p.kind, kind in "fiuV")
 
 
+def _struct_ok(p: Param, value: np.ndarray) -> bool:
+    """A struct passed by value comes as CuPy takes it: a size-1 array of a structured dtype of the struct's size
+    (``np.dtype([...], align=True)`` lays fields out as C does)."""
+    return value.size == 1 and value.dtype.names is not None and value.dtype.itemsize == p.size
+
+
+def _value_buffer(raw: bytes):
+    """A copy of ``raw`` the kernel's parameter is read from, aligned for any type (16 bytes) and at least 8 long."""
+    buffer = (ctypes.c_longdouble * max(1, -(-len(raw) // 16)))()
+    ctypes.memmove(buffer, raw, len(raw))
+    return buffer
+
+
 def _pack_one(i: int, p: Param, value):
     mismatch = TypeError(f"argument {i}: kernel expects {_expected(p)}, got {_describe(value)}")
     if p.kind == POINTER:
@@ -149,13 +216,15 @@ def _pack_one(i: int, p: Param, value):
         if not isinstance(value, np.ndarray) or not _pointee_ok(p, value.dtype):
             raise mismatch
         return ctypes.c_void_p(value.__array_interface__["data"][0])
-    if (p.kind == OTHER and isinstance(value, np.ndarray) and value.size == 1 and value.dtype.names
-            and value.dtype.itemsize == p.size):  # a struct by value, as CuPy passes a size-1 array
-        return ctypes.create_string_buffer(value.tobytes(), max(p.size, 8))
+    if isinstance(value, np.ndarray) and p.kind == OTHER:
+        if not _struct_ok(p, value):
+            raise TypeError(f"argument {i}: kernel expects {_expected(p)} by value (as a size-1 array of a "
+                            f"structured dtype of {p.size} bytes), got {_describe(value)} of shape {value.shape}")
+        return _value_buffer(value.tobytes())
     if value is None or isinstance(value, np.ndarray) or not _scalar_ok(p, value):
         raise mismatch
     raw = np.asarray(value).tobytes() if not isinstance(value, bool) else bytes([value])
-    return ctypes.create_string_buffer(raw, max(len(raw), 8))
+    return _value_buffer(raw)
 
 
 def pack_arguments(params: list[Param], args) -> list:

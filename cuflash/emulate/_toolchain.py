@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import _env
+
 
 @dataclass(frozen=True)
 class Toolchain:
@@ -65,25 +67,30 @@ def _headers_compile(cxx: str, includes: tuple[str, ...]) -> str | None:
     return (errors or proc.stderr.splitlines() or ["unknown error"])[0]
 
 
-def _compiler() -> tuple[str, str] | None:
-    cxx = os.environ.get("CUFLASH_EMULATE_CXX") or shutil.which("g++")
+def _compiler(configured: str | None) -> tuple[str, str] | str:
+    """(command, version line), or why there is no usable compiler."""
+    cxx = configured or shutil.which("g++")
     if not cxx:
-        return None
+        return "no g++ found (set CUFLASH_EMULATE_CXX or install g++)"
     try:
         out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"CUFLASH_EMULATE_CXX={cxx!r} does not run: {exc}" if configured else f"{cxx} does not run: {exc}"
     return cxx, out.splitlines()[0] if out else cxx
 
 
-@functools.lru_cache(maxsize=None)
 def find() -> tuple[Toolchain | None, str]:
-    """The toolchain, or None and the reason it cannot be used."""
+    """The toolchain, or None and the reason it cannot be used. A malformed CUFLASH_EMULATE_CXX is a ValueError."""
+    return _find(_env.get("CUFLASH_EMULATE_CXX"))
+
+
+@functools.lru_cache(maxsize=None)
+def _find(cxx: str | None) -> tuple[Toolchain | None, str]:  # cached per configured compiler
     if not sys.platform.startswith("linux"):
         return None, f"the CPU emulator needs Linux (this is {sys.platform})"
-    compiler = _compiler()
-    if compiler is None:
-        return None, "no g++ found (set CUFLASH_EMULATE_CXX or install g++)"
+    compiler = _compiler(cxx)
+    if isinstance(compiler, str):
+        return None, compiler
     includes = _cuda_includes()
     if includes is None:
         return None, ("no CUDA headers (cuda_fp16.h) found in CUDA_PATH, CUDA_HOME, /usr/local/cuda "

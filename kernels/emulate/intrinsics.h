@@ -233,10 +233,49 @@ inline unsigned atomicDec(unsigned* a, unsigned v) {
 }
 
 // ---------------------------------------------------------------------------------------------- math
+
+namespace cuflash_emu {
+
+// ex2.approx.ftz.f32, what exp2f and __expf become on the GPU under CuPy (-ftz=true). PTX ISA 9.1, section
+// 9.7.3.21 "Floating Point Instructions: ex2": "The maximum ulp error is 2 ulp from correctly rounded result
+// across the full range of inputs", and .ftz "flushes subnormal inputs and results to sign-preserving zero";
+// -Inf -> +0, +-0 -> +1, +Inf -> +Inf, NaN -> NaN. Emulated as the correctly rounded result moved by the full
+// 2 ulp, up or down by a hash of the input bits: deterministic, and at least as far off as the hardware may be,
+// so tolerances tested here hold on the GPU. The special inputs above give their exact results.
+inline uint32_t mix_bits(uint32_t x) {  // murmur3's finalizer: every input bit flips each output bit ~half the time
+  x ^= x >> 16, x *= 0x85ebca6bu, x ^= x >> 13, x *= 0xc2b2ae35u;
+  return x ^ (x >> 16);
+}
+
+inline float ex2_approx_ftz(float x) {
+  uint32_t in;
+  memcpy(&in, &x, 4);
+  if ((in & 0x7f800000u) == 0) return 1.0f;  // +-0 and subnormal inputs (flushed to zero): 2^0
+  if (x != x || x == -INFINITY || x == INFINITY) return x == -INFINITY ? 0.0f : x;
+  float r = static_cast<float>(exp2(static_cast<double>(x)));  // correctly rounded (double rounding aside)
+  uint32_t out;
+  memcpy(&out, &r, 4);
+  if (out < 0x00800000u) return 0.0f;    // a subnormal result is flushed to +0
+  if (out >= 0x7f800000u) return r;      // overflow: +Inf, as on the GPU
+  uint32_t moved = (mix_bits(in) & 1u) ? out + 2u : out - 2u;
+  if (moved < 0x00800000u || moved >= 0x7f800000u) moved = (mix_bits(in) & 1u) ? out - 2u : out + 2u;
+  memcpy(&r, &moved, 4);
+  return r;
+}
+
+// exp2f in kernel code (the macro at the end of this file routes it here): the host's exp2f unless the launch
+// asked for hw_math.
+inline float exp2f_emulated(float x) { return g.hw_math ? ex2_approx_ftz(x) : ::exp2f(x); }
+
+}  // namespace cuflash_emu
+
 // glibc declares (but does not export) __expf & co., hence extern "C" definitions with its exact signature.
 
 extern "C" {
-inline float __expf(float x) noexcept { return expf(x); }
+// __expf is ex2.approx.ftz(x * log2(e)) on the GPU, the product rounded to fp32 first.
+inline float __expf(float x) noexcept {
+  return ::cuflash_emu::g.hw_math ? ::cuflash_emu::ex2_approx_ftz(x * 1.44269504088896341f) : expf(x);
+}
 inline float __exp10f(float x) noexcept { return powf(10.0f, x); }
 inline float __logf(float x) noexcept { return logf(x); }
 inline float __log2f(float x) noexcept { return log2f(x); }
@@ -334,5 +373,9 @@ template <typename T> inline void __stcg(T* p, T v) { *p = v; }
 template <typename T> inline void __stcs(T* p, T v) { *p = v; }
 template <typename T> inline void __stwb(T* p, T v) { *p = v; }
 template <typename T> inline void __stwt(T* p, T v) { *p = v; }
+
+// Last, so that the system headers above still declare and use the real exp2f. A kernel calling exp2f gets the
+// emulated instruction when the launch has hw_math; std::exp2f and taking its address are not supported.
+#define exp2f(x) ::cuflash_emu::exp2f_emulated(x)
 
 #endif  // CUFLASH_EMULATE_INTRINSICS_H_

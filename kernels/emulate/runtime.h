@@ -83,6 +83,9 @@ struct Launch {
   int schedule = kForward;
   uint64_t rng = 0;
   bool failed = false;
+  bool interrupted = false;       // stopped because `cancel` was set (Ctrl-C in Python)
+  const int* cancel = nullptr;    // set to nonzero by another OS thread to stop the launch at the next switch
+  bool hw_math = false;           // GPU-like fp32: flush-to-zero, ex2.approx errors (intrinsics.h)
   std::string error;
   int err_block[3] = {-1, -1, -1}, err_thread[3] = {-1, -1, -1};
   void (*thunk)(void*) = nullptr;
@@ -225,8 +228,18 @@ inline Fiber* pick_next() {
   }
 }
 
+inline bool cancel_requested() { return g.cancel && __atomic_load_n(g.cancel, __ATOMIC_RELAXED) != 0; }
+
+[[noreturn]] inline void fail(const char* fmt, ...);
+
 // Gives up the processor: to the next ready fiber, or to the main context when none is (block done or stuck).
+// Every barrier and waiting warp collective passes here, so this is where a launch notices a cancellation: a
+// block is abandoned as on an error, and the launch returns within one barrier round.
 inline void yield(bool dying = false) {
+  if (cancel_requested()) {
+    g.interrupted = true;
+    fail("launch interrupted");
+  }
   Fiber* self = g_cur;
   Fiber* next = pick_next();
   if (next != self) switch_to(self, next, dying);
@@ -533,10 +546,35 @@ inline void hook_segv(bool on) {
 #endif
 }
 
-// Runs thunk(ctx) as the body of every thread of every block. Returns 0, or 1 with g.error set.
+// The GPU's fp32 mode under CuPy (-ftz=true): denormal results flushed to zero (MXCSR FTZ, bit 15) and denormal
+// operands read as zero (DAZ, bit 6). g++ does float arithmetic with SSE on x86-64, so MXCSR governs it. MXCSR
+// is per OS thread and the fibers all run on the launching thread: set once per launch, restored at its end.
+struct FloatMode {
+  unsigned saved = 0;
+  bool ok = true;
+  explicit FloatMode(bool hw) {
+#if defined(__x86_64__)
+    saved = __builtin_ia32_stmxcsr();
+    if (hw) __builtin_ia32_ldmxcsr(saved | 0x8040u);
+#else
+    ok = !hw;  // no flush-to-zero control written for this architecture
+#endif
+  }
+  ~FloatMode() {
+#if defined(__x86_64__)
+    __builtin_ia32_ldmxcsr(saved);
+#endif
+  }
+};
+
+inline int launch_result() { return g.interrupted ? 2 : g.failed ? 1 : 0; }
+
+// Runs thunk(ctx) as the body of every thread of every block. Returns 0; 1 with g.error set; or 2 when `cancel`
+// became nonzero (checked between blocks and at every barrier or warp collective that waits).
 inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, int schedule, uint64_t seed, size_t stack_bytes,
-                    void (*thunk)(void*), void* ctx) {
-  g.failed = false;
+                    void (*thunk)(void*), void* ctx, const int* cancel, bool hw_math) {
+  g.failed = g.interrupted = false;
+  g.cancel = cancel, g.hw_math = hw_math;
   g.error.clear();
   for (int i = 0; i < 3; ++i) g.err_block[i] = g.err_thread[i] = -1;
   g.schedule = schedule, g.rng = seed, g.thunk = thunk, g.thunk_ctx = ctx;
@@ -557,19 +595,26 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, int schedule, ui
   g_dyn_smem = dyn, g_dyn_smem_bytes = shared_bytes;
   std::vector<unsigned> blocks;
   make_order(blocks, grid.x * grid.y * grid.z);  // blocks are independent: their order follows the schedule too
+  FloatMode mode(hw_math);
+  if (!mode.ok) main_error("hw_math needs an x86-64 CPU (its flush-to-zero mode is set through MXCSR)");
   hook_segv(true);
   for (unsigned b : blocks) {
+    if (g.failed) break;
+    if (cancel_requested()) {
+      g.interrupted = true;
+      main_error("launch interrupted");
+      break;
+    }
     g_block_idx = make_uint3(b % grid.x, (b / grid.x) % grid.y, b / (grid.x * grid.y));
     init_block(g.nthreads, g.stacks.size);
     run_block();
     count_copy_wavefronts();  // copies after the block's last barrier
-    if (g.failed) break;
   }
   hook_segv(false);
   fflush(stdout);  // device printf output appears before Python's next print
   free(dyn);
   g_dyn_smem = nullptr, g_dyn_smem_bytes = 0;
-  return g.failed ? 1 : 0;
+  return launch_result();
 }
 
 }  // namespace cuflash_emu

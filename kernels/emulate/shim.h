@@ -49,6 +49,8 @@
 #define __constant__
 #undef __managed__
 #define __managed__
+// `const __grid_constant__ Params p`: a struct passed by value, which the CPU reads from the argument buffer.
+// The toolkit's host_defines.h makes it __attribute__((grid_constant)), unknown to g++: hence the #undef.
 #undef __grid_constant__
 #define __grid_constant__
 

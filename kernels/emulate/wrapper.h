@@ -76,10 +76,10 @@ struct Signature<void (*)(A...)> {
 };
 
 inline int launch_entry(void** args, const unsigned* grid, const unsigned* block, size_t shared_bytes, int schedule,
-                        unsigned long long seed, size_t stack_bytes, void (*thunk)(void*), char* err, size_t err_len,
-                        int* where) {
+                        unsigned long long seed, size_t stack_bytes, const int* cancel, int hw_math,
+                        void (*thunk)(void*), char* err, size_t err_len, int* where) {
   int rc = run_grid(dim3(grid[0], grid[1], grid[2]), dim3(block[0], block[1], block[2]), shared_bytes, schedule,
-                    seed, stack_bytes, thunk, args);
+                    seed, stack_bytes, thunk, args, cancel, hw_math != 0);
   if (rc) {
     snprintf(err, err_len, "%s", g.error.c_str());
     for (int i = 0; i < 3; ++i) where[i] = g.err_block[i], where[3 + i] = g.err_thread[i];

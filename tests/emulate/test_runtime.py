@@ -233,6 +233,38 @@ def test_argument_type_mismatch(override, position, expected, got):
         emu.launch(spec("runtime_tests.cu", SCALARS, _scalar_args(**override)))
 
 
+# struct Params { float* out; long long n; float scale; } as C lays it out (align=True: 4 bytes of tail padding).
+PARAMS = np.dtype([("out", np.uintp), ("n", np.int64), ("scale", np.float32)], align=True)
+
+
+def _params(out, n, scale, dtype=PARAMS):
+    p = np.zeros(1, dtype)
+    p["out"], p["n"], p["scale"] = out.ctypes.data, n, scale
+    return p
+
+
+def test_struct_argument_by_value():
+    """How CuPy passes a struct by value: a size-1 NumPy array of a structured dtype, its bytes copied."""
+    out = np.full(100, -1, np.float32)
+    run_spec = spec("hardening_tests.cu", "struct_kernel", (_params(out, 90, 0.5),), block=(32, 1, 1))
+    emu.launch(run_spec)
+    np.testing.assert_array_equal(out[:90], 0.5 * np.arange(90, dtype=np.float32))
+    np.testing.assert_array_equal(out[90:], -1)
+
+
+@pytest.mark.parametrize("value,got", [
+    (_params(np.zeros(1, np.float32), 1, 1.0, np.dtype(PARAMS.descr[:3])), "ndarray"),  # packed: 20 bytes
+    (np.zeros(2, PARAMS), r"shape \(2,\)"),
+    (np.zeros(1, "V24"), "V24"),
+    (np.zeros(3, np.float64), "float64"),
+    (np.int64(3), "np.int64"),
+    (None, "NoneType"),
+])
+def test_struct_argument_mismatch(value, got):
+    with pytest.raises(TypeError, match=rf"argument 0: kernel expects `Params` \(24 bytes\).*{got}"):
+        emu.launch(spec("hardening_tests.cu", "struct_kernel", (value,)))
+
+
 def test_argument_count_mismatch():
     with pytest.raises(TypeError, match="takes 7 arguments, got 6"):
         emu.launch(spec("runtime_tests.cu", SCALARS, _scalar_args()[:-1]))

@@ -1,0 +1,176 @@
+"""Where the emulator keeps compiled code, and the checks that make it load only what it built itself.
+
+Everything the emulator loads (kernel libraries with ``dlopen``, the precompiled shim through g++) runs with the
+user's rights, so the cache is treated like code:
+
+* it is a directory owned by the current user, writable by nobody else, and not a symbolic link; the
+  components cuflash creates are made with mode 0700, and the directory is checked again before every load;
+* every artefact is verified against the SHA-256 digest recorded when it was built (a JSON record written
+  through a temporary file and ``os.replace``, inside the checked directory); a missing, truncated, foreign or
+  altered artefact is discarded and rebuilt, never loaded.
+
+The digest is computed from the file, then the file is loaded by name: the window between the two is closed by
+the ownership check (nobody else can write into the directory or the file), not by the digest.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from .. import _env
+
+VARIABLE = "CUFLASH_EMULATE_CACHE"
+_CHUNK = 1 << 20
+
+
+# ------------------------------------------------------------------------------------------------ directories
+
+def unsafe_reason(path: Path) -> str | None:
+    """Why ``path`` cannot hold code this process will run, or None when it can."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be examined ({exc.strerror or exc})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    return _ownership_problem(st)
+
+
+def _ownership_problem(st: os.stat_result) -> str | None:
+    uid = os.getuid()
+    if st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _make_private(path: Path) -> list[Path]:
+    """``mkdir -p`` with mode 0700 for every component created; returns the components this call created."""
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for component in reversed(missing):
+        try:
+            os.mkdir(component, 0o700)
+        except FileExistsError:  # a parallel process made it first: checked like our own
+            pass
+    return missing
+
+
+def _configured(raw: str) -> Path:
+    path = Path(raw).expanduser()
+    accepted = _env.VARIABLES[VARIABLE].accepted
+    try:
+        created = _make_private(path)
+    except OSError as exc:
+        raise ValueError(f"environment variable {VARIABLE}={raw!r} cannot be created "
+                         f"({exc.strerror or exc}): expected {accepted}") from None
+    for component in [path, *created]:
+        problem = unsafe_reason(component)
+        if problem:
+            raise ValueError(f"environment variable {VARIABLE}={raw!r} is not a safe place for compiled code: "
+                             f"{component} {problem}; expected {accepted}")
+    return path
+
+
+def _checked(path: Path, components: list[Path]) -> Path:
+    for component in components:
+        problem = unsafe_reason(component)
+        if problem:
+            raise ValueError(f"the emulator's cache {path} is not a safe place for compiled code: {component} "
+                             f"{problem}. Fix it, or set {VARIABLE} to a directory owned by you and writable "
+                             f"only by you")
+    return path
+
+
+def _fallback() -> Path:
+    """A per-user directory in the temporary directory, for when HOME cannot hold the cache (read-only CI homes).
+
+    The name is predictable, so it is checked like any other: a directory planted there by someone else is an
+    error, never used.
+    """
+    path = Path(tempfile.gettempdir()) / f"cuflash-emulate-{os.getuid()}"
+    try:
+        _make_private(path)
+    except OSError as exc:
+        raise ValueError(f"the emulator has no usable cache: HOME is not writable and {path} cannot be created "
+                         f"({exc.strerror or exc}); set {VARIABLE} to a directory owned by you and writable only "
+                         f"by you") from None
+    return _checked(path, [path])
+
+
+def cache_dir() -> Path:
+    """The library cache, created (0700) and checked: ``CUFLASH_EMULATE_CACHE``, else ~/.cache/cuflash/emulate,
+    else (HOME not writable) ``<tempdir>/cuflash-emulate-<uid>``. Raises ValueError when it is not private."""
+    configured = _env.get(VARIABLE)
+    if configured is not None:
+        return _configured(configured)
+    try:
+        path = Path.home() / ".cache" / "cuflash" / "emulate"
+        _make_private(path)
+    except (OSError, RuntimeError):  # no HOME, or one we cannot write (some CI sandboxes)
+        return _fallback()
+    return _checked(path, [path.parent, path])  # ~/.cache/cuflash and its emulate/: the components cuflash owns
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+def file_digest(path: Path) -> str | None:
+    """SHA-256 of a regular file that this user owns and nobody else can write; None for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or _ownership_problem(st):
+            return None
+        h = hashlib.sha256()
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+        return h.hexdigest()
+
+
+def write_record(path: Path, record: dict) -> None:
+    """Atomically replace ``path`` with ``record`` as JSON (readers see the old or the new record, whole)."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_record(path: Path) -> dict | None:
+    """The JSON object at ``path`` when it is a private regular file and well formed, else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or _ownership_problem(st):
+            return None
+        try:
+            record = json.loads(f.read(1 << 20))
+        except ValueError:
+            return None
+    return record if isinstance(record, dict) else None
+
+
+def discard(path: Path) -> None:
+    """Remove a corrupt or foreign artefact so that nothing loads it by mistake later."""
+    try:
+        path.unlink()
+    except OSError:
+        pass

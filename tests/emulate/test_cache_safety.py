@@ -1,0 +1,234 @@
+"""The emulator's cache holds code it runs: only what it built itself is loaded, from a private directory.
+
+Each case that loads from a tampered cache runs the launch in a subprocess (a fresh process: ``dlopen`` would
+otherwise hand back the library already loaded here, and a truncated library may kill the process with SIGBUS).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cuflash.emulate as emu
+from emu_helpers import spec
+
+TESTS = Path(__file__).parent
+ROOT = Path(emu.__file__).parents[2]
+
+# A launch of copy_kernel from a fresh process; `options` makes its own cache key.
+VICTIM = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import cuflash.emulate as emu
+from emu_helpers import spec
+out = np.zeros(4, np.float32)
+emu.launch(spec("runtime_tests.cu", "copy_kernel", (np.arange(1, 5, dtype=np.float32), out, np.int32(4)),
+                options={options!r}))
+print("result", out.tolist())
+"""
+
+# A library whose constructor leaves a marker file: what an attacker would plant.
+FOREIGN = r"""
+#include <cstdio>
+__attribute__((constructor)) static void planted() {
+  if (FILE* f = fopen("%s", "w")) fclose(f);
+}
+"""
+MARKER_INITIALIZER = '\nstatic int cuflash_tampered = [] { if (FILE* f = fopen("%s", "w")) fclose(f); return 0; }();\n'
+
+
+def _run(cache: Path, options=(), pch=False):
+    env = dict(os.environ, CUFLASH_EMULATE_CACHE=str(cache), CUFLASH_EMULATE_PCH="1" if pch else "0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    code = VICTIM.format(tests=str(TESTS), options=tuple(options))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def _assert_correct(proc):
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "result [1.0, 2.0, 3.0, 4.0]" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory):
+    """A cache holding copy_kernel's library and the precompiled shim, built once; tests tamper with copies."""
+    cache = tmp_path_factory.mktemp("template") / "cache"
+    _assert_correct(_run(cache, pch=True))
+    return cache
+
+
+def _copy(built_cache, tmp_path, with_pch=False):
+    cache = tmp_path / "cache"
+    shutil.copytree(built_cache, cache, symlinks=True, ignore=None if with_pch else shutil.ignore_patterns("pch-*"))
+    return cache
+
+
+def _libraries(cache: Path):
+    found = sorted(cache.glob("*.so"))
+    assert found, f"no library in {cache}"
+    return found
+
+
+def _foreign_library(tmp_path: Path, marker: Path) -> Path:
+    src = tmp_path / "foreign.cpp"
+    src.write_text(FOREIGN % marker)
+    out = tmp_path / "foreign.so"
+    subprocess.run(["g++", "-shared", "-fPIC", str(src), "-o", str(out)], check=True, capture_output=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ artefacts
+
+def test_a_planted_library_is_not_loaded(built_cache, tmp_path):
+    cache, marker = _copy(built_cache, tmp_path), tmp_path / "marker"
+    foreign = _foreign_library(tmp_path, marker)
+    for library in _libraries(cache):  # under the very names the emulator would load
+        shutil.copyfile(foreign, library)
+    proc = _run(cache)
+    _assert_correct(proc)
+    assert not marker.exists(), "the planted library's constructor ran"
+
+
+def test_a_truncated_library_is_rebuilt(built_cache, tmp_path):
+    cache = _copy(built_cache, tmp_path)
+    for library in _libraries(cache):
+        size = library.stat().st_size
+        with open(library, "r+b") as f:
+            f.truncate(size // 2)  # headers intact: the loader would map pages past the end (SIGBUS)
+    _assert_correct(_run(cache))
+    assert all(lib.stat().st_size > 1000 and lib.read_bytes()[:4] == b"\x7fELF" for lib in _libraries(cache))
+
+
+def test_a_library_without_its_record_is_rebuilt(built_cache, tmp_path):
+    cache = _copy(built_cache, tmp_path)
+    records = sorted(cache.glob("*.json"))
+    assert records
+    for record in records:
+        record.unlink()
+    _assert_correct(_run(cache))
+    assert sorted(cache.glob("*.json")) == records
+
+
+def test_a_tampered_precompiled_shim_is_not_used(built_cache, tmp_path):
+    cache, marker = _copy(built_cache, tmp_path, with_pch=True), tmp_path / "marker"
+    pch_dirs = sorted(cache.glob("pch-*"))
+    assert pch_dirs, "the template cache has no precompiled shim"
+    for pch in pch_dirs:
+        shim = pch / "shim.h"
+        shim.write_text(shim.read_text() + MARKER_INITIALIZER % marker)
+        (pch / "shim.h.gch").write_bytes(b"not a precompiled header")  # g++ then reads the text beside it
+    proc = _run(cache, options=("-DCUFLASH_TEST_NEW_KERNEL=1",), pch=True)  # a new kernel: compiled now
+    _assert_correct(proc)
+    assert not marker.exists(), "code planted in the precompiled shim's directory was compiled in"
+    assert all(b"cuflash_tampered" not in (pch / "shim.h").read_bytes() for pch in cache.glob("pch-*"))
+
+
+# ------------------------------------------------------------------------------------------------ directories
+
+@pytest.fixture
+def private_env(monkeypatch, tmp_path):
+    """HOME and the temporary directory inside tmp_path, no configured cache."""
+    monkeypatch.delenv("CUFLASH_EMULATE_CACHE", raising=False)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return home, tmp
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def _launch():
+    out = np.zeros(4, np.float32)
+    emu.launch(spec("runtime_tests.cu", "copy_kernel", (np.arange(4, dtype=np.float32), out, np.int32(4))))
+    return out
+
+
+def test_default_cache_is_created_private(private_env):
+    home, _ = private_env
+    path = emu.cache_dir()
+    assert path == home / ".cache" / "cuflash" / "emulate"
+    assert _mode(path) == 0o700 and _mode(path.parent) == 0o700
+
+
+def test_unwritable_home_falls_back_to_a_private_per_user_directory(private_env, monkeypatch):
+    home, tmp = private_env
+    blocker = home / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("HOME", str(blocker))  # ~/.cache cannot be created under a file
+    path = emu.cache_dir()
+    assert path == tmp / f"cuflash-emulate-{os.getuid()}"
+    assert _mode(path) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_squatted_fallback_directory_is_refused(private_env, monkeypatch, mode):
+    home, tmp = private_env
+    (home / "file").write_text("")
+    monkeypatch.setenv("HOME", str(home / "file"))
+    squatted = tmp / f"cuflash-emulate-{os.getuid()}"
+    squatted.mkdir()
+    squatted.chmod(mode)
+    with pytest.raises(ValueError, match="CUFLASH_EMULATE_CACHE"):
+        emu.cache_dir()
+
+
+def test_a_world_writable_cache_is_an_error(monkeypatch, tmp_path):
+    cache = tmp_path / "shared"
+    cache.mkdir()
+    cache.chmod(0o777)
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(cache))
+    with pytest.raises(ValueError, match=r"CUFLASH_EMULATE_CACHE=.*writable by other users"):
+        _launch()
+
+
+def test_a_cache_owned_by_another_user_is_an_error(monkeypatch, tmp_path):
+    cache = tmp_path / "theirs"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(cache))
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(cache).st_uid + 4242)  # as if we were someone else
+    with pytest.raises(ValueError, match=r"CUFLASH_EMULATE_CACHE=.*owned by uid"):
+        _launch()
+
+
+def test_a_cache_that_is_a_file_or_cannot_be_created_is_an_error(monkeypatch, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    for configured, why in [(not_a_dir, "is not a directory"), (not_a_dir / "sub", "cannot be created")]:
+        monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(configured))
+        with pytest.raises(ValueError, match=rf"CUFLASH_EMULATE_CACHE=.*{why}"):
+            _launch()
+
+
+def test_a_symlinked_cache_is_an_error(monkeypatch, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(tmp_path / "link"))
+    with pytest.raises(ValueError, match=r"CUFLASH_EMULATE_CACHE=.*symbolic link"):
+        _launch()
+
+
+def test_a_configured_cache_is_created_private(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(tmp_path / "a" / "b"))
+    assert emu.cache_dir() == tmp_path / "a" / "b"
+    assert _mode(tmp_path / "a") == 0o700 and _mode(tmp_path / "a" / "b") == 0o700
+
+
+def test_unsafe_reason_accepts_only_private_directories(tmp_path):
+    from cuflash.emulate import _cache
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o755)  # readable by others is fine: only writing matters
+    assert _cache.unsafe_reason(private) is None
+    private.chmod(0o720)
+    assert "writable by other users" in _cache.unsafe_reason(private)
