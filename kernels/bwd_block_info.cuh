@@ -106,21 +106,4 @@ struct QueryTiles {
   }
 };
 
-// Sets S^T[key][query] = -inf for every element of a warp's S^T fragments that is not visible (the element rule
-// and, in tiles a BlockMask keeps only partly, its grid). The transpose of apply_mask in mask.cuh: fragment rows
-// are keys key0 + lane/4 + 8*(r/2), columns are queries q0 + 8*nj + 2*(lane%4) + r%2.
-template <int kNTiles>
-__device__ __forceinline__ void apply_mask_t(float (&S)[1][kNTiles][4], int key0, int q0, int lane,
-                                             const Visibility vis, const BlockGrid grid) {
-#pragma unroll
-  for (int nj = 0; nj < kNTiles; ++nj) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int j = key0 + (lane >> 2) + 8 * (r >> 1);
-      const int i = q0 + 8 * nj + 2 * (lane & 3) + (r & 1);
-      if (!(vis(i, j) && grid.kept(i, j))) S[0][nj][r] = neg_inf();
-    }
-  }
-}
-
 }  // namespace cuflash

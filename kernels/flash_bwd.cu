@@ -37,10 +37,9 @@
 #include "bwd_gemm.cuh"
 #include "dropout.cuh"
 #include "bwd_dropout.cuh"
+#include "mods.cuh"
 
 namespace cuflash {
-
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <bool B>
 struct BoolConstant {  // a compile-time bool to instantiate a generic lambda per case (no <type_traits> in NVRTC)
@@ -98,7 +97,7 @@ __global__ void __launch_bounds__(128) flash_bwd_convert_dq_kernel(const __grid_
 // (B, Sk, Hkv, ld) and, unless deterministic (dq_accum null), dQ into the fp32 workspace dq_accum. The BlockMask
 // lists are per key tile here (the transposed lists; ~m for a query tile kept only partly).
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, class Mods>
 __global__ void __launch_bounds__(kWarps * 32) flash_bwd_kernel(const __grid_constant__ Params p) {
   using Tr = BwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   using SdP = typename Tr::SdP;
@@ -190,15 +189,18 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_kernel(const __grid_con
 
     // Lines 11-13: S^T = K_j Q_i^T with the forward's rounding (fp32 accumulate, one multiply by scale*log2e),
     // the element mask on boundary tiles, P^T = exp2(S^T - L).
-    float S[1][kNTilesS][4];
+    // (S0: the scaled scores before a score modifier, whose derivative the backward needs; unused without one.)
+    float S[1][kNTilesS][4], S0[1][kNTilesS][4];
+    const ScorePos pos{blk.batch, head, blk.len_q, blk.len_k};
+    const int key_row0 = blk.key_begin + 16 * key_group;
     gemm_qk<SdP>(S, no_frags, sK_warp, sQ + q_col0 * Tr::kStride, lane);
-    scale_scores(S, p.scale_log2);
-    if (partial || blk.needs_mask(m)) {
+    modify_scores<Mods, true, Mods::kScore>(S, S0, key_row0, row0 + q_col0, lane, pos, p);
+    if (partial || blk.needs_mask(m) || Mods::kMask) {
       BlockGrid tile_cells = cells;
       if (partial && p.mask.cells != nullptr) {
         tile_cells.cells = p.mask.cells + blk.batch * p.mask.cells_batch_stride + head * p.mask.cells_head_stride;
       }
-      apply_mask_t<kNTilesS>(S, blk.key_begin + 16 * key_group, row0 + q_col0, lane, blk.vis, tile_cells);
+      mask_scores<Mods, true>(S, key_row0, row0 + q_col0, lane, blk.vis, tile_cells, pos, p);
     }
     // Lines 13-21 for this tile, compiled twice: with dropout (kDrop) and without, picked by a uniform branch per
     // tile, so that the path without dropout is exactly the code without it (one scheduling region, no dropout
@@ -228,6 +230,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_kernel(const __grid_con
         dP[0][nj][2] = S[0][nj][2] * fmaf(dP[0][nj][2], rescale, -D.x);
         dP[0][nj][3] = S[0][nj][3] * fmaf(dP[0][nj][3], rescale, -D.y);
       }
+      backprop_modifier<Mods, true, true>(dP, S0, key_row0, row0 + q_col0, lane, pos, p);
 
       // Line 16: dV_j += (P^T o Z^T) dO_i (straight from registers when the warp holds every query column); after
       // dS, which needs the undropped P. The 1/(1-p) is applied to dV once, at the end.
@@ -293,7 +296,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_kernel(const __grid_con
 // the forward's (tile_lists at this kernel's tiles). No atomics: bitwise reproducible. Dropout as in the main kernel
 // (dS = P o (dP o Z / (1-p) - D)), the keep bits made like the forward's (dropout.cuh).
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, class Mods>
 __global__ void __launch_bounds__(kWarps * 32) flash_bwd_dq_kernel(const __grid_constant__ Params p) {
   using Tr = DqTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   constexpr int kMTiles = Tr::kMTiles;
@@ -308,6 +311,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_dq_kernel(const __grid_
   const int lane = tid % 32;
   const int warp_row = (tid / 32) * Tr::kRowsPerWarp;
   const BlockInfo<Tr> blk(p);
+  const ScorePos pos{blk.batch, blk.head, blk.len_q, blk.len_k};
   const int head_dim = p.head_dim;
   const long long k_row_stride = p.k.row_stride, v_row_stride = p.v.row_stride;
   const T* q_i = p.q.at<const T>(blk.batch, blk.head) + blk.row_begin * p.q.row_stride;
@@ -361,11 +365,11 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_dq_kernel(const __grid_
     arch::cp_async_wait<0>();
     __syncthreads();  // K_j, V_j (and Q_i, dO_i) are in smem; every warp is done with the previous K_j
 
-    float S[kMTiles][Tr::kNTilesS][4];  // the forward's S, bit for bit (scores.cuh)
+    float S[kMTiles][Tr::kNTilesS][4], S0[kMTiles][Tr::kNTilesS][4];  // the forward's S, bit for bit (scores.cuh)
     BlockGrid tile_cells = cells;
     if (!partial) tile_cells.cells = nullptr;
-    score_tile<Tr>(S, no_frags, sQ_warp, sK, lane, p.scale_log2, partial || blk.needs_mask(n), blk.row_begin + warp_row,
-                   key0, blk.vis, tile_cells);
+    score_tile<Tr, Mods, Mods::kScore>(S, S0, no_frags, sQ_warp, sK, lane, partial || blk.needs_mask(n),
+                                       blk.row_begin + warp_row, key0, blk.vis, tile_cells, pos, p);
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -399,6 +403,8 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_dq_kernel(const __grid_
 #pragma unroll
         for (int r = 0; r < 4; ++r)
           dP[mi][nj][r] = S[mi][nj][r] * fmaf(dP[mi][nj][r], p.dropout.rescale, -Dr[2 * mi + r / 2]);
+    // dS of the unmodified scores (dbias is the main kernel's job: it runs in both dQ modes)
+    backprop_modifier<Mods, false, false>(dP, S0, blk.row_begin + warp_row, key0, lane, pos, p);
 
     gemm_pv<Tr>(acc, dP, sK, lane);  // dQ_i += dS K_j: K_j read like V in the forward
     if (n_next >= 0) {

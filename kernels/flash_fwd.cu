@@ -29,7 +29,7 @@ namespace cuflash {
 // scale and dropout fields. q (B, Sq, Hq, ld), k/v (B, Sk, Hkv, ld), o like q: `head_dim` (a multiple of 8,
 // <= kHeadDim) columns are read and written. lse (B, Hq, Sq) fp32, the natural-log log-sum-exp of the scaled
 // scores. With dropout, the 1/(1-p) is folded into the final 1/l; the lse stays that of the undropped scores.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, class Mods>
 __global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_constant__ Params p) {
   using Traits = FwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   constexpr int kMTiles = Traits::kMTiles;
@@ -45,6 +45,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_con
   const T* sQ_warp = sQ + warp_row * Traits::kSmemStride;
 
   const BlockInfo<Traits> blk(p);
+  const ScorePos pos{blk.batch, blk.head, blk.len_q, blk.len_k};
   const long long q_row_stride = p.q.row_stride, k_row_stride = p.k.row_stride, v_row_stride = p.v.row_stride;
   const int head_dim = p.head_dim;
   const T* q_i = p.q.at<const T>(blk.batch, blk.head) + blk.row_begin * q_row_stride;
@@ -103,8 +104,8 @@ __global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_con
     float S[kMTiles][Traits::kNTilesS][4];
     BlockGrid tile_cells = cells;
     if (!partial) tile_cells.cells = nullptr;  // a tile the BlockMask keeps whole needs no grid lookups
-    score_tile<Traits>(S, q_frags, sQ_warp, sK, lane, p.scale_log2, partial || blk.needs_mask(n), blk.row_begin + warp_row,
-                       key0, blk.vis, tile_cells);
+    score_tile<Traits, Mods>(S, S, q_frags, sQ_warp, sK, lane, partial || blk.needs_mask(n), blk.row_begin + warp_row,
+                             key0, blk.vis, tile_cells, pos, p);
 
     arch::cp_async_wait<0>();
     __syncthreads();  // V_j is in smem; every warp is done with K_j

@@ -69,25 +69,4 @@ struct BlockGrid {
   }
 };
 
-// Sets S[i][j] = -inf for every element of the thread's S fragments that is not visible. `row0` is the global
-// row of the warp's first m-tile; `col0` the first key of the tile. Fragment layout (mma m16n8k16 C/D): register
-// r of n-tile nj in m-tile mi holds row row0 + 16*mi + lane/4 + 8*(r/2), column col0 + 8*nj + 2*(lane%4) + r%2.
-template <class Traits>
-__device__ __forceinline__ void apply_mask(float (&S)[Traits::kMTiles][Traits::kNTilesS][4], int row0, int col0,
-                                           int lane, const Visibility vis, const BlockGrid grid) {
-#pragma unroll
-  for (int mi = 0; mi < Traits::kMTiles; ++mi) {
-#pragma unroll
-    for (int nj = 0; nj < Traits::kNTilesS; ++nj) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = row0 + 16 * mi + (lane >> 2) + 8 * (r >> 1);
-        const int j = col0 + 8 * nj + 2 * (lane & 3) + (r & 1);
-        // vis first: it rejects j >= len_k and i >= len_q, so the grid is never read outside its extent.
-        if (!(vis(i, j) && grid.kept(i, j))) S[mi][nj][r] = neg_inf();
-      }
-    }
-  }
-}
-
 }  // namespace cuflash

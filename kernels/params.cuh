@@ -42,6 +42,22 @@ struct DropoutArg {
   float rescale;
 };
 
+// Score and mask modifiers' operands (cuflash/cuda/modcode.py; kernels/mods.cuh reads them). An array operand is read
+// at the problem's (b, h, q_idx, kv_idx) with these element strides (0 for a variable it is not indexed by); one slot
+// per (array, indexing), so doc[q_idx] and doc[kv_idx] are two slots over one array.
+constexpr int kModArrays = 8, kModScalars = 8;
+struct ModArray {
+  const void* ptr;
+  long long stride[4];
+};
+struct ModArgs {
+  ModArray arrays[kModArrays];
+  float scalars[kModScalars];  // float operands (softcap, user scalars)
+  int iscalars[kModScalars];   // integer and bool operands
+  float* dbias;                // fp32 accumulator of dbias in the bias's own broadcast shape, or null
+  long long dbias_stride[4];   // (b, h, q_idx, kv_idx) element strides of dbias (0 where the bias broadcasts)
+};
+
 struct Params {
   // q, dout, dq: (B, Sq, Hq, ld); k, v, dk, dv: (B, Sk, Hkv, ld); o: like q; dq_accum: fp32 like q, or null.
   TensorArg q, k, v, o, dout, dq, dk, dv, dq_accum;
@@ -61,6 +77,7 @@ struct Params {
   int window_left, window_right;  // kUnbounded (mask.cuh) for none; causal is right = 0
   BlockMaskArg mask;
   DropoutArg dropout;
+  ModArgs mods;
 };
 
 }  // namespace cuflash

@@ -27,6 +27,7 @@ MIN_CC = 80
 DTYPES = tuple(specs.CTYPES)
 MAX_HEAD_DIM = specs.NATIVE_HEAD_DIMS[-1]
 BF16_BITS = True
+MODIFIERS = True  # score and mask modifiers compiled into the kernels (cuflash/cuda/modcode.py)
 ARRAYS = "cupy"
 
 #: compiled by available(): both element types' headers, a template instantiation and a load on the device, the
@@ -144,7 +145,8 @@ def forward(problem: Problem, *, spec=None):
 def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=False):
     """``(dq, dk, dv)`` on the current CuPy stream (:func:`cuflash.cuda.launch.backward_launch`)."""
     _check_devices(problem, dout=dout, out=out, lse=lse)
-    bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=_device()[2])
+    bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=_device()[2],
+                                  dbias=dbias)
     for launch in bl.launches:
         run(launch)
     return bl.result()

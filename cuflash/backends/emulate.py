@@ -16,6 +16,7 @@ from ..problem import Problem
 DTYPES = tuple(specs.CTYPES)
 MAX_HEAD_DIM = specs.NATIVE_HEAD_DIMS[-1]
 BF16_BITS = True
+MODIFIERS = True  # score and mask modifiers compiled into the kernels (cuflash/cuda/modcode.py)
 ARRAYS = "numpy"
 
 
@@ -54,7 +55,7 @@ def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=Fal
     from .. import emulate
 
     bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=_max_smem(),
-                                  spec=spec, dq_spec=dq_spec)
+                                  spec=spec, dq_spec=dq_spec, dbias=dbias)
     for launch in bl.launches:
         emulate.launch(launch, schedule=schedule, seed=seed)
     return bl.result()

@@ -12,13 +12,13 @@ dK and dV then bitwise reproducible; by default dQ's last bits follow the atomic
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import numpy as np
 
 from .. import dropout
-from . import params, specs
+from . import modcode, params, specs
 from .source import kernel_source
 
 #: ``kUnbounded`` in kernels/mask.cuh: "no window bound"; lengths must stay below it.
@@ -182,10 +182,24 @@ def _common(problem, d8: int) -> dict:
                 stats_batch_stride=hq * sq, stats_head_stride=sq, dropout=_dropout_arg(problem))
 
 
-def _launch(spec: specs.KernelSpec, grid, values: dict, keep: tuple, module=()) -> LaunchSpec:
-    return LaunchSpec(source=kernel_source(spec.source), name_expression=spec.name_expression, grid=grid,
-                      block=(spec.threads, 1, 1), shared_bytes=spec.smem_bytes, args=(params.pack(**values),),
-                      module=module, keep=keep)
+def _launch(spec: specs.KernelSpec, source: str, grid, values: dict, keep: tuple, module=()) -> LaunchSpec:
+    return LaunchSpec(source=source, name_expression=spec.name_expression, grid=grid, block=(spec.threads, 1, 1),
+                      shared_bytes=spec.smem_bytes, args=(params.pack(**values),), module=module, keep=keep)
+
+
+def _with_mods(problem, specs_, dbias=False):
+    """The specializations with the call's modifier compiled in, their source, the ModArgs value and the arrays it
+    points to (and the dbias accumulator, when asked for)."""
+    source = kernel_source(specs_[0].source)
+    if problem.mods is None:
+        return specs_, source, None, (), None
+    name, code = modcode.render(problem.mods, dbias=dbias)
+    value, keep = modcode.operands(problem.mods, problem.xp)
+    acc = None
+    if dbias:
+        acc, strides = modcode.dbias_buffer(problem.mods, problem.xp)
+        value = value[:3] + (params.address(acc), strides)
+    return tuple(replace(s, mods=name) for s in specs_), source + code, value, keep + (acc,), acc
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -225,8 +239,12 @@ def forward_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80],
         return ForwardLaunch(None, out, lse, d)
     q, k, v = (_prepare(xp, a, d8) for a in (problem.q, problem.k, problem.v))
     mask, mask_keep = _mask_arg(xp, problem.block_mask, spec.block_m, spec.block_n, sq, problem.seqlen_k, False)
+    (spec,), source, mods, mods_keep, _ = _with_mods(problem, (spec,))
     values = dict(_common(problem, d8), q=q, k=k, v=v, o=out, lse=lse, mask=mask)
-    launch = _launch(spec, (_cdiv(sq, spec.block_m), hq, b), values, (q, k, v, out, lse, *mask_keep))
+    if mods is not None:
+        values["mods"] = mods
+    launch = _launch(spec, source, (_cdiv(sq, spec.block_m), hq, b), values, (q, k, v, out, lse, *mask_keep,
+                                                                              *mods_keep))
     return ForwardLaunch(launch, out, lse, d)
 
 
@@ -243,12 +261,14 @@ class BackwardLaunch:
     dk: Any          # (B, Sk, Hkv, d8)
     dv: Any
     head_dim: int
+    dbias: Any = None  # fp32 (B|1, H|1, Sq|1, Sk|1): the bias's gradient, when asked for
 
     def result(self):
         d = self.head_dim
-        if self.dq.shape[-1] == d:
-            return self.dq, self.dk, self.dv
-        return tuple(a[..., :d].copy() for a in (self.dq, self.dk, self.dv))
+        grads = (self.dq, self.dk, self.dv)
+        if self.dq.shape[-1] != d:
+            grads = tuple(a[..., :d].copy() for a in grads)
+        return grads if self.dbias is None else grads + (self.dbias,)
 
 
 def backward_specs(problem, max_smem: int) -> tuple[specs.KernelSpec, specs.KernelSpec]:
@@ -259,8 +279,8 @@ def backward_specs(problem, max_smem: int) -> tuple[specs.KernelSpec, specs.Kern
 
 
 def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max_smem: int = specs.SMEM_LIMIT[80],
-                    spec: Optional[specs.KernelSpec] = None,
-                    dq_spec: Optional[specs.KernelSpec] = None) -> BackwardLaunch:
+                    spec: Optional[specs.KernelSpec] = None, dq_spec: Optional[specs.KernelSpec] = None,
+                    dbias: bool = False) -> BackwardLaunch:
     """The backward's launches for ``problem`` (CuPy or NumPy arrays alike).
 
     ``dout``, ``out`` are ``(B, Sq, Hq, D)`` in the input dtype and ``lse`` ``(B, Hq, Sq)`` (the
@@ -284,8 +304,9 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
     nothing = b == 0 or sq == 0 or sk == 0  # no key or no query: zero gradients, no launch
     alloc = xp.zeros if nothing else xp.empty  # otherwise the kernels write every element
     dq, dk, dv = alloc((b, sq, hq, d8), dtype=dt), alloc((b, sk, hkv, d8), dtype=dt), alloc((b, sk, hkv, d8), dtype=dt)
+    (spec, dq_spec), source, mods, mods_keep, dbias_acc = _with_mods(problem, (spec, dq_spec), dbias)
     if nothing:
-        return BackwardLaunch((), dq, dk, dv, d)
+        return BackwardLaunch((), dq, dk, dv, d, dbias_acc)
 
     q, k, v, do, o = (_prepare(xp, a, d8) for a in (problem.q, problem.k, problem.v, dout, out))
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
@@ -293,24 +314,26 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
     acc = None if deterministic else xp.empty((b, sq, hq, d8), dtype=np.float32)
     common = dict(_common(problem, d8), q=q, k=k, v=v, o=o, dout=do, dq=dq, dk=dk, dv=dv, dq_accum=acc, lse=lse,
                   lse_log2=lse_log2, dsum=dsum)
-    keep = (q, k, v, o, do, dq, dk, dv, acc, lse, lse_log2, dsum)
+    if mods is not None:
+        common["mods"] = mods
+    keep = (q, k, v, o, do, dq, dk, dv, acc, lse, lse_log2, dsum, *mods_keep)
     # One RawModule per (bwd, dq) pair holds every backward kernel, so both modes share one compilation.
     module = (*specs.helper_names(problem.element_type), spec.name_expression, dq_spec.name_expression)
     preprocess, convert = specs.helper_names(problem.element_type)
-    src = kernel_source(spec.source)
     rows = (_cdiv(sq, ROWS_PER_BLOCK), hq, b)
 
     def helper(name):
-        return LaunchSpec(source=src, name_expression=name, grid=rows, block=(32 * ROWS_PER_BLOCK, 1, 1),
+        return LaunchSpec(source=source, name_expression=name, grid=rows, block=(32 * ROWS_PER_BLOCK, 1, 1),
                           shared_bytes=0, args=(params.pack(**common),), module=module, keep=keep)
 
     mask, mask_keep = _mask_arg(xp, problem.block_mask, spec.block_m, spec.block_n, sq, sk, transposed=True)
     launches = [helper(preprocess),
-                _launch(spec, (_cdiv(sk, spec.block_n), hkv, b), dict(common, mask=mask), keep + mask_keep, module)]
+                _launch(spec, source, (_cdiv(sk, spec.block_n), hkv, b), dict(common, mask=mask), keep + mask_keep,
+                        module)]
     if deterministic:
         mask, mask_keep = _mask_arg(xp, problem.block_mask, dq_spec.block_m, dq_spec.block_n, sq, sk, False)
-        launches.append(_launch(dq_spec, (_cdiv(sq, dq_spec.block_m), hq, b), dict(common, mask=mask),
+        launches.append(_launch(dq_spec, source, (_cdiv(sq, dq_spec.block_m), hq, b), dict(common, mask=mask),
                                 keep + mask_keep, module))
     else:
         launches.append(helper(convert))
-    return BackwardLaunch(tuple(launches), dq, dk, dv, d)
+    return BackwardLaunch(tuple(launches), dq, dk, dv, d, dbias_acc)

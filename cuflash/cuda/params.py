@@ -28,6 +28,11 @@ BLOCK_MASK = _struct([("tile_counts", _PTR), ("tile_lists", _PTR), ("cells", _PT
                      "cuflash::BlockMaskArg")
 DROPOUT = _struct([("seed_lo", _U32), ("seed_hi", _U32), ("threshold", _U32), ("rescale", _F32)],
                   "cuflash::DropoutArg")
+MOD_ARRAYS = MOD_SCALARS = 8  # kModArrays, kModScalars
+MOD_ARRAY = _struct([("ptr", _PTR), ("stride", _I64, (4,))], "cuflash::ModArray")
+MODS = _struct([("arrays", MOD_ARRAY, (MOD_ARRAYS,)), ("scalars", _F32, (MOD_SCALARS,)),
+                ("iscalars", _I32, (MOD_SCALARS,)), ("dbias", _PTR), ("dbias_stride", _I64, (4,))],
+               "cuflash::ModArgs")
 TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "dq_accum")
 PARAMS = _struct([*((name, TENSOR) for name in TENSORS),
                   ("lse", _PTR), ("lse_log2", _PTR), ("dsum", _PTR),
@@ -35,7 +40,7 @@ PARAMS = _struct([*((name, TENSOR) for name in TENSORS),
                   ("seqlens_q", _PTR), ("seqlens_k", _PTR),
                   ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32), ("heads_per_kv", _I32),
                   ("scale", _F32), ("scale_log2", _F32), ("window_left", _I32), ("window_right", _I32),
-                  ("mask", BLOCK_MASK), ("dropout", DROPOUT)],
+                  ("mask", BLOCK_MASK), ("dropout", DROPOUT), ("mods", MODS)],
                  "cuflash::Params")
 
 
@@ -73,12 +78,17 @@ def pack(**values) -> np.ndarray:
 
 
 def _members(dtype: np.dtype, prefix: str = ""):
+    """``(C++ member path, offset, dtype)`` of every field, nested structs and the first element of struct
+    arrays included (the element size is asserted through the element struct's sizeof)."""
     for name in dtype.names:
         sub, offset = dtype.fields[name][:2]
         yield prefix + name, offset, sub
-        if sub.names:
-            for path, off, leaf in _members(sub, f"{prefix}{name}."):
-                yield path, offset + off, leaf
+        base, path = (sub.subdtype[0], f"{prefix}{name}[0]") if sub.subdtype else (sub, prefix + name)
+        if base.names:
+            if sub.subdtype:
+                yield path, offset, base
+            for p, off, leaf in _members(base, path + "."):
+                yield p, offset + off, leaf
 
 
 def layout_asserts(dtype: np.dtype = PARAMS) -> str:
@@ -91,7 +101,7 @@ def layout_asserts(dtype: np.dtype = PARAMS) -> str:
     parameter type by CUDA's ABI; a GPU test also reads the offsets back from a kernel.
     """
     structs = {dtype.metadata["ctype"]: dtype}
-    structs.update({sub.metadata["ctype"]: sub for _, _, sub in _members(dtype) if sub.names})
+    structs.update({sub.metadata["ctype"]: sub for _, _, sub in _members(dtype) if sub.names and sub.metadata})
     lines = [f'static_assert(sizeof({ctype}) == {d.itemsize}, "{ctype}: size differs from cuflash/cuda/params.py");'
              for ctype, d in structs.items()]
     lines.append("#ifndef __CUDACC_RTC__")

@@ -75,10 +75,13 @@ class KernelSpec:
                 or self.block_n % 16 or not _shape_ok(self):
             raise ValueError(f"invalid kernel specialization {self}")
 
+    #: the modifier struct compiled in (kernels/mods.cuh; cuflash/cuda/modcode.py renders the others)
+    mods: str = "cuflash::NoMods"
+
     @property
     def name_expression(self) -> str:
         return (f"{KERNEL_NAMES[self.family]}<{CTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, "
-                f"{self.block_n}, {self.warps}>")
+                f"{self.block_n}, {self.warps}, {self.mods}>")
 
     @property
     def source(self) -> str:
