@@ -273,9 +273,10 @@ class BackwardLaunch:
 
 def backward_specs(problem, max_smem: int) -> tuple[specs.KernelSpec, specs.KernelSpec]:
     """The (bwd, dq) specializations for ``problem`` on a GPU allowing ``max_smem`` bytes per block."""
-    d = problem.head_dim
-    return specs.select("bwd", problem.element_type, d, max_smem), specs.select("dq", problem.element_type, d,
-                                                                              max_smem)
+    d, t = problem.head_dim, problem.element_type
+    modified = problem.mods is not None and problem.mods.score is not None
+    return (specs.select("bwd", t, d, max_smem, modified=modified),
+            specs.select("dq", t, d, max_smem, modified=modified))
 
 
 def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max_smem: int = specs.SMEM_LIMIT[80],

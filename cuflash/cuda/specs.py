@@ -177,6 +177,13 @@ TILES: dict[str, dict[int, tuple[Tile, Optional[Tile]]]] = {
 }
 
 
+#: rows that replace a table row when a score modifier is compiled in (it keeps the unmodified scores S0 in registers
+#: for the backward's chain rule): only where the plain row would spill.
+MODIFIED_TILES: dict[tuple[str, int], Tile] = {
+    ("bwd", 192): Tile(64, 32, 8, "S0 spills the 64-key row (204 B on sm_80/sm_90); split 4 over 32 keys: 87 KB"),
+}
+
+
 def native_head_dim(head_dim: int) -> int:
     """The native head dim a problem of ``head_dim`` runs on (the next one up)."""
     for d in NATIVE_HEAD_DIMS:
@@ -189,11 +196,16 @@ def _spec(family: str, dtype: str, head_dim: int, tile: Tile) -> KernelSpec:
     return KernelSpec(family, dtype, head_dim, tile.block_m, tile.block_n, tile.warps)
 
 
-def select(family: str, dtype: str, head_dim: int, max_smem: int = SMEM_LIMIT[80]) -> KernelSpec:
+def select(family: str, dtype: str, head_dim: int, max_smem: int = SMEM_LIMIT[80], *,
+           modified: bool = False) -> KernelSpec:
     """The specialization of ``family`` the dispatcher runs for ``dtype`` and a (true) ``head_dim`` on a GPU
-    allowing ``max_smem`` bytes of shared memory per block. ``dtype`` was validated by the backend."""
+    allowing ``max_smem`` bytes of shared memory per block (``modified``: with a score modifier compiled in).
+    ``dtype`` was validated by the backend."""
     d = native_head_dim(head_dim)
-    for tile in TILES[family][d]:
+    rows = TILES[family][d]
+    if modified and (family, d) in MODIFIED_TILES:
+        rows = (MODIFIED_TILES[family, d],) + rows[1:]
+    for tile in rows:
         if tile is not None and _spec(family, dtype, d, tile).smem_bytes <= max_smem:
             return _spec(family, dtype, d, tile)
     need = _spec(family, dtype, d, TILES[family][d][0]).smem_bytes
