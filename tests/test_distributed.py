@@ -1,0 +1,196 @@
+"""cuflash.distributed in one process: the pair visibility (the heart of the ring), layouts, the cost model, the
+choice of adapter. The ranks themselves run in tests/test_distributed_mpi.py (mpiexec) and
+tests/test_distributed_nccl_fake.py (NCCL ranks as threads)."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cuflash.distributed as dist
+from cuflash.distributed import comm as comms
+from cuflash.distributed.cost import busy_fraction, min_local_seqlen, ring_step, table
+from cuflash.distributed.ring import Segment, pair_window
+from cuflash.problem import _check_window, make_problem, visible
+
+
+# ------------------------------------------------------------------------------------------- pair visibility
+@given(lq=st.integers(1, 60), lk=st.integers(1, 60), causal=st.booleans(),
+       left=st.one_of(st.none(), st.integers(0, 70)), right=st.one_of(st.none(), st.integers(0, 70)),
+       data=st.data())
+def test_pair_window_is_the_global_band_seen_from_the_pair(lq, lk, causal, left, right, data):
+    """For any global geometry and any query/key segments, the pair problem built as the ring builds it
+    (make_problem + dataclasses.replace of the window) sees exactly the global visibility restricted to the pair, and
+    pair_window returns None exactly when that restriction is empty."""
+    a = data.draw(st.integers(0, lq - 1), label="a")
+    n = data.draw(st.integers(1, lq - a), label="n")
+    c = data.draw(st.integers(0, lk - 1), label="c")
+    m = data.draw(st.integers(1, lk - c), label="m")
+    g_left, g_right = _check_window((left, right), causal, lq + lk)
+    s = types.SimpleNamespace(left=g_left, right=g_right, off=lk - lq)
+    bounds = pair_window(s, Segment(a, a + n, 0), Segment(c, c + m, 0))
+    i, j = np.arange(n)[:, None], np.arange(m)[None, :]
+    want = visible(a + i, c + j, lq, lk, g_left, g_right)
+    if bounds is None:
+        assert not want.any()
+        return
+    q = np.zeros((1, n, 1, 4), np.float32)
+    kv = np.zeros((1, m, 1, 4), np.float32)
+    p = dataclasses.replace(make_problem(q, kv, kv), window_left=bounds[0], window_right=bounds[1])
+    got = p.visible_mask()[0, 0]
+    assert np.array_equal(got, want)
+    # a bound that cuts nothing is dropped, so fully visible pairs run without any element mask
+    if want.all():
+        assert bounds == (None, None)
+
+
+def test_pair_window_skips_blocks_above_the_causal_diagonal():
+    s = types.SimpleNamespace(left=None, right=0, off=0)
+    assert pair_window(s, Segment(0, 10, 0), Segment(10, 20, 0)) is None       # keys entirely in the future
+    assert pair_window(s, Segment(10, 20, 0), Segment(0, 10, 0)) == (None, None)  # entirely in the past: no mask
+    assert pair_window(s, Segment(0, 10, 0), Segment(0, 10, 0)) == (None, 0)    # the diagonal block: causal itself
+    assert pair_window(s, Segment(0, 0, 0), Segment(0, 10, 0)) is None          # empty segments
+
+
+# ------------------------------------------------------------------------------------------- layouts
+@pytest.mark.parametrize("layout", dist.LAYOUTS)
+@pytest.mark.parametrize("length, size", [(0, 3), (1, 4), (7, 2), (16, 4), (37, 4), (5, 8)])
+def test_segments_partition_the_sequence_and_shards_round_trip(layout, length, size):
+    seen = np.zeros(length, int)
+    for rank in range(size):
+        for a, b in dist.local_segments(length, size, rank, layout=layout):
+            assert 0 <= a <= b <= length
+            seen[a:b] += 1
+    assert (seen == 1).all()
+    x = np.arange(2 * length * 3).reshape(2, length, 3, 1)
+    parts = [dist.shard_sequence(x, size, r, layout=layout) for r in range(size)]
+    assert sum(p.shape[1] for p in parts) == length
+    np.testing.assert_array_equal(dist.unshard_sequence(parts, layout=layout), x)
+    lse = np.arange(length * 6.0).reshape(2, 3, length)  # the sequence on the last axis, as an lse
+    parts = [dist.shard_sequence(lse, size, r, layout=layout, axis=-1) for r in range(size)]
+    np.testing.assert_array_equal(dist.unshard_sequence(parts, layout=layout, axis=-1), lse)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
+def test_zigzag_gives_every_rank_the_same_causal_work(size):
+    length = 2 * size * 16
+    work = []
+    for layout in dist.LAYOUTS:
+        counts = []
+        for rank in range(size):
+            rows = np.concatenate([np.arange(a, b) for a, b in dist.local_segments(length, size, rank, layout=layout)])
+            counts.append(int((rows + 1).sum()))  # causal: global row g sees g + 1 keys
+        work.append(counts)
+    contiguous, zigzag = work
+    assert len(set(zigzag)) == 1
+    assert max(contiguous) / min(contiguous) == pytest.approx(2 * size - 1, rel=0.1)
+
+
+def test_layout_errors():
+    x = np.zeros((5, 2, 3))
+    with pytest.raises(ValueError, match="layout must be one of"):
+        dist.shard_sequence(x, 2, 0, layout="striped")
+    with pytest.raises(ValueError, match="0 <= rank < size"):
+        dist.shard_sequence(x, 2, 2)
+    with pytest.raises(TypeError, match="rank must be an int"):
+        dist.local_segments(5, 2, 1.0)
+    with pytest.raises(ValueError, match="length must be an int >= 0"):
+        dist.local_segments(-1, 2, 0)
+    with pytest.raises(ValueError, match="axis 3 is out of range"):
+        dist.shard_sequence(x, 2, 0, axis=3)
+    with pytest.raises(ValueError, match=r"parts\[0\] has length 2 .* gives rank 0 3"):
+        dist.unshard_sequence([x[:2], x[:3]], layout="zigzag", axis=0)
+    with pytest.raises(ValueError, match="one array per rank"):
+        dist.unshard_sequence([])
+
+
+# ------------------------------------------------------------------------------------------- cost model
+def test_ring_step_counts():
+    # n = 1000 local positions, 8 heads (2 kv heads), head_dim 64, bf16, no mask
+    step = ring_step(1000, heads=8, heads_kv=2, head_dim=64, dtype="bfloat16", flops_per_s=1e12, bytes_per_s=1e9)
+    assert step.bytes_sent == 2 * 1000 * 2 * 64 * 2
+    assert step.flops == 4 * 8 * 1000 * 1000 * 64
+    assert step.comm_s == pytest.approx(step.bytes_sent / 1e9) and step.compute_s == pytest.approx(step.flops / 1e12)
+    bwd = ring_step(1000, heads=8, heads_kv=2, head_dim=64, dtype="bfloat16", op="bwd", flops_per_s=1e12,
+                    bytes_per_s=1e9)
+    assert bwd.bytes_sent == 2 * 1000 * 2 * 64 * (2 + 4)  # K, V in bf16 and dK, dV accumulators in float32
+    assert bwd.flops == 2.5 * step.flops
+    assert busy_fraction(True, "zigzag") == 0.5 and busy_fraction(True, "contiguous") == 1.0
+
+
+@pytest.mark.parametrize("causal, heads_kv, latency", [(False, 32, 0.0), (True, 32, 0.0), (True, 8, 5e-6),
+                                                       (False, 4, 3e-5)])
+def test_min_local_seqlen_is_the_threshold(causal, heads_kv, latency):
+    kw = dict(heads=32, heads_kv=heads_kv, head_dim=128, causal=causal, flops_per_s=495e12, bytes_per_s=450e9,
+              latency_s=latency)
+    n = min_local_seqlen(**kw)
+    assert ring_step(n, **kw).hidden and not ring_step(n - 1, **kw).hidden
+
+
+def test_threshold_is_flops_over_bandwidth_for_bf16_multi_head():
+    # Liu et al. 2023: the block must be at least F/B for bf16 K, V without a mask (and no latency)
+    n = min_local_seqlen(heads=16, head_dim=128, flops_per_s=312e12, bytes_per_s=300e9)
+    assert n == pytest.approx(312e12 / 300e9, abs=1)
+    assert min_local_seqlen(heads=16, head_dim=128, causal=True, flops_per_s=312e12, bytes_per_s=300e9) \
+        == pytest.approx(2 * n, abs=2)  # half the work per step with the causal zigzag layout
+
+
+def test_table_and_errors():
+    text = table()
+    assert text.count("\n") >= 6 and "NVLink" in text and "InfiniBand" in text and "Ethernet" in text
+    with pytest.raises(ValueError, match="op must be"):
+        ring_step(10, heads=1, head_dim=8, op="both", flops_per_s=1, bytes_per_s=1)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ring_step(10, heads=1, head_dim=8, dtype="int8", flops_per_s=1, bytes_per_s=1)
+
+
+# ------------------------------------------------------------------------------------------- adapters
+def test_comm_of_another_kind_is_a_type_error():
+    q = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(TypeError, match="comm must be an mpi4py communicator .* got builtins.object"):
+        dist.ring_attention(q, q, q, object())
+
+
+def test_nccl_communicator_with_numpy_arrays_is_a_type_error():
+    NcclCommunicator = type("NcclCommunicator", (), {})  # noqa: N806 - chosen by its type's name, as CuPy's
+    q = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(TypeError, match="NCCL communicator, which moves GPU memory: q, k, v must be CuPy arrays"):
+        dist.ring_attention(q, q, q, NcclCommunicator())
+    assert comms.is_nccl(NcclCommunicator()) and not comms.is_mpi(NcclCommunicator())
+
+
+def test_bad_local_input_raises_before_the_communicator_is_touched():
+    class Untouchable:  # any use would raise AttributeError, not the ValueError/TypeError below
+        __slots__ = ()
+
+    q = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="window left must be >= 0"):
+        dist.ring_attention(q, q, q, Untouchable(), window=(-1, 0))
+    with pytest.raises(ValueError, match="head_dim of q"):
+        dist.ring_attention(q, q[..., :4], q[..., :4], Untouchable())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'seqlens_q'"):
+        dist.ring_attention(q, q, q, Untouchable(), seqlens_q=np.array(4))
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        dist.ring_attention_backward(q, q, q, q, q, np.zeros((2, 4), np.float32), Untouchable(), deterministic=1)
+    with pytest.raises(TypeError, match="does not take return_lse"):
+        dist.ring_attention_vjp(q, q, q, Untouchable(), return_lse=True)
+
+
+def test_importing_needs_neither_mpi4py_nor_cupy():
+    code = ("import sys, cuflash.distributed; "
+            "assert 'mpi4py' not in sys.modules and 'cupy' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_public_names_have_numpy_docstrings():
+    for name in ("ring_attention", "ring_attention_backward", "shard_sequence", "unshard_sequence",
+                 "gather_sequence", "local_segments", "ring_step"):
+        doc = getattr(dist, name).__doc__
+        assert "Parameters\n    ----------" in doc and "Returns\n    -------" in doc, name
+    assert "{options}" not in dist.ring_attention.__doc__
