@@ -58,7 +58,7 @@ def install(monkeypatch, fake, world):
     monkeypatch.setattr(fake.cuda, "nccl", nccl, raising=False)
     monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
     _add_events(monkeypatch, fake, world)
-    _add_math(monkeypatch, fake)
+    add_math(monkeypatch, fake)
     _lock_launches(monkeypatch, fake, world)
     return nccl
 
@@ -220,7 +220,8 @@ def _lock_launches(monkeypatch, fake, world):
 
 
 # ----------------------------------------------------------------------------------------------------- array math
-def _add_math(monkeypatch, fake):
+def add_math(monkeypatch, fake):
+    """The element-wise math (and ``ndarray.set``) cuflash.distributed uses, on ``fake``'s device arrays."""
     nd = fake.ndarray
 
     def device_of(*xs):
@@ -274,3 +275,12 @@ def _add_math(monkeypatch, fake):
     monkeypatch.setattr(nd, "max", lambda self, axis=None: wrap(self._a.max(axis=axis), self._dev), raising=False)
     monkeypatch.setattr(nd, "sum", lambda self, axis=None: wrap(self._a.sum(axis=axis), self._dev), raising=False)
     monkeypatch.setattr(nd, "__float__", lambda self: float(self._a), raising=False)
+
+    def set_(self, arr, stream=None):  # CuPy's host-to-device copy into an existing array
+        arr = np.asarray(arr)
+        if arr.shape != self.shape or arr.dtype != self.dtype:
+            raise ValueError(f"set: shape {arr.shape} / dtype {arr.dtype} differ from the array's {self.shape} / "
+                             f"{self.dtype}")
+        self._a[...] = arr
+
+    monkeypatch.setattr(nd, "set", set_, raising=False)

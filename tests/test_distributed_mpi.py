@@ -4,74 +4,38 @@ One mpiexec call per rank count runs every case (forward and backward, causal an
 bfloat16 / float32 / float64, uneven and empty per-rank lengths, Lq != Lk, contiguous and zigzag layouts, ring and
 Ulysses, the vjp), each held on rank 0 to the 2x/3x rule against the float64 reference after gathering the parts;
 this file turns each case's record into one test. Error cases must raise the same exception on every rank (no
-hang), and the memory probe checks that a rank's peak memory does not grow with the number of ranks.
+hang), and the memory probe checks that a rank's peak memory does not grow with the number of ranks. A third run,
+``-n 2`` with CuPy arrays of tests/fake_cupy.py (kernels on the CPU emulator), covers CuPy over MPI: device buffers
+staged through host memory, the CUDA kernels on the shifted pair windows.
 
 Needs mpi4py and an ``mpiexec`` (``pip install -e '.[dist]'``: the mpich wheel brings one); skipped, with the
 reason, where either is missing.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import subprocess
 import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(HERE, "mpi"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi"))
+import mpi_launch as launch  # noqa: E402  (tests/mpi/mpi_launch.py)
 import ring_cases  # noqa: E402  (tests/mpi/ring_cases.py)
 
 RANKS = (2, 4)
-TIMEOUT_S = 240
-
-
-def _mpiexec():
-    # the environment's own launcher first (a virtualenv's bin/, where the mpich wheel puts it)
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    return shutil.which("mpiexec", path=path)
-
-
-def _why_not():
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError as exc:
-        return f"mpi4py is not installed ({exc}); pip install -e '.[dist]'"
-    if _mpiexec() is None:
-        return "no mpiexec on PATH or beside the Python executable; pip install -e '.[dist]' (the mpich wheel)"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
-
+pytestmark = pytest.mark.skipif(launch.why_not() is not None, reason=str(launch.why_not()))
 _RESULTS = {}
 
 
-def results(ranks, tmp_path_factory):
-    """Run ring_cases.py once under ``mpiexec -n ranks`` (cached for the session) and return its records."""
-    if ranks not in _RESULTS:
-        out = tmp_path_factory.mktemp(f"mpi{ranks}") / "records.json"
-        env = dict(os.environ, CUFLASH_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-        env.pop("CUFLASH_MPI_CASES", None)
-        # python -m mpi4py: an exception escaping on one rank aborts them all instead of leaving the others waiting
-        cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py",
-               os.path.join(HERE, "mpi", "ring_cases.py"), str(out)]
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired as exc:
-            _RESULTS[ranks] = f"mpiexec -n {ranks} timed out after {TIMEOUT_S} s (a deadlock?)\n{exc.stdout}\n{exc.stderr}"
-        else:
-            if proc.returncode != 0 or not out.exists():
-                _RESULTS[ranks] = f"mpiexec -n {ranks} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-            else:
-                _RESULTS[ranks] = json.loads(out.read_text())
-    got = _RESULTS[ranks]
+def results(ranks, tmp_path_factory, arrays="numpy"):
+    """The records of one ``mpiexec -n ranks`` run of every case (run once per session)."""
+    key = (ranks, arrays)
+    if key not in _RESULTS:
+        _RESULTS[key] = launch.run_cases(ranks, arrays, tmp_path_factory.mktemp(f"mpi{ranks}-{arrays}") / "out.json")
+    got = _RESULTS[key]
     if isinstance(got, str):
         pytest.fail(got, pytrace=False)
-    assert got["size"] == ranks
+    assert got["size"] == ranks and got["arrays"] == arrays
     return got
 
 
@@ -80,6 +44,16 @@ def results(ranks, tmp_path_factory):
 def test_case_matches_reference(ranks, name, tmp_path_factory):
     record = results(ranks, tmp_path_factory)[name]
     assert record.get("ok"), f"mpiexec -n {ranks}, case {name}:\n{record.get('error')}"
+
+
+@pytest.mark.emulate
+@pytest.mark.parametrize("name", sorted(ring_cases.CASES))
+def test_case_with_cupy_arrays_over_mpi(name, tmp_path_factory):
+    from cuflash import emulate
+
+    emulate.skip_unless_available()
+    record = results(2, tmp_path_factory, arrays="fake-cupy")[name]
+    assert record.get("ok"), f"mpiexec -n 2 with fake CuPy arrays, case {name}:\n{record.get('error')}"
 
 
 @pytest.mark.parametrize("name", sorted(ring_cases.ERRORS))
@@ -103,3 +77,28 @@ def test_memory_per_rank_does_not_grow_with_ranks(tmp_path_factory):
         # and the peak is a small multiple of the local data (tiles of the NumPy backend included)
         assert peaks["4"] < 16 * block, (rank, peaks, block)
 
+
+
+def test_readme_example_runs_under_mpiexec(tmp_path):
+    """The README's example, verbatim except for a shorter sequence (2048 -> 256), under ``mpiexec -n 4``: every
+    rank prints its rows' largest difference from single-device attention."""
+    import re
+    import subprocess
+
+    readme = open(os.path.join(launch.ROOT, "README.md")).read()
+    section = readme[readme.index("## Sequence parallelism"):readme.index("## Not done yet")]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "mpiexec -n 4 python example.py" in section and code.count("\n") <= 10
+    assert "(2048, 8, 64)" in code
+    (tmp_path / "example.py").write_text(code.replace("(2048, 8, 64)", "(256, 8, 64)"))
+    env = dict(os.environ, CUFLASH_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([launch.ROOT, os.environ.get("PYTHONPATH", "")]))
+    # each rank's output to its own file (the ranks' lines would interleave on one pipe), whatever the launcher
+    run = ("import runpy, sys; from mpi4py import MPI; sys.stdout = open(f'out-{MPI.COMM_WORLD.rank}.txt', 'w'); "
+           "runpy.run_path('example.py', run_name='__main__')")
+    proc = subprocess.run([launch.mpiexec(), "-n", "4", sys.executable, "-m", "mpi4py", "-c", run], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=launch.TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    for rank in range(4):
+        printed = (tmp_path / f"out-{rank}.txt").read_text().split()
+        assert int(printed[0]) == rank and float(printed[1]) < 1e-5, printed

@@ -6,7 +6,7 @@ metadata allGather, events ordering the two streams), the CUDA kernels on pair p
 window bounds, the float32 merge on device arrays, the travelling dK/dV accumulators and Ulysses' all-to-alls; the
 gathered results are held to the float16 rule against the float64 reference. The log of the fake shows the stream
 discipline and that each step's transfer is posted before that step's kernels. Real NCCL on real GPUs is covered by
-tests/test_gpu_distributed.py.
+tests/test_distributed_gpu.py.
 """
 from __future__ import annotations
 

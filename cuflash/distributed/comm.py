@@ -24,8 +24,6 @@ import os
 
 import numpy as np
 
-from ..problem import _is_cupy
-
 #: MPI tags of cuflash's messages (a range of its own, so other traffic on the same communicator does not match)
 TAG_BASE = 0x4346  # "CF"
 TAG_K, TAG_V, TAG_DK, TAG_DV, TAG_GATHER, TAG_A2A = range(6)
@@ -173,7 +171,3 @@ class _NcclPending:
     def wait(self):
         self.xp.cuda.get_current_stream().wait_event(self.event)
         self.keep = None
-
-
-def is_device_array(a) -> bool:
-    return _is_cupy(a)

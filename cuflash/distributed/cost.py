@@ -129,7 +129,7 @@ def min_local_seqlen(*, heads, head_dim, heads_kv=None, batch=1, dtype="bfloat16
 
 def table(*, heads=32, heads_kv=8, head_dim=128, dtype="bfloat16") -> str:
     """Markdown table of :func:`min_local_seqlen` for the assumed interconnects and throughputs (a model)."""
-    cols = [("fwd", False, heads, "fwd, full, MHA"), ("fwd", True, heads, "fwd, causal zigzag, MHA"),
+    cols = [("fwd", False, heads, "fwd, no mask, MHA"), ("fwd", True, heads, "fwd, causal zigzag, MHA"),
             ("fwd", True, heads_kv, f"fwd, causal zigzag, GQA {heads}/{heads_kv}"),
             ("bwd", True, heads_kv, f"bwd, causal zigzag, GQA {heads}/{heads_kv}")]
     lines = [f"| interconnect (assumed GB/s, latency) | compute (assumed) | " + " | ".join(c[3] for c in cols) + " |",

@@ -7,6 +7,11 @@ holds the gathered results to cuflash's rule against the float64 reference (``cu
 JSON record per case; tests/test_distributed_mpi.py turns each record into a test. Error cases check that every rank
 raises the same exception. One mpiexec call runs all cases (process start-up dominates small cases).
 
+``CUFLASH_MPI_ARRAYS`` picks the arrays each rank passes: ``numpy`` (default), ``cupy`` (a real GPU; ranks share the
+GPUs round-robin, MPI staged through host memory unless ``CUFLASH_MPI_CUDA_AWARE=1``) or ``fake-cupy`` (tests/fake_cupy.py
+with its kernels run by the CPU emulator: the CuPy-over-MPI path without a GPU). With CuPy arrays the cases run in
+float16 (bfloat16 stays), the kernels' dtypes; the error cases and the memory probe run with NumPy only.
+
 Importing this module (as the test does, for the case names) needs neither mpi4py nor MPI.
 """
 from __future__ import annotations
@@ -121,20 +126,22 @@ def _options(c):
     return opts
 
 
-def run_case(name, c, comm):
-    """Run one case on every rank; on rank 0 return its check's record."""
+def run_case(name, c, comm, xp=np):
+    """Run one case on every rank (with arrays of module ``xp``); on rank 0 return its check's record."""
     from cuflash.distributed import gather_sequence, ring_attention, ring_attention_backward, ring_attention_vjp
     from cuflash.testing import Case, check_backward, check_forward
 
+    if xp is not np and c["dtype"] != "bfloat16":
+        c = dict(c, dtype="float16")  # the CUDA kernels' dtypes
     q, k, v, dout = _arrays(c)
-    ql, dl = _shard(c, q, "q", comm), _shard(c, dout, "q", comm)
-    kl, vl = _shard(c, k, "k", comm), _shard(c, v, "k", comm)
+    ql, dl = (xp.asarray(_shard(c, x, "q", comm)) for x in (q, dout))
+    kl, vl = (xp.asarray(_shard(c, x, "k", comm)) for x in (k, v))
     opts = dict(_options(c), layout=c["layout"], method=c["method"])
     t0 = time.perf_counter()
     out_l, lse_l = ring_attention(ql, kl, vl, comm, return_lse=True, **opts)
     if c["vjp"]:
         out_v, vjp = ring_attention_vjp(ql, kl, vl, comm, **opts)
-        assert np.array_equal(out_v, out_l, equal_nan=True), "ring_attention_vjp's out differs from ring_attention's"
+        assert np.array_equal(_host(out_v), _host(out_l)), "ring_attention_vjp's out differs from ring_attention's"
         grads_l = vjp(dl)
     else:
         grads_l = ring_attention_backward(dl, ql, kl, vl, out_l, lse_l, comm, **opts)
@@ -142,9 +149,9 @@ def run_case(name, c, comm):
     layout = "contiguous" if c["splits"] == "skewed" else c["layout"]
     assert out_l.shape == ql.shape and out_l.dtype == ql.dtype
     assert all(g.shape == x.shape and g.dtype == x.dtype for g, x in zip(grads_l, (ql, kl, vl)))
-    out = gather_sequence(out_l, comm, layout=layout)
-    lse = gather_sequence(lse_l, comm, layout=layout, axis=-1)
-    grads = [gather_sequence(g, comm, layout=layout) for g in grads_l]
+    out = _host(gather_sequence(out_l, comm, layout=layout))
+    lse = _host(gather_sequence(lse_l, comm, layout=layout, axis=-1))
+    grads = [_host(gather_sequence(g, comm, layout=layout)) for g in grads_l]
     if comm.Get_rank() != 0:
         return None
     case = Case(q, k, v, dout, options=_options(c))
@@ -228,18 +235,47 @@ def memory_probe(comm, sizes=(3, 4)):
     return {"peaks": peaks, "kv_block_bytes": k.nbytes + v.nbytes}
 
 
+def _host(x):
+    return x.get() if hasattr(x, "get") else x
+
+
+def array_module(mode, rank):
+    """The array module of ``CUFLASH_MPI_ARRAYS`` for this rank."""
+    if mode == "numpy":
+        return np
+    if mode == "cupy":
+        import cupy
+
+        cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
+        return cupy
+    if mode == "fake-cupy":
+        import pytest
+
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        import fake_cupy
+        import fake_nccl
+
+        patch = pytest.MonkeyPatch()  # never undone: this process ends with the run
+        fake = fake_cupy.install(patch, fake_cupy.make())
+        fake_nccl.add_math(patch, fake)
+        return fake
+    raise ValueError(f"CUFLASH_MPI_ARRAYS must be numpy, cupy or fake-cupy, got {mode!r}")
+
+
 def main(out_path):
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
+    mode = os.environ.get("CUFLASH_MPI_ARRAYS", "numpy")
+    xp = array_module(mode, rank)
     only = os.environ.get("CUFLASH_MPI_CASES")
-    records = {}
+    records = {"arrays": mode}
     for name, c in CASES.items():
         if only and name not in only.split(","):
             continue
         try:
-            record = run_case(name, c, comm)
+            record = run_case(name, c, comm, xp)
         except Exception:  # noqa: BLE001 - one failing case must not stop the others
             record = {"ok": False, "error": traceback.format_exc()}
         # a case that raised on some ranks only: report every rank's error
@@ -247,13 +283,13 @@ def main(out_path):
         if rank == 0:
             failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
             records[name] = record if not failed else {"ok": False, "error": "\n".join(failed)}
-    for name in ERRORS:
+    for name in ERRORS if mode == "numpy" else ():
         if only and name not in only.split(","):
             continue
         raised = comm.gather(run_error(name, comm), root=0)
         if rank == 0:
             records[name] = {"raised": raised}
-    memory = comm.gather(memory_probe(comm), root=0)
+    memory = comm.gather(memory_probe(comm) if mode == "numpy" else None, root=0)
     if rank == 0:
         records["memory"] = memory
         records["size"] = comm.Get_size()
