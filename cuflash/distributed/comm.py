@@ -15,7 +15,7 @@ cuflash ships no transport of its own. Everything goes through either
 
 An adapter offers ``rank``, ``size``, ``allgather_ints(values)`` (the small metadata exchange every call starts
 with) and ``start(sends, recvs)``: post non-blocking point-to-point transfers, each ``(array, peer, tag)``, and get a
-handle whose ``wait()`` completes them. Buffers must be contiguous; zero-byte messages are skipped on both sides
+handle whose ``wait()`` completes them and whose ``poke()`` lets MPI progress them meanwhile. Buffers must be contiguous; zero-byte messages are skipped on both sides
 (both know the sizes).
 """
 from __future__ import annotations
@@ -63,6 +63,9 @@ class _Done:
     def wait(self):
         pass
 
+    def poke(self):
+        pass
+
 
 # ----------------------------------------------------------------------------------------------------------- MPI
 class MpiTransport:
@@ -82,6 +85,10 @@ class MpiTransport:
 
     def start(self, sends, recvs):
         MPI, requests, landing = self.MPI, [], []
+        if self.device and self.cuda_aware:
+            # MPI touches device memory outside any CUDA stream: the buffers sent must be final, and memory received
+            # into may have been freed by an array a kernel still queued on the current stream reads
+            self.xp.cuda.get_current_stream().synchronize()
         for a, peer, tag in recvs:
             if a.nbytes == 0:
                 continue
@@ -99,8 +106,6 @@ class MpiTransport:
             if self.device and not self.cuda_aware:
                 buf = _bytes(a, self.xp).get()  # synchronizes with the current stream: the data is final
             else:
-                if self.device:
-                    self.xp.cuda.get_current_stream().synchronize()  # MPI reads device memory outside any stream
                 buf = _bytes(a, self.xp)
             keep.append(buf)
             requests.append(self.comm.Isend([buf, MPI.BYTE], dest=peer, tag=TAG_BASE + tag))
@@ -110,6 +115,13 @@ class MpiTransport:
 class _MpiPending:
     def __init__(self, MPI, requests, landing, keep, xp):
         self.MPI, self.requests, self.landing, self.keep, self.xp = MPI, requests, landing, keep, xp
+
+    def poke(self):
+        """Let MPI progress the transfers. Without an asynchronous progress thread (MPICH:
+        ``MPIR_CVAR_ASYNC_PROGRESS=1``) a large message moves only while the process is inside MPI, so the ring
+        calls this between the pair computations of a step."""
+        if self.requests:
+            self.MPI.Request.Testall(self.requests)
 
     def wait(self):
         self.MPI.Request.Waitall(self.requests)
@@ -167,6 +179,9 @@ class NcclTransport:
 class _NcclPending:
     def __init__(self, xp, event, keep):
         self.xp, self.event, self.keep = xp, event, keep
+
+    def poke(self):
+        pass  # NCCL progresses on its own stream
 
     def wait(self):
         self.xp.cuda.get_current_stream().wait_event(self.event)

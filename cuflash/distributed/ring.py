@@ -356,6 +356,7 @@ def _ring_forward(s: Setup):
                 pp = _pair_problem(s, _seq(q, qs), _cast(s, _seq(k_cur, ks)), _cast(s, _seq(v_cur, ks)), bounds)
                 o, lse = s.module.forward(pp)
                 accs[i] = merge_parts(xp, [accs[i][0], o], [accs[i][1], lse], work)
+                pending.poke()
         pending.wait()
         if t < s.size - 1:
             k_cur, v_cur = k_next, v_next
@@ -417,6 +418,7 @@ def _ring_backward(s: Setup, dout, out, lse, deterministic):
                 dq[i] += g_q.astype(work, copy=False)
                 _seq(dk_blk, ks)[...] += g_k.astype(work, copy=False)
                 _seq(dv_blk, ks)[...] += g_v.astype(work, copy=False)
+                pending.poke()
         if carried is not None:  # what the ranks before this one added to the block: waited for only now
             carried[0].wait()
             dk_blk += carried[1]
