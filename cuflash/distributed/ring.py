@@ -30,7 +30,8 @@ sum over the ranks the block visited before) and sends it on to ``r + 1``; after
 complete. K/V move as in the forward (overlapped with the pair computations); the accumulators move one step
 behind (the wait for step ``t - 1``'s accumulator comes after step ``t``'s computation). Accumulators travel in
 float32 (float64): a sum of ``P`` partial gradients rounded to 16 bits at every hop would lose bits the
-single-device backward keeps.
+single-device backward keeps. Moving K, V and dK, dV (rather than Q, dO, lse and dQ, the other exact ring) sends fewer
+bytes whenever ``heads_kv <= heads``, and only ``heads_kv / heads`` of them with grouped-query attention.
 
 **What travels, per step:** K and V of one block (input dtype); in the backward also dK and dV accumulators (float32).
 **Memory per rank:** the local q, k, v, out, two K/V blocks (the one in use, the one arriving), the running
