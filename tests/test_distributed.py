@@ -194,3 +194,8 @@ def test_public_names_have_numpy_docstrings():
         doc = getattr(dist, name).__doc__
         assert "Parameters\n    ----------" in doc and "Returns\n    -------" in doc, name
     assert "{options}" not in dist.ring_attention.__doc__
+
+
+def test_cost_table_from_the_command_line():
+    done = subprocess.run([sys.executable, "-m", "cuflash.distributed"], capture_output=True, text=True, check=True)
+    assert "A MODEL, not a measurement" in done.stdout and table() in done.stdout
