@@ -199,3 +199,11 @@ def test_public_names_have_numpy_docstrings():
 def test_cost_table_from_the_command_line():
     done = subprocess.run([sys.executable, "-m", "cuflash.distributed"], capture_output=True, text=True, check=True)
     assert "A MODEL, not a measurement" in done.stdout and table() in done.stdout
+
+
+def test_readme_shows_the_model_table():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Sequence parallelism"):readme.index("## Not done yet")]
+    assert table() in section and "It is a model, not a measurement" in section
