@@ -1,6 +1,7 @@
 """cuflash.distributed in one process: the pair visibility (the heart of the ring), layouts, the cost model, the
-choice of adapter. The ranks themselves run in tests/test_distributed_mpi.py (mpiexec) and
-tests/test_distributed_nccl_fake.py (NCCL ranks as threads)."""
+choice of adapter, and the ring fuzzed by hypothesis over rank counts, lengths, masks, GQA and dtypes with ranks as
+threads (a queue transport standing in for the adapters). The adapters run in tests/test_distributed_mpi.py
+(mpiexec) and tests/test_distributed_nccl_fake.py (NCCL ranks as threads)."""
 from __future__ import annotations
 
 import dataclasses
@@ -207,3 +208,141 @@ def test_readme_shows_the_model_table():
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     section = readme[readme.index("## Sequence parallelism"):readme.index("## Not done yet")]
     assert table() in section and "It is a model, not a measurement" in section
+
+
+# ------------------------------------------------------------------------------------------- the ring, fuzzed
+class ThreadComm:
+    """A test communicator: ranks are threads, messages go through queues (``ThreadTransport`` below stands in
+    for the MPI adapter, so the ring's logic can be fuzzed in one process; the adapters themselves are tested under
+    mpiexec and with the fake NCCL)."""
+
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+
+
+class ThreadWorld:
+    def __init__(self, size):
+        import queue
+        import threading
+
+        self.size, self.queue = size, queue
+        self.boxes = {}
+        self.lock = threading.Lock()
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.slots = [None] * size
+
+    def box(self, src, dst, tag):
+        with self.lock:
+            return self.boxes.setdefault((src, dst, tag), self.queue.Queue())
+
+
+class ThreadTransport:
+    def __init__(self, comm):
+        self.world, self.rank, self.size = comm.world, comm.rank, comm.world.size
+
+    def allgather_ints(self, values):
+        self.world.slots[self.rank] = np.asarray(values, np.int64)
+        self.world.barrier.wait()
+        out = np.stack(self.world.slots)
+        self.world.barrier.wait()
+        return out
+
+    def start(self, sends, recvs):
+        for a, peer, tag in sends:
+            if a.nbytes:
+                self.world.box(self.rank, peer, tag).put(a.copy())
+        world, rank = self.world, self.rank
+
+        class Pending:
+            def poke(self):
+                pass
+
+            def wait(self):
+                for a, peer, tag in recvs:
+                    if a.nbytes:
+                        got = world.box(peer, rank, tag).get(timeout=60)
+                        assert got.shape == a.shape and got.dtype == a.dtype, (got.shape, a.shape)
+                        a[...] = got
+
+        return Pending()
+
+
+def run_threads(size, fn):
+    import threading
+
+    world = ThreadWorld(size)
+    results, errors = [None] * size, [None] * size
+
+    def target(rank):
+        try:
+            results[rank] = fn(rank, ThreadComm(world, rank))
+        except BaseException as exc:  # noqa: BLE001
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results
+
+
+def thread_comms(monkeypatch):
+    """Route ThreadComm to ThreadTransport (every other communicator to the real adapters)."""
+    real = comms.transport
+    monkeypatch.setattr(comms, "transport",
+                        lambda comm, xp: ThreadTransport(comm) if isinstance(comm, ThreadComm) else real(comm, xp))
+
+
+def _split(rng, total, size):
+    cuts = np.sort(rng.integers(0, total + 1, size=size - 1))
+    edges = [0, *cuts.tolist(), total]
+    return [b - a for a, b in zip(edges[:-1], edges[1:])]
+
+
+@given(size=st.integers(1, 4), lq=st.integers(1, 40), lk=st.integers(1, 40), hkv=st.sampled_from([1, 2, 4]),
+       group=st.sampled_from([1, 2]), d=st.integers(1, 20), causal=st.booleans(),
+       window=st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 30)),
+                                             st.one_of(st.none(), st.integers(0, 30)))),
+       layout=st.sampled_from(dist.LAYOUTS), ulysses=st.booleans(),
+       dtype=st.sampled_from(["float32", "float64", "float16"]), seed=st.integers(0, 2**31))
+def test_ring_fuzzed_against_the_reference(size, lq, lk, hkv, group, d, causal, window, layout,
+                                           ulysses, dtype, seed):
+    """Any rank count, lengths (uneven and empty parts in the contiguous layout), masks, GQA and dtype: the gathered
+    forward and backward hold to the 2x/3x rule against the float64 reference."""
+    from cuflash.testing import Case, check_backward, check_forward
+
+    hq = hkv * group
+    method = "ulysses" if ulysses and hq % size == 0 and hkv % size == 0 else "ring"
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((lq, hq, d)).astype(dtype)
+    k, v = (rng.standard_normal((lk, hkv, d)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    options = dict(causal=causal, window=window)
+    split_q, split_k = _split(rng, lq, size), _split(rng, lk, size)
+
+    def part(x, rank, split):
+        if layout == "zigzag":
+            return dist.shard_sequence(x, size, rank, layout="zigzag")
+        start = sum(split[:rank])
+        return x[start:start + split[rank]]
+
+    def rank_fn(rank, comm):
+        ql, dl = part(q, rank, split_q), part(dout, rank, split_q)
+        kl, vl = part(k, rank, split_k), part(v, rank, split_k)
+        kw = dict(options, layout=layout, method=method)
+        out, lse = dist.ring_attention(ql, kl, vl, comm, return_lse=True, **kw)
+        return (out, lse, *dist.ring_attention_backward(dl, ql, kl, vl, out, lse, comm, **kw))
+
+    with pytest.MonkeyPatch.context() as patch:
+        thread_comms(patch)
+        per_rank = run_threads(size, rank_fn)
+    axes = (-3, -1, -3, -3, -3)
+    out, lse, dq, dk, dv = (dist.unshard_sequence([r[i] for r in per_rank], layout=layout, axis=axes[i])
+                            for i in range(5))
+    case = Case(q, k, v, dout, options=options)
+    check_forward(lambda *a, **o: (out, lse), case)
+    check_backward(lambda *a, **o: (dq, dk, dv), case, out, lse)
