@@ -12,6 +12,7 @@ from .api import attention, attention_backward, attention_vjp  # noqa: E402
 from .blockmask import BlockMask  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
 from .io_cost import io_cost  # noqa: E402
+from .merge import merge_attention_states  # noqa: E402
 
 
 
@@ -22,4 +23,4 @@ def warmup(*args, **kwargs):
     return cuda.warmup(*args, **kwargs)
 
 
-__all__ = ["warmup", "attention", "attention_backward", "attention_vjp", "BlockMask", "dropout_mask", "io_cost", "reference", "__version__"]
+__all__ = ["warmup", "attention", "attention_backward", "attention_vjp", "BlockMask", "dropout_mask", "io_cost", "merge_attention_states", "reference", "__version__"]

@@ -1,0 +1,117 @@
+"""Exact merge of partial attention results over disjoint key sets (log-sum-exp combination).
+
+Attention over a key set ``K = K_1 ∪ ... ∪ K_n`` (disjoint) is a weighted mean of the attention over each part:
+with ``lse_i`` the log-sum-exp of a row's scaled scores over ``K_i`` and ``out_i`` its softmax-weighted values,
+
+    lse = log sum_i exp(lse_i),        out = sum_i exp(lse_i - lse) · out_i.
+
+This is the rescaling step of FlashAttention's online softmax (FA2 Algorithm 1, lines 8-10) applied to whole
+partial results, the combine of split-KV decoding ("flash-decoding"), of chunked prefill and of ring attention
+(Liu et al. 2023), and FlashInfer's ``merge_state``. :mod:`cuflash.distributed` merges with the same code.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .problem import array_module, dtype_name, native
+
+_OUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_LSE_DTYPES = ("float32", "float64")
+
+
+def merge_attention_states(outs, lses):
+    """Merge attention results computed over disjoint key sets into the result over their union.
+
+    Parameters
+    ----------
+    outs : sequence of arrays, each of shape ``(..., seqlen_q, heads, head_dim)``
+        Partial outputs, as :func:`cuflash.attention` returns them: float16, bfloat16, float32 or
+        float64, all of one dtype and shape. At least one.
+    lses : sequence of arrays, each of shape ``(..., heads, seqlen_q)``
+        Their log-sum-exps (natural log of the sum of exp of the scaled scores), float32 or float64,
+        all of one dtype; ``-inf`` for a row that saw no key of that part. One per ``outs`` entry.
+
+    Returns
+    -------
+    out : array, the shape and dtype of ``outs[i]``
+        ``sum_i exp(lses[i] - lse) * outs[i]``; 0 for a row that is ``-inf`` in every part.
+    lse : array, the shape and dtype of ``lses[i]``
+        ``logsumexp_i lses[i]``; ``-inf`` for a row that is ``-inf`` in every part.
+
+    Notes
+    -----
+    The weights are computed after subtracting the row's largest ``lse_i`` (each is at most 1, at least one is 1,
+    so nothing overflows), in float32 (float64 when ``outs`` or ``lses`` are float64), and rounded once at the end.
+    A NaN in a part's ``lse`` or ``out`` makes the row NaN, whatever its weight (an ``out`` of a ``-inf`` part
+    is weighted by exactly 0, and ``0 * NaN`` is NaN): corruption is never hidden.
+    NumPy arrays give NumPy results, CuPy arrays CuPy results (computed on the arrays' device and current stream).
+
+    Examples
+    --------
+    >>> out1, lse1 = cuflash.attention(q, k[:, :100], v[:, :100], return_lse=True)
+    >>> out2, lse2 = cuflash.attention(q, k[:, 100:], v[:, 100:], return_lse=True)
+    >>> out, lse = cuflash.merge_attention_states([out1, out2], [lse1, lse2])   # attention over all of k, v
+    """
+    outs, lses, xp = _check(outs, lses)
+    work = np.dtype(np.float64) if "float64" in (dtype_name(outs[0].dtype), dtype_name(lses[0].dtype)) \
+        else np.dtype(np.float32)
+    out, lse = merge_parts(xp, outs, lses, work)
+    return out.astype(outs[0].dtype, copy=False), lse.astype(lses[0].dtype, copy=False)
+
+
+def merge_parts(xp, outs, lses, work):
+    """The merge on validated arrays: ``(out, lse)`` in the working dtype ``work`` (no checks, no final rounding).
+
+    :mod:`cuflash.distributed` calls this directly to keep its running accumulator in ``work`` across steps.
+    """
+    lse_all = xp.stack([xp.asarray(x).astype(work, copy=False) for x in lses])  # (n, ..., H, Sq)
+    top = lse_all.max(axis=0)
+    # A row that is -inf everywhere would compute (-inf) - (-inf) = NaN: shift it by 0 instead, so that every
+    # weight is exp(-inf) = 0 and the row gets out 0, lse -inf. +inf and NaN are left to propagate.
+    top = xp.where(top == -np.inf, work.type(0), top)
+    weights = xp.exp(lse_all - top)
+    total = weights.sum(axis=0)
+    seen = total != 0  # a NaN total stays NaN (NaN != 0), never passes for "sees no key"
+    safe_total = xp.where(seen, total, work.type(1))
+    lse = xp.where(seen, top + xp.log(safe_total), work.type(-np.inf))
+    # Normalized weights, moved from (..., H, Sq) to out's (..., Sq, H, 1).
+    scaled = xp.swapaxes(weights / safe_total, -1, -2)[..., None]
+    out = scaled[0] * outs[0].astype(work, copy=False)
+    for i in range(1, len(outs)):
+        out += scaled[i] * outs[i].astype(work, copy=False)
+    return out, lse
+
+
+def _check(outs, lses):
+    """Validated ``(outs, lses, xp)``: equal counts, shapes, dtypes and array module; TypeError/ValueError naming
+    the argument otherwise."""
+    for name, seq in (("outs", outs), ("lses", lses)):
+        if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__") or hasattr(seq, "shape"):
+            raise TypeError(f"{name} must be a list or tuple of arrays (one per part), got {type(seq).__name__}")
+    outs, lses = list(outs), list(lses)
+    if not outs:
+        raise ValueError("outs must hold at least one partial result, got an empty sequence")
+    if len(outs) != len(lses):
+        raise ValueError(f"outs and lses must have one entry per part, got {len(outs)} outs and {len(lses)} lses")
+    names = [f"outs[{i}]" for i in range(len(outs))] + [f"lses[{i}]" for i in range(len(lses))]
+    xp = array_module(*outs, *lses, names=names)
+    outs, lses = [native(a) for a in outs], [native(a) for a in lses]
+    for what, arrays, allowed in (("outs", outs, _OUT_DTYPES), ("lses", lses, _LSE_DTYPES)):
+        first = arrays[0]
+        if dtype_name(first.dtype) not in allowed:
+            raise TypeError(f"{what}[0] must be {', '.join(allowed)}, got {first.dtype}")
+        for i, a in enumerate(arrays[1:], 1):
+            if a.dtype != first.dtype:
+                raise TypeError(f"{what}[{i}] has dtype {a.dtype}, but {what}[0] has {first.dtype}: all parts must "
+                                f"share one dtype")
+            if a.shape != first.shape:
+                raise ValueError(f"{what}[{i}] has shape {tuple(a.shape)}, but {what}[0] has {tuple(first.shape)}: "
+                                 f"all parts must have one shape")
+    out0, lse0 = outs[0], lses[0]
+    if out0.ndim < 3:
+        raise ValueError(f"outs[0] must have shape (..., seqlen_q, heads, head_dim), got {tuple(out0.shape)}")
+    want = out0.shape[:-3] + (out0.shape[-2], out0.shape[-3])
+    if tuple(lse0.shape) != tuple(want):
+        raise ValueError(f"lses[0] must have shape (..., heads, seqlen_q) = {tuple(want)} to match outs[0] "
+                         f"{tuple(out0.shape)}, got {tuple(lse0.shape)}")
+    return outs, lses, xp

@@ -1,0 +1,348 @@
+"""cuflash.distributed in one process: the pair visibility (the heart of the ring), layouts, the cost model, the
+choice of adapter, and the ring fuzzed by hypothesis over rank counts, lengths, masks, GQA and dtypes with ranks as
+threads (a queue transport standing in for the adapters). The adapters run in tests/test_distributed_mpi.py
+(mpiexec) and tests/test_distributed_nccl_fake.py (NCCL ranks as threads)."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cuflash.distributed as dist
+from cuflash.distributed import comm as comms
+from cuflash.distributed.cost import busy_fraction, min_local_seqlen, ring_step, table
+from cuflash.distributed.ring import Segment, pair_window
+from cuflash.problem import _check_window, make_problem, visible
+
+
+# ------------------------------------------------------------------------------------------- pair visibility
+@given(lq=st.integers(1, 60), lk=st.integers(1, 60), causal=st.booleans(),
+       left=st.one_of(st.none(), st.integers(0, 70)), right=st.one_of(st.none(), st.integers(0, 70)),
+       data=st.data())
+def test_pair_window_is_the_global_band_seen_from_the_pair(lq, lk, causal, left, right, data):
+    """For any global geometry and any query/key segments, the pair problem built as the ring builds it
+    (make_problem + dataclasses.replace of the window) sees exactly the global visibility restricted to the pair, and
+    pair_window returns None exactly when that restriction is empty."""
+    a = data.draw(st.integers(0, lq - 1), label="a")
+    n = data.draw(st.integers(1, lq - a), label="n")
+    c = data.draw(st.integers(0, lk - 1), label="c")
+    m = data.draw(st.integers(1, lk - c), label="m")
+    g_left, g_right = _check_window((left, right), causal, lq + lk)
+    s = types.SimpleNamespace(left=g_left, right=g_right, off=lk - lq)
+    bounds = pair_window(s, Segment(a, a + n, 0), Segment(c, c + m, 0))
+    i, j = np.arange(n)[:, None], np.arange(m)[None, :]
+    want = visible(a + i, c + j, lq, lk, g_left, g_right)
+    if bounds is None:
+        assert not want.any()
+        return
+    q = np.zeros((1, n, 1, 4), np.float32)
+    kv = np.zeros((1, m, 1, 4), np.float32)
+    p = dataclasses.replace(make_problem(q, kv, kv), window_left=bounds[0], window_right=bounds[1])
+    got = p.visible_mask()[0, 0]
+    assert np.array_equal(got, want)
+    # a bound that cuts nothing is dropped, so fully visible pairs run without any element mask
+    if want.all():
+        assert bounds == (None, None)
+
+
+def test_pair_window_skips_blocks_above_the_causal_diagonal():
+    s = types.SimpleNamespace(left=None, right=0, off=0)
+    assert pair_window(s, Segment(0, 10, 0), Segment(10, 20, 0)) is None       # keys entirely in the future
+    assert pair_window(s, Segment(10, 20, 0), Segment(0, 10, 0)) == (None, None)  # entirely in the past: no mask
+    assert pair_window(s, Segment(0, 10, 0), Segment(0, 10, 0)) == (None, 0)    # the diagonal block: causal itself
+    assert pair_window(s, Segment(0, 0, 0), Segment(0, 10, 0)) is None          # empty segments
+
+
+# ------------------------------------------------------------------------------------------- layouts
+@pytest.mark.parametrize("layout", dist.LAYOUTS)
+@pytest.mark.parametrize("length, size", [(0, 3), (1, 4), (7, 2), (16, 4), (37, 4), (5, 8)])
+def test_segments_partition_the_sequence_and_shards_round_trip(layout, length, size):
+    seen = np.zeros(length, int)
+    for rank in range(size):
+        for a, b in dist.local_segments(length, size, rank, layout=layout):
+            assert 0 <= a <= b <= length
+            seen[a:b] += 1
+    assert (seen == 1).all()
+    x = np.arange(2 * length * 3).reshape(2, length, 3, 1)
+    parts = [dist.shard_sequence(x, size, r, layout=layout) for r in range(size)]
+    assert sum(p.shape[1] for p in parts) == length
+    np.testing.assert_array_equal(dist.unshard_sequence(parts, layout=layout), x)
+    lse = np.arange(length * 6.0).reshape(2, 3, length)  # the sequence on the last axis, as an lse
+    parts = [dist.shard_sequence(lse, size, r, layout=layout, axis=-1) for r in range(size)]
+    np.testing.assert_array_equal(dist.unshard_sequence(parts, layout=layout, axis=-1), lse)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
+def test_zigzag_gives_every_rank_the_same_causal_work(size):
+    length = 2 * size * 16
+    work = []
+    for layout in dist.LAYOUTS:
+        counts = []
+        for rank in range(size):
+            rows = np.concatenate([np.arange(a, b) for a, b in dist.local_segments(length, size, rank, layout=layout)])
+            counts.append(int((rows + 1).sum()))  # causal: global row g sees g + 1 keys
+        work.append(counts)
+    contiguous, zigzag = work
+    assert len(set(zigzag)) == 1
+    assert max(contiguous) / min(contiguous) == pytest.approx(2 * size - 1, rel=0.1)
+
+
+def test_layout_errors():
+    x = np.zeros((5, 2, 3))
+    with pytest.raises(ValueError, match="layout must be one of"):
+        dist.shard_sequence(x, 2, 0, layout="striped")
+    with pytest.raises(ValueError, match="0 <= rank < size"):
+        dist.shard_sequence(x, 2, 2)
+    with pytest.raises(TypeError, match="rank must be an int"):
+        dist.local_segments(5, 2, 1.0)
+    with pytest.raises(ValueError, match="length must be an int >= 0"):
+        dist.local_segments(-1, 2, 0)
+    with pytest.raises(ValueError, match="axis 3 is out of range"):
+        dist.shard_sequence(x, 2, 0, axis=3)
+    with pytest.raises(ValueError, match=r"parts\[0\] has length 2 .* gives rank 0 3"):
+        dist.unshard_sequence([x[:2], x[:3]], layout="zigzag", axis=0)
+    with pytest.raises(ValueError, match="one array per rank"):
+        dist.unshard_sequence([])
+
+
+# ------------------------------------------------------------------------------------------- cost model
+def test_ring_step_counts():
+    # n = 1000 local positions, 8 heads (2 kv heads), head_dim 64, bf16, no mask
+    step = ring_step(1000, heads=8, heads_kv=2, head_dim=64, dtype="bfloat16", flops_per_s=1e12, bytes_per_s=1e9)
+    assert step.bytes_sent == 2 * 1000 * 2 * 64 * 2
+    assert step.flops == 4 * 8 * 1000 * 1000 * 64
+    assert step.comm_s == pytest.approx(step.bytes_sent / 1e9) and step.compute_s == pytest.approx(step.flops / 1e12)
+    bwd = ring_step(1000, heads=8, heads_kv=2, head_dim=64, dtype="bfloat16", op="bwd", flops_per_s=1e12,
+                    bytes_per_s=1e9)
+    assert bwd.bytes_sent == 2 * 1000 * 2 * 64 * (2 + 4)  # K, V in bf16 and dK, dV accumulators in float32
+    assert bwd.flops == 2.5 * step.flops
+    assert busy_fraction(True, "zigzag") == 0.5 and busy_fraction(True, "contiguous") == 1.0
+
+
+@pytest.mark.parametrize("causal, heads_kv, latency", [(False, 32, 0.0), (True, 32, 0.0), (True, 8, 5e-6),
+                                                       (False, 4, 3e-5)])
+def test_min_local_seqlen_is_the_threshold(causal, heads_kv, latency):
+    kw = dict(heads=32, heads_kv=heads_kv, head_dim=128, causal=causal, flops_per_s=495e12, bytes_per_s=450e9,
+              latency_s=latency)
+    n = min_local_seqlen(**kw)
+    assert ring_step(n, **kw).hidden and not ring_step(n - 1, **kw).hidden
+
+
+def test_threshold_is_flops_over_bandwidth_for_bf16_multi_head():
+    # Liu et al. 2023: the block must be at least F/B for bf16 K, V without a mask (and no latency)
+    n = min_local_seqlen(heads=16, head_dim=128, flops_per_s=312e12, bytes_per_s=300e9)
+    assert n == pytest.approx(312e12 / 300e9, abs=1)
+    assert min_local_seqlen(heads=16, head_dim=128, causal=True, flops_per_s=312e12, bytes_per_s=300e9) \
+        == pytest.approx(2 * n, abs=2)  # half the work per step with the causal zigzag layout
+
+
+def test_table_and_errors():
+    text = table()
+    assert text.count("\n") >= 6 and "NVLink" in text and "InfiniBand" in text and "Ethernet" in text
+    with pytest.raises(ValueError, match="op must be"):
+        ring_step(10, heads=1, head_dim=8, op="both", flops_per_s=1, bytes_per_s=1)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ring_step(10, heads=1, head_dim=8, dtype="int8", flops_per_s=1, bytes_per_s=1)
+
+
+# ------------------------------------------------------------------------------------------- adapters
+def test_comm_of_another_kind_is_a_type_error():
+    q = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(TypeError, match="comm must be an mpi4py communicator .* got builtins.object"):
+        dist.ring_attention(q, q, q, object())
+
+
+def test_nccl_communicator_with_numpy_arrays_is_a_type_error():
+    NcclCommunicator = type("NcclCommunicator", (), {})  # noqa: N806 - chosen by its type's name, as CuPy's
+    q = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(TypeError, match="NCCL communicator, which moves GPU memory: q, k, v must be CuPy arrays"):
+        dist.ring_attention(q, q, q, NcclCommunicator())
+    assert comms.is_nccl(NcclCommunicator()) and not comms.is_mpi(NcclCommunicator())
+
+
+def test_bad_local_input_raises_before_the_communicator_is_touched():
+    class Untouchable:  # any use would raise AttributeError, not the ValueError/TypeError below
+        __slots__ = ()
+
+    q = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="window left must be >= 0"):
+        dist.ring_attention(q, q, q, Untouchable(), window=(-1, 0))
+    with pytest.raises(ValueError, match="head_dim of q"):
+        dist.ring_attention(q, q[..., :4], q[..., :4], Untouchable())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'seqlens_q'"):
+        dist.ring_attention(q, q, q, Untouchable(), seqlens_q=np.array(4))
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        dist.ring_attention_backward(q, q, q, q, q, np.zeros((2, 4), np.float32), Untouchable(), deterministic=1)
+    with pytest.raises(TypeError, match="does not take return_lse"):
+        dist.ring_attention_vjp(q, q, q, Untouchable(), return_lse=True)
+
+
+def test_importing_needs_neither_mpi4py_nor_cupy():
+    code = ("import sys, cuflash.distributed; "
+            "assert 'mpi4py' not in sys.modules and 'cupy' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_public_names_have_numpy_docstrings():
+    for name in ("ring_attention", "ring_attention_backward", "shard_sequence", "unshard_sequence",
+                 "gather_sequence", "local_segments", "ring_step"):
+        doc = getattr(dist, name).__doc__
+        assert "Parameters\n    ----------" in doc and "Returns\n    -------" in doc, name
+    assert "{options}" not in dist.ring_attention.__doc__
+
+
+def test_cost_table_from_the_command_line():
+    done = subprocess.run([sys.executable, "-m", "cuflash.distributed"], capture_output=True, text=True, check=True)
+    assert "A MODEL, not a measurement" in done.stdout and table() in done.stdout
+
+
+def test_readme_shows_the_model_table():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Sequence parallelism"):readme.index("## Not done yet")]
+    assert table() in section and "It is a model, not a measurement" in section
+
+
+# ------------------------------------------------------------------------------------------- the ring, fuzzed
+class ThreadComm:
+    """A test communicator: ranks are threads, messages go through queues (``ThreadTransport`` below stands in
+    for the MPI adapter, so the ring's logic can be fuzzed in one process; the adapters themselves are tested under
+    mpiexec and with the fake NCCL)."""
+
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+
+
+class ThreadWorld:
+    def __init__(self, size):
+        import queue
+        import threading
+
+        self.size, self.queue = size, queue
+        self.boxes = {}
+        self.lock = threading.Lock()
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.slots = [None] * size
+
+    def box(self, src, dst, tag):
+        with self.lock:
+            return self.boxes.setdefault((src, dst, tag), self.queue.Queue())
+
+
+class ThreadTransport:
+    def __init__(self, comm):
+        self.world, self.rank, self.size = comm.world, comm.rank, comm.world.size
+
+    def allgather_ints(self, values):
+        self.world.slots[self.rank] = np.asarray(values, np.int64)
+        self.world.barrier.wait()
+        out = np.stack(self.world.slots)
+        self.world.barrier.wait()
+        return out
+
+    def start(self, sends, recvs):
+        for a, peer, tag in sends:
+            if a.nbytes:
+                self.world.box(self.rank, peer, tag).put(a.copy())
+        world, rank = self.world, self.rank
+
+        class Pending:
+            def poke(self):
+                pass
+
+            def wait(self):
+                for a, peer, tag in recvs:
+                    if a.nbytes:
+                        got = world.box(peer, rank, tag).get(timeout=60)
+                        assert got.shape == a.shape and got.dtype == a.dtype, (got.shape, a.shape)
+                        a[...] = got
+
+        return Pending()
+
+
+def run_threads(size, fn):
+    import threading
+
+    world = ThreadWorld(size)
+    results, errors = [None] * size, [None] * size
+
+    def target(rank):
+        try:
+            results[rank] = fn(rank, ThreadComm(world, rank))
+        except BaseException as exc:  # noqa: BLE001
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results
+
+
+def thread_comms(monkeypatch):
+    """Route ThreadComm to ThreadTransport (every other communicator to the real adapters)."""
+    real = comms.transport
+    monkeypatch.setattr(comms, "transport",
+                        lambda comm, xp: ThreadTransport(comm) if isinstance(comm, ThreadComm) else real(comm, xp))
+
+
+def _split(rng, total, size):
+    cuts = np.sort(rng.integers(0, total + 1, size=size - 1))
+    edges = [0, *cuts.tolist(), total]
+    return [b - a for a, b in zip(edges[:-1], edges[1:])]
+
+
+@given(size=st.integers(1, 4), lq=st.integers(1, 40), lk=st.integers(1, 40), hkv=st.sampled_from([1, 2, 4]),
+       group=st.sampled_from([1, 2]), d=st.integers(1, 20), causal=st.booleans(),
+       window=st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 30)),
+                                             st.one_of(st.none(), st.integers(0, 30)))),
+       layout=st.sampled_from(dist.LAYOUTS), ulysses=st.booleans(),
+       dtype=st.sampled_from(["float32", "float64", "float16"]), seed=st.integers(0, 2**31))
+def test_ring_fuzzed_against_the_reference(size, lq, lk, hkv, group, d, causal, window, layout,
+                                           ulysses, dtype, seed):
+    """Any rank count, lengths (uneven and empty parts in the contiguous layout), masks, GQA and dtype: the gathered
+    forward and backward hold to the 2x/3x rule against the float64 reference."""
+    from cuflash.testing import Case, check_backward, check_forward
+
+    hq = hkv * group
+    method = "ulysses" if ulysses and hq % size == 0 and hkv % size == 0 else "ring"
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((lq, hq, d)).astype(dtype)
+    k, v = (rng.standard_normal((lk, hkv, d)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    options = dict(causal=causal, window=window)
+    split_q, split_k = _split(rng, lq, size), _split(rng, lk, size)
+
+    def part(x, rank, split):
+        if layout == "zigzag":
+            return dist.shard_sequence(x, size, rank, layout="zigzag")
+        start = sum(split[:rank])
+        return x[start:start + split[rank]]
+
+    def rank_fn(rank, comm):
+        ql, dl = part(q, rank, split_q), part(dout, rank, split_q)
+        kl, vl = part(k, rank, split_k), part(v, rank, split_k)
+        kw = dict(options, layout=layout, method=method)
+        out, lse = dist.ring_attention(ql, kl, vl, comm, return_lse=True, **kw)
+        return (out, lse, *dist.ring_attention_backward(dl, ql, kl, vl, out, lse, comm, **kw))
+
+    with pytest.MonkeyPatch.context() as patch:
+        thread_comms(patch)
+        per_rank = run_threads(size, rank_fn)
+    axes = (-3, -1, -3, -3, -3)
+    out, lse, dq, dk, dv = (dist.unshard_sequence([r[i] for r in per_rank], layout=layout, axis=axes[i])
+                            for i in range(5))
+    case = Case(q, k, v, dout, options=options)
+    check_forward(lambda *a, **o: (out, lse), case)
+    check_backward(lambda *a, **o: (dq, dk, dv), case, out, lse)
