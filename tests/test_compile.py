@@ -39,7 +39,7 @@ def test_every_head_dim_has_a_tile_that_fits():
 
 def test_name_expression_and_limits():
     spec = specs.select("fwd", "bfloat16", 40)
-    assert spec.name_expression == "cuflash::flash_fwd_kernel<__nv_bfloat16, 64, 128, 64, 4>"
+    assert spec.name_expression == "cuflash::flash_fwd_kernel<__nv_bfloat16, 64, 128, 64, 4, cuflash::NoMods>"
     with pytest.raises(ValueError, match="at most 256"):
         specs.select("fwd", "float16", 320)
     with pytest.raises(ValueError, match="invalid kernel specialization"):
