@@ -33,7 +33,7 @@ from .. import _env
 from ..dropout import keep_mask
 from ..problem import Problem, dtype_name, stats_dtype
 from ..tiling import Schedule
-from ._blas import single_threaded
+from ._blas import single_threaded, worker_single_threaded
 
 #: Default tile of one head, measured on 2 cores (fp32, N = 4096, 4 heads, d = 64 and 128):
 #: see ``benchmarks/numpy_backend.py``.
@@ -70,8 +70,12 @@ def _run(fn, items):
     with single_threaded():
         if len(items) < 2 or threads < 2:
             return [fn(x) for x in items]
+        def run(x):
+            with worker_single_threaded():
+                return fn(x)
+
         with ThreadPoolExecutor(min(threads, len(items))) as pool:
-            return list(pool.map(fn, items))
+            return list(pool.map(run, items))
 
 
 class _Scratch(threading.local):
