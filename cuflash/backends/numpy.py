@@ -21,6 +21,7 @@ once, O(N·d).
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 import threading
@@ -63,19 +64,37 @@ def _threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _run(fn, items):
-    """``[fn(x) for x in items]`` on the worker threads; BLAS on one thread throughout."""
+def _run(fn, items, consume=None):
+    """``fn(x)`` for every item on the worker threads, BLAS on one thread throughout.
+
+    ``consume(x, result)`` is called in item order as results arrive (never concurrently); at
+    most a few items per worker are in flight, so results that ``consume`` folds away (the
+    backward's dQ accumulators) never all exist at once.
+    """
     items = list(items)
     threads = _threads()  # parsed before any work: a malformed value fails here, naming the variable
+    consume = consume or (lambda x, r: None)
     with single_threaded():
         if len(items) < 2 or threads < 2:
-            return [fn(x) for x in items]
+            for x in items:
+                consume(x, fn(x))
+            return
+
         def run(x):
             with worker_single_threaded():
                 return fn(x)
 
+        window = 4 * threads
         with ThreadPoolExecutor(min(threads, len(items))) as pool:
-            return list(pool.map(run, items))
+            pending = collections.deque()
+            for x in items:
+                pending.append((x, pool.submit(run, x)))
+                if len(pending) >= window:
+                    y, future = pending.popleft()
+                    consume(y, future.result())
+            while pending:
+                y, future = pending.popleft()
+                consume(y, future.result())
 
 
 class _Scratch(threading.local):
@@ -352,11 +371,12 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
             column(t, chunk, dq_acc)
         return dq_acc
 
-    work = [(chunk, slot) for chunk in lay.chunks for slot in range(slots)]
-    parts = _run(item, work)
     dq = np.zeros(q.shape, dtype=wt)
-    for (chunk, _), part in zip(work, parts):
-        dq[chunk] += part
+
+    def fold(work, part):  # in item order: dq = ((0 + slot 0) + slot 1) + ... per pair block
+        dq[work[0]] += part
+
+    _run(item, [(chunk, slot) for chunk in lay.chunks for slot in range(slots)], fold)
     dq *= scale
     cast = lambda x: _ungroup(x).astype(problem.dtype, copy=False)  # noqa: E731
     return cast(dq), cast(dk), cast(dv)
