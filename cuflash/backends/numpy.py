@@ -300,8 +300,11 @@ def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
             nat = (m_i.astype(np.float64) + np.log2(np.where(seen, l_i, 1).astype(np.float64))) * LN2
         lse[bs, hs, :, i0:i1] = np.where(seen, nat, -np.inf)
 
-    rows = [i for i in range(sched.n_q) if sched.hi[i] > sched.lo[i]]
-    _run(item, [(chunk, i) for chunk in lay.chunks for i in rows])
+    # Longest rows first (a causal problem's last query tiles visit the most key tiles), so that
+    # the workers finish together; each item's result is independent of the order.
+    rows = sorted((i for i in range(sched.n_q) if sched.hi[i] > sched.lo[i]),
+                  key=lambda i: (sched.lo[i] - sched.hi[i], i))
+    _run(item, [(chunk, i) for i in rows for chunk in lay.chunks])
     return (_ungroup(out).astype(problem.dtype, copy=False),
             lse.reshape(problem.batch, problem.heads_q, problem.seqlen_q))
 
