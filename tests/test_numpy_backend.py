@@ -57,6 +57,17 @@ def test_forward_backward_match_reference(dtype, data):
         assert g.dtype == x.dtype and g.shape == x.shape
 
 
+def test_scores_past_the_exponent_range():
+    """Scores whose exponentials overflow float32 without the running max's shift stay exact."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 64, 1, 8)) for _ in range(3))
+    for big in (30.0, 300.0, 3000.0):  # |S| up to big*|q|*|k|: past float32's range without a shift
+        qs, ks = q * big, k.copy()
+        case = Case(qs.astype(np.float32), ks.astype(np.float32), v.astype(np.float32), v.astype(np.float32), {})
+        out, lse = check_forward(forward, case)
+        assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
 def test_single_key_float64_gradients():
     """One key per row: dS = P(dP - D) is exactly 0, so dq, dk are pure rounding of dP - D."""
     failures = []

@@ -11,10 +11,8 @@ computes depends only on the problem and the tile sizes, never on the thread cou
 are bitwise the same for any ``CUFLASH_NUM_THREADS``, any BLAS setting and any number of
 concurrent callers.
 
-The softmax is computed in base 2: Q is multiplied once by ``scale·log2(e)`` (one rounding of
-each Q element, like the naive computation's rounding of ``S·scale``), so the scores come out of
-the product ready for ``exp2``, which NumPy evaluates twice as fast as ``exp`` and to < 1 ulp in
-float32. The log-sum-exp is returned in natural units; the backward converts it back once per row.
+float32 softmax is computed in base 2 (see :class:`_Exp`); the log-sum-exp is returned in natural
+units and the backward converts it back once per row.
 Row sums of P come from a matrix-vector product (a pass that BLAS does at memory speed).
 Statistics are float32 (float64 for float64 input); float16/bfloat16 inputs are upcast to float32
 once, O(N·d).
@@ -27,6 +25,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -50,6 +49,7 @@ DQ_CHUNKS = 4
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 supports_dropout = supports_dropout_backward = True
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
+
 
 
 def available():
@@ -230,9 +230,40 @@ def _dropout_scale(problem, tile, chunk, dtype):
     return z.reshape(z.shape[0], -1, problem.group, *z.shape[2:])
 
 
-def _base2_scale(problem, wt):
-    """``scale·log2(e)`` in the working dtype: scores times this are exponents of 2."""
-    return wt.type(problem.scale * LOG2E)
+@dataclass(frozen=True)
+class _Exp:
+    """How scores become probabilities for one working dtype.
+
+    float32: base 2. Q is multiplied once by ``scale·log2(e)`` (one rounding of each Q element, of
+    the size of the naive computation's own rounding of ``S·scale``; the float32 rule holds errors
+    to twice the naive float32 computation's), so scores come out of the product ready for ``exp2``,
+    which NumPy evaluates twice as fast as ``exp`` and to < 1 ulp.
+    float64: base e, the scale folded into Q only when it is a power of two (exact), else applied
+    to each score tile: the naive float64 computation is the reference itself, and the rule leaves
+    no room for an extra rounding of Q.
+    """
+
+    fold: Optional[float]   # multiplies Q (None: Q as is)
+    tile: Optional[float]   # multiplies each score tile (None: nothing to do)
+    exp: Callable
+    log: Callable
+    bits: float             # base-2 exponent per unit of score (1 for base 2, log2(e) for base e)
+
+
+def _exp_rule(problem, wt) -> _Exp:
+    if wt == np.float32:
+        return _Exp(wt.type(problem.scale * LOG2E), None, np.exp2, np.log2, 1.0)
+    exact = problem.scale != 0 and math.frexp(problem.scale)[0] in (0.5, -0.5)
+    scale = wt.type(problem.scale)
+    return _Exp(scale if exact else None, None if exact else scale, np.exp, np.log, LOG2E)
+
+
+def _scores(q_i, kt_j, rule, out):
+    """S of a tile, in the rule's units, into ``out``."""
+    np.matmul(q_i, kt_j, out=out)
+    if rule.tile is not None:
+        out *= rule.tile
+    return out
 
 
 def check(problem: Problem):
@@ -256,7 +287,7 @@ def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
     check(problem)
     wt = _work_dtype(problem)
     lay, sched = _plan(problem, block_q, block_k, schedule)
-    c = _base2_scale(problem, wt)
+    rule = _exp_rule(problem, wt)
     q = _grouped(problem.q, problem, wt)
     kt = _keys_transposed(problem, _grouped(problem.k, problem, wt))
     v = _grouped(problem.v, problem, wt)
@@ -272,20 +303,22 @@ def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
         if not tiles:
             return
         i0, i1 = tiles[0].i0, tiles[0].i1
-        q_i = q[bs, hs, :, i0:i1, :] * c  # the scale, in base 2, folded into Q once
+        q_i = q[bs, hs, :, i0:i1, :]
+        if rule.fold is not None:
+            q_i = q_i * rule.fold  # the scale (in base 2 for float32) folded into Q once
         m_i = np.full(q_i.shape[:-1], -np.inf, dtype=wt)
         l_i = np.zeros(q_i.shape[:-1], dtype=wt)
         acc = np.zeros(q_i.shape, dtype=wt)
         pv = scratch.get("pv", q_i.shape, wt)
         for t in tiles:
             s = scratch.get("s", q_i.shape[:-1] + (t.k1 - t.k0,), wt)
-            np.matmul(q_i, kt[bs, hs, :, :, t.k0:t.k1], out=s)
+            _scores(q_i, kt[bs, hs, :, :, t.k0:t.k1], rule, s)
             _mask_scores(s, masks, t, chunk)
             m_new = np.maximum(m_i, s.max(axis=-1))
             m_safe = np.where(m_new == -np.inf, 0, m_new)  # a row that saw nothing yet: no -inf - -inf
             s -= m_safe[..., None]
-            np.exp2(s, out=s)
-            alpha = np.exp2(m_i - m_safe)
+            rule.exp(s, out=s)
+            alpha = rule.exp(m_i - m_safe)
             l_i *= alpha
             l_i += s @ ones[:t.k1 - t.k0]  # l is of the undropped P: lse stays dropout-free
             z = _dropout_scale(problem, t, chunk, wt)
@@ -297,7 +330,7 @@ def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
         seen = l_i != 0  # a NaN sum propagates; only rows that saw no key get 0 and -inf
         out[bs, hs, :, i0:i1, :] = acc / np.where(seen, l_i, 1)[..., None]
         with np.errstate(divide="ignore"):
-            nat = (m_i.astype(np.float64) + np.log2(np.where(seen, l_i, 1).astype(np.float64))) * LN2
+            nat = (m_i.astype(np.float64) + rule.log(np.where(seen, l_i, 1).astype(np.float64))) * (LN2 * rule.bits)
         lse[bs, hs, :, i0:i1] = np.where(seen, nat, -np.inf)
 
     # Longest rows first (a causal problem's last query tiles visit the most key tiles), so that
@@ -317,15 +350,15 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
     check(problem)
     wt = _work_dtype(problem)
     lay, sched = _plan(problem, block_q, block_k, schedule)
-    c = _base2_scale(problem, wt)
+    rule = _exp_rule(problem, wt)
     q = _grouped(problem.q, problem, wt)
     k = _grouped(problem.k, problem, wt)
     kt = _keys_transposed(problem, k)
     v = _grouped(problem.v, problem, wt)
     do = _grouped(dout, problem, wt)
     o = _grouped(out, problem, wt)
-    lse2 = np.asarray(lse, dtype=np.float64).reshape(q.shape[:-1]) * LOG2E
-    lse2 = np.where(np.isneginf(lse2), np.inf, lse2).astype(wt)  # rows that saw nothing: P = 2^(-inf) = 0
+    lse_r = np.asarray(lse, dtype=np.float64).reshape(q.shape[:-1]) / (LN2 * rule.bits)  # in the rule's base
+    lse_r = np.where(np.isneginf(lse_r), np.inf, lse_r).astype(wt)  # rows that saw nothing: P = exp(-inf) = 0
     big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
     dk = np.zeros(k.shape, dtype=wt)
     dv = np.zeros_like(dk)
@@ -349,10 +382,10 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
             q_i, do_i = q[bs, hs, :, tl.i0:tl.i1, :], do[bs, hs, :, tl.i0:tl.i1, :]
             tile_shape = shape + (tl.i1 - tl.i0, k1 - k0)
             s = scratch.get("s", tile_shape, wt)
-            np.matmul(q_i * c, kt_j, out=s)  # S exactly as the forward computed it
+            _scores(q_i if rule.fold is None else q_i * rule.fold, kt_j, rule, s)  # S as the forward's
             _mask_scores(s, masks, tl, chunk)
-            s -= lse2[bs, hs, :, tl.i0:tl.i1, None]
-            p = np.exp2(s, out=s)
+            s -= lse_r[bs, hs, :, tl.i0:tl.i1, None]
+            p = rule.exp(s, out=s)
             z = _dropout_scale(problem, tl, chunk, wt)
             dv_j += np.swapaxes(p if z is None else p * z, -1, -2) @ do_i
             dp = np.matmul(do_i, vt_j, out=scratch.get("dp", tile_shape, wt))
