@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .problem import key_range
 
 DEFAULT_BLOCK = (128, 128)
 
@@ -84,12 +83,10 @@ class BlockMask:
     @classmethod
     def _from_rule(cls, seqlen_q, seqlen_k, block, left, right):
         """Blocks that contain at least one element visible under the (left, right) diagonal band."""
+        from .tiling import band_grid  # tiling imports this module
+
         bq, bk = _check_block(block)
-        nq, nk = _cdiv(seqlen_q, bq), _cdiv(seqlen_k, bk)
-        keep = np.zeros((nq, nk), dtype=bool)
-        for i in range(nq):
-            lo, hi = key_range(i * bq, (i + 1) * bq, seqlen_q, seqlen_k, left, right)
-            keep[i, lo // bk:_cdiv(hi, bk)] = hi > lo
+        keep = band_grid(seqlen_q, seqlen_k, bq, bk, left, right)
         return cls(keep, block=(bq, bk), seqlen_q=seqlen_q, seqlen_k=seqlen_k)
 
     @classmethod

@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from .problem import key_range
+from .tiling import Schedule, classify_grid
 
 OPS = ("fwd", "bwd", "fwd_bwd")
 ORDERS = ("fa2", "fa1")
@@ -95,33 +95,12 @@ def default_tiles(head_dim: int, op: str = "fwd") -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 # Which tile pairs the kernel visits
 # --------------------------------------------------------------------------------------------
-def _band_tiles(seqlen_q, seqlen_k, block_q, block_k, left, right) -> np.ndarray:
-    """Boolean ``(nq, nk)``: tile pairs that meet the causal/window band (all True without one)."""
-    nq, nk = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
-    keep = np.zeros((nq, nk), dtype=bool)
-    for i in range(nq):
-        lo, hi = key_range(i * block_q, min((i + 1) * block_q, seqlen_q), seqlen_q, seqlen_k, left, right)
-        if hi > lo:
-            keep[i, lo // block_k:-(-hi // block_k)] = True
-    return keep
-
-
-def _mask_tiles(block_mask, seqlen_q, seqlen_k, block_q, block_k) -> np.ndarray:
-    """Boolean ``(B|1, H|1, nq, nk)``: kernel tiles that overlap at least one kept mask block."""
-    grid = np.asarray(block_mask.grid, dtype=bool)
-    bq, bk = block_mask.block
-    rows = [slice(i // bq, (min(i + block_q, seqlen_q) - 1) // bq + 1) for i in range(0, seqlen_q, block_q)]
-    cols = [slice(j // bk, (min(j + block_k, seqlen_k) - 1) // bk + 1) for j in range(0, seqlen_k, block_k)]
-    rows_any = np.stack([grid[:, :, r].any(axis=2) for r in rows], axis=2)        # (B, H, nq, nk_mask)
-    return np.stack([rows_any[..., c].any(axis=-1) for c in cols], axis=-1)        # (B, H, nq, nk)
-
-
 def _visited(*, batch, heads, seqlen_q, seqlen_k, block_q, block_k, left, right, block_mask) -> np.ndarray:
-    """Boolean ``(B|1, H|1, nq, nk)`` of visited tile pairs and its multiplicity over (batch, heads)."""
-    keep = _band_tiles(seqlen_q, seqlen_k, block_q, block_k, left, right)[None, None]
+    """Boolean ``(B|1, H|1, nq, nk)`` of visited tile pairs (the tile schedule's, :mod:`cuflash.tiling`)."""
+    keep = Schedule(seqlen_q, seqlen_k, block_q, block_k, left=left, right=right).kept_grid()[None, None]
     if block_mask is not None:
         block_mask.check_fits(batch, heads, seqlen_q, seqlen_k)
-        keep = keep & _mask_tiles(block_mask, seqlen_q, seqlen_k, block_q, block_k)
+        keep = keep & classify_grid(block_mask.grid, block_mask.block, block_q, block_k, seqlen_q, seqlen_k)[0]
     return keep
 
 

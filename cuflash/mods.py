@@ -54,17 +54,39 @@ class Node:
 
 @dataclass(frozen=True)
 class Operand:
-    """A named array or scalar of ``mod_arrays`` as the language sees it: its type and, for an array, every
-    tuple of index variables it is read with (one variable per dimension, e.g. ``(("q_idx",), ("kv_idx",))``
-    for ``doc[q_idx] == doc[kv_idx]``)."""
+    """A named operand as the language sees it: its type and, for an array, every tuple of indices it is read
+    with, one per dimension (e.g. ``(("q_idx",), ("kv_idx",))`` for ``doc[q_idx] == doc[kv_idx]``).
+
+    An index is a variable name. cuflash's own operands (BlockMask grids) may also use ``(variable, d)``, the
+    variable divided by ``d`` (a block index), and None, index 0 of a dimension of size 1; and ``table``
+    operands (the packed bits of ``BlockMask.from_dense``) are read only by the ``bits`` node."""
 
     name: str
     type: str
     indexings: tuple = ()  # empty: a scalar
+    table: bool = False
 
     @property
     def is_array(self) -> bool:
-        return bool(self.indexings)
+        return bool(self.indexings) or self.table
+
+
+def index_extent(index, extents: dict) -> int:
+    """The extent an array dimension read at ``index`` must have (see :class:`Operand`)."""
+    if index is None:
+        return 1
+    if isinstance(index, tuple):
+        return -(-extents[index[0]] // index[1])
+    return extents[index]
+
+
+def index_value(index, env: dict):
+    """The NumPy index array of one dimension read at ``index``."""
+    if index is None:
+        return 0
+    if isinstance(index, tuple):
+        return env[index[0]] // index[1]
+    return env[index]
 
 
 def _float(n: Node) -> Node:
@@ -290,21 +312,24 @@ class Expr:
         """This score modifier applied to the result of ``inner`` (``score`` replaced by ``inner``'s tree)."""
         if self.kind != "score" or inner.kind != "score":
             raise ValueError("only score modifiers compose")
-        ops = {o.name: o for o in inner.operands}
-        for o in self.operands:
-            ops[o.name] = Operand(o.name, o.type, tuple(dict.fromkeys(ops[o.name].indexings + o.indexings))) \
-                if o.name in ops else o
         return Expr(f"{self.text} ∘ {inner.text}", "score", _substitute(self.root, inner.root),
-                    tuple(sorted(ops.values(), key=lambda o: o.name)))
+                    _merge_operands(inner, self))
 
-    def both(self, other: "Expr") -> "Expr":
-        """The conjunction of two mask modifiers (a score is kept where both keep it)."""
-        ops = {o.name: o for o in other.operands}
-        for o in self.operands:
-            ops[o.name] = Operand(o.name, o.type, tuple(dict.fromkeys(ops[o.name].indexings + o.indexings))) \
-                if o.name in ops else o
-        return Expr(f"({self.text}) and ({other.text})", "mask", Node("and", "bool", (self.root, other.root)),
-                    tuple(sorted(ops.values(), key=lambda o: o.name)))
+    def renamed(self, mapping: dict) -> "Expr":
+        """The same expression with operands renamed (BlockMask's ``&``/``|`` keep two masks' operands apart)."""
+        def ren(n: Node) -> Node:
+            value = n.value
+            if n.op == "array":
+                value = (mapping.get(value[0], value[0]), value[1])
+            elif n.op == "scalar":
+                value = mapping.get(value, value)
+            elif n.op == "bits":
+                value = (ren(value[0]), mapping.get(value[1], value[1])) + value[2:]
+            return Node(n.op, n.type, tuple(ren(a) for a in n.args), value)
+
+        ops = tuple(sorted((Operand(mapping.get(o.name, o.name), o.type, o.indexings, o.table) for o in self.operands),
+                           key=lambda o: o.name))
+        return Expr(self.text, self.kind, ren(self.root), ops)
 
     @property
     def uses_score(self) -> bool:
@@ -346,13 +371,55 @@ def parse(text: str, *, kind: str, arrays: Optional[dict] = None, what: Optional
 def _uses(n: Node, name: str) -> bool:
     """Whether ``n`` reads the variable ``name`` (or the array operand ``name``)."""
     return (n.op == "var" and n.value == name) or (n.op == "array" and n.value[0] == name) or \
-        any(_uses(a, name) for a in n.args)
+        (n.op == "bits" and _uses(n.value[0], name)) or any(_uses(a, name) for a in n.args)
 
 
 def _substitute(n: Node, inner: Node) -> Node:
     if n.op == "var" and n.value == "score":
         return inner
     return Node(n.op, n.type, tuple(_substitute(a, inner) for a in n.args), n.value)
+
+
+def _merge_operands(*exprs) -> tuple:
+    """The union of the operands of ``exprs``, an array's indexings merged."""
+    ops: dict[str, Operand] = {}
+    for e in exprs:
+        for o in e.operands:
+            if o.name in ops:
+                o = Operand(o.name, o.type, tuple(dict.fromkeys(ops[o.name].indexings + o.indexings)), o.table)
+            ops[o.name] = o
+    return tuple(sorted(ops.values(), key=lambda o: o.name))
+
+
+def combine(op: str, a: Expr, b: Expr) -> Expr:
+    """``a and b`` / ``a or b`` of two mask expressions (BlockMask's ``&`` and ``|``)."""
+    word = {"and": "and", "or": "or"}[op]
+    return Expr(f"({a.text}) {word} ({b.text})", "mask", Node(op, "bool", (a.root, b.root)), _merge_operands(a, b))
+
+
+def grid_member(grid: str, grid_shape: tuple, block: tuple, rule: Optional[Expr], grid_type="int") -> Expr:
+    """The membership of a BlockMask: its block state ``grid`` (0 skipped, 1 partial, 2 full) read at
+    (b, h, q_idx // block_q, kv_idx // block_k), and inside partial blocks ``rule`` (None: kept)."""
+    index = (None if grid_shape[0] == 1 else "b", None if grid_shape[1] == 1 else "h",
+             ("q_idx", block[0]), ("kv_idx", block[1]))
+    cell = Node("array", grid_type, value=(grid, index))
+    full = Node("==", "bool", (cell, Node("const", "int", value=2)))
+    part = Node("==", "bool", (cell, Node("const", "int", value=1)))
+    inner = part if rule is None else Node("and", "bool", (part, rule.root))
+    ops = (Operand(grid, grid_type, (index,)),) + (rule.operands if rule is not None else ())
+    text = f"{grid}[cell] == 2 or {grid}[cell] == 1" + (f" and ({rule.text})" if rule is not None else "")
+    return Expr(text, "mask", Node("or", "bool", (full, inner)), tuple(sorted(
+        {o.name: o for o in ops}.values(), key=lambda o: o.name)))
+
+
+def dense_bits(slot: str, table: str, grid_shape: tuple, block: tuple) -> Expr:
+    """The element rule of ``BlockMask.from_dense`` inside partial blocks: bit ``(q_idx % bq) * bk + kv_idx % bk``
+    of the packed bits of the block's slot (``slot`` read like a grid, ``table`` ``(partial blocks, bytes)``)."""
+    index = (None if grid_shape[0] == 1 else "b", None if grid_shape[1] == 1 else "h",
+             ("q_idx", block[0]), ("kv_idx", block[1]))
+    node = Node("bits", "bool", value=(Node("array", "int", value=(slot, index)), table) + tuple(block))
+    return Expr(f"bits({slot}, {table})", "mask", node,
+                (Operand(slot, "int", (index,)), Operand(table, "int", table=True)))
 
 
 # ------------------------------------------------------------------------------------------------ NumPy
@@ -375,7 +442,12 @@ def _evaluate(n: Node, env, values, dtype):
         return num(np.asarray(values[n.value])[()], n.type)
     if n.op == "array":
         name, index = n.value
-        return num(np.asarray(values[name])[tuple(env[v] for v in index)], n.type)
+        return num(np.asarray(values[name])[tuple(index_value(v, env) for v in index)], n.type)
+    if n.op == "bits":  # packed bits of BlockMask.from_dense: table[slot][e / 8] >> e % 8, e the offset in the block
+        slot, table, bq, bk = n.value
+        e = (env["q_idx"] % bq) * bk + env["kv_idx"] % bk
+        s = _evaluate(slot, env, values, dtype)
+        return ((np.asarray(values[table])[np.maximum(s, 0), e >> 3] >> (e & 7)) & 1).astype(bool) & (s >= 0)
     args = [_evaluate(a, env, values, dtype) for a in n.args]
     if n.op == "float":
         return num(args[0], "float")
@@ -406,6 +478,10 @@ def _cpp(n: Node, read) -> str:
         return read(n.value, None)
     if op == "array":
         return read(*n.value)
+    if op == "bits":
+        slot, table, bq, bk = n.value
+        return (f"dense_bit({_cpp(slot, read)}, {read(table, 'table')}, "
+                f"(q_idx % {bq}) * {bk} + kv_idx % {bk})")
     a = [_cpp(x, read) for x in n.args]
     if op == "float":
         return f"float({a[0]})"

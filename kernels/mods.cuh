@@ -29,6 +29,11 @@ __device__ __forceinline__ T mod_read(const ModArray& a, int b, int h, int q_idx
                                       kv_idx * a.stride[3]];
 }
 
+// Bit e of the packed bits of partial block `slot` (BlockMask.from_dense); slot -1: a block without bits (skipped).
+__device__ __forceinline__ bool dense_bit(int slot, const ModArray& bits, int e) {
+  return slot >= 0 && ((static_cast<const unsigned char*>(bits.ptr)[slot * bits.stride[0] + (e >> 3)] >> (e & 7)) & 1);
+}
+
 // Where a score of the (b, h) slice sits, and its sequence's own lengths: what a modifier may read besides score.
 struct ScorePos {
   int b, h, len_q, len_k;

@@ -64,3 +64,29 @@ def test_peak_memory_forward_backward(inputs, causal, record_property, capsys):
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     slack = 2 * np.finfo(np.float32).eps * np.abs(v).max()  # two roundings
     assert out.max() <= v.max() + slack and out.min() >= v.min() - slack
+
+
+# ----------------------------------------------------------------------------- many heads
+#: The fixed part of the budget: per worker a score tile of TILE_ELEMENTS and a few buffers of that
+#: size (dropout's keep-mask hashing among them), for the default two workers, with room to spare.
+FIXED = 64 * 2**20
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "dropout"])
+@pytest.mark.parametrize("batch, heads, n", [(2, 32, 256), (32, 32, 256), (4, 32, 512)])
+def test_peak_memory_is_budget_plus_linear_in_batch_heads(monkeypatch, batch, heads, n, dropout):
+    """Extra memory is a fixed budget plus O(B·H·N·d) (inputs in the working dtype, outputs,
+    statistics, dQ accumulators), whatever B·H is: it never scales like B·H x tile, nor N²."""
+    monkeypatch.setenv("CUFLASH_NUM_THREADS", "2")
+    d = 16
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal((batch, n, heads, d), dtype=np.float32) for _ in range(4))
+    opts = dict(causal=True, dropout_p=0.1, seed=3) if dropout else dict(causal=True)
+    (out, lse), fwd_peak, _ = _peak(lambda: cuflash.attention(q, k, v, return_lse=True, **opts))
+    _, bwd_peak, _ = _peak(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, **opts))
+    linear = q.nbytes  # one (B, N, H, d) array
+    naive = batch * heads * n * n * 4
+    assert fwd_peak <= 6 * linear + FIXED, f"forward peak {fwd_peak / 2**20:.1f} MiB"
+    assert bwd_peak <= 12 * linear + FIXED, f"backward peak {bwd_peak / 2**20:.1f} MiB"
+    if naive > 4 * FIXED:  # large enough for the score matrix to dominate a fixed budget
+        assert bwd_peak < naive

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import BlockMask, reference
 from cuflash.backends import numpy as nb
-from cuflash.plan import Plan
+from cuflash.tiling import Schedule
 from cuflash.problem import make_problem
 from cuflash.testing import Case, assert_attention_close, attention_cases, check_backward, check_forward
 
@@ -55,6 +55,17 @@ def test_forward_backward_match_reference(dtype, data):
     grads = check_backward(backward, case, out, lse)
     for g, x in zip(grads, (case.q, case.k, case.v)):
         assert g.dtype == x.dtype and g.shape == x.shape
+
+
+def test_scores_past_the_exponent_range():
+    """Scores whose exponentials overflow float32 without the running max's shift stay exact."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 64, 1, 8)) for _ in range(3))
+    for big in (30.0, 300.0, 3000.0):  # |S| up to big*|q|*|k|: past float32's range without a shift
+        qs, ks = q * big, k.copy()
+        case = Case(qs.astype(np.float32), ks.astype(np.float32), v.astype(np.float32), v.astype(np.float32), {})
+        out, lse = check_forward(forward, case)
+        assert np.isfinite(out).all() and np.isfinite(lse).all()
 
 
 def test_single_key_float64_gradients():
@@ -108,12 +119,13 @@ TILES = [(16, 16), (16, 64), (64, 16), (32, 48), (7, 5), (1, 3), (256, 512)]
 def _blocked(case, block_q, block_k):
     """Backend forward + backward at the given tile size, reshaped to the public layout."""
     p = make_problem(case.q, case.k, case.v, **case.options)
-    plan = Plan(p, block_q, block_k)
-    out, lse = nb.forward(p, plan=plan)
+    lay = nb.layout(p, block_q, block_k)  # a BlockMask rounds tiles to whole mask blocks
+    sched = Schedule.for_problem(p, lay.block_q, lay.block_k)
+    out, lse = nb.forward(p, schedule=sched)
     out = p.unflatten(out, p.q.shape[1:])
     lse = p.unflatten(lse, (p.heads_q, p.seqlen_q))
     dq, dk, dv = nb.backward(p, case.dout.reshape((p.batch,) + p.q.shape[1:]), out.reshape(p.q.shape),
-                             lse.reshape(p.batch, p.heads_q, p.seqlen_q), plan=plan)
+                             lse.reshape(p.batch, p.heads_q, p.seqlen_q), schedule=sched)
     return (out, lse, p.unflatten(dq, p.q.shape[1:]), p.unflatten(dk, p.k.shape[1:]),
             p.unflatten(dv, p.v.shape[1:]))
 
@@ -166,12 +178,12 @@ def test_tile_kinds_are_exercised():
     """The tile-size tests above meet all three kinds of tile: full, partial (masked), skipped."""
     q, k, v = rng_arrays(1, (100, 2, 8), (90, 1, 8), (90, 1, 8))
     p = make_problem(q, k, v, causal=True, window=(40, None))
-    plan = Plan(p, 16, 16)
+    tiles = [t for _, row in Schedule.for_problem(p, 16, 16).rows() for t in row]
     n_grid = -(-100 // 16) * -(-90 // 16)
-    kinds = {t.full for t in plan.tiles}
-    assert kinds == {True, False} and len(plan.tiles) < n_grid
+    kinds = {t.full for t in tiles}
+    assert kinds == {True, False} and len(tiles) < n_grid
     # ragged last tiles
-    assert any(t.i1 - t.i0 < 16 for t in plan.tiles) and any(t.k1 - t.k0 < 16 for t in plan.tiles)
+    assert any(t.i1 - t.i0 < 16 for t in tiles) and any(t.k1 - t.k0 < 16 for t in tiles)
 
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window=(5, 3)),
@@ -184,12 +196,12 @@ def test_skipped_tiles_are_not_computed(options):
     if options.get("block_mask") == "strided":
         options = dict(block_mask=BlockMask.strided(s, stride=2, block=(tile, tile)))
     p = make_problem(q, k, v, **options)
-    plan = Plan(p, tile, tile)
-    visited = {(t.i0, t.k0) for t in plan.tiles}
+    sched = Schedule.for_problem(p, tile, tile)
+    visited = {(t.i0, t.k0) for _, row in sched.rows() for t in row}
     # the last key tile, poisoned
     v_bad = v.copy()
     v_bad[s - tile:] = np.nan
-    out, _ = nb.forward(make_problem(q, k, v_bad, **options), plan=plan)
+    out, _ = nb.forward(make_problem(q, k, v_bad, **options), schedule=sched)
     ref = reference.attention(q, k, v, **options)
     clean_rows = [i for i0 in range(0, s, tile) if (i0, s - tile) not in visited for i in range(i0, i0 + tile)]
     assert clean_rows, "the setup must skip at least one tile"

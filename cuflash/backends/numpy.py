@@ -1,29 +1,49 @@
 """Blocked NumPy backend: FlashAttention-2 Algorithm 1 (forward) and Algorithm 2 (backward).
 
-The CPU product. Vectorized over batch and heads, one tile of ``block_q x block_k`` scores at a
-time; extra memory is O(tile + N·d): S and P never exist beyond one tile. Statistics are float32
-(float64 for float64 input); float16/bfloat16 inputs are upcast to float32 once, O(N·d).
-Query tiles are independent in the forward and key tiles in the backward, so they are spread
-over a small thread pool: NumPy's ufuncs and BLAS release the GIL on large tiles.
+The CPU product. Work is cut into items of (a block of (batch, head) pairs, one query tile) for
+the forward and (a block of pairs, one dQ accumulator) for the backward; each item streams the
+tiles of the schedule (:mod:`cuflash.tiling`) through one score buffer, so extra memory is a fixed
+budget per worker (:data:`TILE_ELEMENTS` scores, a few buffers of that size) plus O(B·H·N·d)
+for inputs upcast to the working dtype, outputs and statistics: S and P never exist beyond one
+tile, whatever B·H is. Items are spread over a thread pool (NumPy's ufuncs and BLAS release the
+GIL on large tiles) and every product runs on one BLAS thread (:mod:`._blas`): what an item
+computes depends only on the problem and the tile sizes, never on the thread count, so results
+are bitwise the same for any ``CUFLASH_NUM_THREADS``, any BLAS setting and any number of
+concurrent callers.
+
+float32 softmax is computed in base 2 (see :class:`_Exp`); the log-sum-exp is returned in natural
+units and the backward converts it back once per row.
+Row sums of P come from a matrix-vector product (a pass that BLAS does at memory speed).
+Statistics are float32 (float64 for float64 input); float16/bfloat16 inputs are upcast to float32
+once, O(N·d).
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 
+from .. import _env
 from ..dropout import keep_mask
-from ..plan import Plan
-from ._blas import single_threaded
 from ..problem import Problem, stats_dtype
+from ..tiling import Schedule
+from ._blas import single_threaded, worker_single_threaded
 
-#: Default tile, measured on 2 cores (N = 4096, 4 heads, d = 64, fp32): 256 x 512 beat
-#: 128..512 x 512..2048 by 5-25%. Wide key tiles amortize the per-tile Python overhead and keep
-#: the matrix products efficient, while one score tile per worker (B·H·256·512 floats for few
-#: heads) stays cache-sized.
-BLOCK_Q, BLOCK_K = 256, 512
+#: Default tile of one head, measured on 2 cores (fp32, N = 4096, 4 heads, d = 64 and 128):
+#: see ``benchmarks/numpy_backend.py``.
+BLOCK_Q, BLOCK_K = 512, 512
+#: Scores per work item over all its heads: the score buffer of one worker. Items of few heads
+#: hold one head's tile; many small heads are batched up to this size (fewer Python steps), and
+#: a grouped-query head group too wide for it gets shorter query tiles.
+TILE_ELEMENTS = BLOCK_Q * BLOCK_K
+#: Query rows per key/value head from which K^T is copied contiguous (see _keys_transposed).
+KT_COPY_ROWS = 64
 #: dQ accumulators of the backward: a constant, so dQ's summation order never depends on threads.
 DQ_CHUNKS = 4
 #: what this backend computes (checked once, by cuflash.backends.select)
@@ -31,6 +51,8 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 BF16_BITS = False
 MAX_HEAD_DIM = None
 ARRAYS = "numpy"
+LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
+
 
 
 def available():
@@ -39,22 +61,92 @@ def available():
 
 def _threads() -> int:
     """Worker threads: ``CUFLASH_NUM_THREADS``, else the cores this process may use."""
-    if "CUFLASH_NUM_THREADS" in os.environ:
-        return max(1, int(os.environ["CUFLASH_NUM_THREADS"]))
+    n = _env.get("CUFLASH_NUM_THREADS")
+    if n is not None:
+        return n
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _map(fn, items):
+def _run(fn, items, consume=None):
+    """``fn(x)`` for every item on the worker threads, BLAS on one thread throughout.
+
+    ``consume(x, result)`` is called in item order as results arrive (never concurrently); at
+    most a few items per worker are in flight, so results that ``consume`` folds away (the
+    backward's dQ accumulators) never all exist at once.
+    """
     items = list(items)
-    if len(items) < 2 or _threads() < 2:
-        return [fn(x) for x in items]
+    threads = _threads()  # parsed before any work: a malformed value fails here, naming the variable
+    consume = consume or (lambda x, r: None)
+    with single_threaded():
+        if len(items) < 2 or threads < 2:
+            for x in items:
+                consume(x, fn(x))
+            return
 
-    def run(x):
-        with single_threaded():
-            return fn(x)
+        def run(x):
+            with worker_single_threaded():
+                return fn(x)
 
-    with ThreadPoolExecutor(_threads()) as pool:
-        return list(pool.map(run, items))
+        window = 4 * threads
+        with ThreadPoolExecutor(min(threads, len(items))) as pool:
+            pending = collections.deque()
+            for x in items:
+                pending.append((x, pool.submit(run, x)))
+                if len(pending) >= window:
+                    y, future = pending.popleft()
+                    consume(y, future.result())
+            while pending:
+                y, future = pending.popleft()
+                consume(y, future.result())
+
+
+class _Scratch(threading.local):
+    """Per-thread flat buffers, reused from tile to tile (and item to item) within one call."""
+
+    def get(self, name, shape, dtype):
+        n = math.prod(shape)
+        buf = getattr(self, name, None)
+        if buf is None or buf.size < n or buf.dtype != dtype:
+            buf = np.empty(max(n, 1), dtype=dtype)
+            setattr(self, name, buf)
+        return buf[:n].reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Layout: tiles and blocks of (batch, kv head) pairs
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    block_q: int
+    block_k: int
+    chunks: tuple  # ((batch slice, kv-head slice), ...): the pairs of one item, all query heads of each
+
+
+def layout(problem: Problem, block_q=None, block_k=None) -> Layout:
+    """Tile sizes and pair blocks for a problem: a tile over all heads of an item stays within
+    :data:`TILE_ELEMENTS` scores (unless the caller fixes a larger tile)."""
+    g = problem.group
+    fixed = block_q is not None or block_k is not None
+    bq = max(1, min(block_q or BLOCK_Q, max(problem.seqlen_q, 1)))
+    bk = max(1, min(block_k or BLOCK_K, max(problem.seqlen_k, 1)))
+    if not fixed and g * bq * bk > TILE_ELEMENTS:  # a wide query-head group: shorter tiles
+        bk = max(1, min(bk, TILE_ELEMENTS // g))
+        bq = max(1, TILE_ELEMENTS // (g * bk))
+    bm = problem.block_mask
+    if bm is not None:
+        # Tiles are whole multiples of the mask's blocks, so that dropped blocks are skipped tiles.
+        bq = max(bm.block[0], bq // bm.block[0] * bm.block[0])
+        bk = max(bm.block[1], bk // bm.block[1] * bm.block[1])
+    per_pair = g * bq * bk
+    b, hkv = problem.batch, problem.heads_kv
+    pairs = max(1, TILE_ELEMENTS // per_pair)
+    if pairs >= hkv:  # whole batches of heads per item
+        nb = max(1, pairs // hkv)
+        chunks = tuple((slice(b0, min(b0 + nb, b)), slice(0, hkv)) for b0 in range(0, b, nb))
+    else:
+        chunks = tuple((slice(b0, b0 + 1), slice(h0, min(h0 + pairs, hkv)))
+                       for b0 in range(b) for h0 in range(0, hkv, pairs))
+    return Layout(bq, bk, chunks)
 
 
 def _work_dtype(problem):
@@ -71,146 +163,248 @@ def _grouped(x, problem, dtype):
     return x.transpose(0, 2, 1, 3).astype(dtype, copy=False).reshape(b, problem.heads_kv, h // problem.heads_kv, s, d)
 
 
+def _keys_transposed(problem, k):
+    """K^T as (B, Hkv, 1, D, Sk). A contiguous copy when enough query rows share it: the product
+    Q K^T then runs as a plain (non-transposed) GEMM, about 8% faster in OpenBLAS for head_dim 64
+    (and 3% for 128) than through the transposed view; decode-shaped calls (a few query rows
+    against long keys) keep the view, where copying K would cost more than the products."""
+    kt = np.swapaxes(k, -1, -2)
+    if problem.seqlen_q * problem.group >= KT_COPY_ROWS:
+        kt = np.ascontiguousarray(kt)
+    return kt
+
+
 def _ungroup(x):
     b, hkv, g, s, d = x.shape
     return x.reshape(b, hkv * g, s, d).transpose(0, 2, 1, 3)
 
 
-def _mask_scores(s, plan, tile, problem):
-    """Set invisible scores of a partial tile to -inf (mask before the max: seed 004's pitfall)."""
-    if tile.full:
-        return
-    keep = plan.element_mask(tile)  # (B, Hq|1, bq, bk)
-    b, h = keep.shape[:2]
-    keep = keep.reshape(b, problem.heads_kv, problem.group, *keep.shape[2:]) if h > 1 else keep[:, :, None]
-    np.copyto(s, -np.inf, where=~keep)
+class _Masks:
+    """The invisible elements of partial tiles, as booleans shaped to broadcast over a score tile.
+
+    Without a BlockMask and with one length for every sequence, a tile inside the sequences is
+    masked by the band alone, which depends only on the tile's offset from the diagonal and its
+    shape: such masks are built once per call and shared (the diagonal tiles of a causal problem
+    all have one), the others are built per tile.
+    """
+
+    def __init__(self, sched, problem):
+        self.sched, self.problem = sched, problem
+        len_q, len_k = sched.len_q, sched.len_k
+        self.uniform = (sched.block_mask is None and (len_q == len_q[0]).all() and (len_k == len_k[0]).all())
+        self.len_q, self.len_k = int(len_q[0]), int(len_k[0])
+        self.cache = {}
+
+    def hidden(self, tile, chunk):
+        if self.uniform and tile.i1 <= self.len_q and tile.k1 <= self.len_k:
+            key = (tile.i0 - tile.k0, tile.i1 - tile.i0, tile.k1 - tile.k0)
+            hidden = self.cache.get(key)
+            if hidden is None:
+                hidden = self.cache[key] = ~self.sched.element_mask(tile)[:1, :, None]
+            return hidden
+        problem = self.problem
+        bs, hs = chunk
+        heads = np.arange(problem.heads_q).reshape(problem.heads_kv, problem.group)[hs].reshape(-1)
+        keep = self.sched.element_mask(tile, batch=np.arange(problem.batch)[bs], heads=heads)  # (nb, Hm|1, bq, bk)
+        nb, h = keep.shape[:2]
+        keep = keep.reshape(nb, -1, problem.group, *keep.shape[2:]) if h > 1 else keep[:, :, None]
+        return ~keep
 
 
-def _dropout_scale(problem, tile, dtype):
-    """Keep-mask of a tile scaled by 1/(1-p), as (B, Hkv, G, bq, bk); None without dropout."""
+def _mask_scores(s, masks, tile, chunk):
+    """Set invisible scores of a partial tile to -inf (before the row max: a masked score must not raise m_i).
+    Set, not added: a NaN or infinite score that a row does not see must not reach it."""
+    if not tile.full:
+        np.copyto(s, -np.inf, where=masks.hidden(tile, chunk))
+
+
+def _dropout_scale(problem, tile, chunk, dtype):
+    """Keep-mask of a tile scaled by 1/(1-p), as (nb, nh, G, bq, bk); None without dropout."""
     if not problem.dropout_p:
         return None
-    b = np.arange(problem.batch)[:, None, None, None]
-    h = np.arange(problem.heads_q)[None, :, None, None]
+    bs, hs = chunk
+    heads = np.arange(problem.heads_q).reshape(problem.heads_kv, problem.group)[hs].reshape(-1)
+    b = np.arange(problem.batch)[bs][:, None, None, None]
+    h = heads[None, :, None, None]
     i = np.arange(tile.i0, tile.i1)[None, None, :, None]
     j = np.arange(tile.k0, tile.k1)[None, None, None, :]
     keep = keep_mask(problem.seed, problem.dropout_p, b, h, i, j)
     z = keep.astype(dtype) * dtype.type(1.0 / (1.0 - problem.dropout_p))
-    return z.reshape(problem.batch, problem.heads_kv, problem.group, *z.shape[2:])
+    return z.reshape(z.shape[0], -1, problem.group, *z.shape[2:])
 
 
-def _scaled_q(problem, wt):
-    """Q, and the scale still to apply to S (None when folded into Q).
+@dataclass(frozen=True)
+class _Exp:
+    """How scores become probabilities for one working dtype.
 
-    Folding the scale into Q saves a pass over every score tile, but rounds each q·scale: an
-    extra rounding the naive computation does not have. A power-of-two scale (1/8 for head_dim
-    64) folds exactly, so only then is it folded.
+    float32: base 2. Q is multiplied once by ``scale·log2(e)`` (one rounding of each Q element, of
+    the size of the naive computation's own rounding of ``S·scale``; the float32 rule holds errors
+    to twice the naive float32 computation's), so scores come out of the product ready for ``exp2``,
+    which NumPy evaluates twice as fast as ``exp`` and to < 1 ulp.
+    float64: base e, the scale folded into Q only when it is a power of two (exact), else applied
+    to each score tile: the naive float64 computation is the reference itself, and the rule leaves
+    no room for an extra rounding of Q.
     """
-    q = _grouped(problem.q, problem, wt)
-    if problem.scale != 0 and math.frexp(problem.scale)[0] in (0.5, -0.5):
-        return q * wt.type(problem.scale), None
-    return q, wt.type(problem.scale)
+
+    fold: Optional[float]   # multiplies Q (None: Q as is)
+    tile: Optional[float]   # multiplies each score tile (None: nothing to do)
+    exp: Callable
+    log: Callable
+    bits: float             # base-2 exponent per unit of score (1 for base 2, log2(e) for base e)
 
 
-def forward(problem: Problem, *, block_q=None, block_k=None, plan=None):
+def _exp_rule(problem, wt) -> _Exp:
+    if wt == np.float32:
+        return _Exp(wt.type(problem.scale * LOG2E), None, np.exp2, np.log2, 1.0)
+    exact = problem.scale != 0 and math.frexp(problem.scale)[0] in (0.5, -0.5)
+    scale = wt.type(problem.scale)
+    return _Exp(scale if exact else None, None if exact else scale, np.exp, np.log, LOG2E)
+
+
+def _scores(q_i, kt_j, rule, out):
+    """S of a tile, in the rule's units, into ``out``."""
+    np.matmul(q_i, kt_j, out=out)
+    if rule.tile is not None:
+        out *= rule.tile
+    return out
+
+
+def _plan(problem, block_q, block_k, schedule):
+    lay = layout(problem, block_q, block_k)
+    if schedule is not None:
+        lay = Layout(schedule.block_q, schedule.block_k, layout(problem, schedule.block_q, schedule.block_k).chunks)
+    return lay, schedule or Schedule.for_problem(problem, lay.block_q, lay.block_k)
+
+
+def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
     """Return ``out (B, Sq, Hq, D)`` in q's dtype and ``lse (B, Hq, Sq)``."""
     wt = _work_dtype(problem)
-    plan = plan or Plan(problem, block_q or BLOCK_Q, block_k or BLOCK_K)
-    q, scale = _scaled_q(problem, wt)
-    kt = np.swapaxes(_grouped(problem.k, problem, wt), -1, -2)
+    lay, sched = _plan(problem, block_q, block_k, schedule)
+    rule = _exp_rule(problem, wt)
+    q = _grouped(problem.q, problem, wt)
+    kt = _keys_transposed(problem, _grouped(problem.k, problem, wt))
     v = _grouped(problem.v, problem, wt)
     out = np.zeros(q.shape, dtype=wt)
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
+    ones = np.ones(lay.block_k, dtype=wt)
+    scratch, masks = _Scratch(), _Masks(sched, problem)
 
-    def row(tiles):
+    def item(work):
+        chunk, i = work
+        bs, hs = chunk
+        tiles = list(sched.row(i))
+        if not tiles:
+            return
         i0, i1 = tiles[0].i0, tiles[0].i1
-        q_i = q[..., i0:i1, :]
+        q_i = q[bs, hs, :, i0:i1, :]
+        if rule.fold is not None:
+            q_i = q_i * rule.fold  # the scale (in base 2 for float32) folded into Q once
         m_i = np.full(q_i.shape[:-1], -np.inf, dtype=wt)
         l_i = np.zeros(q_i.shape[:-1], dtype=wt)
         acc = np.zeros(q_i.shape, dtype=wt)
+        pv = scratch.get("pv", q_i.shape, wt)
         for t in tiles:
-            s = q_i @ kt[..., t.k0:t.k1]
-            if scale is not None:
-                s *= scale
-            _mask_scores(s, plan, t, problem)
+            s = scratch.get("s", q_i.shape[:-1] + (t.k1 - t.k0,), wt)
+            _scores(q_i, kt[bs, hs, :, :, t.k0:t.k1], rule, s)
+            _mask_scores(s, masks, t, chunk)
             m_new = np.maximum(m_i, s.max(axis=-1))
             m_safe = np.where(m_new == -np.inf, 0, m_new)  # a row that saw nothing yet: no -inf - -inf
             s -= m_safe[..., None]
-            np.exp(s, out=s)
-            alpha = np.exp(m_i - m_safe)
-            l_i = l_i * alpha + s.sum(axis=-1)  # l is of the undropped P: lse stays dropout-free
-            z = _dropout_scale(problem, t, wt)
+            rule.exp(s, out=s)
+            alpha = rule.exp(m_i - m_safe)
+            l_i *= alpha
+            l_i += s @ ones[:t.k1 - t.k0]  # l is of the undropped P: lse stays dropout-free
+            z = _dropout_scale(problem, t, chunk, wt)
             if z is not None:
                 s *= z
             acc *= alpha[..., None]
-            acc += s @ v[..., t.k0:t.k1, :]
+            acc += np.matmul(s, v[bs, hs, :, t.k0:t.k1, :], out=pv)
             m_i = m_new
         seen = l_i != 0  # a NaN sum propagates; only rows that saw no key get 0 and -inf
-        out[..., i0:i1, :] = acc / np.where(seen, l_i, 1)[..., None]
-        lse[..., i0:i1] = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
+        out[bs, hs, :, i0:i1, :] = acc / np.where(seen, l_i, 1)[..., None]
+        with np.errstate(divide="ignore"):
+            nat = (m_i.astype(np.float64) + rule.log(np.where(seen, l_i, 1).astype(np.float64))) * (LN2 * rule.bits)
+        lse[bs, hs, :, i0:i1] = np.where(seen, nat, -np.inf)
 
-    _map(row, plan.by_query())
+    # Longest rows first (a causal problem's last query tiles visit the most key tiles), so that
+    # the workers finish together; each item's result is independent of the order.
+    rows = sorted((i for i in range(sched.n_q) if sched.hi[i] > sched.lo[i]),
+                  key=lambda i: (sched.lo[i] - sched.hi[i], i))
+    _run(item, [(chunk, i) for i in rows for chunk in lay.chunks])
     return (_ungroup(out).astype(problem.dtype, copy=False),
             lse.reshape(problem.batch, problem.heads_q, problem.seqlen_q))
 
 
-def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, plan=None, deterministic=False,
-             dbias=False):
+def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, schedule=None,
+             deterministic=False, dbias=False):
     """FA2 Algorithm 2: ``(dq, dk, dv)`` by recomputing P from ``lse``; no N×N buffer.
 
     Always bitwise reproducible (``deterministic`` is accepted for the API's sake)."""
     wt = _work_dtype(problem)
-    plan = plan or Plan(problem, block_q or BLOCK_Q, block_k or BLOCK_K)
-    q, s_scale = _scaled_q(problem, wt)  # S recomputed exactly as the forward computed it
+    lay, sched = _plan(problem, block_q, block_k, schedule)
+    rule = _exp_rule(problem, wt)
+    q = _grouped(problem.q, problem, wt)
     k = _grouped(problem.k, problem, wt)
-    kt = np.swapaxes(k, -1, -2)
+    kt = _keys_transposed(problem, k)
     v = _grouped(problem.v, problem, wt)
     do = _grouped(dout, problem, wt)
     o = _grouped(out, problem, wt)
-    lse_g = np.asarray(lse, dtype=wt).reshape(q.shape[:-1])
-    lse_g = np.where(np.isneginf(lse_g), np.inf, lse_g)  # rows that saw nothing: P = exp(-inf) = 0
+    lse_r = np.asarray(lse, dtype=np.float64).reshape(q.shape[:-1]) / (LN2 * rule.bits)  # in the rule's base
+    lse_r = np.where(np.isneginf(lse_r), np.inf, lse_r).astype(wt)  # rows that saw nothing: P = exp(-inf) = 0
     big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
-    dk = np.zeros(k.shape[:2] + (1,) + k.shape[3:], dtype=wt)
+    dk = np.zeros(k.shape, dtype=wt)
     dv = np.zeros_like(dk)
     scale = wt.type(problem.scale)
+    scratch, masks = _Scratch(), _Masks(sched, problem)
+    columns = [t for t in range(sched.n_k) if ((sched.lo <= t) & (t < sched.hi)).any()]
+    slots = max(1, min(DQ_CHUNKS, len(columns)))
 
-    def column(tiles, dq_acc):
+    def column(t, chunk, dq_acc):
+        bs, hs = chunk
+        tiles = list(sched.column(t))
+        if not tiles:
+            return
         k0, k1 = tiles[0].k0, tiles[0].k1
-        k_j, v_j = k[..., k0:k1, :], v[..., k0:k1, :]
-        dk_j = np.zeros(q.shape[:3] + (k1 - k0, q.shape[-1]), dtype=wt)
+        k_j, kt_j, v_j = k[bs, hs, :, k0:k1, :], kt[bs, hs, :, :, k0:k1], v[bs, hs, :, k0:k1, :]
+        vt_j = np.swapaxes(v_j, -1, -2)
+        shape = q[bs, hs].shape[:3]
+        dk_j = np.zeros(shape + (k1 - k0, q.shape[-1]), dtype=wt)
         dv_j = np.zeros_like(dk_j)
-        for t in tiles:
-            q_i, do_i = q[..., t.i0:t.i1, :], do[..., t.i0:t.i1, :]
-            s = q_i @ kt[..., k0:k1]  # bit-identical to the forward's S, so P = exp(S - lse) is too
-            if s_scale is not None:
-                s *= s_scale
-            _mask_scores(s, plan, t, problem)
-            s -= lse_g[..., t.i0:t.i1, None]
-            p = np.exp(s, out=s)
-            z = _dropout_scale(problem, t, wt)
+        for tl in tiles:
+            q_i, do_i = q[bs, hs, :, tl.i0:tl.i1, :], do[bs, hs, :, tl.i0:tl.i1, :]
+            tile_shape = shape + (tl.i1 - tl.i0, k1 - k0)
+            s = scratch.get("s", tile_shape, wt)
+            _scores(q_i if rule.fold is None else q_i * rule.fold, kt_j, rule, s)  # S as the forward's
+            _mask_scores(s, masks, tl, chunk)
+            s -= lse_r[bs, hs, :, tl.i0:tl.i1, None]
+            p = rule.exp(s, out=s)
+            z = _dropout_scale(problem, tl, chunk, wt)
             dv_j += np.swapaxes(p if z is None else p * z, -1, -2) @ do_i
-            dp = do_i @ np.swapaxes(v_j, -1, -2)
+            dp = np.matmul(do_i, vt_j, out=scratch.get("dp", tile_shape, wt))
             if z is not None:
                 dp *= z  # dP of the dropped P, back through the keep-mask
-            dp -= big_d[..., t.i0:t.i1, None]
+            dp -= big_d[bs, hs, :, tl.i0:tl.i1, None]
             ds = np.multiply(p, dp, out=dp)
-            dq_acc[..., t.i0:t.i1, :] += ds @ k_j
+            dq_acc[..., tl.i0:tl.i1, :] += ds @ k_j
             dk_j += np.swapaxes(ds, -1, -2) @ q_i
-        dk_j = dk_j.sum(axis=2, keepdims=True)
-        dk[..., k0:k1, :] = dk_j if s_scale is None else dk_j * scale  # a folded Q carries the scale
-        dv[..., k0:k1, :] = dv_j.sum(axis=2, keepdims=True)
+        dk[bs, hs, :, k0:k1, :] = dk_j.sum(axis=2, keepdims=True) * scale
+        dv[bs, hs, :, k0:k1, :] = dv_j.sum(axis=2, keepdims=True)
 
     # Key tiles are dealt round-robin to a fixed number of dQ accumulators (O(N·d) each), summed
     # in a fixed order: dQ is bitwise the same whatever the thread count or schedule.
-    columns = plan.by_key()
-    chunks = max(1, min(DQ_CHUNKS, len(columns)))
-
-    def chunk(c):
-        dq_acc = np.zeros(q.shape, dtype=wt)
-        for tiles in columns[c::chunks]:
-            column(tiles, dq_acc)
+    def item(work):
+        chunk, slot = work
+        dq_acc = np.zeros(q[chunk].shape, dtype=wt)
+        for t in columns[slot::slots]:
+            column(t, chunk, dq_acc)
         return dq_acc
 
-    dq = sum(_map(chunk, range(chunks)), np.zeros(q.shape, dtype=wt)) * scale
+    dq = np.zeros(q.shape, dtype=wt)
+
+    def fold(work, part):  # in item order: dq = ((0 + slot 0) + slot 1) + ... per pair block
+        dq[work[0]] += part
+
+    _run(item, [(chunk, slot) for chunk in lay.chunks for slot in range(slots)], fold)
+    dq *= scale
     cast = lambda x: _ungroup(x).astype(problem.dtype, copy=False)  # noqa: E731
     return cast(dq), cast(dk), cast(dv)

@@ -37,7 +37,9 @@ def slots(mods) -> Slots:
     arrays, scalars, counts = {}, {}, {"scalars": 0, "iscalars": 0}
     exprs = [e for e in (mods.score, mods.mask) if e is not None]
     for op in sorted({o.name: o for e in exprs for o in e.operands}.values(), key=lambda o: o.name):
-        if op.is_array:
+        if op.table:
+            arrays[(op.name, "table")] = len(arrays)
+        elif op.is_array:
             for index in op.indexings:
                 arrays[(op.name, index)] = len(arrays)
         else:
@@ -56,11 +58,19 @@ def _reader(mods, s: Slots):
 
     def read(name, index):
         t = types[name]
+        if index == "table":  # the ModArray itself (kernels/mods.cuh: dense_bit)
+            return f"p.mods.arrays[{s.arrays[(name, index)]}]"
         if index is None:
             which, k = s.scalars[name]
             value = f"p.mods.{which}[{k}]"
         else:
-            value = f"mod_read<{_CTYPE[t]}>(p.mods.arrays[{s.arrays[(name, index)]}], b, h, q_idx, kv_idx)"
+            args = ["0", "0", "0", "0"]  # the value of each of b, h, q_idx, kv_idx the array is read at
+            for i in index:
+                if isinstance(i, tuple):
+                    args[_AXES[i[0]]] = f"({i[0]} / {i[1]})"  # a block index (indices are never negative)
+                elif i is not None:
+                    args[_AXES[i]] = i
+            value = f"mod_read<{_CTYPE[t]}>(p.mods.arrays[{s.arrays[(name, index)]}], {', '.join(args)})"
         return f"({value} != 0)" if t == "bool" else value
 
     return read
@@ -111,10 +121,16 @@ def operands(mods, xp) -> tuple[tuple, tuple]:
     keep = []
     types = {o.name: o.type for e in (mods.score, mods.mask) if e is not None for o in e.operands}
     for (name, index), k in s.arrays.items():
+        if index == "table":  # packed bits: raw bytes, row stride in stride[0]
+            conv = xp.ascontiguousarray(xp.asarray(mods.values[name]))
+            arrays[k] = (params.address(conv), (conv.strides[0], 0, 0, 0))
+            keep.append(conv)
+            continue
         conv, strides = _device_array(xp, mods.values[name], types[name])
         by_var = [0, 0, 0, 0]
         for axis, var in enumerate(index):
-            by_var[_AXES[var]] = strides[axis]
+            if var is not None:
+                by_var[_AXES[var[0] if isinstance(var, tuple) else var]] = strides[axis]
         arrays[k] = (params.address(conv), tuple(by_var))
         keep.append(conv)
     scalars = {"scalars": [0.0] * params.MOD_SCALARS, "iscalars": [0] * params.MOD_SCALARS}

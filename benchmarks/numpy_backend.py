@@ -1,0 +1,177 @@
+"""The NumPy backend against PyTorch's CPU SDPA and naive NumPy, in one process, and its memory.
+
+    python -m benchmarks.numpy_backend --out benchmarks/results/cpu-amd-epyc-2c/numpy_backend.json
+    python -m benchmarks.numpy_backend --quick          # N = 4096 only, fewer rounds
+
+Speed: forward, batch 1, 4 heads, head_dim 64 and 128, causal and not, float32 at N = 4096 and
+16384 and float64 at N = 4096. Each case is timed in rounds, the implementations in turn within a
+round (cuflash, torch, naive), so that a machine whose speed drifts (other processes) slows all of
+them alike; the ratio cuflash / torch is taken round by round and its median reported, next to
+each implementation's median and best wall time. Every implementation uses all cores: cuflash its
+worker threads, PyTorch ``torch.set_num_threads``, naive NumPy its multithreaded BLAS.
+
+Memory: tracemalloc's peak (NumPy registers its buffers) of the forward and the backward over a
+grid of B·H and N, next to the naive score matrix (B·H·N² floats) and one (B, N, H, d) array.
+
+PyTorch is optional (``pip install torch``); without it the torch columns are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+
+import cuflash
+from cuflash.backends import numpy as nb
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    return torch
+
+
+def naive(q, k, v, causal):
+    """softmax(q kᵀ·scale) v as written: S and P materialized, same dtype, multithreaded BLAS."""
+    qh, kh, vh = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    s = (qh @ kh.transpose(0, 1, 3, 2)) * q.dtype.type(1 / math.sqrt(q.shape[-1]))
+    if causal:
+        np.copyto(s, -np.inf, where=np.triu(np.ones(s.shape[-2:], dtype=bool), 1))
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return (s @ vh).transpose(0, 2, 1, 3)
+
+
+def _impls(torch, q, k, v, causal, with_naive):
+    impls = {"cuflash": lambda: cuflash.attention(q, k, v, causal=causal)}
+    if torch is not None:
+        tq, tk, tv = (torch.from_numpy(x).transpose(1, 2) for x in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        impls["torch"] = lambda: sdpa(tq, tk, tv, is_causal=causal)
+    if with_naive:
+        impls["naive"] = lambda: naive(q, k, v, causal)
+    return impls
+
+
+def time_case(torch, dtype, n, d, causal, rounds, heads=4):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, n, heads, d)).astype(dtype) for _ in range(3))
+    with_naive = n <= 8192  # 16384: the naive S of 4 heads would be 4 GiB
+    impls = _impls(torch, q, k, v, causal, with_naive)
+    samples = {name: [] for name in impls}
+    for f in impls.values():  # warm-up: caches, thread pools, first-touch pages
+        f()
+    for _ in range(rounds):
+        for name, f in impls.items():
+            t0 = time.perf_counter()
+            f()
+            samples[name].append(time.perf_counter() - t0)
+    rec = dict(dtype=np.dtype(dtype).name, seqlen=n, heads=heads, head_dim=d, causal=causal, rounds=rounds,
+               ms={name: round(1e3 * statistics.median(s), 2) for name, s in samples.items()},
+               ms_best={name: round(1e3 * min(s), 2) for name, s in samples.items()})
+    for other in ("torch", "naive"):
+        if other in samples:
+            rec[f"cuflash_over_{other}"] = round(statistics.median(
+                a / b for a, b in zip(samples["cuflash"], samples[other])), 3)
+    if not with_naive:
+        rec["skipped"] = {"naive": "its score matrix would need 4 GiB"}
+    return rec
+
+
+def _peak(fn):
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        result = fn()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def memory_case(batch, heads, n, d=64, dtype=np.float32, causal=True):
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((batch, n, heads, d)).astype(dtype) for _ in range(4))
+    (out, lse), fwd = _peak(lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True))
+    _, bwd = _peak(lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal))
+    return dict(batch=batch, heads=heads, seqlen=n, head_dim=d, dtype=np.dtype(dtype).name, causal=causal,
+                fwd_peak_bytes=fwd, bwd_peak_bytes=bwd, array_bytes=q.nbytes,
+                naive_scores_bytes=batch * heads * n * n * np.dtype(dtype).itemsize)
+
+
+def _meta(torch):
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
+                cpu=cpu, cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                versions=dict(python=platform.python_version(), numpy=np.__version__, cuflash=cuflash.__version__,
+                              torch=None if torch is None else torch.__version__),
+                tiles=dict(block_q=nb.BLOCK_Q, block_k=nb.BLOCK_K, tile_elements=nb.TILE_ELEMENTS))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write the results as JSON to this file")
+    ap.add_argument("--quick", action="store_true", help="N = 4096 only, 3 rounds, a small memory grid")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per case (default 5, quick 3)")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--no-speed", action="store_true")
+    args = ap.parse_args(argv)
+    torch = _torch()
+    rounds = args.rounds or (3 if args.quick else 5)
+    result = dict(_meta(torch), speed=[], memory=[])
+    if not args.no_speed:
+        cases = [(np.float32, n, d, c) for n in ((4096,) if args.quick else (4096, 16384))
+                 for d in (64, 128) for c in (False, True)]
+        cases += [(np.float64, 4096, d, c) for d in (64, 128) for c in (False, True)]
+        print(f"{'dtype':8s} {'N':>6s} {'d':>4s} {'causal':6s} {'cuflash':>9s} {'torch':>9s} {'naive':>9s} "
+              f"{'cuflash/torch':>13s} {'cuflash/naive':>13s}   (median ms)", flush=True)
+        for dtype, n, d, causal in cases:
+            rec = time_case(torch, dtype, n, d, causal, rounds if n <= 4096 else max(2, rounds - 2))
+            result["speed"].append(rec)
+            ms = rec["ms"]
+            print(f"{rec['dtype']:8s} {n:6d} {d:4d} {str(causal):6s} {ms['cuflash']:9.1f} "
+                  f"{ms.get('torch', float('nan')):9.1f} {ms.get('naive', float('nan')):9.1f} "
+                  f"{rec.get('cuflash_over_torch', float('nan')):13.2f} {rec.get('cuflash_over_naive', float('nan')):13.2f}",
+                  flush=True)
+    if not args.no_memory:
+        grid = [(1, 4, 4096), (8, 32, 512), (64, 32, 256)] if args.quick else \
+            [(1, 1, 16384), (1, 4, 4096), (1, 32, 2048), (8, 32, 512), (32, 32, 512), (64, 32, 256)]
+        print(f"\n{'B':>3s} {'H':>3s} {'N':>6s}  {'fwd MiB':>8s} {'bwd MiB':>8s} {'one array':>9s} {'naive S':>9s}  (peak extra, tracemalloc)")
+        for b, h, n in grid:
+            rec = memory_case(b, h, n)
+            result["memory"].append(rec)
+            print(f"{b:3d} {h:3d} {n:6d}  {rec['fwd_peak_bytes'] / 2**20:8.1f} {rec['bwd_peak_bytes'] / 2**20:8.1f} "
+                  f"{rec['array_bytes'] / 2**20:9.1f} {rec['naive_scores_bytes'] / 2**20:9.1f}", flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""The tile schedule: which (query tile, key tile) pairs a blocked kernel visits, and how each is masked.
+
+Causal, window, per-sequence lengths and the BlockMask all reduce here to one rule. A tile of
+``block_q x block_k`` elements is
+
+* **skipped** when no sequence sees any of its elements (or the BlockMask drops every mask block
+  it overlaps, in every sequence and head): it is never yielded;
+* **full** when every element is visible in every sequence and the BlockMask keeps every block it
+  overlaps in every sequence and head: no element mask is built;
+* **partial** otherwise: the kernel builds an element mask (:meth:`Schedule.element_mask`).
+
+A :class:`Schedule` holds four integers per query tile (the hull of visited key tiles and the range
+of full ones), so it costs O(number of query tiles) memory whatever the sequence length; tiles are
+generated lazily, one query tile (:meth:`Schedule.row`, the forward) or one key tile
+(:meth:`Schedule.column`, the backward) at a time, and the totals (:meth:`Schedule.counts`) are
+computed from the ranges without visiting tiles. The BlockMask's grid is classified into kept /
+fully kept tiles at once (:func:`classify_grid`), vectorized over any tile size.
+
+Rows of one sequence see an interval of key columns (the visibility rule is an intersection of
+half-planes, so the visible set is convex), which is what makes ranges enough: the key columns a
+block of rows sees form an interval per sequence, and the tiles every element of which is visible
+form an interval too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+
+from .problem import visible
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Rows ``[i0, i1)`` against keys ``[k0, k1)``; ``full``: no element mask needed."""
+
+    i0: int
+    i1: int
+    k0: int
+    k1: int
+    full: bool
+
+
+# --------------------------------------------------------------------------------------------
+# Visible key columns per block of rows and sequence (vectorized problem.key_range)
+# --------------------------------------------------------------------------------------------
+def _seen_columns(q_lo, q_hi, len_q, len_k, left, right):
+    """Per (row block, sequence): the half-open key interval ``[lo, hi)`` that some row of
+    ``[q_lo, q_hi)`` sees (empty: ``hi <= lo``), and the interval ``[a, b)`` that every row sees.
+
+    ``q_lo``/``q_hi``: ``(n, 1)``; ``len_q``/``len_k``: ``(B,)``. The union is
+    :func:`cuflash.problem.key_range` for one sequence, vectorized (``tests/test_tiling.py``
+    holds the two equal).
+    """
+    off = len_k - len_q
+    rows_hi = np.minimum(q_hi, len_q)                       # rows past a sequence's length see nothing
+    live = rows_hi > q_lo
+    lo = np.zeros(np.broadcast(q_lo, len_k).shape, dtype=np.int64) if left is None \
+        else np.maximum(q_lo + off - left, 0)
+    hi = np.broadcast_to(len_k, lo.shape) if right is None else np.minimum(rows_hi - 1 + off + right + 1, len_k)
+    hi = np.where(live, hi, lo)
+    # every row of the block sees [a, b): the last row's left edge, the first row's right edge
+    every = q_hi <= len_q
+    a = np.zeros_like(lo) if left is None else np.maximum(q_hi - 1 + off - left, 0)
+    b = np.broadcast_to(len_k, a.shape) if right is None else np.minimum(q_lo + off + right + 1, len_k)
+    b = np.where(every, b, a)
+    return lo, hi, a, b
+
+
+def _union_length(lo, hi):
+    """Total length of the union of intervals ``[lo, hi)`` along the last axis (empty ones allowed)."""
+    hi = np.where(hi > lo, hi, lo)
+    order = np.argsort(lo, axis=-1, kind="stable")
+    lo, hi = np.take_along_axis(lo, order, -1), np.take_along_axis(hi, order, -1)
+    reach = np.maximum.accumulate(hi, axis=-1)
+    before = np.concatenate([np.full(lo.shape[:-1] + (1,), np.iinfo(np.int64).min), reach[..., :-1]], axis=-1)
+    return np.maximum(hi - np.maximum(lo, before), 0).sum(axis=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# BlockMask grids at tile granularity
+# --------------------------------------------------------------------------------------------
+def classify_grid(grid, block, block_q: int, block_k: int, seqlen_q: int, seqlen_k: int):
+    """Classify a BlockMask grid ``(Bm, Hm, nqb, nkb)`` into tiles of ``block_q x block_k``.
+
+    Returns ``(kept, full)``, boolean ``(Bm, Hm, n_q_tiles, n_k_tiles)``: ``kept`` when some mask
+    block that the tile overlaps (inside the sequence) is kept, ``full`` when all of them are.
+    Vectorized by a 2-D prefix sum: no Python loop over tiles, any tile size.
+    """
+    grid = np.asarray(grid, dtype=bool)
+    bq, bk = block
+    n_q, n_k = cdiv(seqlen_q, block_q), cdiv(seqlen_k, block_k)
+    m, n = np.arange(n_q), np.arange(n_k)
+    r_lo, r_hi = (m * block_q) // bq, (np.minimum((m + 1) * block_q, seqlen_q) - 1) // bq + 1
+    c_lo, c_hi = (n * block_k) // bk, (np.minimum((n + 1) * block_k, seqlen_k) - 1) // bk + 1
+    pre = np.zeros(grid.shape[:2] + (grid.shape[2] + 1, grid.shape[3] + 1), dtype=np.int64)
+    pre[:, :, 1:, 1:] = grid.cumsum(axis=2).cumsum(axis=3)
+    rl, rh, cl, ch = r_lo[:, None], r_hi[:, None], c_lo[None, :], c_hi[None, :]
+    count = pre[:, :, rh, ch] - pre[:, :, rl, ch] - pre[:, :, rh, cl] + pre[:, :, rl, cl]
+    return count > 0, count == (rh - rl) * (ch - cl)
+
+
+# --------------------------------------------------------------------------------------------
+# The schedule
+# --------------------------------------------------------------------------------------------
+class Schedule:
+    """The tiles of ``block_q x block_k`` that a blocked kernel visits for one problem.
+
+    Build it from a :class:`~cuflash.problem.Problem` (:meth:`for_problem`) or from the rule's
+    parameters directly. Per query tile ``i`` it keeps ``lo[i], hi[i]`` (the key tiles some
+    sequence sees, a hull) and ``full_lo[i], full_hi[i]`` (the key tiles every element of which
+    is visible in every sequence); everything else is derived lazily.
+    """
+
+    def __init__(self, seqlen_q: int, seqlen_k: int, block_q: int, block_k: int, *, len_q=None, len_k=None,
+                 left: Optional[int] = None, right: Optional[int] = None, block_mask=None):
+        if block_q < 1 or block_k < 1:
+            raise ValueError(f"tile sizes must be >= 1, got {block_q} x {block_k}")
+        self.seqlen_q, self.seqlen_k = int(seqlen_q), int(seqlen_k)
+        self.block_q, self.block_k = int(block_q), int(block_k)
+        self.left, self.right, self.block_mask = left, right, block_mask
+        self.len_q = np.atleast_1d(np.asarray(self.seqlen_q if len_q is None else len_q, dtype=np.int64))
+        self.len_k = np.atleast_1d(np.asarray(self.seqlen_k if len_k is None else len_k, dtype=np.int64))
+        self.n_q, self.n_k = cdiv(self.seqlen_q, self.block_q), cdiv(self.seqlen_k, self.block_k)
+        if self.len_q.size == 0:  # no sequence at all: nothing to visit
+            self.len_q = self.len_k = np.zeros(1, dtype=np.int64)
+        i0 = np.arange(self.n_q, dtype=np.int64)[:, None] * self.block_q
+        lo, hi, a, b = _seen_columns(i0, np.minimum(i0 + self.block_q, self.seqlen_q),
+                                     self.len_q, self.len_k, left, right)
+        live = hi > lo
+        bk = self.block_k
+        # hull of the key tiles some sequence sees
+        self.lo = np.where(live, lo, np.iinfo(np.int64).max).min(axis=1) // bk
+        self.hi = cdiv(np.where(live, hi, 0).max(axis=1), bk)
+        self.hi = np.maximum(self.hi, np.minimum(self.lo, self.n_k))
+        self.lo = np.minimum(self.lo, self.hi)
+        # key tiles inside [a, b) in every sequence: k0 >= a and k1 <= b (k1 clipped to seqlen_k)
+        f_lo = cdiv(a.max(axis=1), bk)
+        b_min = b.min(axis=1)
+        f_hi = np.where(b_min >= self.seqlen_k, self.n_k, b_min // bk)
+        ok = (b > a).all(axis=1) & (f_hi > f_lo)
+        self.full_lo = np.where(ok, f_lo, 0)
+        self.full_hi = np.where(ok, f_hi, 0)
+        self._seq_lo, self._seq_hi = lo, hi  # (n_q, B): kept only while small (see _seq_intervals)
+        if lo.size > 4 * self.n_q:
+            self._seq_lo = self._seq_hi = None
+        self._grid = None
+        if block_mask is not None:
+            kept, full = classify_grid(block_mask.grid, block_mask.block, self.block_q, self.block_k,
+                                       self.seqlen_q, self.seqlen_k)
+            self._grid = (kept.any(axis=(0, 1)), full.all(axis=(0, 1)))
+
+    @classmethod
+    def for_problem(cls, problem, block_q: int, block_k: int) -> "Schedule":
+        len_q, len_k = problem.lengths
+        return cls(problem.seqlen_q, problem.seqlen_k, block_q, block_k, len_q=len_q, len_k=len_k,
+                   left=problem.window_left, right=problem.window_right, block_mask=problem.block_mask)
+
+    # ---------------------------------------------------------------- per tile
+    def _extent(self, i, t):
+        i0, k0 = i * self.block_q, t * self.block_k
+        return i0, min(i0 + self.block_q, self.seqlen_q), k0, min(k0 + self.block_k, self.seqlen_k)
+
+    def _seq_intervals(self, rows):
+        """Per query tile in ``rows`` and sequence: the key interval ``[lo, hi)`` some row sees."""
+        if self._seq_lo is not None:
+            return self._seq_lo[rows], self._seq_hi[rows]
+        i0 = np.asarray(rows, dtype=np.int64)[:, None] * self.block_q
+        lo, hi, _, _ = _seen_columns(i0, np.minimum(i0 + self.block_q, self.seqlen_q),
+                                     self.len_q, self.len_k, self.left, self.right)
+        return lo, hi
+
+    def _kept(self, rows, ts):
+        """Whether some sequence sees an element of tile ``(rows[n], ts[n])`` (pairs inside the hull)."""
+        rows, ts = np.asarray(rows), np.asarray(ts)
+        if len(self.len_q) == 1 or rows.size == 0:
+            return np.ones(rows.shape, dtype=bool)  # one sequence: the hull is exact
+        lo, hi = self._seq_intervals(rows)
+        k0 = ts[:, None] * self.block_k
+        k1 = np.minimum(k0 + self.block_k, self.seqlen_k)
+        return ((k0 < hi) & (k1 > lo) & (hi > lo)).any(axis=1)
+
+    def row_tiles(self, i: int):
+        """Key tile indices of query tile ``i`` and whether each is full: two arrays."""
+        ts = np.arange(self.lo[i], self.hi[i])
+        full = (ts >= self.full_lo[i]) & (ts < self.full_hi[i])
+        kept = full.copy()
+        kept[~full] = self._kept(np.full(int((~full).sum()), i), ts[~full])
+        if self._grid is not None:
+            g_kept, g_full = self._grid
+            kept &= g_kept[i, ts]
+            full &= g_full[i, ts]
+        return ts[kept], full[kept]
+
+    def row(self, i: int) -> Iterator[Tile]:
+        """The tiles of query tile ``i``, in key order (FA2's forward inner loop)."""
+        ts, full = self.row_tiles(i)
+        for t, f in zip(ts.tolist(), full.tolist()):
+            yield Tile(*self._extent(i, t), f)
+
+    def rows(self) -> Iterator[tuple[int, Iterator[Tile]]]:
+        """``(i, tiles)`` for every query tile that visits at least one key tile."""
+        for i in np.nonzero(self.hi > self.lo)[0].tolist():
+            yield i, self.row(i)
+
+    def column_tiles(self, t: int):
+        """Query tile indices that visit key tile ``t`` and whether each tile is full."""
+        rows = np.nonzero((self.lo <= t) & (t < self.hi))[0]
+        full = (self.full_lo[rows] <= t) & (t < self.full_hi[rows])
+        kept = full.copy()
+        kept[~full] = self._kept(rows[~full], np.full(int((~full).sum()), t))
+        if self._grid is not None:
+            g_kept, g_full = self._grid
+            kept &= g_kept[rows, t]
+            full &= g_full[rows, t]
+        return rows[kept], full[kept]
+
+    def column(self, t: int) -> Iterator[Tile]:
+        """The tiles of key tile ``t``, in query order (FA2's backward inner loop)."""
+        rows, full = self.column_tiles(t)
+        for i, f in zip(rows.tolist(), full.tolist()):
+            yield Tile(*self._extent(i, t), f)
+
+    def columns(self) -> Iterator[tuple[int, Iterator[Tile]]]:
+        """``(t, tiles)`` for every key tile that some query tile visits."""
+        for t in range(self.n_k):
+            if ((self.lo <= t) & (t < self.hi)).any():
+                yield t, self.column(t)
+
+    # ---------------------------------------------------------------- totals
+    def counts(self) -> tuple[int, int]:
+        """``(visited, full)`` numbers of tiles, computed from the ranges (no loop over tiles).
+
+        With a BlockMask the tile grid is classified once, O(n_q · n_k) booleans: the mask's own
+        grid is of that size already.
+        """
+        if self._grid is not None:
+            kept, full = self.kept_grid(), self.full_grid()
+            return int(kept.sum()), int(full.sum())
+        full = int(np.maximum(self.full_hi - self.full_lo, 0).sum())
+        if len(self.len_q) == 1:
+            return int((self.hi - self.lo).sum()), full
+        # several sequences: the union of their tile intervals, per query tile
+        i0 = np.arange(self.n_q, dtype=np.int64)[:, None] * self.block_q
+        lo, hi, _, _ = _seen_columns(i0, np.minimum(i0 + self.block_q, self.seqlen_q),
+                                     self.len_q, self.len_k, self.left, self.right)
+        t_lo = lo // self.block_k
+        t_hi = np.where(hi > lo, cdiv(hi, self.block_k), t_lo)
+        return int(_union_length(t_lo, t_hi).sum()), full
+
+    def row_ranges(self):
+        """``(lo, hi)``: per query tile, the half-open range of key tiles visited (without a
+        BlockMask and with one sequence, exactly the visited tiles)."""
+        return self.lo.copy(), self.hi.copy()
+
+    def _band_grid(self, lo_attr, hi_attr):
+        t = np.arange(self.n_k)
+        return (t >= getattr(self, lo_attr)[:, None]) & (t < getattr(self, hi_attr)[:, None])
+
+    def kept_grid(self):
+        """Boolean ``(n_q, n_k)`` of visited tiles (dense: for BlockMask construction, the IO model
+        and kernels' tile lists; O(n_q · n_k))."""
+        if len(self.len_q) == 1:
+            keep = self._band_grid("lo", "hi")
+            return keep if self._grid is None else keep & self._grid[0]
+        keep = np.zeros((self.n_q, self.n_k), dtype=bool)
+        for i in range(self.n_q):
+            keep[i, self.row_tiles(i)[0]] = True
+        return keep
+
+    def full_grid(self):
+        """Boolean ``(n_q, n_k)`` of full tiles (see the module docstring)."""
+        full = self._band_grid("full_lo", "full_hi")
+        if self._grid is not None:
+            full &= self._grid[1]
+        return full
+
+    # ---------------------------------------------------------------- element masks
+    def element_mask(self, tile: Tile, batch=None, heads=None):
+        """Boolean ``(B|len(batch), Hm|1, i1-i0, k1-k0)`` visibility inside a tile.
+
+        ``batch``: indices of the sequences wanted (default all); ``heads``: indices of the query
+        heads wanted, used only when the BlockMask has one grid per head.
+        """
+        i = np.arange(tile.i0, tile.i1)[None, None, :, None]
+        j = np.arange(tile.k0, tile.k1)[None, None, None, :]
+        len_q, len_k = self.len_q, self.len_k
+        if batch is not None and len(len_q) > 1:
+            len_q, len_k = len_q[batch], len_k[batch]
+        keep = visible(i, j, len_q[:, None, None, None], len_k[:, None, None, None], self.left, self.right)
+        bm = self.block_mask
+        if bm is not None:
+            bq, bk = bm.block
+            grid = bm.grid
+            if batch is not None and grid.shape[0] > 1:
+                grid = grid[batch]
+            if heads is not None and grid.shape[1] > 1:
+                grid = grid[:, heads]
+            rows = np.arange(tile.i0, tile.i1) // bq
+            cols = np.arange(tile.k0, tile.k1) // bk
+            keep = keep & grid[:, :, rows][:, :, :, cols]
+        return keep
+
+
+def band_grid(seqlen_q: int, seqlen_k: int, block_q: int, block_k: int, left=None, right=None):
+    """Boolean ``(n_q, n_k)``: tiles of one sequence that contain an element visible under the
+    ``(left, right)`` band (all True without one). ``BlockMask.causal``/``sliding_window`` and the
+    IO model use it."""
+    return Schedule(seqlen_q, seqlen_k, block_q, block_k, left=left, right=right).kept_grid()

@@ -1,0 +1,149 @@
+"""The NumPy backend is bitwise reproducible and leaves the process's BLAS as it found it.
+
+Bitwise the same for any ``CUFLASH_NUM_THREADS``, any BLAS thread count the user has set, and any
+number of threads calling it at once; forward and backward, with and without dropout. After every
+call the BLAS thread count is what it was before.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.backends._blas import blas_threads, single_threaded
+
+threadpoolctl = pytest.importorskip("threadpoolctl")
+
+#: Ragged tiles on purpose: a product whose inner dimension is not a multiple of the BLAS's
+#: blocking is where OpenBLAS's result depends on its thread count (1000 x 1000 x 64 float32
+#: differs in ~48k elements between 1 and 2 threads).
+SHAPE_Q, SHAPE_K = (2, 1000, 4, 64), (2, 1000, 2, 64)
+CASES = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window_seqlens": dict(window=(300, 40), seqlens_q=np.array([1000, 700]), seqlens_k=np.array([900, 1000])),
+    "dropout": dict(causal=True, dropout_p=0.25, seed=1234),
+}
+
+
+def _inputs(dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(s).astype(dtype) for s in (SHAPE_Q, SHAPE_K, SHAPE_K, SHAPE_Q)]
+
+
+def _run(q, k, v, do, options):
+    out, lse = cuflash.attention(q, k, v, return_lse=True, backend="numpy", **options)
+    return (out, lse) + tuple(cuflash.attention_backward(do, q, k, v, out, lse, backend="numpy", **options))
+
+
+def _assert_same(a, b, what):
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), a, b):
+        assert np.array_equal(x, y, equal_nan=True), \
+            f"{name} differs ({what}): {int((x != y).sum())} of {x.size} elements"
+
+
+@pytest.fixture
+def restore_blas():
+    with threadpoolctl.threadpool_limits(limits=None):  # whatever a test sets is undone after it
+        yield
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bitwise_across_worker_threads(monkeypatch, name):
+    q, k, v, do = _inputs()
+    results = {}
+    for threads in (1, 2, 3, 4):
+        monkeypatch.setenv("CUFLASH_NUM_THREADS", str(threads))
+        results[threads] = _run(q, k, v, do, CASES[name])
+    for threads in (2, 3, 4):
+        _assert_same(results[1], results[threads], f"CUFLASH_NUM_THREADS=1 vs {threads}")
+
+
+@pytest.mark.parametrize("name", ["plain", "dropout"])
+def test_bitwise_across_user_blas_settings(monkeypatch, restore_blas, name):
+    q, k, v, do = _inputs()
+    results = []
+    for blas in (1, 2, 4):
+        threadpoolctl.threadpool_limits(limits=blas, user_api="blas")
+        for threads in (1, 2):
+            monkeypatch.setenv("CUFLASH_NUM_THREADS", str(threads))
+            results.append((blas, threads, _run(q, k, v, do, CASES[name])))
+    for blas, threads, r in results[1:]:
+        _assert_same(results[0][2], r, f"BLAS threads 1 vs {blas}, workers 1 vs {threads}")
+
+
+@pytest.mark.parametrize("name", ["causal", "dropout"])
+def test_bitwise_with_concurrent_callers(restore_blas, name):
+    """Eight threads calling at once (through a barrier) get the single caller's bits, and the
+    process's BLAS setting survives them."""
+    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
+    before = blas_threads()
+    q, k, v, do = _inputs()
+    alone = _run(q, k, v, do, CASES[name])
+    barrier = threading.Barrier(8)
+    results, errors = [None] * 8, []
+
+    def call(n):
+        try:
+            barrier.wait()
+            results[n] = _run(q, k, v, do, CASES[name])
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    workers = [threading.Thread(target=call, args=(n,)) for n in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+    for n, r in enumerate(results):
+        _assert_same(alone, r, f"concurrent caller {n}")
+    assert blas_threads() == before
+
+
+@pytest.mark.parametrize("setting", [1, 2, 3])
+def test_blas_setting_restored_after_every_call(restore_blas, setting):
+    threadpoolctl.threadpool_limits(limits=setting, user_api="blas")
+    before = blas_threads()
+    assert before and all(n == setting for n in before), "no BLAS found to control"
+    q, k, v, do = _inputs()
+    for options in CASES.values():
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+        assert blas_threads() == before
+        cuflash.attention_backward(do, q, k, v, out, lse, **options)
+        assert blas_threads() == before
+    # a user's product afterwards runs with the user's setting
+    info = [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
+    assert all(n == setting for n in info)
+
+
+def test_single_threaded_nests_across_threads(restore_blas):
+    """Overlapping uses from two threads: BLAS stays at one thread until the last leaves, then
+    the saved setting comes back (per-thread save/restore would leave the process at 1)."""
+    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
+    entered, release = threading.Event(), threading.Event()
+
+    def other():
+        with single_threaded():
+            entered.set()
+            release.wait()
+
+    t = threading.Thread(target=other)
+    t.start()
+    entered.wait()
+    with single_threaded():
+        assert blas_threads() == [1] * len(blas_threads())
+    assert blas_threads() == [1] * len(blas_threads())  # the other thread is still inside
+    release.set()
+    t.join()
+    assert blas_threads() == [2] * len(blas_threads())
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5", ""])
+def test_bad_num_threads_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("CUFLASH_NUM_THREADS", raw)
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="CUFLASH_NUM_THREADS"):
+        cuflash.attention(q[:, :10], k[:, :10], v[:, :10])

@@ -1,0 +1,147 @@
+"""The tile schedule (cuflash.tiling) against brute force from the visibility rule, and its cost."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cuflash import BlockMask
+from cuflash.problem import key_range, make_problem, visible
+from cuflash.tiling import Schedule, band_grid, classify_grid
+
+N_EXAMPLES = settings.default.max_examples
+
+
+def _reference(problem, bq, bk):
+    """Brute force: (kept, full) per tile from the dense visibility rule and the dense BlockMask."""
+    len_q, len_k = problem.lengths
+    sq, sk = problem.seqlen_q, problem.seqlen_k
+    i = np.arange(sq)[None, :, None]
+    j = np.arange(sk)[None, None, :]
+    band = visible(i, j, len_q[:, None, None], len_k[:, None, None], problem.window_left, problem.window_right)
+    dense = problem.visible_mask()  # band and BlockMask, (B, Hm|1, Sq, Sk)
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    kept, full = np.zeros((nq, nk), bool), np.zeros((nq, nk), bool)
+    for a in range(nq):
+        for b in range(nk):
+            rows, cols = slice(a * bq, (a + 1) * bq), slice(b * bk, (b + 1) * bk)
+            kept[a, b] = band[:, rows, cols].any()
+            if problem.block_mask is not None:
+                kept[a, b] &= problem.block_mask.to_dense(sq, sk)[:, :, rows, cols].any()
+            full[a, b] = dense[:, :, rows, cols].all()
+    return kept, full
+
+
+@st.composite
+def problems(draw):
+    sq, sk = draw(st.integers(1, 70)), draw(st.integers(1, 70))
+    batch = draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = np.zeros((batch, sq, 2, 1), np.float32)
+    k = np.zeros((batch, sk, 1, 1), np.float32)
+    opts = {}
+    if draw(st.booleans()):
+        opts["causal"] = True
+    if draw(st.booleans()):
+        side = st.one_of(st.none(), st.integers(0, 80))
+        opts["window"] = (draw(side), draw(side))
+    if draw(st.booleans()):
+        opts["seqlens_q"] = rng.integers(0, sq + 1, batch).astype(np.int32)
+        opts["seqlens_k"] = rng.integers(0, sk + 1, batch).astype(np.int32)
+    if draw(st.booleans()):
+        mb = (draw(st.sampled_from([4, 8, 16])), draw(st.sampled_from([4, 8, 16])))
+        shape = (draw(st.sampled_from([1, batch])), draw(st.sampled_from([1, 2])), -(-sq // mb[0]), -(-sk // mb[1]))
+        opts["block_mask"] = BlockMask(rng.random(shape) < draw(st.floats(0.1, 1.0)), block=mb,
+                                       seqlen_q=sq, seqlen_k=sk)
+    tiles = (draw(st.sampled_from([1, 3, 8, 16, 33])), draw(st.sampled_from([1, 5, 8, 16, 40])))
+    return make_problem(q, k, k, **opts), tiles
+
+
+@settings(max_examples=max(20, N_EXAMPLES))
+@given(problems())
+def test_schedule_matches_brute_force(drawn):
+    problem, (bq, bk) = drawn
+    sched = Schedule.for_problem(problem, bq, bk)
+    kept, full = _reference(problem, bq, bk)
+    # by query tile (the forward) and by key tile (the backward): the same tiles, once each
+    by_row = {(t.i0 // bq, t.k0 // bk): t for _, tiles in sched.rows() for t in tiles}
+    by_col = {(t.i0 // bq, t.k0 // bk): t for _, tiles in sched.columns() for t in tiles}
+    assert by_row == by_col
+    got_kept = np.zeros_like(kept)
+    got_full = np.zeros_like(full)
+    for (a, b), t in by_row.items():
+        got_kept[a, b], got_full[a, b] = True, t.full
+        assert (t.i0, t.i1, t.k0, t.k1) == (a * bq, min((a + 1) * bq, problem.seqlen_q),
+                                            b * bk, min((b + 1) * bk, problem.seqlen_k))
+    np.testing.assert_array_equal(got_kept, kept)
+    np.testing.assert_array_equal(got_full, full)
+    np.testing.assert_array_equal(sched.kept_grid(), kept)
+    np.testing.assert_array_equal(sched.full_grid(), full)
+    assert sched.counts() == (int(kept.sum()), int(full.sum()))
+    # a partial tile's element mask is the dense rule restricted to it
+    dense = problem.visible_mask()
+    for t in list(by_row.values())[:5]:
+        np.testing.assert_array_equal(np.broadcast_to(sched.element_mask(t), dense[:, :, t.i0:t.i1, t.k0:t.k1].shape),
+                                      dense[:, :, t.i0:t.i1, t.k0:t.k1])
+
+
+@settings(max_examples=max(20, N_EXAMPLES))
+@given(st.integers(1, 300), st.integers(1, 300), st.one_of(st.none(), st.integers(0, 300)),
+       st.one_of(st.none(), st.integers(0, 300)), st.integers(1, 40),
+       st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1, max_size=3))
+def test_seen_columns_is_key_range(sq, sk, left, right, bq, lengths):
+    """The schedule's hull per query tile is key_range's, tile by tile."""
+    len_q = np.array([min(a, sq) for a, _ in lengths])
+    len_k = np.array([min(b, sk) for _, b in lengths])
+    sched = Schedule(sq, sk, bq, 1, len_q=len_q, len_k=len_k, left=left, right=right)
+    for i in range(sched.n_q):
+        lo, hi = key_range(i * bq, min((i + 1) * bq, sq), len_q, len_k, left, right)
+        assert (sched.lo[i], sched.hi[i]) == ((lo, hi) if hi > lo else (sched.lo[i], sched.lo[i]))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_schedule_at_one_million_is_lazy(causal):
+    """N = 1M: the schedule holds a few integers per query tile (not 7.6M tile objects), yields its
+    first tile straight away, and counts its tiles without visiting them."""
+    n, bq, bk = 1 << 20, 256, 512
+    sched = Schedule(n, n, bq, bk, right=0 if causal else None)
+    held = sum(a.nbytes for a in (sched.lo, sched.hi, sched.full_lo, sched.full_hi))
+    assert held <= 4 * 8 * sched.n_q
+    assert sum(sys.getsizeof(v) for v in vars(sched).values()) < 64 * sched.n_q + 10_000
+    _, first = next(sched.rows())
+    tile = next(first)
+    assert (tile.i0, tile.i1, tile.k0, tile.k1) == (0, bq, 0, bk)
+    last = next(sched.column(sched.n_k - 1))  # the backward's view, as lazily
+    assert (last.k0, last.k1) == (n - bk, n)
+    nq, nk = n // bq, n // bk
+    visited, full = sched.counts()
+    if causal:
+        # query tile i sees key tiles 0 .. floor((i+1)*bq - 1) / bk); the diagonal ones are partial
+        expect = sum((((i + 1) * bq - 1) // bk) + 1 for i in range(nq))
+        assert visited == expect and full == expect - nq
+    else:
+        assert visited == full == nq * nk
+
+
+def test_classify_grid_matches_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        sq, sk = rng.integers(1, 90, 2)
+        mb = tuple(int(x) for x in rng.choice([4, 8, 16], 2))
+        grid = rng.random((2, 1, -(-sq // mb[0]), -(-sk // mb[1]))) < 0.6
+        bq, bk = (int(x) for x in rng.choice([3, 8, 16, 32], 2))
+        kept, full = classify_grid(grid, mb, bq, bk, sq, sk)
+        dense = BlockMask(grid, block=mb, seqlen_q=sq, seqlen_k=sk).to_dense()
+        for a in range(kept.shape[2]):
+            for b in range(kept.shape[3]):
+                cell = dense[:, :, a * bq:(a + 1) * bq, b * bk:(b + 1) * bk]
+                np.testing.assert_array_equal(kept[:, :, a, b], cell.any(axis=(-2, -1)))
+                np.testing.assert_array_equal(full[:, :, a, b], cell.all(axis=(-2, -1)))
+
+
+def test_band_grid_is_blockmask_rule():
+    np.testing.assert_array_equal(band_grid(64, 64, 16, 16, None, 0), np.tri(4, dtype=bool))
+    np.testing.assert_array_equal(BlockMask.causal(64, block=(16, 16)).grid[0, 0], band_grid(64, 64, 16, 16, None, 0))
