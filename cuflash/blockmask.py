@@ -1,17 +1,36 @@
-"""Block-sparse masks (FlashAttention, Algorithm 5): a boolean grid of (query block, key block).
+"""Element-exact masks with a block structure: skipping at block cost (FlexAttention's BlockMask, FA1 Algorithm 5).
 
-A False block is never computed: its scores count as -inf. The grid has shape
-``(batch|1, heads|1, ceil(Sq/block_q), ceil(Sk/block_k))`` where ``batch`` is the product of the
-batch dimensions. Kernels consume it as sorted int32 lists of kept key blocks per query block
-(:meth:`BlockMask.kv_lists`) and, for the backward, kept query blocks per key block
-(:meth:`BlockMask.q_lists`).
+A :class:`BlockMask` keeps two things:
+
+- the state of every (query block, key block): **skipped** (no element kept: never computed),
+  **full** (every element kept: no element test) or **partial** (elements tested one by one);
+- the element rule of its partial blocks: an expression of the modifier language
+  (:mod:`cuflash.mods`: ``b, h, q_idx, kv_idx`` and operand arrays), compiled into the kernels,
+  evaluated vectorized by the NumPy backend and the reference.
+
+Every named constructor means exactly its name: ``causal``, ``sliding_window``, ``document``,
+``prefix_lm``, ``from_dense`` (packed bits for partial blocks only), ``from_mask_mod`` (any mask
+expression, classified block by block once). ``from_blocks`` (and ``BlockMask(grid)``) is FA1's
+block-sparse attention, whole blocks on or off; ``global_local`` and ``strided`` are defined in
+blocks (their parameters count blocks) and are block-sparse too. Masks combine with ``&`` and ``|``.
+The grid has shape ``(batch|1, heads|1, ceil(Sq/block_q), ceil(Sk/block_k))``, ``batch`` the product
+of the batch dimensions. Alignment: a BlockMask is built for its own ``seqlen_q``/``seqlen_k`` (causal
+and windows bottom-right at those lengths); per-sequence lengths (``seqlens_q/k``) cut rows and keys
+but do not move a BlockMask's diagonal (``causal=``/``window=`` do follow them).
 """
 from __future__ import annotations
 
+import itertools
+import numbers
+from typing import Optional
+
 import numpy as np
 
+from . import mods
 
 DEFAULT_BLOCK = (128, 128)
+SKIP, PARTIAL, FULL = 0, 1, 2
+_ids = itertools.count()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -20,170 +39,350 @@ def _cdiv(a: int, b: int) -> int:
 
 def _check_block(block):
     if (not isinstance(block, (tuple, list)) or len(block) != 2
-            or not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in block)):
+            or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) and b > 0 for b in block)):
         raise ValueError(f"block must be a pair (block_q, block_k) of positive ints, got {block!r}")
     return int(block[0]), int(block[1])
 
 
-class BlockMask:
-    """A boolean grid over (query block, key block) pairs; False blocks are skipped.
+def _frozen(a):
+    a.setflags(write=False)
+    return a
 
-    Parameters
+
+def _check_length(x, name) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {x!r}")
+    return int(x)
+
+
+def _lengths(seqlen_q, seqlen_k):
+    sq = _check_length(seqlen_q, "seqlen_q")
+    return sq, sq if seqlen_k is None else _check_length(seqlen_k, "seqlen_k")
+
+
+def _check_count(x, name, low=0) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {x!r}")
+    return int(x)
+
+
+class BlockMask:
+    """A mask of (query, key) pairs with a block structure; see the module docstring.
+
+    ``BlockMask(grid, block=..., seqlen_q=..., seqlen_k=...)`` with a boolean ``grid`` of shape
+    ``(nq, nk)``, ``(heads|1, nq, nk)`` or ``(batch|1, heads|1, nq, nk)`` is FA1's block-sparse mask
+    (:meth:`from_blocks`): a True block keeps all of its elements.
+
+    Attributes
     ----------
-    grid : array_like of bool, shape ``(nq, nk)``, ``(heads|1, nq, nk)`` or ``(batch|1, heads|1, nq, nk)``
-        ``grid[b, h, i, j]`` keeps query block ``i`` with key block ``j`` for sequence ``b``, head ``h``.
+    states : int8 array ``(batch|1, heads|1, nq, nk)``
+        0 skipped, 1 partial, 2 full.
     block : (int, int)
-        Rows per query block and columns per key block.
-    seqlen_q, seqlen_k : int, optional
-        The sequence lengths the grid was built for (used by :meth:`to_dense`); default
-        ``nq * block_q`` and ``nk * block_k``.
+    seqlen_q, seqlen_k : int
+    member : cuflash.mods.Expr
+        Whether element ``(b, h, q_idx, kv_idx)`` is kept (reads the states and the rule's operands).
+    values : dict
+        The operands ``member`` reads (host arrays; names unique to this mask).
     """
 
     def __init__(self, grid, *, block=DEFAULT_BLOCK, seqlen_q=None, seqlen_k=None):
         grid = np.asarray(grid)
         if grid.dtype != np.bool_:
             raise TypeError(f"grid must be a boolean array, got dtype {grid.dtype}")
-        grid = grid.copy()  # the mask is a value: later changes to the caller's array must not leak in
-        if not 2 <= grid.ndim <= 4:
-            raise ValueError(f"grid must have shape (batch|1, heads|1, n_q_blocks, n_k_blocks), got {grid.shape}")
-        self.grid = grid.reshape((1,) * (4 - grid.ndim) + grid.shape)
-        self.grid.setflags(write=False)
-        self.block = _check_block(block)
-        nq, nk = self.grid.shape[2:]
-        self.seqlen_q = nq * self.block[0] if seqlen_q is None else int(seqlen_q)
-        self.seqlen_k = nk * self.block[1] if seqlen_k is None else int(seqlen_k)
-        if _cdiv(self.seqlen_q, self.block[0]) != nq or _cdiv(self.seqlen_k, self.block[1]) != nk:
-            raise ValueError(f"grid {self.grid.shape[2:]} does not cover seqlen_q={self.seqlen_q}, "
-                             f"seqlen_k={self.seqlen_k} in blocks of {self.block}")
+        self._init(np.where(grid, FULL, SKIP).astype(np.int8), block, seqlen_q, seqlen_k, None, {})
 
-    # ---------------------------------------------------------------- constructors
+    def _init(self, states, block, seqlen_q, seqlen_k, rule: Optional[mods.Expr], values: dict,
+              member: Optional[mods.Expr] = None):
+        if not 2 <= states.ndim <= 4:
+            raise ValueError(f"grid must have shape (batch|1, heads|1, n_q_blocks, n_k_blocks), got {states.shape}")
+        self.states = np.array(states.reshape((1,) * (4 - states.ndim) + states.shape), dtype=np.int8)
+        self.states.setflags(write=False)  # the mask is a value: the caller's array is copied, and this one frozen
+        self.block = _check_block(block)
+        nq, nk = self.states.shape[2:]
+        self.seqlen_q = nq * self.block[0] if seqlen_q is None else _check_length(seqlen_q, "seqlen_q")
+        self.seqlen_k = nk * self.block[1] if seqlen_k is None else _check_length(seqlen_k, "seqlen_k")
+        if _cdiv(self.seqlen_q, self.block[0]) != nq or _cdiv(self.seqlen_k, self.block[1]) != nk:
+            raise ValueError(f"grid {self.states.shape[2:]} does not cover seqlen_q={self.seqlen_q}, "
+                             f"seqlen_k={self.seqlen_k} in blocks of {self.block}")
+        if member is None:
+            grid_name = f"cuflash_m{next(_ids)}_states"
+            values = {**values, grid_name: self.states}
+            member = mods.grid_member(grid_name, self.states.shape, self.block, rule)
+        self.member, self.values = member, values
+
     @classmethod
-    def from_grid(cls, grid, *, block=DEFAULT_BLOCK, seqlen_q=None, seqlen_k=None):
-        """Wrap an explicit boolean grid (see the class docstring for its shape)."""
+    def _make(cls, states, block, seqlen_q, seqlen_k, rule=None, values=None, member=None) -> "BlockMask":
+        mask = cls.__new__(cls)
+        mask._init(states, block, seqlen_q, seqlen_k, rule, values or {}, member)
+        return mask
+
+    # ---------------------------------------------------------------- block-sparse (FA1 Algorithm 5)
+    @classmethod
+    def from_blocks(cls, grid, *, block=DEFAULT_BLOCK, seqlen_q=None, seqlen_k=None):
+        """FA1's block-sparse attention: a True block keeps all of its elements, a False one none."""
         return cls(grid, block=block, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
 
-    @classmethod
-    def from_dense(cls, mask, *, block=DEFAULT_BLOCK):
-        """Coarsen an element mask ``(..., Sq, Sk)``: a block is kept if ANY of its elements is True.
-
-        Pass the same dense mask's element rule to the kernel only through ``causal``/``window``:
-        a BlockMask keeps whole blocks, so a partially True block attends to all its elements.
-        """
-        mask = np.asarray(mask)
-        if mask.dtype != np.bool_ or not 2 <= mask.ndim <= 4:
-            raise ValueError(f"mask must be a boolean array (batch|1, heads|1, Sq, Sk), got {mask.dtype} {mask.shape}")
-        bq, bk = _check_block(block)
-        sq, sk = mask.shape[-2:]
-        nq, nk = _cdiv(sq, bq), _cdiv(sk, bk)
-        padded = np.zeros(mask.shape[:-2] + (nq * bq, nk * bk), dtype=bool)
-        padded[..., :sq, :sk] = mask
-        grid = padded.reshape(mask.shape[:-2] + (nq, bq, nk, bk)).any(axis=(-3, -1))
-        return cls(grid, block=(bq, bk), seqlen_q=sq, seqlen_k=sk)
-
-    @classmethod
-    def _from_rule(cls, seqlen_q, seqlen_k, block, left, right):
-        """Blocks that contain at least one element visible under the (left, right) diagonal band."""
-        from .tiling import band_grid  # tiling imports this module
-
-        bq, bk = _check_block(block)
-        keep = band_grid(seqlen_q, seqlen_k, bq, bk, left, right)
-        return cls(keep, block=(bq, bk), seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-
-    @classmethod
-    def causal(cls, seqlen_q, seqlen_k=None, *, block=DEFAULT_BLOCK):
-        """Blocks on or below the bottom-right aligned causal diagonal."""
-        return cls._from_rule(seqlen_q, seqlen_q if seqlen_k is None else seqlen_k, block, None, 0)
-
-    @classmethod
-    def sliding_window(cls, seqlen_q, seqlen_k=None, *, window, block=DEFAULT_BLOCK):
-        """Blocks that meet the band ``window=(left, right)`` (elements, ``None`` unbounded)."""
-        left, right = window
-        return cls._from_rule(seqlen_q, seqlen_q if seqlen_k is None else seqlen_k, block, left, right)
+    from_grid = from_blocks  # the name of earlier versions
 
     @classmethod
     def global_local(cls, seqlen_q, seqlen_k=None, *, global_blocks=1, local_blocks=1, block=DEFAULT_BLOCK):
-        """BigBird/Longformer style: the first ``global_blocks`` query rows and key columns are
-        dense, and every query block sees key blocks within ``local_blocks`` of its diagonal."""
-        seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
-        bq, bk = _check_block(block)
-        nq, nk = _cdiv(seqlen_q, bq), _cdiv(seqlen_k, bk)
-        qi, kj = np.arange(nq)[:, None], np.arange(nk)[None, :]
-        keep = (np.abs(qi - kj) <= local_blocks) | (qi < global_blocks) | (kj < global_blocks)
-        return cls(keep, block=(bq, bk), seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        """BigBird/Longformer style, in blocks: the first ``global_blocks`` query and key blocks are dense, and
+        every query block sees the key blocks within ``local_blocks`` of its diagonal."""
+        sq, sk = _lengths(seqlen_q, seqlen_k)
+        g = _check_count(global_blocks, "global_blocks")
+        w = _check_count(local_blocks, "local_blocks")
+        qi, kj = cls._block_indices(sq, sk, block)
+        return cls((np.abs(qi - kj) <= w) | (qi < g) | (kj < g), block=block, seqlen_q=sq, seqlen_k=sk)
 
     @classmethod
     def strided(cls, seqlen_q, seqlen_k=None, *, stride, local_blocks=0, block=DEFAULT_BLOCK):
-        """Sparse-Transformer style: query block ``i`` sees key block ``j`` when
+        """Sparse-Transformer style, in blocks: query block ``i`` sees key block ``j`` when
         ``i % stride == j % stride``, plus the band ``|i - j| <= local_blocks``."""
-        if stride < 1:
-            raise ValueError(f"stride must be >= 1, got {stride}")
-        seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+        sq, sk = _lengths(seqlen_q, seqlen_k)
+        stride = _check_count(stride, "stride", 1)
+        w = _check_count(local_blocks, "local_blocks")
+        qi, kj = cls._block_indices(sq, sk, block)
+        return cls((qi % stride == kj % stride) | (np.abs(qi - kj) <= w), block=block, seqlen_q=sq, seqlen_k=sk)
+
+    @staticmethod
+    def _block_indices(sq, sk, block):
         bq, bk = _check_block(block)
-        nq, nk = _cdiv(seqlen_q, bq), _cdiv(seqlen_k, bk)
-        qi, kj = np.arange(nq)[:, None], np.arange(nk)[None, :]
-        keep = (qi % stride == kj % stride) | (np.abs(qi - kj) <= local_blocks)
-        return cls(keep, block=(bq, bk), seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        return np.arange(_cdiv(sq, bq))[:, None], np.arange(_cdiv(sk, bk))[None, :]
+
+    # ---------------------------------------------------------------- element-exact
+    @classmethod
+    def causal(cls, seqlen_q, seqlen_k=None, *, block=DEFAULT_BLOCK):
+        """Causal, aligned bottom-right at the mask's lengths: ``kv_idx <= q_idx + seqlen_k - seqlen_q``."""
+        return cls.sliding_window(seqlen_q, seqlen_k, window=(None, 0), block=block)
+
+    @classmethod
+    def sliding_window(cls, seqlen_q, seqlen_k=None, *, window, block=DEFAULT_BLOCK):
+        """The band ``q_idx + off - left <= kv_idx <= q_idx + off + right``, ``off = seqlen_k - seqlen_q``
+        (``None`` an unbounded side): exactly ``attention(window=...)`` at these lengths."""
+        from .tiling import Schedule
+
+        sq, sk = _lengths(seqlen_q, seqlen_k)
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+        left, right = (None if w is None else min(_check_count(w, f"window {side}"), sq + sk)
+                       for side, w in zip(("left", "right"), window))
+        bq, bk = _check_block(block)
+        sched = Schedule(sq, sk, bq, bk, left=left, right=right)
+        states = np.where(sched.full_grid(), FULL, np.where(sched.kept_grid(), PARTIAL, SKIP)).astype(np.int8)
+        conds, values = [], {}
+        name = f"cuflash_m{next(_ids)}_"
+        if left is not None:
+            values[name + "lo"] = sk - sq - left
+            conds.append(f"kv_idx >= q_idx + {name}lo")
+        if right is not None:
+            values[name + "hi"] = sk - sq + right
+            conds.append(f"kv_idx <= q_idx + {name}hi")
+        rule = mods.parse(" and ".join(conds) or "True", kind="mask", arrays=values, internal=True)
+        return cls._make(states, (bq, bk), sq, sk, rule, values)
+
+    @classmethod
+    def prefix_lm(cls, seqlen, prefix_len, *, block=DEFAULT_BLOCK):
+        """Prefix-LM: the first ``prefix_len`` keys are seen by every query (bidirectional prefix), the rest
+        causally: ``kv_idx < prefix_len or kv_idx <= q_idx``."""
+        n = _check_length(seqlen, "seqlen")
+        p = min(_check_length(prefix_len, "prefix_len"), n)
+        return cls.causal(n, block=block) | cls.sliding_window(n, window=(None, None), block=block).columns(0, p)
+
+    def columns(self, start: int, stop: int) -> "BlockMask":
+        """This mask restricted to the key columns ``[start, stop)`` (element-exact)."""
+        a, b = _check_length(start, "start"), _check_length(stop, "stop")
+        bk = self.block[1]
+        col = np.arange(_cdiv(self.seqlen_k, bk))
+        lo, hi = col * bk, np.minimum((col + 1) * bk, self.seqlen_k)
+        inside = (lo >= a) & (hi <= b)
+        touch = (hi > a) & (lo < b)
+        cut = np.where(inside, FULL, np.where(touch, PARTIAL, SKIP)).astype(np.int8)
+        name = f"cuflash_m{next(_ids)}_"
+        values = {name + "a": a, name + "b": b}
+        rule = mods.parse(f"{name}a <= kv_idx < {name}b", kind="mask", arrays=values, internal=True)
+        cols = self._make(np.broadcast_to(cut, self.states.shape[2:]), self.block, self.seqlen_q, self.seqlen_k,
+                          rule, values)
+        return self & cols
+
+    @classmethod
+    def document(cls, doc_ids_q, doc_ids_k=None, *, block=DEFAULT_BLOCK):
+        """Packed sequences: a query attends only to keys of the same document id
+        (``doc_q[q_idx] == doc_k[kv_idx]``, per batch row when the ids are ``(batch, seqlen)``). Combine with
+        ``BlockMask.causal`` by ``&``. Blocks whose id ranges cannot meet are skipped; blocks of one and the
+        same id are full (sorted ids, as packing gives, make almost every block one or the other)."""
+        dq = cls._ids(doc_ids_q, "doc_ids_q")
+        dk = dq if doc_ids_k is None else cls._ids(doc_ids_k, "doc_ids_k")
+        if dq.shape[0] != dk.shape[0]:
+            raise ValueError(f"doc_ids_q and doc_ids_k must have the same batch, got {dq.shape} and {dk.shape}")
+        bq, bk = _check_block(block)
+        (q_lo, q_hi), (k_lo, k_hi) = cls._ranges(dq, bq), cls._ranges(dk, bk)
+        meet = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+        same = (q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
+        states = np.where(same, FULL, np.where(meet, PARTIAL, SKIP)).astype(np.int8)[:, None]
+        name = f"cuflash_m{next(_ids)}_"
+        batch = dq.shape[0] > 1
+        values = {name + "q": dq if batch else dq[0], name + "k": dk if batch else dk[0]}
+        index = "b, " if batch else ""
+        rule = mods.parse(f"{name}q[{index}q_idx] == {name}k[{index}kv_idx]", kind="mask", arrays=values,
+                          internal=True)
+        return cls._make(states, (bq, bk), dq.shape[1], dk.shape[1], rule, values)
+
+    @staticmethod
+    def _ids(ids, name):
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu" or ids.ndim not in (1, 2):
+            raise ValueError(f"{name} must be an integer array (seqlen,) or (batch, seqlen), got {ids.dtype} "
+                             f"{ids.shape}")
+        if ids.size and (ids.min() < -2**31 or ids.max() >= 2**31):
+            raise ValueError(f"{name} must fit in int32")
+        return np.array(ids.reshape((1,) * (2 - ids.ndim) + ids.shape), dtype=np.int32)
+
+    @staticmethod
+    def _ranges(ids, b):
+        """Per batch row and block of ``b`` positions, the min and max id (the tail block padded by repetition)."""
+        n = ids.shape[1]
+        pad = np.pad(ids, ((0, 0), (0, _cdiv(n, b) * b - n)), mode="edge") if n else ids
+        blocks = pad.reshape(ids.shape[0], -1, b)
+        return blocks.min(axis=-1), blocks.max(axis=-1)
+
+    @classmethod
+    def from_dense(cls, mask, *, block=DEFAULT_BLOCK):
+        """Any boolean mask ``(batch|1, heads|1, Sq, Sk)`` (or 2-D / 3-D), exactly: all-True blocks are full,
+        all-False ones skipped, and only the partial blocks keep their elements, as packed bits
+        (memory O(partial blocks × block area / 8), never a copy of the dense mask)."""
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_ or not 2 <= mask.ndim <= 4:
+            raise ValueError(f"mask must be a boolean array (batch|1, heads|1, Sq, Sk), got {mask.dtype} {mask.shape}")
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        bq, bk = _check_block(block)
+        sq, sk = mask.shape[-2:]
+        nq, nk = _cdiv(sq, bq), _cdiv(sk, bk)
+        padded = np.zeros(mask.shape[:2] + (nq * bq, nk * bk), dtype=bool)
+        padded[..., :sq, :sk] = mask
+        blocks = padded.reshape(mask.shape[:2] + (nq, bq, nk, bk)).transpose(0, 1, 2, 4, 3, 5)
+        count = blocks.sum(axis=(-2, -1))
+        rows, cols = np.minimum(bq, sq - np.arange(nq) * bq), np.minimum(bk, sk - np.arange(nk) * bk)
+        area = rows[:, None] * cols[None, :]  # the elements of each block inside the sequences
+        states = np.where(count == area, FULL, np.where(count > 0, PARTIAL, SKIP)).astype(np.int8)
+        partial = states == PARTIAL
+        if not partial.any():  # whole blocks only: the states say everything
+            return cls._make(states, (bq, bk), sq, sk)
+        slot = np.full(states.shape, -1, dtype=np.int32)
+        slot[partial] = np.arange(int(partial.sum()), dtype=np.int32)
+        bits = np.packbits(blocks[partial].reshape(-1, bq * bk), axis=-1, bitorder="little")
+        name = f"cuflash_m{next(_ids)}_"
+        values = {name + "slot": slot, name + "bits": bits.reshape(-1, _cdiv(bq * bk, 8))}
+        rule = mods.dense_bits(name + "slot", name + "bits", slot.shape, (bq, bk))
+        return cls._make(states, (bq, bk), sq, sk, rule, values)
+
+    @classmethod
+    def from_mask_mod(cls, mask_mod: str, *, seqlen_q, seqlen_k=None, batch=1, heads=1, mod_arrays=None,
+                      block=DEFAULT_BLOCK):
+        """Any mask expression of the modifier language (see ``attention(mask_mod=...)``), classified block by
+        block once (FlexAttention's ``create_block_mask``): O(Sq·Sk) evaluations now, in query-block chunks,
+        then skipped blocks cost nothing and full ones no element test. ``batch``/``heads``: 1 when the mask
+        does not read ``b``/``h`` (the grid then broadcasts), else the problem's flattened batch / heads."""
+        sq, sk = _lengths(seqlen_q, seqlen_k)
+        batch, heads = _check_count(batch, "batch", 1), _check_count(heads, "heads", 1)
+        arrays = {n: np.asarray(v) if not isinstance(v, numbers.Number) else v for n, v in (mod_arrays or {}).items()}
+        rule = mods.parse(mask_mod, kind="mask", arrays=arrays, what="mask_mod")
+        rule.check_extents(arrays, {"b": batch, "h": heads, "q_idx": sq, "kv_idx": sk}, "mask_mod")
+        name = f"cuflash_m{next(_ids)}_"  # the operands' names unique to this mask (masks combine)
+        rule = rule.renamed({n: name + n for n in arrays})
+        values = {name + n: v for n, v in arrays.items()}
+        bq, bk = _check_block(block)
+        nq, nk = _cdiv(sq, bq), _cdiv(sk, bk)
+        states = np.zeros((batch, heads, nq, nk), dtype=np.int8)
+        env = dict(b=np.arange(batch).reshape(-1, 1, 1, 1), h=np.arange(heads).reshape(1, -1, 1, 1),
+                   kv_idx=np.arange(sk).reshape(1, 1, 1, -1), q_len=sq, kv_len=sk)
+        for i in range(nq):
+            rows = np.arange(i * bq, min((i + 1) * bq, sq))
+            keep = np.broadcast_to(rule.evaluate(dict(env, q_idx=rows.reshape(1, 1, -1, 1)), values),
+                                   (batch, heads, rows.size, sk))
+            pad = np.zeros((batch, heads, rows.size, nk * bk), dtype=bool)
+            pad[..., :sk] = keep
+            cnt = pad.reshape(batch, heads, rows.size, nk, bk).sum(axis=(2, 4))
+            area = rows.size * np.minimum(bk, sk - np.arange(nk) * bk)
+            states[:, :, i] = np.where(cnt == area, FULL, np.where(cnt > 0, PARTIAL, SKIP))
+        return cls._make(states, (bq, bk), sq, sk, rule, values)
+
+    # ---------------------------------------------------------------- combining
+    def _combine(self, other: "BlockMask", op: str) -> "BlockMask":
+        if not isinstance(other, BlockMask):
+            return NotImplemented
+        if (self.block, self.seqlen_q, self.seqlen_k) != (other.block, other.seqlen_q, other.seqlen_k):
+            raise ValueError(f"masks combine only at the same block and lengths, got {self.block} "
+                             f"{self.seqlen_q}x{self.seqlen_k} and {other.block} {other.seqlen_q}x{other.seqlen_k}")
+        try:
+            a, b = np.broadcast_arrays(self.states, other.states)
+        except ValueError:
+            raise ValueError(f"mask grids {self.states.shape} and {other.states.shape} do not broadcast") from None
+        if op == "and":
+            states = np.where((a == SKIP) | (b == SKIP), SKIP, np.where((a == FULL) & (b == FULL), FULL, PARTIAL))
+        else:
+            states = np.where((a == FULL) | (b == FULL), FULL, np.where((a == SKIP) & (b == SKIP), SKIP, PARTIAL))
+        member = mods.combine(op, self.member, other.member)
+        return self._make(states.astype(np.int8), self.block, self.seqlen_q, self.seqlen_k,
+                          values={**self.values, **other.values}, member=member)
+
+    def __and__(self, other):
+        return self._combine(other, "and")
+
+    def __or__(self, other):
+        return self._combine(other, "or")
 
     # ---------------------------------------------------------------- properties
     @property
     def shape(self):
-        return self.grid.shape
+        return self.states.shape
+
+    @property
+    def grid(self):
+        """Boolean ``(batch|1, heads|1, nq, nk)``: blocks that keep some element (not skipped); read-only."""
+        return _frozen(self.states != SKIP)
+
+    @property
+    def full(self):
+        """Boolean grid of blocks that keep every element; read-only."""
+        return _frozen(self.states == FULL)
 
     @property
     def density(self) -> float:
-        """Fraction of kept blocks (the seed's sparsity s)."""
-        return float(self.grid.mean()) if self.grid.size else 0.0
+        """Fraction of blocks computed (not skipped): FA1's sparsity ``s`` (Proposition 4)."""
+        return float(self.grid.mean()) if self.states.size else 0.0
+
+    def keep(self, b, h, q_idx, kv_idx):
+        """Whether elements are kept, vectorized over broadcastable index arrays."""
+        env = dict(b=np.asarray(b), h=np.asarray(h), q_idx=np.asarray(q_idx), kv_idx=np.asarray(kv_idx),
+                   q_len=self.seqlen_q, kv_len=self.seqlen_k)
+        return np.asarray(self.member.evaluate(env, self.values), dtype=bool)
 
     def to_dense(self, seqlen_q=None, seqlen_k=None):
-        """Element mask ``(batch|1, heads|1, Sq, Sk)`` that this grid keeps."""
+        """The element mask ``(batch|1, heads|1, Sq, Sk)`` (O(N²): for references and tests)."""
         sq = self.seqlen_q if seqlen_q is None else seqlen_q
         sk = self.seqlen_k if seqlen_k is None else seqlen_k
-        bq, bk = self.block
-        return self.grid[:, :, np.arange(sq) // bq][:, :, :, np.arange(sk) // bk]
+        gb, gh = self.states.shape[:2]
+        return np.broadcast_to(self.keep(np.arange(gb).reshape(-1, 1, 1, 1), np.arange(gh).reshape(1, -1, 1, 1),
+                                         np.arange(sq).reshape(1, 1, -1, 1), np.arange(sk).reshape(1, 1, 1, -1)),
+                               (gb, gh, sq, sk))
 
     def check_fits(self, batch, heads, seqlen_q, seqlen_k):
-        """Raise ``ValueError`` unless this grid matches a problem of the given sizes."""
-        b, h, nq, nk = self.grid.shape
-        want = (_cdiv(seqlen_q, self.block[0]), _cdiv(seqlen_k, self.block[1]))
-        if (nq, nk) != want:
-            raise ValueError(f"block_mask grid has {nq}x{nk} blocks of {self.block}, but seqlen_q={seqlen_q}, "
-                             f"seqlen_k={seqlen_k} need {want[0]}x{want[1]}")
+        """Raise ``ValueError`` unless this mask matches a problem of the given sizes."""
+        b, h = self.states.shape[:2]
+        if (seqlen_q, seqlen_k) != (self.seqlen_q, self.seqlen_k):
+            raise ValueError(f"block_mask was built for seqlen_q={self.seqlen_q}, seqlen_k={self.seqlen_k}, but "
+                             f"q, k have {seqlen_q}, {seqlen_k}")
         if b not in (1, batch) or h not in (1, heads):
             raise ValueError(f"block_mask grid leading dims must be (1 or batch={batch}, 1 or heads={heads}), "
                              f"got ({b}, {h})")
 
-    def refine(self, block_q: int, block_k: int) -> "BlockMask":
-        """The same mask on a finer grid; the current blocks must be multiples of the new ones."""
-        bq, bk = self.block
-        if bq % block_q or bk % block_k:
-            raise ValueError(f"block_mask blocks {self.block} must be multiples of ({block_q}, {block_k})")
-        nq, nk = _cdiv(self.seqlen_q, block_q), _cdiv(self.seqlen_k, block_k)
-        grid = self.grid[:, :, (np.arange(nq) * block_q) // bq][:, :, :, (np.arange(nk) * block_k) // bk]
-        return BlockMask(grid, block=(block_q, block_k), seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k)
-
-    def kv_lists(self):
-        """Per query block, the sorted kept key blocks: ``counts (B|1, H|1, nq)``,
-        ``indices (B|1, H|1, nq, nk)`` int32 (entries past ``counts`` are padding)."""
-        return _lists(self.grid)
-
-    def q_lists(self):
-        """Per key block, the sorted kept query blocks (the backward's transposed lists)."""
-        return _lists(self.grid.transpose(0, 1, 3, 2))
-
     # ---------------------------------------------------------------- display
     def __repr__(self):
-        b, h, nq, nk = self.grid.shape
-        head = (f"BlockMask(shape={self.grid.shape}, block={self.block}, seqlen_q={self.seqlen_q}, "
+        b, h, nq, nk = self.states.shape
+        head = (f"BlockMask(shape={self.states.shape}, block={self.block}, seqlen_q={self.seqlen_q}, "
                 f"seqlen_k={self.seqlen_k}, density={self.density:.3f})")
         if nq > 32 or nk > 32:
             return head
-        rows = ["".join("█" if x else "·" for x in row) for row in self.grid[0, 0]]
+        rows = ["".join("·▒█"[x] for x in row) for row in self.states[0, 0]]
         note = "" if b == h == 1 else "  (batch 0, head 0)"
-        return head + note + "\n" + "\n".join("  " + r for r in rows)
-
-
-def _lists(grid):
-    # A stable argsort of "not kept" puts kept block indices first, in increasing order.
-    order = np.argsort(~grid, axis=-1, kind="stable").astype(np.int32)
-    counts = grid.sum(axis=-1).astype(np.int32)
-    return counts, order
+        return head + note + "  █ full  ▒ partial  · skipped\n" + "\n".join("  " + r for r in rows)

@@ -331,6 +331,19 @@ class Expr:
                            key=lambda o: o.name))
         return Expr(self.text, self.kind, ren(self.root), ops)
 
+    def check_extents(self, values: dict, extents: dict, what: str):
+        """Every array operand is read at the problem's own indices: its shape must be their extents exactly."""
+        for op in self.operands:
+            if op.table:
+                continue
+            for index in op.indexings:
+                want = tuple(index_extent(v, extents) for v in index)
+                got = tuple(np.shape(values[op.name]))
+                if got != want:
+                    shown = ", ".join(f"{v}: {extents[v]}" for v in index if isinstance(v, str))
+                    raise ValueError(f"{what}: {op.name}[{', '.join(map(str, index))}] needs shape {want} ({shown}), "
+                                     f"got {got}")
+
     @property
     def uses_score(self) -> bool:
         return _uses(self.root, "score")

@@ -383,17 +383,6 @@ def _check_mod_arrays(mod_arrays, xp):
     return out
 
 
-def _check_extents(expr, values, extents, what):
-    """Every array operand is read at the problem's own indices: its shape must be their extents exactly."""
-    for op in expr.operands:
-        for index in op.indexings:
-            want = tuple(extents[v] for v in index)
-            got = tuple(values[op.name].shape)
-            if got != want:
-                shown = ", ".join(f"{v}: {extents[v]}" for v in index)
-                raise ValueError(f"{what}: {op.name}[{', '.join(index)}] needs shape {want} ({shown}), got {got}")
-
-
 def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, score_mod, mask_mod, mod_arrays):
     """The :class:`cuflash.mods.Modifiers` of a call (None without any): built-ins composed in the order
     softcap → bias → ALiBi → score_mod, every operand checked against the problem's extents."""
@@ -422,12 +411,12 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
         score = step if score is None else step.compose(score)
     if score_mod is not None:
         step = mods.parse(score_mod, kind="score", arrays=values, what="score_mod")
-        _check_extents(step, values, extents, "score_mod")
+        step.check_extents(values, extents, "score_mod")
         score = step if score is None else step.compose(score)
     mask = None
     if mask_mod is not None:
         mask = mods.parse(mask_mod, kind="mask", arrays=values, what="mask_mod")
-        _check_extents(mask, values, extents, "mask_mod")
+        mask.check_extents(values, extents, "mask_mod")
     used = {o.name for e in (score, mask) if e is not None for o in e.operands}
     unused = sorted(set(values) - used)
     if unused:

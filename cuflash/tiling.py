@@ -151,8 +151,7 @@ class Schedule:
             self._seq_lo = self._seq_hi = None
         self._grid = None
         if block_mask is not None:
-            kept, full = classify_grid(block_mask.grid, block_mask.block, self.block_q, self.block_k,
-                                       self.seqlen_q, self.seqlen_k)
+            kept, full = mask_tiles(block_mask, self.block_q, self.block_k)
             self._grid = (kept.any(axis=(0, 1)), full.all(axis=(0, 1)))
 
     @classmethod
@@ -294,17 +293,19 @@ class Schedule:
             len_q, len_k = len_q[batch], len_k[batch]
         keep = visible(i, j, len_q[:, None, None, None], len_k[:, None, None, None], self.left, self.right)
         bm = self.block_mask
-        if bm is not None:
-            bq, bk = bm.block
-            grid = bm.grid
-            if batch is not None and grid.shape[0] > 1:
-                grid = grid[batch]
-            if heads is not None and grid.shape[1] > 1:
-                grid = grid[:, heads]
-            rows = np.arange(tile.i0, tile.i1) // bq
-            cols = np.arange(tile.k0, tile.k1) // bk
-            keep = keep & grid[:, :, rows][:, :, :, cols]
+        if bm is not None:  # the mask's own element test (its grid, and its rule inside partial blocks)
+            gb, gh = bm.states.shape[:2]
+            b = (np.arange(gb) if batch is None or gb == 1 else np.asarray(batch))[:, None, None, None]
+            h = (np.arange(gh) if heads is None or gh == 1 else np.asarray(heads))[None, :, None, None]
+            keep = keep & bm.keep(b, h, i, j)
         return keep
+
+
+def mask_tiles(block_mask, block_q: int, block_k: int):
+    """A BlockMask at tile granularity: ``(kept, full)`` boolean ``(Bm, Hm, n_q_tiles, n_k_tiles)``, a tile kept when
+    some mask block it overlaps is not skipped, full when every one of them is full."""
+    args = (block_mask.block, block_q, block_k, block_mask.seqlen_q, block_mask.seqlen_k)
+    return classify_grid(block_mask.grid, *args)[0], classify_grid(block_mask.full, *args)[1]
 
 
 def band_grid(seqlen_q: int, seqlen_k: int, block_q: int, block_k: int, left=None, right=None):

@@ -14,7 +14,7 @@ namespace cuflash {
 // With a BlockMask they are the entries of this query tile's sorted index list that fall inside that range; the
 // loop count is the list length, so work is proportional to the mask's density (FA1 Algorithm 5, block-sparse).
 // A list entry e >= 0 is a tile the mask keeps whole; e < 0 encodes tile ~e that the mask keeps only partly
-// (mask blocks finer than the kernel tile), whose elements are then checked against the grid (BlockGrid).
+// (a tile that needs the mask's element test, Mods::rule in mods.cuh).
 struct KeyTiles {
   const int* list;  // nullptr without a BlockMask
   int pos;          // next list position to look at (counts down)
@@ -85,19 +85,16 @@ struct BlockInfo {
 };
 
 // The key tiles a query tile visits (Algorithm 1 line 6 restricted to the visible ones; with a BlockMask, only the
-// kept ones: Algorithm 5), and the BlockMask grid that partly kept tiles check element by element. The forward and
+// kept ones: Algorithm 5). The forward and
 // the backward's dQ pass share this, so both walk exactly the same tiles.
 template <class Info>
-__device__ __forceinline__ void plan_key_tiles(KeyTiles& tiles, BlockGrid& cells, const Info& blk,
-                                               const BlockMaskArg& mask) {
-  cells = BlockGrid{nullptr, mask.block_q, mask.block_k, mask.n_k_blocks};
+__device__ __forceinline__ void plan_key_tiles(KeyTiles& tiles, const Info& blk, const BlockMaskArg& mask) {
   if (mask.tile_counts == nullptr) {
     tiles.init(nullptr, 0, blk.n_begin, blk.n_end);
     return;
   }
   const long long at = blk.batch * mask.tiles_batch_stride + blk.head * mask.tiles_head_stride + blk.m_block;
   tiles.init(mask.tile_lists + at * mask.list_len, mask.tile_counts[at], blk.n_begin, blk.n_end);
-  if (mask.cells != nullptr) cells.cells = mask.cells + blk.batch * mask.cells_batch_stride + blk.head * mask.cells_head_stride;
 }
 
 }  // namespace cuflash

@@ -75,6 +75,11 @@ struct BwdTraits {
   static constexpr int kSmemS = kBlockN * kStrideS;
   static constexpr int kSmemElems = 2 * kSmemKV + 2 * kSmemQ + (kSplit == 1 ? 1 : 2) * kSmemS;
   static constexpr int kSmemBytes = kSmemElems * int(sizeof(T)) + 2 * kBlockM * int(sizeof(float));
+
+  // __launch_bounds__'s minimum blocks per SM (0: none asked, ptxas chooses). The head_dim 192 split-4 row asks for
+  // one: left to itself, ptxas capped it at 128 registers to fit two blocks and spilled 8 bytes on sm_80; asking
+  // one everywhere instead made the 256 row with a modifier take 255 registers and spill 100 bytes.
+  static constexpr int kMinBlocks = (kHeadDim == 192 && kSplit == 4) ? 1 : 0;
 };
 
 }  // namespace cuflash

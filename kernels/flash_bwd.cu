@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(128) flash_bwd_convert_dq_kernel(const __grid_
 // lists are per key tile here (the transposed lists; ~m for a query tile kept only partly).
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, class Mods>
-__global__ void __launch_bounds__(kWarps * 32) flash_bwd_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kWarps * 32, (BwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>::kMinBlocks)) flash_bwd_kernel(const __grid_constant__ Params p) {
   using Tr = BwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   using SdP = typename Tr::SdP;
   using Load = typename Tr::Load;
@@ -131,7 +131,6 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_kernel(const __grid_con
 
   const int head_begin = blk.head_kv * p.heads_per_kv;
   QueryTiles tiles;
-  const BlockGrid cells{nullptr, p.mask.block_q, p.mask.block_k, p.mask.n_k_blocks};
   tiles.init(p.mask.tile_counts, p.mask.tile_lists, blk.batch * p.mask.tiles_batch_stride, p.mask.tiles_head_stride,
              p.mask.list_len, blk.n_block, blk.m_begin, blk.m_end, head_begin, head_begin + p.heads_per_kv);
 
@@ -196,11 +195,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_kernel(const __grid_con
     gemm_qk<SdP>(S, no_frags, sK_warp, sQ + q_col0 * Tr::kStride, lane);
     modify_scores<Mods, true, Mods::kScore>(S, S0, key_row0, row0 + q_col0, lane, pos, p);
     if (partial || blk.needs_mask(m) || Mods::kMask) {
-      BlockGrid tile_cells = cells;
-      if (partial && p.mask.cells != nullptr) {
-        tile_cells.cells = p.mask.cells + blk.batch * p.mask.cells_batch_stride + head * p.mask.cells_head_stride;
-      }
-      mask_scores<Mods, true>(S, key_row0, row0 + q_col0, lane, blk.vis, tile_cells, pos, p);
+      mask_scores<Mods, true>(S, key_row0, row0 + q_col0, lane, blk.vis, partial, pos, p);
     }
     // Lines 13-21 for this tile, compiled twice: with dropout (kDrop) and without, picked by a uniform branch per
     // tile, so that the path without dropout is exactly the code without it (one scheduling region, no dropout
@@ -296,8 +291,10 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_kernel(const __grid_con
 // the forward's (tile_lists at this kernel's tiles). No atomics: bitwise reproducible. Dropout as in the main kernel
 // (dS = P o (dP o Z / (1-p) - D)), the keep bits made like the forward's (dropout.cuh).
 // ---------------------------------------------------------------------------------------------------------------
+// __launch_bounds__(..., 1): one block per SM is all it needs; left to itself ptxas caps 4-warp blocks at 168 registers
+// to fit three per SM, and with a modifier compiled in that spilled.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, class Mods>
-__global__ void __launch_bounds__(kWarps * 32) flash_bwd_dq_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kWarps * 32, 1) flash_bwd_dq_kernel(const __grid_constant__ Params p) {
   using Tr = DqTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
   constexpr int kMTiles = Tr::kMTiles;
 
@@ -320,8 +317,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_dq_kernel(const __grid_
   const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv);
 
   KeyTiles tiles;
-  BlockGrid cells;
-  plan_key_tiles(tiles, cells, blk, p.mask);
+  plan_key_tiles(tiles, blk, p.mask);
 
   // This thread's rows: 2 per m-tile (lane/4 and lane/4 + 8), their L and D.
   float L[2 * kMTiles], Dr[2 * kMTiles];
@@ -366,10 +362,8 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_dq_kernel(const __grid_
     __syncthreads();  // K_j, V_j (and Q_i, dO_i) are in smem; every warp is done with the previous K_j
 
     float S[kMTiles][Tr::kNTilesS][4], S0[kMTiles][Tr::kNTilesS][4];  // the forward's S, bit for bit (scores.cuh)
-    BlockGrid tile_cells = cells;
-    if (!partial) tile_cells.cells = nullptr;
-    score_tile<Tr, Mods, Mods::kScore>(S, S0, no_frags, sQ_warp, sK, lane, partial || blk.needs_mask(n),
-                                       blk.row_begin + warp_row, key0, blk.vis, tile_cells, pos, p);
+    score_tile<Tr, Mods, Mods::kScore>(S, S0, no_frags, sQ_warp, sK, lane, blk.needs_mask(n), partial,
+                                       blk.row_begin + warp_row, key0, blk.vis, pos, p);
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll

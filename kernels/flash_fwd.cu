@@ -53,8 +53,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_con
   const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv);
 
   KeyTiles tiles;
-  BlockGrid cells;
-  plan_key_tiles(tiles, cells, blk, p.mask);
+  plan_key_tiles(tiles, blk, p.mask);
 
   // Line 4: O_i = 0, l_i = 0, m_i = -inf, on chip.
   float acc[kMTiles][Traits::kNTilesO][4];
@@ -102,10 +101,8 @@ __global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_con
 
     // Line 8: S = Q_i K_j^T * scale * log2(e), the element mask on boundary tiles only (scores.cuh).
     float S[kMTiles][Traits::kNTilesS][4];
-    BlockGrid tile_cells = cells;
-    if (!partial) tile_cells.cells = nullptr;  // a tile the BlockMask keeps whole needs no grid lookups
-    score_tile<Traits, Mods>(S, S, q_frags, sQ_warp, sK, lane, partial || blk.needs_mask(n), blk.row_begin + warp_row,
-                             key0, blk.vis, tile_cells, pos, p);
+    score_tile<Traits, Mods>(S, S, q_frags, sQ_warp, sK, lane, blk.needs_mask(n), partial, blk.row_begin + warp_row,
+                             key0, blk.vis, pos, p);
 
     arch::cp_async_wait<0>();
     __syncthreads();  // V_j is in smem; every warp is done with K_j

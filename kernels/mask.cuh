@@ -3,8 +3,8 @@
 // Query row i sees key column j iff
 //     i < len_q  and  j < len_k  and  i + off - left <= j <= i + off + right,   off = len_k - len_q,
 // with len_q/len_k the sequence's own lengths (seqlens, or the full lengths) and the diagonal aligned bottom-right.
-// Causal is right = 0; an unbounded side is passed as kUnbounded. On top of that a BlockMask keeps or drops whole
-// (query block, key block) pairs; that part is applied here too for tiles the mask only partly covers.
+// Causal is right = 0; an unbounded side is passed as kUnbounded. A BlockMask's own element test is compiled in
+// (mods.cuh).
 #pragma once
 
 namespace cuflash {
@@ -54,18 +54,6 @@ struct Visibility {
     const int last_row = min(i1, len_q) - 1;
     if (last_row < i0) return true;  // no valid rows: nothing of this tile is ever written
     return j1 <= len_k && j0 - last_row >= lo && (j1 - 1) - i0 <= hi;
-  }
-};
-
-// The BlockMask grid of one (batch, head), as uint8 [n_q_blocks][n_k_blocks] with blocks of block_q x block_k.
-// Only consulted inside tiles the mask keeps partly (mask blocks finer than the kernel tile); tiles it keeps
-// whole or drops whole are decided by the per-tile index list alone.
-struct BlockGrid {
-  const unsigned char* cells;  // nullptr: no element-level BlockMask in this tile
-  int block_q, block_k, n_k_blocks;
-
-  __device__ __forceinline__ bool kept(int i, int j) const {
-    return cells == nullptr || cells[(long long)(i / block_q) * n_k_blocks + j / block_k] != 0;
   }
 };
 

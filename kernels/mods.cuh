@@ -43,6 +43,9 @@ struct NoMods {
   static constexpr bool kScore = false;  // a score modifier (softcap, bias, ALiBi, score_mod)
   static constexpr bool kMask = false;   // a mask modifier, evaluated in every visited tile
   static constexpr bool kDBias = false;  // the backward accumulates dbias
+  // rule: a BlockMask's element test (its block states, and its rule inside partial blocks), evaluated in the tiles
+  // its schedule marks (~t in the tile lists); true without a BlockMask.
+  __device__ static __forceinline__ bool rule(int, int, int, int, int, int, const Params&) { return true; }
   __device__ static __forceinline__ float score(float s, int, int, int, int, int, int, const Params&) { return s; }
   __device__ static __forceinline__ float dscore(float, int, int, int, int, int, int, const Params&) { return 1.f; }
   __device__ static __forceinline__ float dbias(float, int, int, int, int, int, int, const Params&) { return 1.f; }
@@ -60,12 +63,12 @@ __device__ __forceinline__ void score_coords(int row0, int col0, int lane, int m
   j = kTransposed ? row : col;
 }
 
-// Sets S = -inf for every score that is not kept: the visibility rule (causal / window / seqlens), the BlockMask grid
-// (in tiles it keeps only partly) and the mask modifier. vis first: it rejects i >= len_q and j >= len_k, so the grid
-// and the modifier's operands are never read outside their extents.
+// Sets S = -inf for every score that is not kept: the visibility rule (causal / window / seqlens), the BlockMask's
+// element test (`rule`: in the tiles its schedule marks) and the mask modifier. vis first: it rejects i >= len_q and
+// j >= len_k, so the mask's and the modifier's operands are never read outside their extents.
 template <class Mods, bool kTransposed, int kM, int kN>
 __device__ __forceinline__ void mask_scores(float (&S)[kM][kN][4], int row0, int col0, int lane, const Visibility vis,
-                                            const BlockGrid grid, const ScorePos& pos, const Params& p) {
+                                            bool rule, const ScorePos& pos, const Params& p) {
 #pragma unroll
   for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
@@ -74,7 +77,7 @@ __device__ __forceinline__ void mask_scores(float (&S)[kM][kN][4], int row0, int
       for (int r = 0; r < 4; ++r) {
         int i, j;
         score_coords<kTransposed>(row0, col0, lane, mi, nj, r, i, j);
-        if (!(vis(i, j) && grid.kept(i, j) &&
+        if (!(vis(i, j) && (!rule || Mods::rule(pos.b, pos.h, i, j, pos.len_q, pos.len_k, p)) &&
               (!Mods::kMask || Mods::mask(pos.b, pos.h, i, j, pos.len_q, pos.len_k, p))))
           S[mi][nj][r] = neg_inf();
       }

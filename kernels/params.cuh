@@ -23,16 +23,15 @@ struct TensorArg {
   }
 };
 
-// A BlockMask as a kernel reads it (cuflash/cuda/launch.py): per (batch|1, head|1, tile) the sorted list of
-// tiles to visit (~t for a tile the mask keeps only partly), strides 0 over a broadcast batch/head; and, for
-// partly kept tiles, the mask's grid of blocks (uint8, original orientation). Null lists: no BlockMask.
+// A BlockMask's schedule as a kernel reads it (cuflash/cuda/launch.py): per (batch|1, head|1, tile) the sorted list of
+// tiles to visit (~t for a tile that needs the mask's element test: partial blocks, or blocks of several states),
+// strides 0 over a broadcast batch/head. Null lists: no BlockMask. The element test itself is compiled in (mods.cuh:
+// Mods::rule).
 struct BlockMaskArg {
   const int* tile_counts;
   const int* tile_lists;
-  const unsigned char* cells;
   long long tiles_batch_stride, tiles_head_stride;
-  long long cells_batch_stride, cells_head_stride;
-  int list_len, block_q, block_k, n_k_blocks;
+  int list_len;
 };
 
 // Attention dropout (cuflash/dropout.py): keep iff Philox bits >= threshold; threshold 0 keeps everything and the

@@ -12,18 +12,18 @@
 
 namespace cuflash {
 
-// `masked`: the tile needs the element rule (causal/window/seqlens edge, or a BlockMask that keeps it only partly);
-// `cells.cells` is non-null only in the latter case. `row0` is the warp's first global row, `key0` the tile's first
-// key. With kKeep, S0 receives the scaled scores before the score modifier (the backward's dQ pass needs them).
+// `masked`: the tile needs the element rule (causal/window/seqlens edge, or the BlockMask's element test: `partial`).
+// `row0` is the warp's first global row, `key0` the tile's first key. With kKeep, S0 receives the scaled scores
+// before the score modifier (the backward's dQ pass needs them).
 template <class Traits, class Mods, bool kKeep = false>
 __device__ __forceinline__ void score_tile(float (&S)[Traits::kMTiles][Traits::kNTilesS][4],
                                            float (&S0)[Traits::kMTiles][Traits::kNTilesS][4], const QFrags<Traits>& q,
                                            const typename Traits::T* sQ_warp, const typename Traits::T* sK, int lane,
-                                           bool masked, int row0, int key0, const Visibility vis, const BlockGrid cells,
+                                           bool masked, bool partial, int row0, int key0, const Visibility vis,
                                            const ScorePos& pos, const Params& p) {
   gemm_qk<Traits>(S, q, sQ_warp, sK, lane);
   modify_scores<Mods, false, kKeep>(S, S0, row0, key0, lane, pos, p);
-  if (masked || Mods::kMask) mask_scores<Mods, false>(S, row0, key0, lane, vis, cells, pos, p);
+  if (masked || partial || Mods::kMask) mask_scores<Mods, false>(S, row0, key0, lane, vis, partial, pos, p);
 }
 
 }  // namespace cuflash

@@ -1,4 +1,6 @@
-"""BlockMask: constructors, properties, kernel lists, display, and how it combines with masks."""
+"""BlockMask: every constructor is exactly its definition (element by element), its block states are consistent
+(skipped blocks keep nothing, full blocks everything), masks combine with & and |, display, bad arguments, and how it
+combines with the element masks of attention."""
 from __future__ import annotations
 
 import itertools
@@ -40,13 +42,32 @@ blocks = st.tuples(st.integers(1, 20), st.integers(1, 20))
 sides = st.one_of(st.none(), st.integers(0, 80))
 
 
+def assert_states_consistent(bm):
+    """Skipped blocks keep no element, full blocks keep all of theirs (inside the lengths)."""
+    dense = bm.to_dense()
+    bq, bk = bm.block
+    for b, h, i, j in np.ndindex(bm.shape):
+        block = dense[b, h, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+        if bm.states[b, h, i, j] == 0:
+            assert not block.any(), ("skipped block keeps elements", b, h, i, j)
+        if bm.states[b, h, i, j] == 2:
+            assert block.all(), ("full block drops elements", b, h, i, j)
+
+
+def band_dense(sq, sk, left, right):
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    return np.vectorize(lambda a, b: band(a, b, sq, sk, left, right))(i, j) if sq and sk else np.zeros((sq, sk), bool)
+
+
 # ----------------------------------------------------------------------------- constructors
 @given(sq=lengths, sk=lengths, block=blocks)
-def test_causal_constructor(sq, sk, block):
+def test_causal_constructor_is_exactly_causal(sq, sk, block):
     bm = BlockMask.causal(sq, sk, block=block)
     assert bm.shape == (1, 1, cdiv(sq, block[0]), cdiv(sk, block[1]))
     assert (bm.seqlen_q, bm.seqlen_k, bm.block) == (sq, sk, block)
-    np.testing.assert_array_equal(bm.grid[0, 0], blocks_meeting(sq, sk, block, None, 0))
+    np.testing.assert_array_equal(bm.to_dense()[0, 0], band_dense(sq, sk, None, 0))
+    np.testing.assert_array_equal(bm.grid[0, 0], blocks_meeting(sq, sk, block, None, 0))  # skipping stays exact
+    assert_states_consistent(bm)
 
 
 def test_causal_default_is_square():
@@ -55,9 +76,44 @@ def test_causal_default_is_square():
 
 
 @given(sq=lengths, sk=lengths, block=blocks, left=sides, right=sides)
-def test_sliding_window_constructor(sq, sk, block, left, right):
+def test_sliding_window_constructor_is_exactly_the_band(sq, sk, block, left, right):
     bm = BlockMask.sliding_window(sq, sk, window=(left, right), block=block)
+    np.testing.assert_array_equal(bm.to_dense()[0, 0], band_dense(sq, sk, left, right))
     np.testing.assert_array_equal(bm.grid[0, 0], blocks_meeting(sq, sk, block, left, right))
+    assert_states_consistent(bm)
+
+
+@given(n=st.integers(1, 60), p=st.integers(0, 70), block=blocks)
+def test_prefix_lm(n, p, block):
+    bm = BlockMask.prefix_lm(n, p, block=block)
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    np.testing.assert_array_equal(bm.to_dense()[0, 0], (j < p) | (j <= i))
+    assert_states_consistent(bm)
+
+
+@given(data=st.data(), block=blocks, batch=st.booleans())
+def test_document_with_and_without_causal(data, block, batch):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    n = data.draw(st.integers(1, 60), label="n")
+    lengths_ = rng.integers(1, 12, size=20)
+    ids = np.repeat(np.arange(20), lengths_)[:n]  # packed documents: sorted ids
+    if data.draw(st.booleans(), label="unsorted"):
+        ids = rng.integers(0, 4, size=n)
+    ids = np.stack([ids, rng.permutation(ids)]) if batch else ids
+    bm = BlockMask.document(ids, block=block)
+    ids2 = ids.reshape(-1, n)
+    want = ids2[:, None, :, None] == ids2[:, None, None, :]
+    np.testing.assert_array_equal(bm.to_dense(), want)
+    assert_states_consistent(bm)
+    both = bm & BlockMask.causal(n, block=block)
+    np.testing.assert_array_equal(both.to_dense(), want & np.tri(n, dtype=bool))
+    assert_states_consistent(both)
+
+
+def test_sorted_documents_skip_and_fill_almost_every_block():
+    ids = np.repeat(np.arange(16), 1024)  # 16 documents of 1024 tokens, blocks of 128
+    bm = BlockMask.document(ids, block=(128, 128))
+    assert (bm.states == 1).sum() == 0 and (bm.states == 2).sum() == 16 * 8 * 8 and bm.density == 1 / 16
 
 
 @pytest.mark.parametrize("g, local", [(0, 0), (1, 1), (2, 0), (1, 3)])
@@ -83,31 +139,61 @@ def test_strided(stride, local):
         assert bm.density == 1.0
 
 
-@given(data=st.data(), ndim=st.integers(2, 4), sq=lengths, sk=lengths, block=blocks,
-       p=st.floats(0.0, 0.3))
-def test_from_dense_keeps_blocks_with_any_true(data, ndim, sq, sk, block, p):
+@given(data=st.data(), ndim=st.integers(2, 4), sq=lengths, sk=lengths, block=blocks, p=st.floats(0.0, 1.0))
+def test_from_dense_is_exact(data, ndim, sq, sk, block, p):
     lead = data.draw(st.tuples(*[st.integers(1, 3)] * (ndim - 2)), label="lead")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
-    dense = rng.random(lead + (sq, sk)) < p  # sparse: many all-False blocks, some single True
+    dense = rng.random(lead + (sq, sk)) < p
+    if data.draw(st.booleans(), label="blocky"):  # whole blocks on or off too, so full and skipped blocks occur
+        bq, bk = block
+        dense &= rng.random(lead + (cdiv(sq, bq), cdiv(sk, bk)))[..., np.arange(sq) // bq, :][..., np.arange(sk) // bk] < 0.5
     bm = BlockMask.from_dense(dense, block=block)
-    bq, bk = block
     full = dense.reshape((1,) * (4 - ndim) + dense.shape)
-    assert bm.shape == full.shape[:2] + (cdiv(sq, bq), cdiv(sk, bk))
-    assert (bm.seqlen_q, bm.seqlen_k) == (sq, sk)
-    for b, h, i, j in np.ndindex(bm.shape):
-        assert bm.grid[b, h, i, j] == full[b, h, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()
-    # it covers the dense mask: every True element lies in a kept block
-    assert not (full & ~bm.to_dense()).any()
+    assert bm.shape == full.shape[:2] + (cdiv(sq, block[0]), cdiv(sk, block[1]))
+    np.testing.assert_array_equal(bm.to_dense(), full)
+    assert_states_consistent(bm)
 
 
-def test_from_dense_single_element_keeps_whole_block():
-    dense = np.zeros((10, 10), dtype=bool)
-    dense[9, 0] = True  # last row of a ragged block
-    bm = BlockMask.from_dense(dense, block=(4, 4))
-    want = np.zeros((3, 3), dtype=bool)
-    want[2, 0] = True
-    np.testing.assert_array_equal(bm.grid[0, 0], want)
-    assert bm.to_dense()[0, 0, 8:, :4].all() and bm.to_dense().sum() == 2 * 4
+def test_from_dense_keeps_bits_of_partial_blocks_only():
+    """A 16k x 16k document mask: O(partial blocks x block area / 8) bytes, not O(N^2)."""
+    n, block = 16384, (128, 128)
+    ids = np.repeat(np.arange(20), cdiv(n, 20))[:n]  # documents of 820 tokens: boundaries inside blocks
+    dense = ids[:, None] == ids[None, :]
+    bm = BlockMask.from_dense(dense, block=block)
+    del dense
+    partial = int((bm.states == 1).sum())
+    stored = sum(np.asarray(v).nbytes for v in bm.values.values())
+    assert 0 < partial < 1000  # the blocks the 19 document boundaries cross
+    assert stored <= partial * (128 * 128 // 8) + 3 * bm.states.size * 4  # bits + states + slot map
+    assert stored < n * n // 100  # under 1% of the dense boolean mask
+
+
+def test_from_mask_mod_classifies_and_is_exact():
+    bm = BlockMask.from_mask_mod("(q_idx // 50) % 2 == (kv_idx // 50) % 2 and kv_idx <= q_idx + skew[h]",
+                                 seqlen_q=130, seqlen_k=170, heads=3, mod_arrays={"skew": np.array([0, 5, -5])},
+                                 block=(32, 16))
+    i, j, h = np.arange(130)[:, None], np.arange(170)[None, :], np.array([0, 5, -5])[:, None, None]
+    want = (((i // 50) % 2) == ((j // 50) % 2)) & (j <= i + h)
+    np.testing.assert_array_equal(bm.to_dense()[0], want)
+    assert_states_consistent(bm)
+    with pytest.raises(ValueError, match=r"skew\[h\] needs shape \(3,\)"):
+        BlockMask.from_mask_mod("kv_idx <= q_idx + skew[h]", seqlen_q=8, heads=3, mod_arrays={"skew": np.zeros(2)})
+
+
+@given(data=st.data(), block=blocks)
+def test_and_or_are_elementwise(data, block):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    sq, sk = data.draw(lengths, label="sq"), data.draw(lengths, label="sk")
+    pool = [BlockMask.causal(sq, sk, block=block), BlockMask.sliding_window(sq, sk, window=(5, 2), block=block),
+            BlockMask.from_dense(rng.random((2, 1, sq, sk)) < 0.4, block=block),
+            BlockMask(rng.random((cdiv(sq, block[0]), cdiv(sk, block[1]))) < 0.5, block=block, seqlen_q=sq,
+                      seqlen_k=sk)]
+    a, b = data.draw(st.sampled_from(pool), label="a"), data.draw(st.sampled_from(pool), label="b")
+    for combined, want in ((a & b, a.to_dense() & b.to_dense()), (a | b, a.to_dense() | b.to_dense())):
+        np.testing.assert_array_equal(combined.to_dense(), want)
+        assert_states_consistent(combined)
+    with pytest.raises(ValueError, match="combine only at the same block and lengths"):
+        a & BlockMask.causal(sq + 1, sk, block=block)
 
 
 @pytest.mark.parametrize("grid_shape", [(3, 4), (2, 3, 4), (5, 2, 3, 4)])
@@ -132,35 +218,18 @@ def test_grid_is_not_aliased():
 # ----------------------------------------------------------------------------- properties
 @given(data=st.data(), shape=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 6), st.integers(1, 6)),
        block=blocks)
-def test_density_shape_to_dense(data, shape, block):
+def test_blocks_density_shape_to_dense(data, shape, block):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     grid = rng.random(shape) < 0.5
     bq, bk = block
     sq = data.draw(st.integers((shape[2] - 1) * bq + 1, shape[2] * bq), label="sq")
     sk = data.draw(st.integers((shape[3] - 1) * bk + 1, shape[3] * bk), label="sk")
-    bm = BlockMask(grid, block=block, seqlen_q=sq, seqlen_k=sk)
-    assert bm.shape == shape
+    bm = BlockMask.from_blocks(grid, block=block, seqlen_q=sq, seqlen_k=sk)
+    assert bm.shape == shape and set(np.unique(bm.states)) <= {0, 2}  # FA1 block-sparse: no partial block
     assert bm.density == pytest.approx(grid.sum() / grid.size, abs=1e-15)
     dense = bm.to_dense()
     assert dense.shape == shape[:2] + (sq, sk) and dense.dtype == bool
-    for b, h in np.ndindex(shape[:2]):
-        for i in range(sq):
-            for j in range(sk):
-                assert dense[b, h, i, j] == grid[b, h, i // bq, j // bk]
-    # refine: the same element mask on a finer grid of divisors
-    fq = data.draw(st.sampled_from([d for d in range(1, bq + 1) if bq % d == 0]), label="fq")
-    fk = data.draw(st.sampled_from([d for d in range(1, bk + 1) if bk % d == 0]), label="fk")
-    fine = bm.refine(fq, fk)
-    assert fine.block == (fq, fk) and fine.shape == shape[:2] + (cdiv(sq, fq), cdiv(sk, fk))
-    np.testing.assert_array_equal(fine.to_dense(), dense)
-
-
-def test_refine_rejects_non_divisors():
-    bm = BlockMask.causal(64, block=(16, 16))
-    with pytest.raises(ValueError, match="multiples"):
-        bm.refine(5, 16)
-    with pytest.raises(ValueError, match="multiples"):
-        bm.refine(16, 32)
+    np.testing.assert_array_equal(dense, grid[:, :, np.arange(sq) // bq][:, :, :, np.arange(sk) // bk])
 
 
 def test_empty_mask_density():
@@ -169,43 +238,18 @@ def test_empty_mask_density():
 
 
 # ----------------------------------------------------------------------------- kernel lists
-def _pairs(counts, indices):
-    """{(b, h, row, col)} from (counts, indices) lists; checks sortedness along the way."""
-    pairs = set()
-    for b, h, r in np.ndindex(counts.shape):
-        row = indices[b, h, r, :counts[b, h, r]]
-        assert np.all(np.diff(row) > 0), "kept indices must be strictly increasing"
-        pairs.update((b, h, r, int(c)) for c in row)
-    return pairs
+def test_kernel_tile_lists_of_a_causal_mask():
+    from cuflash.cuda.launch import tile_lists
+    from cuflash.tiling import mask_tiles
 
-
-@given(data=st.data(), shape=st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(0, 9), st.integers(0, 9)),
-       p=st.floats(0, 1))
-def test_kv_and_q_lists(data, shape, p):
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
-    grid = rng.random(shape) < p
-    bm = BlockMask(grid, block=(4, 4))
-    counts, indices = bm.kv_lists()
-    tcounts, tindices = bm.q_lists()
-    for a in (counts, indices, tcounts, tindices):
-        assert a.dtype == np.int32
-    assert counts.shape == shape[:3] and indices.shape == shape
-    assert tcounts.shape == shape[:2] + (shape[3],) and tindices.shape == shape[:2] + shape[3:] + shape[2:3]
-    np.testing.assert_array_equal(counts, grid.sum(axis=-1))
-    np.testing.assert_array_equal(tcounts, grid.sum(axis=-2))
-    kv = _pairs(counts, indices)
-    assert kv == {tuple(int(x) for x in t) for t in zip(*np.nonzero(grid))}
-    # the backward's lists are the transpose of the forward's
-    assert _pairs(tcounts, tindices) == {(b, h, j, i) for b, h, i, j in kv}
-
-
-def test_lists_of_causal_mask():
-    counts, indices = BlockMask.causal(64, block=(16, 16)).kv_lists()
+    kept, full = mask_tiles(BlockMask.causal(64, block=(16, 16)), 16, 16)
+    counts, lists = tile_lists(kept, full)
     np.testing.assert_array_equal(counts[0, 0], [1, 2, 3, 4])
-    assert [list(indices[0, 0, i, :i + 1]) for i in range(4)] == [list(range(i + 1)) for i in range(4)]
-    tcounts, tindices = BlockMask.causal(64, block=(16, 16)).q_lists()
-    np.testing.assert_array_equal(tcounts[0, 0], [4, 3, 2, 1])
-    assert [list(tindices[0, 0, j, :4 - j]) for j in range(4)] == [list(range(j, 4)) for j in range(4)]
+    # the diagonal tile needs the element test (~i), the others are full
+    assert [list(lists[0, 0, i, :i + 1]) for i in range(4)] == [list(range(i)) + [~i] for i in range(4)]
+    counts, lists = tile_lists(kept.transpose(0, 1, 3, 2), full.transpose(0, 1, 3, 2))  # the backward's
+    np.testing.assert_array_equal(counts[0, 0], [4, 3, 2, 1])
+    assert [list(lists[0, 0, j, :4 - j]) for j in range(4)] == [[~j] + list(range(j + 1, 4)) for j in range(4)]
 
 
 # ----------------------------------------------------------------------------- display
@@ -214,8 +258,9 @@ def test_repr_draws_the_grid():
     text = repr(bm)
     lines = text.splitlines()
     assert "BlockMask" in lines[0] and "density=0.667" in lines[0] and "(16, 16)" in lines[0]
+    assert "█ full  ▒ partial  · skipped" in lines[0]
     drawn = [line.strip() for line in lines[1:]]
-    assert drawn == ["█··", "██·", "███"]
+    assert drawn == ["▒··", "█▒·", "██▒"]
     grid = np.random.default_rng(3).random((2, 3, 5, 7)) < 0.5
     lines = repr(BlockMask(grid, block=(2, 2))).splitlines()
     assert "batch 0, head 0" in lines[0]
@@ -248,13 +293,27 @@ def test_bad_grids_rejected(grid, block, kw, exc):
         BlockMask(grid, block=block, **kw)
 
 
-def test_bad_constructor_arguments():
-    with pytest.raises(ValueError, match="stride"):
-        BlockMask.strided(64, stride=0, block=(16, 16))
-    with pytest.raises(ValueError, match="mask"):
-        BlockMask.from_dense(np.ones((4, 4)), block=(2, 2))
-    with pytest.raises(ValueError, match="mask"):
-        BlockMask.from_dense(np.ones(4, dtype=bool), block=(2, 2))
+@pytest.mark.parametrize("make, match", [
+    (lambda: BlockMask.strided(64, stride=0, block=(16, 16)), "stride must be an int >= 1"),
+    (lambda: BlockMask.strided(64, stride=1.5, block=(16, 16)), "stride must be an int >= 1"),
+    (lambda: BlockMask.global_local(64, global_blocks=-1, block=(16, 16)), "global_blocks must be an int >= 0"),
+    (lambda: BlockMask.global_local(64, local_blocks=-1, block=(16, 16)), "local_blocks must be an int >= 0"),
+    (lambda: BlockMask.sliding_window(64, window=(-5, 0), block=(16, 16)), "window left must be an int >= 0"),
+    (lambda: BlockMask.sliding_window(64, window=5, block=(16, 16)), "window must be a pair"),
+    (lambda: BlockMask.causal(-3, block=(16, 16)), "seqlen_q must be an int >= 0"),
+    (lambda: BlockMask.causal(8, 2.5, block=(16, 16)), "seqlen_k must be an int >= 0"),
+    (lambda: BlockMask.prefix_lm(8, -1), "prefix_len must be an int >= 0"),
+    (lambda: BlockMask.document(np.zeros((2, 2, 2), int)), "doc_ids_q must be an integer array"),
+    (lambda: BlockMask.document(np.zeros(4)), "doc_ids_q must be an integer array"),
+    (lambda: BlockMask.document(np.zeros((2, 4), int), np.zeros((3, 4), int)), "same batch"),
+    (lambda: BlockMask.from_dense(np.ones((4, 4)), block=(2, 2)), "mask must be a boolean array"),
+    (lambda: BlockMask.from_dense(np.ones(4, dtype=bool), block=(2, 2)), "mask must be a boolean array"),
+    (lambda: BlockMask.from_mask_mod("q_idx", seqlen_q=4), "must evaluate to a bool"),
+    (lambda: BlockMask.from_mask_mod("True", seqlen_q=4, heads=0), "heads must be an int >= 1"),
+])
+def test_bad_constructor_arguments(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
 
 
 # ----------------------------------------------------------------------------- with element masks
@@ -276,20 +335,26 @@ def dense_attention(q, k, v, keep, scale):
 
 
 @pytest.mark.parametrize("sq, sk, block", [(64, 64, (16, 16)), (50, 77, (16, 8)), (77, 50, (8, 16))])
-def test_causal_block_mask_with_element_causal_is_causal(sq, sk, block):
+def test_causal_block_mask_is_causal(sq, sk, block):
     q, k, v = _qkv(sq, sk)
-    bm = BlockMask.causal(sq, sk, block=block)
-    both = cuflash.attention(q, k, v, causal=True, block_mask=bm)
     plain = cuflash.attention(q, k, v, causal=True)
     mag = reference.term_magnitudes(q, k, v, causal=True)["out"]
-    np.testing.assert_allclose(both, plain, rtol=0, atol=2 * np.finfo(np.float64).eps * mag)
-    # while the BlockMask alone keeps whole diagonal blocks: more than causal
-    alone = cuflash.attention(q, k, v, block_mask=bm)
-    assert np.abs(alone - plain).max() > 1e-3
-    # unless its blocks are single elements
-    bm1 = BlockMask.causal(sq, sk, block=(1, 1))
-    np.testing.assert_allclose(cuflash.attention(q, k, v, block_mask=bm1), plain, rtol=0,
-                               atol=2 * np.finfo(np.float64).eps * mag)
+    for kw in (dict(block_mask=BlockMask.causal(sq, sk, block=block)),
+               dict(block_mask=BlockMask.causal(sq, sk, block=block), causal=True)):
+        np.testing.assert_allclose(cuflash.attention(q, k, v, **kw), plain, rtol=0,
+                                   atol=2 * np.finfo(np.float64).eps * mag)
+
+
+@given(sq=st.integers(1, 300), sk=st.integers(1, 300), left=sides, right=sides,
+       block=st.sampled_from([(16, 16), (64, 32), (128, 128), (512, 512)]))
+def test_sliding_window_mask_equals_window_bit_for_bit(sq, sk, left, right, block):
+    """The names promise the same thing: on the NumPy backend they give the same bits."""
+    q, k, v = _qkv(sq, sk, dtype=np.float32)
+    a = cuflash.attention(q, k, v, window=(left, right), return_lse=True)
+    b = cuflash.attention(q, k, v, block_mask=BlockMask.sliding_window(sq, sk, window=(left, right), block=block),
+                          return_lse=True)
+    for x, y in zip(a, b):
+        assert np.array_equal(x, y)
 
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window=(10, 3)), dict(window=(None, 5), causal=True)],

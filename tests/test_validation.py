@@ -101,10 +101,12 @@ FORWARD_CASES = [
     ("block_mask-k-blocks", dict(block_mask=BlockMask(np.ones((1, 1, 3, 4), bool), block=(4, 4))), ValueError,
      r"block_mask"),
     ("block_mask-block-size", dict(block_mask=BlockMask(grid_ok, block=(8, 8))), ValueError, r"block_mask"),
-    ("block_mask-batch", dict(block_mask=BlockMask(np.ones((3, 1, 3, 3), bool), block=(4, 4))), ValueError,
-     r"block_mask"),
-    ("block_mask-heads", dict(block_mask=BlockMask(np.ones((1, 2, 3, 3), bool), block=(4, 4))), ValueError,
-     r"block_mask"),
+    ("block_mask-lengths", dict(block_mask=BlockMask(grid_ok, block=(4, 4))), ValueError,
+     r"block_mask was built for seqlen_q=12, seqlen_k=12"),
+    ("block_mask-batch", dict(block_mask=BlockMask(np.ones((3, 1, 3, 3), bool), block=(4, 4), seqlen_q=SQ,
+                                                   seqlen_k=SK)), ValueError, r"block_mask grid leading dims"),
+    ("block_mask-heads", dict(block_mask=BlockMask(np.ones((1, 2, 3, 3), bool), block=(4, 4), seqlen_q=SQ,
+                                                   seqlen_k=SK)), ValueError, r"block_mask grid leading dims"),
     ("backend-unknown", dict(backend="tpu"), ValueError, r"backend 'tpu'.*'numpy'"),
     ("backend-type", dict(backend=1), TypeError, r"backend"),
     ("backend-cuda-numpy", dict(backend="cuda"), (TypeError, RuntimeError), r"cuda.*numpy|numpy.*cuda"),
@@ -179,7 +181,7 @@ def test_valid_arguments_reach_the_backend():
     with pytest.raises(AssertionError, match="backend was called"):
         cuflash.attention(q, k, v, causal=True, window=(3, None), scale=np.float32(0.3),
                           seqlens_q=np.array([SQ, 0], dtype=np.uint8), seqlens_k=np.array([0, SK]),
-                          block_mask=BlockMask(grid_ok, block=(4, 4)))
+                          block_mask=BlockMask(grid_ok, block=(4, 4), seqlen_q=SQ, seqlen_k=SK))
 
 
 # ----------------------------------------------------------------------------- backward

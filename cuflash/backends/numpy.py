@@ -51,6 +51,7 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 BF16_BITS = False
 MAX_HEAD_DIM = None
 ARRAYS = "numpy"
+MODIFIERS = True  # score and mask modifiers (cuflash.mods), evaluated tile by tile
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
 
@@ -134,9 +135,13 @@ def layout(problem: Problem, block_q=None, block_k=None) -> Layout:
         bq = max(1, TILE_ELEMENTS // (g * bk))
     bm = problem.block_mask
     if bm is not None:
-        # Tiles are whole multiples of the mask's blocks, so that dropped blocks are skipped tiles.
-        bq = max(bm.block[0], bq // bm.block[0] * bm.block[0])
-        bk = max(bm.block[1], bk // bm.block[1] * bm.block[1])
+        # Tiles that are whole multiples of the mask's blocks skip exactly the blocks it skips (any tile is exact: it
+        # tests the elements of blocks it only partly covers). A tile spanning the whole sequence stays as it is,
+        # so that a BlockMask of the same elements as window= gives the same tiles, hence the same bits.
+        if bq < problem.seqlen_q:
+            bq = max(bm.block[0], bq // bm.block[0] * bm.block[0])
+        if bk < problem.seqlen_k:
+            bk = max(bm.block[1], bk // bm.block[1] * bm.block[1])
     per_pair = g * bq * bk
     b, hkv = problem.batch, problem.heads_kv
     pairs = max(1, TILE_ELEMENTS // per_pair)
@@ -218,6 +223,64 @@ def _mask_scores(s, masks, tile, chunk):
         np.copyto(s, -np.inf, where=masks.hidden(tile, chunk))
 
 
+class _Mods:
+    """The call's score and mask modifiers (:class:`cuflash.mods.Modifiers`) on one tile of one item, in the
+    grouped (nb, nh_kv, G, rows, keys) layout of the scores (query head h = kv head * G + g)."""
+
+    def __init__(self, problem, wt):
+        self.problem, self.wt, self.mods = problem, wt, problem.mods
+        self.len_q, self.len_k = problem.lengths
+
+    @staticmethod
+    def active(problem) -> bool:
+        return problem.mods is not None
+
+    def env(self, tile, chunk, score=None):
+        p = self.problem
+        bs, hs = chunk
+        col = lambda x: np.asarray(x).reshape(-1, 1, 1, 1, 1)  # noqa: E731
+        heads = np.arange(p.heads_q).reshape(p.heads_kv, p.group)[hs]
+        env = dict(b=col(np.arange(p.batch)[bs]), h=heads[None, :, :, None, None], q_len=col(self.len_q[bs]),
+                   kv_len=col(self.len_k[bs]), q_idx=np.arange(tile.i0, tile.i1).reshape(1, 1, 1, -1, 1),
+                   kv_idx=np.arange(tile.k0, tile.k1).reshape(1, 1, 1, 1, -1))
+        if score is not None:
+            env["score"] = score
+        return env
+
+    def score(self, s, tile, chunk, keep_s0=False):
+        """Apply the score modifier to the natural scores ``s`` in place; return them as they were (``keep_s0``)."""
+        if self.mods.score is None:
+            return None
+        s0 = s.copy() if keep_s0 else None
+        s[...] = self.mods.score.evaluate(self.env(tile, chunk, s), self.mods.values, self.wt)
+        return s0
+
+    def mask(self, s, tile, chunk):
+        """The mask modifier: scores it removes become -inf (every tile, before the row max)."""
+        if self.mods.mask is not None:
+            keep = self.mods.mask.evaluate(self.env(tile, chunk), self.mods.values)
+            np.copyto(s, -np.inf, where=~np.broadcast_to(keep, s.shape))
+
+    def factor(self, expr, s0, tile, chunk):
+        return expr.evaluate(self.env(tile, chunk, s0), self.mods.values, self.wt)
+
+    def backprop(self, ds, s0, tile, chunk):
+        """dS of the modified scores → that of the unmodified ones (masked entries, dS = 0, stay 0)."""
+        f = self.factor(self.mods.dscore, s0, tile, chunk)
+        np.multiply(ds, f, out=ds, where=ds != 0)
+
+    def dbias(self, ds, s0, tile, chunk, part):
+        """Add this tile's dbias (dS times d mod/d bias) into ``part``: the item's share of the bias's compact
+        (B|1, H|1, Sq|1, Sk|1) shape, at the item's batch/head block and this tile's rows, keys (or summed)."""
+        g = ds * self.factor(self.mods.dbias, s0, tile, chunk)
+        g = g.reshape(g.shape[0], -1, *g.shape[3:])  # (nb, nh, rows, keys)
+        bias = self.mods.values["cuflash_bias"]
+        axes = tuple(i for i, st in enumerate(bias.strides) if st == 0 and bias.shape[i] > 1)
+        g = g.sum(axis=axes, keepdims=True) if axes else g
+        rows = slice(tile.i0, tile.i1) if part.shape[2] > 1 else slice(None)
+        part[:, :, rows] += g
+
+
 def _dropout_scale(problem, tile, chunk, dtype):
     """Keep-mask of a tile scaled by 1/(1-p), as (nb, nh, G, bq, bk); None without dropout."""
     if not problem.dropout_p:
@@ -241,9 +304,10 @@ class _Exp:
     the size of the naive computation's own rounding of ``S·scale``; the float32 rule holds errors
     to twice the naive float32 computation's), so scores come out of the product ready for ``exp2``,
     which NumPy evaluates twice as fast as ``exp`` and to < 1 ulp.
-    float64: base e, the scale folded into Q only when it is a power of two (exact), else applied
-    to each score tile: the naive float64 computation is the reference itself, and the rule leaves
-    no room for an extra rounding of Q.
+    float64, and any dtype with a score modifier (it takes natural scores, ``scale·q·k``): base e, the
+    scale folded into Q only when it is a power of two (exact), else applied to each score tile: the
+    naive float64 computation is the reference itself, and the rule leaves no room for an extra
+    rounding of Q.
     """
 
     fold: Optional[float]   # multiplies Q (None: Q as is)
@@ -254,7 +318,7 @@ class _Exp:
 
 
 def _exp_rule(problem, wt) -> _Exp:
-    if wt == np.float32:
+    if wt == np.float32 and (problem.mods is None or problem.mods.score is None):
         return _Exp(wt.type(problem.scale * LOG2E), None, np.exp2, np.log2, 1.0)
     exact = problem.scale != 0 and math.frexp(problem.scale)[0] in (0.5, -0.5)
     scale = wt.type(problem.scale)
@@ -288,6 +352,7 @@ def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
     ones = np.ones(lay.block_k, dtype=wt)
     scratch, masks = _Scratch(), _Masks(sched, problem)
+    modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
 
     def item(work):
         chunk, i = work
@@ -306,6 +371,9 @@ def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
         for t in tiles:
             s = scratch.get("s", q_i.shape[:-1] + (t.k1 - t.k0,), wt)
             _scores(q_i, kt[bs, hs, :, :, t.k0:t.k1], rule, s)
+            if modifiers is not None:
+                modifiers.score(s, t, chunk)
+                modifiers.mask(s, t, chunk)
             _mask_scores(s, masks, t, chunk)
             m_new = np.maximum(m_i, s.max(axis=-1))
             m_safe = np.where(m_new == -np.inf, 0, m_new)  # a row that saw nothing yet: no -inf - -inf
@@ -356,10 +424,21 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
     dv = np.zeros_like(dk)
     scale = wt.type(problem.scale)
     scratch, masks = _Scratch(), _Masks(sched, problem)
+    modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
+    modified = modifiers is not None and problem.mods.score is not None
     columns = [t for t in range(sched.n_k) if ((sched.lo <= t) & (t < sched.hi)).any()]
     slots = max(1, min(DQ_CHUNKS, len(columns)))
+    bias = problem.mods.values["cuflash_bias"] if dbias else None
 
-    def column(t, chunk, dq_acc):
+    def dbias_part(chunk, k0, k1):
+        """The item's share of dbias for key tile [k0, k1): zeros in the compact bias's shape there."""
+        bs, hs = chunk
+        shape = [n if st != 0 or n == 1 else 1 for n, st in zip(bias.shape, bias.strides)]
+        nb = len(range(problem.batch)[bs]) if shape[0] > 1 else 1
+        nh = len(range(problem.heads_kv)[hs]) * problem.group if shape[1] > 1 else 1
+        return np.zeros((nb, nh, shape[2], k1 - k0 if shape[3] > 1 else 1), dtype=wt)
+
+    def column(t, chunk, dq_acc, parts):
         bs, hs = chunk
         tiles = list(sched.column(t))
         if not tiles:
@@ -370,11 +449,16 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
         shape = q[bs, hs].shape[:3]
         dk_j = np.zeros(shape + (k1 - k0, q.shape[-1]), dtype=wt)
         dv_j = np.zeros_like(dk_j)
+        part = dbias_part(chunk, k0, k1) if dbias else None
         for tl in tiles:
             q_i, do_i = q[bs, hs, :, tl.i0:tl.i1, :], do[bs, hs, :, tl.i0:tl.i1, :]
             tile_shape = shape + (tl.i1 - tl.i0, k1 - k0)
             s = scratch.get("s", tile_shape, wt)
             _scores(q_i if rule.fold is None else q_i * rule.fold, kt_j, rule, s)  # S as the forward's
+            s0 = None
+            if modifiers is not None:
+                s0 = modifiers.score(s, tl, chunk, keep_s0=modified)
+                modifiers.mask(s, tl, chunk)
             _mask_scores(s, masks, tl, chunk)
             s -= lse_r[bs, hs, :, tl.i0:tl.i1, None]
             p = rule.exp(s, out=s)
@@ -385,26 +469,41 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
                 dp *= z  # dP of the dropped P, back through the keep-mask
             dp -= big_d[bs, hs, :, tl.i0:tl.i1, None]
             ds = np.multiply(p, dp, out=dp)
+            if modified:  # the chain rule through the score modifier (and the bias's gradient before it)
+                if part is not None:
+                    modifiers.dbias(ds, s0, tl, chunk, part)
+                modifiers.backprop(ds, s0, tl, chunk)
             dq_acc[..., tl.i0:tl.i1, :] += ds @ k_j
             dk_j += np.swapaxes(ds, -1, -2) @ q_i
         dk[bs, hs, :, k0:k1, :] = dk_j.sum(axis=2, keepdims=True) * scale
         dv[bs, hs, :, k0:k1, :] = dv_j.sum(axis=2, keepdims=True)
+        if part is not None:
+            parts.append((k0, k1, part))
 
     # Key tiles are dealt round-robin to a fixed number of dQ accumulators (O(N·d) each), summed
     # in a fixed order: dQ is bitwise the same whatever the thread count or schedule.
     def item(work):
         chunk, slot = work
         dq_acc = np.zeros(q[chunk].shape, dtype=wt)
+        parts: list = []
         for t in columns[slot::slots]:
-            column(t, chunk, dq_acc)
-        return dq_acc
+            column(t, chunk, dq_acc, parts)
+        return dq_acc, parts
 
     dq = np.zeros(q.shape, dtype=wt)
+    db = np.zeros([n if st != 0 or n == 1 else 1 for n, st in zip(bias.shape, bias.strides)], wt) if dbias else None
 
-    def fold(work, part):  # in item order: dq = ((0 + slot 0) + slot 1) + ... per pair block
-        dq[work[0]] += part
+    def fold(work, result):  # in item order: dq = ((0 + slot 0) + slot 1) + ... per pair block; dbias likewise
+        dq_part, parts = result
+        dq[work[0]] += dq_part
+        bs, hs = work[0]
+        for k0, k1, part in parts:
+            b_at = bs if db.shape[0] > 1 else slice(None)
+            h_at = slice(hs.start * problem.group, hs.stop * problem.group) if db.shape[1] > 1 else slice(None)
+            db[b_at, h_at, :, slice(k0, k1) if db.shape[3] > 1 else slice(None)] += part
 
     _run(item, [(chunk, slot) for chunk in lay.chunks for slot in range(slots)], fold)
     dq *= scale
     cast = lambda x: _ungroup(x).astype(problem.dtype, copy=False)  # noqa: E731
-    return cast(dq), cast(dk), cast(dv)
+    grads = cast(dq), cast(dk), cast(dv)
+    return grads + (db,) if dbias else grads

@@ -140,16 +140,20 @@ def check_host_layout(cxx: str | None = None) -> str | None:
 
 def representative_modifier() -> tuple[str, str]:
     """``(struct name, C++)`` of a modifier that exercises every path (softcap, bias with dbias, ALiBi, a mask
-    modifier reading an array): its specializations are held to no spills (headroom is the plain kernels' rule)."""
+    modifier reading an array, a BlockMask with an element rule): its specializations are held to no spills
+    (headroom is the plain kernels' rule)."""
     import numpy as np
 
     from ..problem import make_problem
     from . import modcode
 
+    from ..blockmask import BlockMask
+
     q = np.zeros((1, 8, 2, 32), np.float16)
+    mask = BlockMask.document(np.arange(8) // 3, block=(4, 4)) & BlockMask.causal(8, block=(4, 4))
     p = make_problem(q, q, q, bias=np.zeros((2, 8, 8), np.float32), softcap=30.0, alibi_slopes=np.ones(2, np.float32),
-                     mask_mod="keep[kv_idx]", mod_arrays={"keep": np.ones(8, bool)})
-    return modcode.render(p.mods, dbias=True)
+                     mask_mod="keep[kv_idx]", mod_arrays={"keep": np.ones(8, bool)}, block_mask=mask)
+    return modcode.render(p.mods, p.block_mask, dbias=True)
 
 
 def _jobs(archs):

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import dropout
+from .. import dropout, tiling
 from . import modcode, params, specs
 from .source import kernel_source
 
@@ -106,56 +106,33 @@ def check_launch_limits(problem, what: str):
 # ------------------------------------------------------------------------------------------------
 # Block-mask lists at the kernel's tile granularity
 # ------------------------------------------------------------------------------------------------
-def tile_lists(grid: np.ndarray, block: tuple, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int):
-    """The BlockMask as the kernel reads it: per (batch|1, head|1, query tile), the sorted key tiles
-    that some kept mask block touches, ``n`` when mask blocks cover the whole tile and ``~n`` when
-    only part of it (then the kernel checks elements against the grid).
+def tile_lists(kept: np.ndarray, full: np.ndarray):
+    """The BlockMask schedule as a kernel reads it: per (batch|1, head|1, tile) of the outer loop, the sorted tiles
+    of the inner loop that are kept, ``n`` for a full one and ``~n`` for one that needs the element test.
+    ``kept``/``full`` are :func:`cuflash.tiling.mask_tiles`, oriented (outer, inner).
 
-    Returns ``(counts int32 (Bm, Hm, nM), lists int32 (Bm, Hm, nM, nN), partial: bool)``.
+    Returns ``(counts int32 (Bm, Hm, n_outer), lists int32 (Bm, Hm, n_outer, n_inner))``, C-ordered (the kernels
+    index them flat).
     """
-    grid = np.asarray(grid, dtype=bool)
-    bq, bk = block
-    n_m, n_n = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
-    # mask rows/cols [lo, hi) that each kernel tile overlaps (only the part inside the sequence counts)
-    m = np.arange(n_m)
-    r_lo, r_hi = (m * block_m) // bq, (np.minimum((m + 1) * block_m, seqlen_q) - 1) // bq + 1
-    n = np.arange(n_n)
-    c_lo, c_hi = (n * block_n) // bk, (np.minimum((n + 1) * block_n, seqlen_k) - 1) // bk + 1
-    # kept-block counts over each rectangle from a 2-D prefix sum
-    pre = np.zeros(grid.shape[:2] + (grid.shape[2] + 1, grid.shape[3] + 1), dtype=np.int64)
-    pre[:, :, 1:, 1:] = grid.cumsum(axis=2).cumsum(axis=3)
-    rl, rh, cl, ch = r_lo[:, None], r_hi[:, None], c_lo[None, :], c_hi[None, :]
-    count = pre[:, :, rh, ch] - pre[:, :, rl, ch] - pre[:, :, rh, cl] + pre[:, :, rl, cl]
-    area = (rh - rl) * (ch - cl)
-    kept, full = count > 0, count == area
     order = np.argsort(~kept, axis=-1, kind="stable").astype(np.int32)  # kept tiles first, ascending
     lists = np.where(np.take_along_axis(full, order, axis=-1), order, ~order).astype(np.int32)
     counts = kept.sum(axis=-1).astype(np.int32)
-    # C order matters: the kernel indexes these flat (the fancy indexing above yields other layouts)
-    return np.ascontiguousarray(counts), np.ascontiguousarray(lists), bool((kept & ~full).any())
+    return np.ascontiguousarray(counts), np.ascontiguousarray(lists)
 
 
-def _mask_arg(xp, bm, block_q: int, block_k: int, seqlen_q: int, seqlen_k: int, transposed: bool):
-    """``(BlockMaskArg value, arrays it points to)``: index lists per tile (per key tile when ``transposed``)
-    and, when mask blocks are finer than the kernel tiles, the grid for element checks (original orientation)."""
+def _mask_arg(xp, bm, block_q: int, block_k: int, transposed: bool):
+    """``(BlockMaskArg value, arrays it points to)``: the tile lists per query tile (per key tile when
+    ``transposed``: the backward's main kernel)."""
     if bm is None:
-        return (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), ()
-    gb, gh, nq, nk = bm.grid.shape
+        return (0, 0, 0, 0, 0), ()
+    kept, full = tiling.mask_tiles(bm, block_q, block_k)
     if transposed:
-        counts, lists, partial = tile_lists(bm.grid.transpose(0, 1, 3, 2), bm.block[::-1], block_k, block_q,
-                                            seqlen_k, seqlen_q)
-    else:
-        counts, lists, partial = tile_lists(bm.grid, bm.block, block_q, block_k, seqlen_q, seqlen_k)
-    n_tiles = counts.shape[-1]
-    counts, lists = xp.asarray(counts), xp.asarray(lists)
-    cells, c_b, c_h, mbq, mbk, mnk = None, 0, 0, 0, 0, 0
-    if partial:
-        cells = xp.asarray(np.ascontiguousarray(bm.grid, dtype=np.uint8))
-        c_b, c_h = (gh * nq * nk if gb > 1 else 0), (nq * nk if gh > 1 else 0)
-        mbq, mbk, mnk = bm.block[0], bm.block[1], nk
-    value = (params.address(counts), params.address(lists), params.address(cells),
-             gh * n_tiles if gb > 1 else 0, n_tiles if gh > 1 else 0, c_b, c_h, lists.shape[-1], mbq, mbk, mnk)
-    return value, (counts, lists, cells)
+        kept, full = kept.transpose(0, 1, 3, 2), full.transpose(0, 1, 3, 2)
+    counts, lists = (xp.asarray(a) for a in tile_lists(kept, full))
+    gb, gh, n_tiles = counts.shape
+    value = (params.address(counts), params.address(lists), gh * n_tiles if gb > 1 else 0,
+             n_tiles if gh > 1 else 0, lists.shape[-1])
+    return value, (counts, lists)
 
 
 def _dropout_arg(problem) -> tuple:
@@ -191,10 +168,10 @@ def _with_mods(problem, specs_, dbias=False):
     """The specializations with the call's modifier compiled in, their source, the ModArgs value and the arrays it
     points to (and the dbias accumulator, when asked for)."""
     source = kernel_source(specs_[0].source)
-    if problem.mods is None:
+    if problem.mods is None and problem.block_mask is None:
         return specs_, source, None, (), None
-    name, code = modcode.render(problem.mods, dbias=dbias)
-    value, keep = modcode.operands(problem.mods, problem.xp)
+    name, code = modcode.render(problem.mods, problem.block_mask, dbias=dbias)
+    value, keep = modcode.operands(problem.mods, problem.block_mask, problem.xp, dbias=dbias)
     acc = None
     if dbias:
         acc, strides = modcode.dbias_buffer(problem.mods, problem.xp)
@@ -238,7 +215,7 @@ def forward_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80],
     if b == 0 or sq == 0:
         return ForwardLaunch(None, out, lse, d)
     q, k, v = (_prepare(xp, a, d8) for a in (problem.q, problem.k, problem.v))
-    mask, mask_keep = _mask_arg(xp, problem.block_mask, spec.block_m, spec.block_n, sq, problem.seqlen_k, False)
+    mask, mask_keep = _mask_arg(xp, problem.block_mask, spec.block_m, spec.block_n, False)
     (spec,), source, mods, mods_keep, _ = _with_mods(problem, (spec,))
     values = dict(_common(problem, d8), q=q, k=k, v=v, o=out, lse=lse, mask=mask)
     if mods is not None:
@@ -327,12 +304,12 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
         return LaunchSpec(source=source, name_expression=name, grid=rows, block=(32 * ROWS_PER_BLOCK, 1, 1),
                           shared_bytes=0, args=(params.pack(**common),), module=module, keep=keep)
 
-    mask, mask_keep = _mask_arg(xp, problem.block_mask, spec.block_m, spec.block_n, sq, sk, transposed=True)
+    mask, mask_keep = _mask_arg(xp, problem.block_mask, spec.block_m, spec.block_n, transposed=True)
     launches = [helper(preprocess),
                 _launch(spec, source, (_cdiv(sk, spec.block_n), hkv, b), dict(common, mask=mask), keep + mask_keep,
                         module)]
     if deterministic:
-        mask, mask_keep = _mask_arg(xp, problem.block_mask, dq_spec.block_m, dq_spec.block_n, sq, sk, False)
+        mask, mask_keep = _mask_arg(xp, problem.block_mask, dq_spec.block_m, dq_spec.block_n, False)
         launches.append(_launch(dq_spec, source, (_cdiv(sq, dq_spec.block_m), hq, b), dict(common, mask=mask),
                                 keep + mask_keep, module))
     else:

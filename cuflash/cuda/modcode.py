@@ -1,20 +1,24 @@
 """Score and mask modifiers as the kernels take them: a C++ struct compiled in, and its operands in Params::mods.
 
-:func:`render` turns a call's :class:`cuflash.mods.Modifiers` into the struct that ``kernels/mods.cuh``
-describes (``kScore``, ``kMask``, ``kDBias`` and the functions ``score``, ``dscore``, ``dbias``, ``mask``),
-named after a digest of what it computes, so each distinct modifier compiles once per kernel family and
-CuPy's cache keeps it. :func:`operands` packs the values: each (array, indexing) pair takes one
-``ModArray`` slot with the element strides of its index variables, scalars take ``scalars`` (float) or
-``iscalars`` (int, bool). Arrays travel as float32 / int32 / uint8, converted without ever expanding a
-broadcast (a bias broadcast over batch and heads stays one small array with zero strides).
+:func:`render` turns a call's :class:`cuflash.mods.Modifiers` and its BlockMask into the struct that
+``kernels/mods.cuh`` describes (``kScore``, ``kMask``, ``kDBias`` and the functions ``score``, ``dscore``,
+``dbias``, ``mask``, ``rule``), named after a digest of what it computes: operands are numbered in the order
+the expressions first read them, so two masks of the same structure (two ``BlockMask.document`` of different
+ids, say) compile to the same struct, once per kernel family, and CuPy's cache keeps it. :func:`operands` packs
+their values: each (array, indexing) pair takes one ``ModArray`` slot with the element strides of its index
+variables, scalars take ``scalars`` (float) or ``iscalars`` (int, bool). Arrays travel as float32 / int32 /
+uint8, converted without ever expanding a broadcast (a bias broadcast over batch and heads stays one small
+array with zero strides).
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
+from ..mods import Node
 from . import params
 
 _VARS = "int b, int h, int q_idx, int kv_idx, int q_len, int kv_len, const Params& p"
@@ -24,40 +28,77 @@ _AXES = {"b": 0, "h": 1, "q_idx": 2, "kv_idx": 3}
 
 
 @dataclass(frozen=True)
+class Parts:
+    """What one launch compiles in: the expressions (None: absent) and every operand's value."""
+
+    score: Optional[object]
+    dscore: Optional[object]
+    dbias: Optional[object]
+    mask: Optional[object]
+    rule: Optional[object]
+    values: dict
+
+    @property
+    def exprs(self):
+        return [e for e in (self.score, self.dscore, self.dbias, self.mask, self.rule) if e is not None]
+
+
+def parts(mods, block_mask, dbias: bool = False) -> Parts:
+    values = {**(mods.values if mods is not None else {}), **(block_mask.values if block_mask is not None else {})}
+    score = mods.score if mods is not None else None
+    return Parts(score, mods.dscore if score is not None else None, mods.dbias if dbias else None,
+                 mods.mask if mods is not None else None, block_mask.member if block_mask is not None else None,
+                 values)
+
+
+@dataclass(frozen=True)
 class Slots:
     """Where each operand travels: ``arrays[(name, indexing)]`` → ModArray slot, ``scalars[name]`` → (which
-    scalar array, index)."""
+    scalar array, index); ``types[name]`` the operand's type."""
 
     arrays: dict
     scalars: dict
+    types: dict
 
 
-def slots(mods) -> Slots:
-    """Slot assignment for every operand the modifiers read (limits: kernels/params.cuh)."""
-    arrays, scalars, counts = {}, {}, {"scalars": 0, "iscalars": 0}
-    exprs = [e for e in (mods.score, mods.mask) if e is not None]
-    for op in sorted({o.name: o for e in exprs for o in e.operands}.values(), key=lambda o: o.name):
-        if op.table:
-            arrays[(op.name, "table")] = len(arrays)
-        elif op.is_array:
-            for index in op.indexings:
-                arrays[(op.name, index)] = len(arrays)
-        else:
-            which = "scalars" if op.type == "float" else "iscalars"
-            scalars[op.name] = (which, counts[which])
-            counts[which] += 1
+def _reads(n: Node, out: list):
+    """Every operand read of a tree, in order of first appearance: ``(name, indexing or None, type)``."""
+    if n.op == "array":
+        out.append((n.value[0], n.value[1], n.type))
+    elif n.op == "scalar":
+        out.append((n.value, None, n.type))
+    elif n.op == "bits":
+        _reads(n.value[0], out)
+        out.append((n.value[1], "table", "int"))
+    for a in n.args:
+        _reads(a, out)
+
+
+def slots(p: Parts) -> Slots:
+    """Slot assignment for every operand (limits: kernels/params.cuh), in order of first reading."""
+    reads: list = []
+    for e in p.exprs:
+        _reads(e.root, reads)
+    arrays, scalars, types, counts = {}, {}, {}, {"scalars": 0, "iscalars": 0}
+    for name, index, t in reads:
+        types.setdefault(name, t)
+        if index is None:
+            if name not in scalars:
+                which = "scalars" if t == "float" else "iscalars"
+                scalars[name] = (which, counts[which])
+                counts[which] += 1
+        elif (name, index) not in arrays:
+            arrays[(name, index)] = len(arrays)
     if len(arrays) > params.MOD_ARRAYS or max(counts.values()) > params.MOD_SCALARS:
         raise ValueError(f"the CUDA kernels read at most {params.MOD_ARRAYS} array readings (an array read at two "
-                         f"indexings counts twice) and {params.MOD_SCALARS} scalars of each kind in modifiers; this "
-                         f"call has {len(arrays)} readings and {counts} scalars")
-    return Slots(arrays, scalars)
+                         f"indexings counts twice) and {params.MOD_SCALARS} scalars of each kind in modifiers and "
+                         f"masks; this call has {len(arrays)} readings and {counts} scalars")
+    return Slots(arrays, scalars, types)
 
 
-def _reader(mods, s: Slots):
-    types = {o.name: o.type for e in (mods.score, mods.mask) if e is not None for o in e.operands}
-
+def _reader(s: Slots):
     def read(name, index):
-        t = types[name]
+        t = s.types[name]
         if index == "table":  # the ModArray itself (kernels/mods.cuh: dense_bit)
             return f"p.mods.arrays[{s.arrays[(name, index)]}]"
         if index is None:
@@ -76,21 +117,21 @@ def _reader(mods, s: Slots):
     return read
 
 
-def render(mods, *, dbias: bool = False) -> tuple[str, str]:
-    """``(struct name, C++ text)`` of the modifiers; ``dbias``: the backward accumulates the bias's gradient."""
-    s = slots(mods)
-    read = _reader(mods, s)
-    score = mods.score.cpp(read) if mods.score is not None else "score"
-    dscore = mods.dscore.cpp(read) if mods.score is not None else "1.0f"
-    dbias_expr = mods.dbias.cpp(read) if dbias else "1.0f"
-    mask = mods.mask.cpp(read) if mods.mask is not None else "true"
-    body = (f"  static constexpr bool kScore = {str(mods.score is not None).lower()};\n"
-            f"  static constexpr bool kMask = {str(mods.mask is not None).lower()};\n"
+def render(mods, block_mask=None, *, dbias: bool = False) -> tuple[str, str]:
+    """``(struct name, C++ text)``; ``dbias``: the backward accumulates the bias's gradient."""
+    p = parts(mods, block_mask, dbias)
+    read = _reader(slots(p))
+    code = {name: (e.cpp(read) if e is not None else default) for name, e, default in (
+        ("score", p.score, "score"), ("dscore", p.dscore, "1.0f"), ("dbias", p.dbias, "1.0f"),
+        ("mask", p.mask, "true"), ("rule", p.rule, "true"))}
+    body = (f"  static constexpr bool kScore = {str(p.score is not None).lower()};\n"
+            f"  static constexpr bool kMask = {str(p.mask is not None).lower()};\n"
             f"  static constexpr bool kDBias = {str(dbias).lower()};\n"
-            f"  __device__ static __forceinline__ float score(float score, {_VARS}) {{ return {score}; }}\n"
-            f"  __device__ static __forceinline__ float dscore(float score, {_VARS}) {{ return {dscore}; }}\n"
-            f"  __device__ static __forceinline__ float dbias(float score, {_VARS}) {{ return {dbias_expr}; }}\n"
-            f"  __device__ static __forceinline__ bool mask({_VARS}) {{ return {mask}; }}\n")
+            f"  __device__ static __forceinline__ float score(float score, {_VARS}) {{ return {code['score']}; }}\n"
+            f"  __device__ static __forceinline__ float dscore(float score, {_VARS}) {{ return {code['dscore']}; }}\n"
+            f"  __device__ static __forceinline__ float dbias(float score, {_VARS}) {{ return {code['dbias']}; }}\n"
+            f"  __device__ static __forceinline__ bool mask({_VARS}) {{ return {code['mask']}; }}\n"
+            f"  __device__ static __forceinline__ bool rule({_VARS}) {{ return {code['rule']}; }}\n")
     name = "Mods_" + hashlib.sha1(body.encode()).hexdigest()[:16]
     return f"cuflash::{name}", f"\nnamespace cuflash {{\nstruct {name} {{\n{body}}};\n}}  // namespace cuflash\n"
 
@@ -114,19 +155,20 @@ def _device_array(xp, a, t: str):
     return conv, strides
 
 
-def operands(mods, xp) -> tuple[tuple, tuple]:
-    """``(ModArgs value without dbias, arrays it points to)`` for :func:`cuflash.cuda.params.pack`."""
-    s = slots(mods)
+def operands(mods, block_mask, xp, *, dbias: bool = False) -> tuple[tuple, tuple]:
+    """``(ModArgs value without dbias, arrays it points to)`` for :func:`cuflash.cuda.params.pack`; ``dbias`` as
+    given to :func:`render` (the slots are the struct's)."""
+    p = parts(mods, block_mask, dbias)
+    s = slots(p)
     arrays = [(0, (0, 0, 0, 0))] * params.MOD_ARRAYS
     keep = []
-    types = {o.name: o.type for e in (mods.score, mods.mask) if e is not None for o in e.operands}
     for (name, index), k in s.arrays.items():
         if index == "table":  # packed bits: raw bytes, row stride in stride[0]
-            conv = xp.ascontiguousarray(xp.asarray(mods.values[name]))
+            conv = xp.ascontiguousarray(xp.asarray(p.values[name]))
             arrays[k] = (params.address(conv), (conv.strides[0], 0, 0, 0))
             keep.append(conv)
             continue
-        conv, strides = _device_array(xp, mods.values[name], types[name])
+        conv, strides = _device_array(xp, p.values[name], s.types[name])
         by_var = [0, 0, 0, 0]
         for axis, var in enumerate(index):
             if var is not None:
@@ -135,15 +177,14 @@ def operands(mods, xp) -> tuple[tuple, tuple]:
         keep.append(conv)
     scalars = {"scalars": [0.0] * params.MOD_SCALARS, "iscalars": [0] * params.MOD_SCALARS}
     for name, (which, k) in s.scalars.items():
-        scalars[which][k] = np.asarray(mods.values[name]).item()
+        scalars[which][k] = np.asarray(p.values[name]).item()
     return (arrays, scalars["scalars"], scalars["iscalars"], 0, (0, 0, 0, 0)), tuple(keep)
 
 
 def dbias_buffer(mods, xp):
     """The fp32 dbias accumulator in the bias's compact (B|1, H|1, Sq|1, Sk|1) shape, zeroed, and its element
     strides per (b, h, q_idx, kv_idx) (0 where the bias broadcasts: the kernels add those contributions up)."""
-    bias = mods.values["cuflash_bias"]
-    small = _compact(bias)
+    small = _compact(mods.values["cuflash_bias"])
     acc = xp.zeros(small.shape, dtype=np.float32)
     strides = tuple(0 if n == 1 else s // 4 for n, s in zip(small.shape, acc.strides))
     return acc, strides

@@ -21,11 +21,8 @@ def _struct(fields, ctype: str) -> np.dtype:
 
 TENSOR = _struct([("ptr", _PTR), ("batch_stride", _I64), ("row_stride", _I64), ("head_stride", _I64)],
                  "cuflash::TensorArg")
-BLOCK_MASK = _struct([("tile_counts", _PTR), ("tile_lists", _PTR), ("cells", _PTR),
-                      ("tiles_batch_stride", _I64), ("tiles_head_stride", _I64),
-                      ("cells_batch_stride", _I64), ("cells_head_stride", _I64),
-                      ("list_len", _I32), ("block_q", _I32), ("block_k", _I32), ("n_k_blocks", _I32)],
-                     "cuflash::BlockMaskArg")
+BLOCK_MASK = _struct([("tile_counts", _PTR), ("tile_lists", _PTR), ("tiles_batch_stride", _I64),
+                      ("tiles_head_stride", _I64), ("list_len", _I32)], "cuflash::BlockMaskArg")
 DROPOUT = _struct([("seed_lo", _U32), ("seed_hi", _U32), ("threshold", _U32), ("rescale", _F32)],
                   "cuflash::DropoutArg")
 MOD_ARRAYS = MOD_SCALARS = 8  # kModArrays, kModScalars
