@@ -115,7 +115,7 @@ def test_buffers_on_cupy_are_checked_by_device_ranges(monkeypatch):
     assert cp._launches == []
 
 
-# ================================================================================================ head_dim_v != head_dim
+# ======================================================================================== head_dim_v != head_dim
 def _reference_by_value_columns(q, k, v, dout, compute_dtype=np.float64, **options):
     """The float64 reference, which needs v's head dim to be q's, applied to v's columns in chunks of q's head
     dim (attention is linear in v: out = P v, and dS = P∘(dO Vᵀ - rowsum(dO∘O)) is a sum over the columns),

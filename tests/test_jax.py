@@ -68,8 +68,6 @@ def test_forward_matches_dot_product_attention_under_jit(callback, sq, sk, hq, h
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_forward_and_gradients_against_the_float64_reference(callback, dtype):
     """The 2x/3x same-dtype rule of cuflash.testing, through jit(vjp(cuflash.jax.attention))."""
-    import ml_dtypes  # noqa: F401  (bfloat16 NumPy arrays)
-
     np_dtype = np.dtype(jnp.dtype(dtype))
     q, k, v = _arrays((2, 37, 4, 32), (2, 29, 2, 32), np_dtype, seed=1)
     dout = np.random.default_rng(2).standard_normal(q.shape).astype(np_dtype)

@@ -80,7 +80,7 @@ def test_arrays_passed_with_a_residual_are_refused():
     out, residual = cuflash.attention(q, k, v, return_residual=True)
     with pytest.raises(TypeError, match="takes no k, v, out, lse: the residual holds them"):
         cuflash.attention_backward(dout, residual, k, v)
-    with pytest.raises(TypeError, match=r"dqkv= is not a buffer of a residual of attention \(its buffers: dq, dk, dv\)"):
+    with pytest.raises(TypeError, match=r"dqkv= is not a buffer of a residual of attention \(its buffers: dq, dk"):
         cuflash.attention_backward(dout, residual, dqkv=np.empty((2, 23, 3, 4, 16), np.float32))
     with pytest.raises(ValueError, match="dout must have q's shape"):
         cuflash.attention_backward(dout[:, :-1], residual)
@@ -128,7 +128,8 @@ def test_the_residual_is_frozen_small_and_holds_references():
     with pytest.raises(TypeError):
         residual.options["causal"] = False  # a read-only mapping
     text = repr(residual)
-    assert len(text) < 300 and "causal: True" in text and "window: (3, None)" in text and "ndarray(2, 23, 4, 16)" in text
+    assert len(text) < 300 and "causal: True" in text and "window: (3, None)" in text
+    assert "ndarray(2, 23, 4, 16)" in text
     saved = residual._saved
     assert saved[0] is q and saved[1] is k and saved[2] is v and saved[3] is out  # references: no copies
     assert sum(a.nbytes for a in saved) == q.nbytes + k.nbytes + v.nbytes + out.nbytes + residual.lse.nbytes
