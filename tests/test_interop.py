@@ -129,6 +129,22 @@ def test_array_api_strict_results_stay_on_the_callers_device():
     out + q  # the caller's arithmetic works: same device (array-api-strict refuses mixtures)
 
 
+# ================================================================================================ JAX arrays (DLPack)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_jax_arrays_through_cuflash_attention(name):
+    """Plain cuflash.attention on JAX arrays (no jit: cuflash.jax is the adapter for transformations)."""
+    jax = pytest.importorskip("jax", reason="JAX is not installed (it comes with the test extra)")
+    check_through(CASES[name], jax.numpy.asarray, np.asarray, lambda a: isinstance(a, jax.Array))
+
+
+def test_jax_arrays_are_immutable_buffers():
+    jax = pytest.importorskip("jax", reason="JAX is not installed (it comes with the test extra)")
+    q, k, v = (jax.numpy.asarray(a) for a in (CASES["plain"].q, CASES["plain"].k, CASES["plain"].v))
+    with pytest.raises(ValueError, match=r"out is read-only: a buffer for the result must be writable \(JAX arrays "
+                                         r"are immutable"):
+        cuflash.attention(q, k, v, out=jax.numpy.zeros_like(q))
+
+
 # ================================================================================================ NumPy edge cases
 def test_masked_object_and_non_array_inputs_are_refused_everywhere():
     case = CASES["plain"]

@@ -252,3 +252,14 @@ def test_gpu_buffers_become_cupy_arrays_on_xlas_device_and_stream(monkeypatch):
         assert cp.cuda.Device().id == 1 and cp.cuda.get_current_stream().ptr == 0xABC
     assert made == [(0, 0xABC)] and all(b.streams == [0xABC] for b in buffers)
     assert cp.cuda.Device().id == 0
+
+
+def test_docstring_documents_every_parameter():
+    import inspect
+    import re
+
+    doc = cj.attention.__doc__
+    params = doc.split("Parameters")[1].split("Returns")[0]
+    documented = {n.strip() for line in params.splitlines() if (m := re.match(r"^ {4}([A-Za-z_][\w, ]*) :", line))
+                  for n in m.group(1).split(",")}
+    assert set(inspect.signature(cj.attention).parameters) <= documented
