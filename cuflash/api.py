@@ -1,20 +1,41 @@
-"""Public functions: :func:`attention`, :func:`attention_backward`, :func:`attention_vjp`."""
+"""Public functions: :func:`attention`, :func:`attention_backward`, :func:`attention_vjp`, the packed forms
+:func:`attention_qkvpacked` and :func:`attention_kvpacked`, and :class:`AttentionResidual`.
+
+Every function takes NumPy and CuPy arrays and any DLPack / CUDA Array Interface array, converted at the edge by
+:mod:`cuflash.interop` and given back in the caller's array type. What the backends do not compute natively is
+arranged here, for every backend alike: the ``layout`` transposes (views), a value head dim that differs from the
+query/key head dim (zero padding), packed inputs (views) and ``out=`` buffers (a copy into them).
+"""
 from __future__ import annotations
 
+import math
+import numbers
 import zlib
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal, Mapping, Optional, Sequence, Union, overload
 
 import numpy as np
 
 from . import backends
+from .blockmask import BlockMask
 from .dropout import fresh_seed
-from .problem import array_module, check_backward, make_problem
+from .interop import Edge
+from .problem import array_module, check_backward, check_buffer, make_problem
+
+#: An array of any supported library: NumPy, CuPy, or anything with ``__dlpack__`` / ``__cuda_array_interface__``.
+Array = Any
+#: ``"bshd"``: ``(..., seqlen, heads, head_dim)`` (FlashAttention's layout, the default); ``"bhsd"``:
+#: ``(..., heads, seqlen, head_dim)`` (PyTorch SDPA's).
+Layout = Literal["bshd", "bhsd"]
+LAYOUTS = ("bshd", "bhsd")
 
 _OPTIONS_DOC = """
     causal : bool, default False
         Causal mask aligned bottom-right: query ``i`` sees key ``j`` iff ``j <= i + (Lk - Lq)``,
         with ``Lq, Lk`` the sequence's own lengths.
     scale : float, optional
-        Softmax scale applied to ``q @ k.T``; default ``1 / sqrt(head_dim)``.
+        Softmax scale applied to ``q @ k.T``; default ``1 / sqrt(head_dim)`` of q and k.
     window : (int or None, int or None), optional
         Local attention ``(left, right)`` around the same diagonal: keeps
         ``i + off - left <= j <= i + off + right``; ``None`` leaves a side unbounded.
@@ -49,70 +70,348 @@ _OPTIONS_DOC = """
         (seed, batch, head, row, column) (:func:`cuflash.dropout_mask`), identical on every backend.
     seed : int, optional
         Dropout seed in ``[0, 2**64)``. With ``dropout_p > 0`` and ``seed=None`` the forward draws a
-        fresh seed and returns it as an extra last result; the backward requires it.
+        fresh seed and returns it as an extra last result (or keeps it in the residual); the backward
+        requires it.
+    layout : {"bshd", "bhsd"}, default "bshd"
+        ``"bshd"``: ``q`` is ``(..., seqlen_q, heads, head_dim)`` (FlashAttention's layout); ``"bhsd"``:
+        ``(..., heads, seqlen_q, head_dim)`` (PyTorch SDPA's), and ``k``, ``v``, ``out`` and the gradients
+        likewise. ``"bhsd"`` costs nothing: the arrays are read through transposed views (the kernels need only
+        the last axis contiguous), and ``out`` comes back as a transposed view of a ``"bshd"`` result.
+        ``lse`` is ``(..., heads, seqlen_q)`` in both.
     dtype : {None, "bfloat16"}
         ``"bfloat16"`` declares ``uint16`` arrays as bfloat16 bit patterns, for CuPy versions without
         ``ml_dtypes.bfloat16`` support (results are then bfloat16 bits too); otherwise leave None.
     backend : {None, "numpy", "cuda", "emulate"}
-        ``None`` picks from the arrays: NumPy → ``"numpy"``, CuPy → ``"cuda"``.
+        ``None`` picks from the arrays: NumPy (or CPU arrays of another library) → ``"numpy"``, CuPy (or CUDA
+        arrays of another library) → ``"cuda"``.
 
     All masks combine by AND. A query row that sees no key gets ``out = 0``, ``lse = -inf`` and
     zero gradients."""
 
+_ARRAYS_DOC = """Arrays of other libraries (PyTorch, JAX, array-api-strict, Numba, ... : anything with
+    ``__dlpack__`` or ``__cuda_array_interface__``) are taken without a copy, CPU arrays on the ``numpy``
+    backend and CUDA arrays on the ``cuda`` one, and results come back in the caller's array type
+    (:mod:`cuflash.interop`)."""
+
 #: the options attention and attention_backward share (the forward's must be the backward's)
 OPTIONS = ("causal", "scale", "window", "block_mask", "seqlens_q", "seqlens_k", "bias", "alibi_slopes", "softcap",
-           "score_mod", "mask_mod", "mod_arrays", "dropout_p", "seed", "dtype")
+           "score_mod", "mask_mod", "mod_arrays", "dropout_p", "seed", "dtype", "layout")
+#: each option's default (an option of the keyword form left at its default is "not given")
+DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {"causal": False, "scale": None, "window": None, "block_mask": None, "seqlens_q": None, "seqlens_k": None,
+     "bias": None, "alibi_slopes": None, "softcap": None, "score_mod": None, "mask_mod": None, "mod_arrays": None,
+     "dropout_p": 0.0, "seed": None, "dtype": None, "layout": "bshd"})
+_OPTION_ARRAYS = ("seqlens_q", "seqlens_k", "bias", "alibi_slopes")
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None, seqlens_q=None, seqlens_k=None,
-              bias=None, alibi_slopes=None, softcap=None, score_mod=None, mask_mod=None, mod_arrays=None,
-              dropout_p=0.0, seed=None, return_lse=False, dtype=None, backend=None):
+# ==================================================================================================== residual
+@dataclass(frozen=True, eq=False, repr=False)
+class AttentionResidual:
+    """What :func:`attention_backward` needs of one forward call: ``attention(..., return_residual=True)``.
+
+    It carries the forward's ``out`` and ``lse`` (in the caller's array type), every option of the forward
+    (``options``; a drawn dropout seed filled in), references to ``q``, ``k``, ``v`` (no copies; nothing of
+    size N²) and a fingerprint of ``q``, ``k``, ``v`` and ``out`` taken after the forward:
+    ``attention_backward(dout, residual)`` cannot be given options other than the forward's, and raises
+    ``ValueError`` when one of those arrays was changed in place since (as PyTorch's autograd does). The name
+    is JAX's (``jax.vjp``'s residuals, ``jax.nn.dot_product_attention(..., return_residual=True)``).
+
+    Attributes
+    ----------
+    out : array
+        The forward's result (the same object ``attention`` returned).
+    lse : array, shape ``(..., heads, seqlen_q)``
+        Its log-sum-exp, float32 (float64 for float64 input).
+    options : mapping
+        Every option of the forward (:data:`OPTIONS`), read-only; ``options["seed"]`` is the drawn seed.
+    packed : {None, "qkv", "kv"}
+        Which packed form the forward took (the backward returns ``dqkv`` or ``(dq, dkv)`` accordingly).
+    backend : str or None
+        The forward's ``backend`` argument, the backward's default.
+    """
+
+    out: Array
+    lse: Array
+    options: Mapping[str, Any]
+    packed: Optional[str] = None
+    backend: Optional[str] = None
+    _saved: tuple[Any, ...] = field(default=(), repr=False)  # NumPy/CuPy q, k, v, out, lse (caller layout)
+    _native_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    _prints: tuple[Any, ...] = field(default=(), repr=False)
+    _edge: Optional[Edge] = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        def show(x: Any) -> str:
+            if hasattr(x, "shape") and hasattr(x, "dtype"):
+                return f"{type(x).__name__}{tuple(x.shape)} {x.dtype}"
+            return repr(x)
+
+        options = {name: show(value) for name, value in self.options.items() if _is_given(name, value)}
+        return (f"AttentionResidual(out={show(self.out)}, lse={show(self.lse)}, options={{"
+                + ", ".join(f"{k}: {v}" for k, v in options.items())
+                + f"}}, packed={self.packed!r}, backend={self.backend!r})")
+
+    @property
+    def seed(self) -> Optional[int]:
+        """The dropout seed of the forward (drawn there when it was None), or None without dropout."""
+        seed = self.options.get("seed")
+        return None if seed is None else int(seed)
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` if ``q``, ``k``, ``v`` or ``out`` changed since the forward."""
+        for name, a, before in zip(("q", "k", "v", "out"), self._saved[:4], self._prints):
+            if fingerprint(a) != before:
+                raise ValueError(f"{name} was modified in place after attention_vjp / attention(..., "
+                                 f"return_residual=True): the gradients would be those of other values; pass a copy "
+                                 f"to the in-place operation, or run the forward again")
+
+
+class Vjp:
+    """The ``vjp`` of :func:`attention_vjp`: ``vjp(dout) -> (dq, dk, dv)``; ``vjp.seed``, ``vjp.residual``."""
+
+    def __init__(self, residual: AttentionResidual, deterministic: bool) -> None:
+        self.residual = residual
+        self.deterministic = deterministic
+
+    @property
+    def seed(self) -> Optional[int]:
+        """The dropout seed (drawn by the forward when none was given)."""
+        return self.residual.seed
+
+    def __call__(self, dout: Array) -> Any:
+        return attention_backward(dout, self.residual, deterministic=self.deterministic)
+
+
+# ==================================================================================================== forward
+@overload
+def attention(q: Array, k: Array, v: Array, *, causal: bool = ..., scale: Optional[float] = ...,
+              window: Optional[tuple[Optional[int], Optional[int]]] = ..., block_mask: Optional[BlockMask] = ...,
+              seqlens_q: Optional[Array] = ..., seqlens_k: Optional[Array] = ..., bias: Optional[Array] = ...,
+              alibi_slopes: Optional[Array] = ..., softcap: Optional[float] = ..., score_mod: Optional[str] = ...,
+              mask_mod: Optional[str] = ..., mod_arrays: Optional[Mapping[str, Any]] = ..., dropout_p: float = ...,
+              seed: Optional[int] = ..., return_lse: Literal[False] = ..., return_residual: Literal[True],
+              out: Optional[Array] = ..., layout: Layout = ..., dtype: Optional[str] = ...,
+              backend: Optional[str] = ...) -> tuple[Array, AttentionResidual]: ...
+
+
+@overload
+def attention(q: Array, k: Array, v: Array, *, causal: bool = ..., scale: Optional[float] = ...,
+              window: Optional[tuple[Optional[int], Optional[int]]] = ..., block_mask: Optional[BlockMask] = ...,
+              seqlens_q: Optional[Array] = ..., seqlens_k: Optional[Array] = ..., bias: Optional[Array] = ...,
+              alibi_slopes: Optional[Array] = ..., softcap: Optional[float] = ..., score_mod: Optional[str] = ...,
+              mask_mod: Optional[str] = ..., mod_arrays: Optional[Mapping[str, Any]] = ..., dropout_p: float = ...,
+              seed: Optional[int] = ..., return_lse: bool = ..., return_residual: Literal[False] = ...,
+              out: Optional[Array] = ..., layout: Layout = ..., dtype: Optional[str] = ...,
+              backend: Optional[str] = ...) -> Any: ...
+
+
+def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Optional[float] = None,
+              window: Optional[tuple[Optional[int], Optional[int]]] = None, block_mask: Optional[BlockMask] = None,
+              seqlens_q: Optional[Array] = None, seqlens_k: Optional[Array] = None, bias: Optional[Array] = None,
+              alibi_slopes: Optional[Array] = None, softcap: Optional[float] = None, score_mod: Optional[str] = None,
+              mask_mod: Optional[str] = None, mod_arrays: Optional[Mapping[str, Any]] = None, dropout_p: float = 0.0,
+              seed: Optional[int] = None, return_lse: bool = False, return_residual: bool = False,
+              out: Optional[Array] = None, layout: Layout = "bshd", dtype: Optional[str] = None,
+              backend: Optional[str] = None) -> Any:
     """Exact softmax attention, computed block by block without materializing the score matrix.
 
     Parameters
     ----------
     q : array, shape ``(..., seqlen_q, heads, head_dim)``
         float16, bfloat16, float32 or float64 (NumPy); float16 or bfloat16 (CuPy).
-    k, v : array, shape ``(..., seqlen_k, heads_kv, head_dim)``
+        {arrays}
+    k : array, shape ``(..., seqlen_k, heads_kv, head_dim)``
         Same dtype and batch dimensions as ``q``; ``heads % heads_kv == 0`` (query head ``h``
         reads kv head ``h // (heads // heads_kv)``).
+    v : array, shape ``(..., seqlen_k, heads_kv, head_dim_v)``
+        As ``k``; its head dim may differ from q's and k's (``out`` then has ``head_dim_v``). The backends
+        compute one head dim, so the smaller of the two is zero-padded to the larger here (the scores and
+        outputs are unchanged; the default scale stays ``1/sqrt(head_dim)`` of q and k): this costs a padded
+        copy of ``v`` (``head_dim_v < head_dim``) or of ``q`` and ``k`` (``head_dim_v > head_dim``), and the
+        arithmetic of the larger head dim. A native path is later work.
     return_lse : bool, default False
         Also return the log-sum-exp of the scaled scores (natural log).
+    return_residual : bool, default False
+        Return ``(out, residual)``: an :class:`AttentionResidual` for ``attention_backward(dout, residual)``,
+        which carries the lse, every option and the drawn seed (so ``return_lse`` is not taken with it).
+    out : array, optional
+        A buffer for the result: ``q``'s shape with ``head_dim_v`` last, ``q``'s dtype, library and device,
+        writable, overlapping none of the inputs. The result is written into it and the buffer itself is
+        returned. The backends allocate their own result for now, so this is one extra copy (no allocation
+        is saved yet, but the caller's memory is reused across a training loop).
     {options}
 
     Returns
     -------
-    out : array, q's shape and dtype
+    out : array, shape ``q.shape[:-1] + (head_dim_v,)``, q's dtype, the caller's array type
     lse : array, shape ``(..., heads, seqlen_q)``, float32 (float64 for float64 input)
         Only when ``return_lse``.
     seed : int
-        Only when ``dropout_p > 0`` and ``seed`` was None: the drawn seed, last in the tuple
-        (``(out, seed)`` or ``(out, lse, seed)``).
+        Only when ``dropout_p > 0`` and ``seed`` was None (and no residual is returned): the drawn seed,
+        last in the tuple (``(out, seed)`` or ``(out, lse, seed)``).
+    residual : AttentionResidual
+        Only when ``return_residual``: the result is ``(out, residual)``.
     """
-    drawn = seed is None and dropout_p
-    kw = {name: value for name, value in locals().items() if name in OPTIONS}
-    kw["seed"] = fresh_seed() if drawn else seed
-    problem = make_problem(q, k, v, **kw)
-    out, lse = backends.select(problem, backend).forward(problem)
-    result = (problem.unflatten(out, problem.q.shape[1:]),)
-    if return_lse:
-        result += (problem.unflatten(lse, (problem.heads_q, problem.seqlen_q)),)
-    if drawn:
-        result += (problem.seed,)
-    return result if len(result) > 1 else result[0]
+    options = {name: value for name, value in locals().items() if name in OPTIONS}
+    edge = Edge()
+    natives = tuple(edge.data(name, a) for name, a in (("q", q), ("k", k), ("v", v)))
+    return _forward(edge, natives, options, return_lse=return_lse, return_residual=return_residual, out=out,
+                    backend=backend, packed=None, caller=(q, k, v))
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, block_mask=None,
-                       seqlens_q=None, seqlens_k=None, bias=None, alibi_slopes=None, softcap=None, score_mod=None,
-                       mask_mod=None, mod_arrays=None, dropout_p=0.0, seed=None, dtype=None, deterministic=False,
-                       return_dbias=False, backend=None):
-    """Gradients of :func:`attention` by recomputation from the saved ``lse`` (FA2 Algorithm 2).
+def attention_qkvpacked(qkv: Array, *, causal: bool = False, scale: Optional[float] = None,
+                        window: Optional[tuple[Optional[int], Optional[int]]] = None,
+                        block_mask: Optional[BlockMask] = None, seqlens_q: Optional[Array] = None,
+                        seqlens_k: Optional[Array] = None, bias: Optional[Array] = None,
+                        alibi_slopes: Optional[Array] = None, softcap: Optional[float] = None,
+                        score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
+                        mod_arrays: Optional[Mapping[str, Any]] = None, dropout_p: float = 0.0,
+                        seed: Optional[int] = None, return_lse: bool = False, return_residual: bool = False,
+                        out: Optional[Array] = None, layout: Layout = "bshd", dtype: Optional[str] = None,
+                        backend: Optional[str] = None) -> Any:
+    """:func:`attention` of packed self-attention inputs (FlashAttention-2's ``flash_attn_qkvpacked_func``).
 
     Parameters
     ----------
-    dout : array, q's shape and dtype
-        Gradient of the loss with respect to ``out``.
-    q, k, v : arrays as for :func:`attention`
+    qkv : array, shape ``(..., seqlen, 3, heads, head_dim)`` (``layout="bshd"``) or ``(..., 3, heads, seqlen,
+        head_dim)`` (``"bhsd"``)
+        ``q``, ``k``, ``v`` stacked, e.g. the output of one fused projection; read through views (no copy).
+        {arrays}
+    return_lse, return_residual, out :
+        As for :func:`attention`. The backward of a packed residual, ``attention_backward(dout, residual)``,
+        returns one ``dqkv`` of ``qkv``'s shape (its three gradients are copied into it).
+    {options}
+
+    Returns
+    -------
+    As :func:`attention`.
+    """
+    options = {name: value for name, value in locals().items() if name in OPTIONS}
+    edge = Edge()
+    packed = edge.data("qkv", qkv)
+    natives = _unpack(packed, "qkv", 3, layout)
+    return _forward(edge, natives, options, return_lse=return_lse, return_residual=return_residual, out=out,
+                    backend=backend, packed="qkv", caller=(qkv,))
+
+
+def attention_kvpacked(q: Array, kv: Array, *, causal: bool = False, scale: Optional[float] = None,
+                       window: Optional[tuple[Optional[int], Optional[int]]] = None,
+                       block_mask: Optional[BlockMask] = None, seqlens_q: Optional[Array] = None,
+                       seqlens_k: Optional[Array] = None, bias: Optional[Array] = None,
+                       alibi_slopes: Optional[Array] = None, softcap: Optional[float] = None,
+                       score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
+                       mod_arrays: Optional[Mapping[str, Any]] = None, dropout_p: float = 0.0,
+                       seed: Optional[int] = None, return_lse: bool = False, return_residual: bool = False,
+                       out: Optional[Array] = None, layout: Layout = "bshd", dtype: Optional[str] = None,
+                       backend: Optional[str] = None) -> Any:
+    """:func:`attention` with keys and values packed (FlashAttention-2's ``flash_attn_kvpacked_func``).
+
+    Parameters
+    ----------
+    q : array, shape ``(..., seqlen_q, heads, head_dim)`` (``"bhsd"``: ``(..., heads, seqlen_q, head_dim)``)
+        {arrays}
+    kv : array, shape ``(..., seqlen_k, 2, heads_kv, head_dim)`` (``"bhsd"``: ``(..., 2, heads_kv, seqlen_k,
+        head_dim)``)
+        ``k`` and ``v`` stacked; read through views (no copy).
+    return_lse, return_residual, out :
+        As for :func:`attention`. The backward of a packed residual returns ``(dq, dkv)``.
+    {options}
+
+    Returns
+    -------
+    As :func:`attention`.
+    """
+    options = {name: value for name, value in locals().items() if name in OPTIONS}
+    edge = Edge()
+    q_n = edge.data("q", q)
+    k_n, v_n = _unpack(edge.data("kv", kv), "kv", 2, layout)
+    return _forward(edge, (q_n, k_n, v_n), options, return_lse=return_lse, return_residual=return_residual, out=out,
+                    backend=backend, packed="kv", caller=(q, kv))
+
+
+def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, return_lse: bool,
+             return_residual: bool, out: Optional[Array], backend: Optional[str], packed: Optional[str],
+             caller: tuple[Any, ...]) -> Any:
+    """The forward of every public form, on NumPy/CuPy arrays in the caller's layout."""
+    for name, flag in (("return_lse", return_lse), ("return_residual", return_residual)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if return_lse and return_residual:
+        raise TypeError("return_lse and return_residual are exclusive: the residual carries the lse "
+                        "(residual.lse)")
+    q, k, v = natives
+    layout = _check_layout(options["layout"])
+    drawn = options["seed"] is None and _truthy(options["dropout_p"])
+    if drawn:
+        options["seed"] = fresh_seed()
+    native_options = _native_options(edge, options)
+    out_buf = edge.buffer("out", out)
+    with edge.device():
+        qb, kb, vb = (_to_bshd(a, layout) for a in (q, k, v))
+        qp, kp, vp, kw, dv = _pad_head_dims(qb, kb, vb, native_options)
+        problem = make_problem(qp, kp, vp, **kw)
+        want = tuple(q.shape[:-1]) + (v.shape[-1],)
+        if out_buf is not None:
+            check_buffer("out", out_buf, want, q.dtype, problem.xp, {"q": q, "k": k, "v": v})
+        result, lse = backends.select(problem, backend).forward(problem)
+        o = problem.unflatten(result, problem.q.shape[1:])
+        if dv is not None:
+            o = o[..., :dv]
+        o = _from_bshd(o, layout)
+        lse = problem.unflatten(lse, (problem.heads_q, problem.seqlen_q))
+        if out_buf is not None:
+            out_buf[...] = o
+            o = out_buf
+        out_caller = out if out is not None else edge.export(o)
+        lse_caller = edge.export(lse)
+    if return_residual:
+        saved = (q, k, v, o, lse)
+        residual = AttentionResidual(out_caller, lse_caller, MappingProxyType(dict(options)), packed, backend,
+                                     saved, MappingProxyType(native_options),
+                                     tuple(fingerprint(a) for a in saved[:4]), edge)
+        return out_caller, residual
+    results: tuple[Any, ...] = (out_caller,)
+    if return_lse:
+        results += (lse_caller,)
+    if drawn:
+        results += (options["seed"],)
+    return results if len(results) > 1 else results[0]
+
+
+# ==================================================================================================== backward
+def attention_backward(dout: Array, q: Union[Array, AttentionResidual], k: Optional[Array] = None,
+                       v: Optional[Array] = None, out: Optional[Array] = None, lse: Optional[Array] = None, *,
+                       causal: bool = False, scale: Optional[float] = None,
+                       window: Optional[tuple[Optional[int], Optional[int]]] = None,
+                       block_mask: Optional[BlockMask] = None, seqlens_q: Optional[Array] = None,
+                       seqlens_k: Optional[Array] = None, bias: Optional[Array] = None,
+                       alibi_slopes: Optional[Array] = None, softcap: Optional[float] = None,
+                       score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
+                       mod_arrays: Optional[Mapping[str, Any]] = None, dropout_p: float = 0.0,
+                       seed: Optional[int] = None, dtype: Optional[str] = None, layout: Layout = "bshd",
+                       deterministic: bool = False, return_dbias: bool = False, dq: Optional[Array] = None,
+                       dk: Optional[Array] = None, dv: Optional[Array] = None, dqkv: Optional[Array] = None,
+                       dkv: Optional[Array] = None, backend: Optional[str] = None) -> Any:
+    """Gradients of :func:`attention` by recomputation from the saved ``lse`` (FA2 Algorithm 2).
+
+    Two forms:
+
+    - ``attention_backward(dout, residual)`` with the :class:`AttentionResidual` of
+      ``attention(..., return_residual=True)``: the forward's arrays and options come from the residual, so they
+      cannot mismatch, and an in-place change of ``q``, ``k``, ``v`` or ``out`` since the forward raises
+      ``ValueError``. Passing any forward option as well is a ``TypeError``. This is the form to use.
+    - ``attention_backward(dout, q, k, v, out, lse, **options)``, kept for compatibility: **the options must be
+      exactly the forward's** (``causal``, ``window``, ``scale``, masks, modifiers, dropout ``seed``, ``layout``,
+      ...). Nothing can check that here: the lse does not record them, and gradients for other options are
+      silently wrong (e.g. ``causal=True`` passed only to the backward).
+
+    Parameters
+    ----------
+    dout : array, ``out``'s shape and dtype
+        Gradient of the loss with respect to ``out``. {arrays}
+    q : array or AttentionResidual
+        The forward's ``q`` (keyword form), or its residual (then ``k``, ``v``, ``out``, ``lse`` are not given).
+    k, v : arrays as for :func:`attention`
     out, lse : the forward's results (``attention(..., return_lse=True)``) for the same options.
     deterministic : bool, default False
         On the ``cuda`` backend, dQ is accumulated with fp32 atomics by default, so its last bits
@@ -121,85 +420,324 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         and dP once more. The ``numpy`` backend is always bitwise reproducible.
     return_dbias : bool, default False
         Also return the gradient of ``bias`` (in ``bias``'s own shape and dtype).
+    dq, dk, dv : arrays, optional
+        Buffers for the gradients (FlashAttention-2's names): the shapes and dtype of ``q``, ``k``, ``v``, the
+        same library and device, writable, overlapping no input and no other buffer. The gradients are written
+        into them and the buffers themselves are returned; the backends still allocate their own, so this is
+        one extra copy each.
+    dqkv, dkv : arrays, optional
+        The buffers for a residual of :func:`attention_qkvpacked` (``dqkv``, ``qkv``'s shape) or of
+        :func:`attention_kvpacked` (``dq`` and ``dkv``, ``kv``'s shape).
     {options}
 
     Returns
     -------
     dq, dk, dv : arrays with the shapes and dtype of q, k, v
-        ``dk``/``dv`` of a kv head sum the contributions of its query heads.
+        ``dk``/``dv`` of a kv head sum the contributions of its query heads. For a packed residual: ``dqkv``
+        (qkv-packed) or ``(dq, dkv)`` (kv-packed) instead.
     dbias : array, bias's shape and dtype
-        Only with ``return_dbias``: summed over the dimensions ``bias`` broadcasts.
+        Only with ``return_dbias``: summed over the dimensions ``bias`` broadcasts; last in the tuple.
     """
-    if dropout_p and seed is None:
+    given = {name: value for name, value in locals().items() if name in OPTIONS}
+    for name, flag in (("deterministic", deterministic), ("return_dbias", return_dbias)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    buffers = {"dq": dq, "dk": dk, "dv": dv, "dqkv": dqkv, "dkv": dkv}
+    if isinstance(q, AttentionResidual):
+        return _backward_residual(dout, q, given, (k, v, out, lse), buffers, deterministic=deterministic,
+                                  return_dbias=return_dbias, backend=backend)
+    for name in ("dqkv", "dkv"):
+        if buffers[name] is not None:
+            raise TypeError(f"{name}= is the buffer of a packed residual's backward (attention_backward(dout, "
+                            f"residual) after attention_qkvpacked/attention_kvpacked)")
+    if given["dropout_p"] and given["seed"] is None:
         raise ValueError("seed is required when dropout_p > 0: pass the seed the forward used "
                          "(returned by attention when it drew one)")
-    problem = make_problem(q, k, v, **{name: value for name, value in locals().items() if name in OPTIONS})
-    dout_f, out_f, lse_f = check_backward(problem, dout, out, lse)
-    for name, flag in (("deterministic", deterministic), ("return_dbias", return_dbias)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if return_dbias and (problem.mods is None or problem.mods.bias_shape is None):
-        raise ValueError("return_dbias=True needs bias=: there is no bias to differentiate")
-    module = backends.select(problem, backend)
-    grads = module.backward(problem, dout_f, out_f, lse_f, deterministic=deterministic, dbias=return_dbias)
-    dq, dk, dv = grads[:3]
-    result = (problem.unflatten(dq, problem.q.shape[1:]), problem.unflatten(dk, problem.k.shape[1:]),
-              problem.unflatten(dv, problem.v.shape[1:]))
-    if return_dbias:  # in bias's own shape (the backend summed what it broadcasts) and dtype
-        result += (grads[3].reshape(problem.mods.bias_shape).astype(bias.dtype, copy=False),)
-    return result
+    edge = Edge()
+    arrays = tuple(edge.data(name, a) for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out),
+                                                      ("lse", lse)))
+    native_options = _native_options(edge, given)
+    natives = {name: edge.buffer(name, buffers[name]) for name in ("dq", "dk", "dv")}
+    return _backward(edge, arrays, native_options, natives, {n: buffers[n] for n in ("dq", "dk", "dv")},
+                     deterministic=deterministic, return_dbias=return_dbias, backend=backend, packed=None)
 
 
-def attention_vjp(q, k, v, **options):
+def _backward_residual(dout: Array, residual: AttentionResidual, given: Mapping[str, Any],
+                       positional: tuple[Any, ...], buffers: dict[str, Any], *, deterministic: bool,
+                       return_dbias: bool, backend: Optional[str]) -> Any:
+    if any(a is not None for a in positional):
+        raise TypeError("attention_backward(dout, residual) takes no k, v, out, lse: the residual holds them")
+    extra = sorted(name for name, value in given.items() if _is_given(name, value))
+    if extra:
+        raise TypeError(f"attention_backward(dout, residual) takes the forward's options from the residual; "
+                        f"{', '.join(extra)} given as well (the residual has {extra[0]}="
+                        f"{residual.options[extra[0]]!r})")
+    edge = residual._edge
+    if edge is None or len(residual._saved) != 5:
+        raise TypeError("residual must come from attention(..., return_residual=True)")
+    allowed = {None: ("dq", "dk", "dv"), "qkv": ("dqkv",), "kv": ("dq", "dkv")}[residual.packed]
+    wrong = sorted(name for name, b in buffers.items() if b is not None and name not in allowed)
+    if wrong:
+        form = {None: "attention", "qkv": "attention_qkvpacked", "kv": "attention_kvpacked"}[residual.packed]
+        raise TypeError(f"{', '.join(wrong)}= is not a buffer of a residual of {form} (its buffers: "
+                        f"{', '.join(allowed)})")
+    residual.check_unchanged()
+    q, k, v, out, lse = residual._saved
+    dout_n = edge.data("dout", dout)
+    natives = {name: edge.buffer(name, buffers[name]) for name in allowed}
+    return _backward(edge, (q, k, v, dout_n, out, lse), dict(residual._native_options), natives,
+                     {name: buffers[name] for name in allowed}, deterministic=deterministic,
+                     return_dbias=return_dbias, backend=residual.backend if backend is None else backend,
+                     packed=residual.packed)
+
+
+def _backward(edge: Edge, arrays: tuple[Any, ...], options: dict[str, Any], buffers: dict[str, Any],
+              caller_buffers: dict[str, Any], *, deterministic: bool, return_dbias: bool, backend: Optional[str],
+              packed: Optional[str]) -> Any:
+    """The backward of every form, on NumPy/CuPy arrays in the caller's layout."""
+    q, k, v, dout, out, lse = arrays
+    layout = _check_layout(options.get("layout", "bshd"))
+    with edge.device():
+        qb, kb, vb, doutb, outb = (_to_bshd(a, layout) for a in (q, k, v, dout, out))
+        qp, kp, vp, kw, dv_width = _pad_head_dims(qb, kb, vb, options)
+        if dv_width is not None:  # dout and out have v's head dim: checked here, before padding hides it
+            want = tuple(qb.shape[:-1]) + (dv_width,)
+            for name, a in (("dout", doutb), ("out", outb)):
+                if hasattr(a, "shape") and tuple(a.shape) != want:
+                    raise ValueError(f"{name} must have shape {tuple(q.shape[:-1]) + (dv_width,)} (q's shape with "
+                                     f"v's head_dim), got {tuple(a.shape)}")
+            if vp is not vb:  # v was padded: so are dout and out, with zeros (zero gradient contributions)
+                doutb, outb = (_pad_last(a, qb.shape[-1]) if hasattr(a, "shape") else a for a in (doutb, outb))
+        problem = make_problem(qp, kp, vp, **kw)
+        dout_f, out_f, lse_f = check_backward(problem, doutb, outb, lse)
+        if return_dbias and (problem.mods is None or problem.mods.bias_shape is None):
+            raise ValueError("return_dbias=True needs bias=: there is no bias to differentiate")
+        _check_grad_buffers(buffers, problem.xp, q, k, v, dout, out, lse, packed, layout)
+        module = backends.select(problem, backend)
+        grads = module.backward(problem, dout_f, out_f, lse_f, deterministic=deterministic, dbias=return_dbias)
+        shapes = (problem.q.shape[1:], problem.k.shape[1:], problem.v.shape[1:])
+        gq, gk, gv = (problem.unflatten(g, s) for g, s in zip(grads[:3], shapes))
+        if dv_width is not None:
+            gq, gk, gv = gq[..., :qb.shape[-1]], gk[..., :kb.shape[-1]], gv[..., :dv_width]
+        gq, gk, gv = (_from_bshd(g, layout) for g in (gq, gk, gv))
+        results = _place_grads(edge, (gq, gk, gv), buffers, caller_buffers, packed, problem.xp, layout)
+        if return_dbias:  # in bias's own shape (the backend summed what it broadcasts) and dtype
+            dbias = grads[3].reshape(problem.mods.bias_shape).astype(options["bias"].dtype, copy=False)
+            results += (edge.export(dbias),)
+    if packed == "qkv" and not return_dbias:
+        return results[0]
+    return results
+
+
+def _place_grads(edge: Edge, grads: tuple[Any, Any, Any], buffers: dict[str, Any], caller_buffers: dict[str, Any],
+                 packed: Optional[str], xp: Any, layout: str) -> tuple[Any, ...]:
+    """The gradients in the caller's form: written into the buffers (returned as the caller passed them), packed
+    (``dqkv``, ``dkv``: one array with the gradients copied into it) and exported."""
+    gq, gk, gv = grads
+    axis = _pack_axis(layout)
+
+    def packed_into(name: str, parts: Sequence[Any]) -> Any:
+        buf = buffers.get(name)
+        target = buf if buf is not None else xp.empty(_pack_shape(parts[0].shape, len(parts), axis),
+                                                       dtype=parts[0].dtype)
+        for i, g in enumerate(parts):
+            target[_pack_index(i, axis, target.ndim)] = g
+        return caller_buffers[name] if buf is not None else edge.export(target)
+
+    def single(name: str, g: Any) -> Any:
+        buf = buffers.get(name)
+        if buf is None:
+            return edge.export(g)
+        buf[...] = g
+        return caller_buffers[name]
+
+    if packed == "qkv":
+        return (packed_into("dqkv", (gq, gk, gv)),)
+    if packed == "kv":
+        return single("dq", gq), packed_into("dkv", (gk, gv))
+    return single("dq", gq), single("dk", gk), single("dv", gv)
+
+
+def _check_grad_buffers(buffers: dict[str, Any], xp: Any, q: Any, k: Any, v: Any, dout: Any, out: Any, lse: Any,
+                        packed: Optional[str], layout: str) -> None:
+    inputs = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
+    axis = _pack_axis(layout)
+    want = {"dq": tuple(q.shape), "dk": tuple(k.shape), "dv": tuple(v.shape)}
+    if packed == "qkv":
+        want = {"dqkv": _pack_shape(q.shape, 3, axis)}
+    elif packed == "kv":
+        want = {"dq": tuple(q.shape), "dkv": _pack_shape(k.shape, 2, axis)}
+    checked: dict[str, Any] = {}
+    for name, shape in want.items():
+        buf = buffers.get(name)
+        if buf is None:
+            continue
+        check_buffer(name, buf, shape, q.dtype, xp, {**inputs, **checked})
+        checked[name] = buf
+
+
+def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> tuple[Array, Vjp]:
     """JAX-style ``(out, vjp)``: ``vjp(dout)`` returns ``(dq, dk, dv)``.
 
-    Takes the options of :func:`attention` (except ``return_lse``) and ``deterministic`` of
-    :func:`attention_backward`; keeps references to ``q``, ``k``, ``v``, ``out`` and the lse
-    (nothing of size N², no copies). Like PyTorch's autograd it detects a later in-place change:
-    ``vjp`` raises ``ValueError`` when ``q``, ``k``, ``v`` or ``out`` no longer hold the values the
-    forward saw (a fingerprint of each is taken now and checked then; :func:`fingerprint`). With
-    dropout and no seed, one is drawn and kept for the backward (read it back as ``vjp.seed``).
+    Takes the options of :func:`attention` (except ``return_lse``, ``return_residual`` and ``out``) and
+    ``deterministic`` of :func:`attention_backward`. Built on :class:`AttentionResidual` (``vjp.residual``): it
+    keeps references to ``q``, ``k``, ``v``, ``out`` and the lse (nothing of size N², no copies), and like
+    PyTorch's autograd it detects a later in-place change: ``vjp`` raises ``ValueError`` when ``q``, ``k``, ``v``
+    or ``out`` no longer hold the values the forward saw (a fingerprint of each is taken now and checked then;
+    :func:`fingerprint`). With dropout and no seed, one is drawn and kept for the backward (read it back as
+    ``vjp.seed``).
     """
-    if "return_lse" in options:
-        raise TypeError("attention_vjp does not take return_lse: the lse is kept inside vjp")
+    for name in ("return_lse", "return_residual"):
+        if name in options:
+            raise TypeError(f"attention_vjp does not take {name}: the lse is kept inside vjp (vjp.residual)")
     options = dict(options)
     deterministic = options.pop("deterministic", False)
-    if options.get("dropout_p") and options.get("seed") is None:
-        options["seed"] = fresh_seed()  # the backward must regenerate the same mask
-    out, lse = attention(q, k, v, return_lse=True, **options)
-    saved = {"q": q, "k": k, "v": v, "out": out}
-    prints = {name: fingerprint(a) for name, a in saved.items()}
-
-    def vjp(dout):
-        for name, a in saved.items():
-            if fingerprint(a) != prints[name]:
-                raise ValueError(f"{name} was modified in place after attention_vjp: the gradients would be those "
-                                 f"of other values; pass a copy to the in-place operation, or call attention_vjp again")
-        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
-
-    vjp.seed = options.get("seed")
-    return out, vjp
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    out, residual = attention(q, k, v, return_residual=True, **options)
+    return out, Vjp(residual, bool(deterministic))
 
 
+# ==================================================================================================== helpers
+def _truthy(x: Any) -> bool:
+    try:
+        return bool(x)
+    except Exception:  # noqa: BLE001 - an invalid dropout_p: make_problem names it
+        return False
+
+
+def _is_given(name: str, value: Any) -> bool:
+    """Whether a keyword-form option differs from its default (was given)."""
+    default = DEFAULTS[name]
+    if default is None:
+        return value is not None
+    if isinstance(value, (bool, np.bool_, numbers.Real, str)):
+        return bool(value != default)
+    return True
+
+
+def _check_layout(layout: Any) -> str:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'bshd' (..., seqlen, heads, head_dim) or 'bhsd' (..., heads, seqlen, "
+                         f"head_dim), got {layout!r}")
+    return layout
+
+
+def _swap(a: Any) -> Any:
+    """Swap the seqlen and heads axes (a view)."""
+    if not hasattr(a, "ndim") or a.ndim < 3:
+        return a
+    n = a.ndim
+    return a.transpose(tuple(range(n - 3)) + (n - 2, n - 3, n - 1))
+
+
+def _to_bshd(a: Any, layout: str) -> Any:
+    return a if layout == "bshd" else _swap(a)
+
+
+_from_bshd = _to_bshd
+
+
+def _pack_axis(layout: str) -> int:
+    """The axis of the 3 (qkv) or 2 (kv) in a packed array: ``(..., S, 3, H, D)`` or ``(..., 3, H, S, D)``."""
+    return -3 if layout == "bshd" else -4
+
+
+def _pack_index(i: int, axis: int, ndim: int) -> tuple[Any, ...]:
+    return (slice(None),) * (ndim + axis) + (i,)
+
+
+def _pack_shape(shape: Sequence[int], n: int, axis: int) -> tuple[int, ...]:
+    shape = tuple(shape)
+    cut = len(shape) + axis + 1
+    return shape[:cut] + (n,) + shape[cut:]
+
+
+def _unpack(packed: Any, name: str, n: int, layout: Any) -> tuple[Any, ...]:
+    """Views ``packed[..., i, :, :]`` (or ``[..., i, :, :, :]`` for ``"bhsd"``) of a packed array."""
+    layout = _check_layout(layout)
+    axis = _pack_axis(layout)
+    form = "(..., seqlen, {n}, heads, head_dim)" if layout == "bshd" else "(..., {n}, heads, seqlen, head_dim)"
+    if not hasattr(packed, "shape") or not hasattr(packed, "ndim"):
+        array_module(packed, names=(name,))  # refuses it, naming it
+    if packed.ndim < 4 or packed.shape[axis] != n:
+        raise ValueError(f"{name} must have shape {form.format(n=n)} for layout={layout!r}, got "
+                         f"{tuple(packed.shape)}")
+    return tuple(packed[_pack_index(i, axis, packed.ndim)] for i in range(n))
+
+
+def _pad_last(a: Any, width: int) -> Any:
+    """``a`` with its last axis zero-padded to ``width`` (a copy)."""
+    xp = array_module(a, names=("array",))
+    padded = xp.zeros(tuple(a.shape[:-1]) + (width,), dtype=a.dtype)
+    padded[..., :a.shape[-1]] = a
+    return padded
+
+
+def _pad_head_dims(q: Any, k: Any, v: Any, options: Mapping[str, Any]
+                   ) -> tuple[Any, Any, Any, dict[str, Any], Optional[int]]:
+    """``(q, k, v, make_problem keywords, head_dim_v or None)``: when v's head dim differs from q's and k's, the
+    smaller is zero-padded to the larger (zero columns add nothing to a score and give zero output columns) and
+    the default scale is fixed to ``1/sqrt(head_dim)`` of q and k. Anything that is not such a case is passed on
+    unchanged for :func:`~cuflash.problem.make_problem` to judge."""
+    kw = {name: value for name, value in options.items() if name != "layout"}
+    arrays = (q, k, v)
+    if not all(hasattr(a, "shape") and hasattr(a, "ndim") and hasattr(a, "dtype") for a in arrays):
+        return q, k, v, kw, None
+    if (q.ndim < 3 or not q.ndim == k.ndim == v.ndim or tuple(k.shape[:-1]) != tuple(v.shape[:-1])
+            or q.shape[-1] != k.shape[-1] or v.shape[-1] == k.shape[-1] or min(k.shape[-1], v.shape[-1]) < 1
+            or not q.dtype == k.dtype == v.dtype):
+        return q, k, v, kw, None
+    d, dv = int(k.shape[-1]), int(v.shape[-1])
+    if kw.get("scale") is None:
+        kw["scale"] = 1.0 / math.sqrt(d)
+    if dv < d:
+        v = _pad_last(v, d)
+    else:
+        q, k = _pad_last(q, dv), _pad_last(k, dv)
+    return q, k, v, kw, dv
+
+
+def _native_options(edge: Edge, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options with their arrays converted to NumPy/CuPy (:meth:`Edge.option`)."""
+    native = dict(options)
+    for name in _OPTION_ARRAYS:
+        native[name] = edge.option(name, options.get(name))
+    arrays = options.get("mod_arrays")
+    if isinstance(arrays, dict):
+        native["mod_arrays"] = {key: edge.option(f"mod_arrays[{key!r}]", value) for key, value in arrays.items()}
+    return native
+
+
+# ==================================================================================================== fingerprint
 _CHUNK = 1 << 20
-_WEIGHTS: dict = {}  # device id -> the weights of fingerprint(), on that device
+_WEIGHTS: dict[int, Any] = {}  # device id -> the weights of fingerprint(), on that device
 
 
-def fingerprint(a) -> tuple:
+def fingerprint(a: Any) -> tuple[Any, ...]:
     """Shape, strides, dtype and a position-sensitive checksum of an array's bits: CRC-32 of a NumPy array's
     bytes (1.6 GB/s here); for a CuPy array, on its device, ``sum_i bits16[i] * w[i]`` in float64 over fixed
     pseudo-random weights ``w`` (1 Mi-element chunks). Any change of values (an edit, a permutation)
     changes it, short of a deliberate collision."""
     xp = array_module(a, names=("array",))
     flat = xp.ascontiguousarray(a).reshape(-1).view(xp.uint8 if xp is np else xp.uint16)
+    total: float
     if xp is np:
         total = zlib.crc32(memoryview(flat))
     else:
         key = a.device.id
-        if key not in _WEIGHTS:
-            _WEIGHTS[key] = xp.asarray(np.random.default_rng(0).random(_CHUNK))
-        total = 0.0
-        for start in range(0, flat.size, _CHUNK):
-            part = flat[start:start + _CHUNK].astype(xp.float64)
-            total += float(part @ _WEIGHTS[key][:part.size])
+        with xp.cuda.Device(key):  # the weights live on the array's device, whichever is current
+            if key not in _WEIGHTS:
+                _WEIGHTS[key] = xp.asarray(np.random.default_rng(0).random(_CHUNK))
+            total = 0.0
+            for start in range(0, flat.size, _CHUNK):
+                part = flat[start:start + _CHUNK].astype(xp.float64)
+                total += float(part @ _WEIGHTS[key][:part.size])
     return tuple(a.shape), tuple(a.strides), str(a.dtype), total
+
+
+for _fn in (attention, attention_qkvpacked, attention_kvpacked, attention_backward):
+    if _fn.__doc__:
+        _fn.__doc__ = (_fn.__doc__.replace("{options}", _OPTIONS_DOC.strip("\n").lstrip())
+                       .replace("{arrays}", _ARRAYS_DOC))
+del _fn

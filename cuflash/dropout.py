@@ -15,6 +15,7 @@ log-sum-exp is that of the undropped scores.
 from __future__ import annotations
 
 import numbers
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -24,7 +25,7 @@ _LO = np.uint64(0xFFFFFFFF)
 _SHIFT = np.uint64(32)
 
 
-def philox4x32(counter, key):
+def philox4x32(counter: Sequence[Any], key: Sequence[int]) -> tuple[Any, Any, Any, Any]:
     """Philox-4x32-10 (Salmon et al., SC'11). ``counter``: 4 uint32 arrays (broadcast together),
     ``key``: 2 uint32 scalars. Returns the 4 output words as uint32 arrays."""
     c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint32) for c in counter)
@@ -46,16 +47,17 @@ def threshold(p: float) -> int:
     return min(int(np.floor(p * 2.0 ** 32)), 2 ** 32 - 1)
 
 
-def keep_mask(seed: int, p: float, batch, head, rows, cols):
+def keep_mask(seed: int, p: float, batch: Any, head: Any, rows: Any, cols: Any) -> np.ndarray[Any, np.dtype[np.bool_]]:
     """Boolean keep-mask over broadcast index arrays ``batch, head, rows, cols``."""
     b, h, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (batch, head, rows, cols)))
     words = philox4x32((j >> 2, i, h, b), (seed & 0xFFFFFFFF, seed >> 32))
     lane = (j & 3).astype(np.intp)
     bits = np.choose(lane, words)
-    return bits >= np.uint32(threshold(p))
+    keep: np.ndarray[Any, np.dtype[np.bool_]] = bits >= np.uint32(threshold(p))
+    return keep
 
 
-def dropout_mask(shape, *, seed: int, p: float):
+def dropout_mask(shape: Sequence[int], *, seed: int, p: float) -> np.ndarray[Any, np.dtype[np.bool_]]:
     """The keep-mask cuflash applies, as a boolean array of ``shape = (*batch, heads, Sq, Sk)``.
 
     Parameters
@@ -68,8 +70,7 @@ def dropout_mask(shape, *, seed: int, p: float):
     """
     from .problem import check_dropout
 
-    if not isinstance(shape, (tuple, list)) or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
-                                                       and s >= 0 for s in shape):
+    if not isinstance(shape, (tuple, list)) or not all(_is_count(s) for s in shape):
         raise TypeError(f"shape must be a tuple of ints >= 0, (*batch, heads, seqlen_q, seqlen_k), got {shape!r}")
     shape = tuple(int(s) for s in shape)
     if len(shape) < 3:
@@ -84,6 +85,13 @@ def dropout_mask(shape, *, seed: int, p: float):
     i = np.arange(sq)[None, None, :, None]
     j = np.arange(sk)[None, None, None, :]
     return keep_mask(seed, p, b, h, i, j).reshape(shape)
+
+
+def _is_count(s: object) -> bool:
+    """An integer >= 0 (NumPy integers too), not a bool."""
+    if isinstance(s, (bool, np.bool_)) or not isinstance(s, numbers.Integral):
+        return False
+    return int(s) >= 0
 
 
 def fresh_seed() -> int:

@@ -11,15 +11,18 @@ partial results, the combine of split-KV decoding ("flash-decoding"), of chunked
 """
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import numpy as np
 
+from .interop import Edge
 from .problem import array_module, dtype_name, native
 
 _OUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _LSE_DTYPES = ("float32", "float64")
 
 
-def merge_attention_states(outs, lses):
+def merge_attention_states(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[Any, Any]:
     """Merge attention results computed over disjoint key sets into the result over their union.
 
     Parameters
@@ -44,7 +47,9 @@ def merge_attention_states(outs, lses):
     so nothing overflows), in float32 (float64 when ``outs`` or ``lses`` are float64), and rounded once at the end.
     A NaN in a part's ``lse`` or ``out`` makes the row NaN, whatever its weight (an ``out`` of a ``-inf`` part
     is weighted by exactly 0, and ``0 * NaN`` is NaN): corruption is never hidden.
-    NumPy arrays give NumPy results, CuPy arrays CuPy results (computed on the arrays' device and current stream).
+    NumPy arrays give NumPy results, CuPy arrays CuPy results (computed on the arrays' device and current stream);
+    arrays of other libraries (anything with ``__dlpack__`` or ``__cuda_array_interface__``: PyTorch, JAX, ...)
+    are read without a copy and give results of their own type (:mod:`cuflash.interop`).
 
     Examples
     --------
@@ -52,14 +57,19 @@ def merge_attention_states(outs, lses):
     >>> out2, lse2 = cuflash.attention(q, k[:, 100:], v[:, 100:], return_lse=True)
     >>> out, lse = cuflash.merge_attention_states([out1, out2], [lse1, lse2])   # attention over all of k, v
     """
+    edge = Edge()
+    outs, lses = _sequence("outs", outs), _sequence("lses", lses)
+    outs = [edge.data(f"outs[{i}]", a) for i, a in enumerate(outs)]
+    lses = [edge.data(f"lses[{i}]", a) for i, a in enumerate(lses)]
     outs, lses, xp = _check(outs, lses)
     work = np.dtype(np.float64) if "float64" in (dtype_name(outs[0].dtype), dtype_name(lses[0].dtype)) \
         else np.dtype(np.float32)
-    out, lse = merge_parts(xp, outs, lses, work)
-    return out.astype(outs[0].dtype, copy=False), lse.astype(lses[0].dtype, copy=False)
+    with edge.device():
+        out, lse = merge_parts(xp, outs, lses, work)
+        return edge.export(out.astype(outs[0].dtype, copy=False)), edge.export(lse.astype(lses[0].dtype, copy=False))
 
 
-def merge_parts(xp, outs, lses, work):
+def merge_parts(xp: Any, outs: Sequence[Any], lses: Sequence[Any], work: np.dtype[Any]) -> tuple[Any, Any]:
     """The merge on validated arrays: ``(out, lse)`` in the working dtype ``work`` (no checks, no final rounding).
 
     :mod:`cuflash.distributed` calls this directly to keep its running accumulator in ``work`` across steps.
@@ -82,13 +92,15 @@ def merge_parts(xp, outs, lses, work):
     return out, lse
 
 
-def _check(outs, lses):
+def _sequence(name: str, seq: Any) -> list[Any]:
+    if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__") or hasattr(seq, "shape"):
+        raise TypeError(f"{name} must be a list or tuple of arrays (one per part), got {type(seq).__name__}")
+    return list(seq)
+
+
+def _check(outs: list[Any], lses: list[Any]) -> tuple[list[Any], list[Any], Any]:
     """Validated ``(outs, lses, xp)``: equal counts, shapes, dtypes and array module; TypeError/ValueError naming
     the argument otherwise."""
-    for name, seq in (("outs", outs), ("lses", lses)):
-        if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__") or hasattr(seq, "shape"):
-            raise TypeError(f"{name} must be a list or tuple of arrays (one per part), got {type(seq).__name__}")
-    outs, lses = list(outs), list(lses)
     if not outs:
         raise ValueError("outs must hold at least one partial result, got an empty sequence")
     if len(outs) != len(lses):

@@ -65,8 +65,13 @@ def _is_cupy(x) -> bool:
 
 
 def array_module(*arrays, names):
-    """Return ``numpy`` or ``cupy`` for the arrays; reject non-arrays, masked arrays and mixtures."""
+    """Return ``numpy`` or ``cupy`` for the arrays; reject non-arrays, masked and object arrays, mixtures of
+    NumPy and CuPy, and CuPy arrays on different devices.
+
+    This is the single check of the NumPy/CuPy arrays every entry point works on; arrays of other libraries are
+    converted to those before it, at the edge (:mod:`cuflash.interop`)."""
     kinds = {}
+    devices = {}
     for a, name in zip(arrays, names):
         if isinstance(a, np.ma.MaskedArray):
             raise TypeError(f"{name} is a numpy.ma.MaskedArray: its mask would be ignored; pass a plain array and "
@@ -75,16 +80,77 @@ def array_module(*arrays, names):
             kinds[name] = "numpy"
         elif _is_cupy(a) and hasattr(a, "__cuda_array_interface__"):
             kinds[name] = "cupy"
+            device = getattr(a, "device", None)
+            if device is not None and hasattr(device, "id"):
+                devices[name] = device.id
         else:
-            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(a).__name__}")
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray (or an array of another library that "
+                            f"implements __dlpack__ or __cuda_array_interface__: torch, JAX, array-api-strict, "
+                            f"Numba, ...), got {type(a).__name__}")
+        if getattr(a, "dtype", None) is not None and np.dtype(a.dtype).kind == "O":
+            raise TypeError(f"{name} is an array of Python objects (dtype object): convert it to a floating-point "
+                            f"array first, e.g. {name}.astype(np.float32)")
     if len(set(kinds.values())) > 1:
         desc = ", ".join(f"{n} is {m}" for n, m in kinds.items())
         raise TypeError(f"q, k, v (and dout/out/lse) must all be NumPy or all CuPy arrays ({desc})")
+    if len(set(devices.values())) > 1:
+        desc = ", ".join(f"{n} on GPU {d}" for n, d in devices.items())
+        raise ValueError(f"the arrays must all live on one GPU ({desc}): copy them to one device first, "
+                         f"e.g. with cupy.asarray under `with cupy.cuda.Device(i):`")
     if "cupy" in kinds.values():
         import cupy
 
         return cupy
     return np
+
+
+def check_buffer(name: str, buf: Any, shape: tuple, dtype: Any, xp: Any, inputs: dict) -> None:
+    """An output buffer (``out=``, ``dq=``, ...): an ``xp`` array of exactly ``shape`` and ``dtype``, writable, and
+    sharing no memory with any of ``inputs`` (name -> array) or with the other buffers passed in ``inputs``.
+
+    Results are written into the buffer after the computation, so no layout (contiguity) is required of it; an
+    overlap is refused all the same, so that a native path writing as it goes can come later without changing
+    what is accepted."""
+    if array_module(buf, names=(name,)) is not xp:
+        raise TypeError(f"{name} must be a {xp.__name__} array like q, k, v (the same library and device)")
+    if tuple(buf.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(buf.shape)}")
+    if buf.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype} (q's), got {buf.dtype}")
+    if isinstance(buf, np.ndarray) and not buf.flags.writeable:
+        raise ValueError(f"{name} is read-only: a buffer for the result must be writable")
+    for other, a in inputs.items():
+        if a is not None and hasattr(a, "shape") and _overlap(buf, a):
+            raise ValueError(f"{name} shares memory with {other}: a result buffer must not overlap the inputs "
+                             f"(or another result buffer)")
+
+
+_TOO_HARD = getattr(np, "exceptions", np).TooHardError  # numpy.exceptions from NumPy 1.25 on
+
+
+def _overlap(a, b) -> bool:
+    """Whether two arrays may share memory: exactly for NumPy (bounded work; too hard counts as overlapping),
+    by byte ranges for CuPy."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        if not np.may_share_memory(a, b):
+            return False
+        try:
+            return bool(np.shares_memory(a, b, max_work=100_000))
+        except _TOO_HARD:
+            return True
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return False  # host and device memory
+
+    def span(x):
+        if x.size == 0:
+            return 0, 0
+        lo = hi = int(x.data.ptr)
+        for n, s in zip(x.shape, x.strides):
+            (lo, hi) = (lo + (n - 1) * s, hi) if s < 0 else (lo, hi + (n - 1) * s)
+        return lo, hi + x.itemsize
+
+    (a_lo, a_hi), (b_lo, b_hi) = span(a), span(b)
+    return a_lo < b_hi and b_lo < a_hi
 
 
 def dtype_name(dtype) -> str:

@@ -1,0 +1,227 @@
+"""Arrays of any library in, the caller's array type out: the one place where cuflash converts arrays.
+
+cuflash computes on NumPy arrays (``numpy`` backend) and CuPy arrays (``cuda`` backend). Every public function
+takes, besides those, any array that implements DLPack (``__dlpack__`` and ``__dlpack_device__``: PyTorch, JAX,
+array-api-strict, Dask, TensorFlow, MXNet, ...) or the CUDA Array Interface (``__cuda_array_interface__``: Numba,
+PyCUDA, ...), converts it here, without a copy, and gives its results back in the caller's array type:
+
+- a CPU array (DLPack device ``kDLCPU`` or ``kDLCUDAHost``) becomes a NumPy view (``numpy.from_dlpack``) and runs on
+  the ``numpy`` backend;
+- a CUDA array (``kDLCUDA``, ``kDLCUDAManaged``) becomes a CuPy view (``cupy.from_dlpack``, under
+  ``cupy.cuda.Device(i)`` of the array's device) and runs on the ``cuda`` backend, on that device and on CuPy's
+  current stream there. DLPack's stream handshake orders the work: importing asks the producer to make its pending
+  writes visible to CuPy's stream, and the caller's library, importing the results, makes its own stream wait for
+  CuPy's. (To run on, say, PyTorch's current stream instead, wrap the call in
+  ``with cupy.cuda.Stream.from_external(torch.cuda.current_stream()):``);
+- a CUDA Array Interface object becomes a CuPy view (``cupy.asarray``; CuPy honours the interface's ``stream``).
+
+Results go back through the caller's own Array API namespace: ``array_namespace(q).from_dlpack(result)``, found by
+``array-api-compat`` (which knows PyTorch, which has no ``__array_namespace__``, and every library that has one),
+then moved to ``q``'s device object if that differs (array-api-strict's virtual devices). Arrays whose library
+``array-api-compat`` does not know, and CUDA Array Interface objects (Numba has no ``from_dlpack``), get NumPy or
+CuPy results; CuPy arrays are themselves ``__cuda_array_interface__`` and DLPack producers, so any CUDA library
+takes them back without a copy.
+
+Rules checked here, each a ``TypeError``/``ValueError`` naming the argument before any computation:
+
+- the data arrays of a call (``q``, ``k``, ``v``, ``dout``, ``out``, ``lse``, the ``out=`` buffers, merge parts)
+  come from one library and live on one device (the result type must be unambiguous, and a CPU tensor next to a
+  CUDA tensor would otherwise surface as a NumPy/CuPy mixture);
+- a buffer to write into (``out=``, ``dq=``, ...) converts without a copy to a writable array (JAX arrays are
+  immutable: refused);
+- option arrays (``seqlens_q``, ``bias``, ``mod_arrays`` values, ...) are converted the same way and otherwise left
+  to the usual validation (:mod:`cuflash.problem`);
+- NumPy and CuPy arrays pass through untouched, and the checks of :func:`cuflash.problem.array_module` (masked and
+  object arrays, NumPy/CuPy mixtures, CuPy arrays on different GPUs) apply after conversion, to every array alike.
+
+``array-api-compat`` is imported only when an array of another library arrives (a NumPy or CuPy call never loads
+it), and CuPy only for CUDA arrays.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from .problem import _is_cupy
+
+__all__ = ["Edge", "device_kind"]
+
+#: DLPack device types (``DLDeviceType``) cuflash imports: CPU memory and CUDA memory
+_CPU_TYPES = {1: "cpu", 3: "cuda_host"}
+_CUDA_TYPES = {2: "cuda", 13: "cuda_managed"}
+
+
+def _library(a: Any) -> str:
+    """The top-level module of ``a``'s type ("torch", "jaxlib", "numpy", ...), for messages."""
+    return type(a).__module__.split(".")[0] or type(a).__name__
+
+
+def device_kind(a: Any) -> tuple[str, int]:
+    """``("cpu", 0)`` or ``("cuda", device id)`` for a NumPy/CuPy array or a DLPack/CUDA Array Interface object."""
+    if isinstance(a, np.ndarray):
+        return "cpu", 0
+    if _is_cupy(a):
+        device = getattr(a, "device", None)
+        return "cuda", int(getattr(device, "id", 0))
+    if hasattr(a, "__dlpack_device__"):
+        kind, index = a.__dlpack_device__()
+        kind, index = int(kind), int(index)
+        if kind in _CPU_TYPES:
+            return "cpu", 0
+        if kind in _CUDA_TYPES:
+            return "cuda", index
+        raise TypeError(f"DLPack device type {kind} is not supported (CPU and CUDA memory are)")
+    if hasattr(a, "__cuda_array_interface__"):
+        cupy = _cupy("a __cuda_array_interface__ object")
+        return "cuda", int(cupy.asarray(a).device.id)
+    return "cpu", 0
+
+
+def _cupy(what: str) -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise TypeError(f"{what} lives in CUDA memory: that needs CuPy (pip install 'cuflash[cuda12]' or "
+                        f"'cuflash[cuda13]'): {exc}") from None
+    return cupy
+
+
+def _compat() -> Any:
+    try:
+        import array_api_compat
+    except ImportError as exc:  # a declared dependency; only a broken install lacks it
+        raise ImportError(f"arrays of other libraries need array-api-compat (pip install array-api-compat), to give "
+                          f"results back in their own type: {exc}") from None
+    return array_api_compat
+
+
+class Edge:
+    """One call's conversions: arrays in through :meth:`data`, :meth:`buffer` and :meth:`option`, results out
+    through :meth:`export`, the work inside :meth:`device`.
+
+    The first data array fixes the call's *origin*: its library (``numpy``, ``cupy`` or a foreign one, with the
+    Array API namespace results go back in) and its device; every later data array must match it.
+    """
+
+    def __init__(self) -> None:
+        self.library: Optional[str] = None      # "numpy", "cupy" or the foreign library's module name
+        self.namespace: Any = None               # the caller's Array API namespace (foreign arrays only)
+        self.caller_device: Any = None           # the caller's device object (foreign arrays only)
+        self.device_id: Optional[int] = None     # the CUDA device of foreign CUDA arrays (None: CPU, or native)
+        self._first: Optional[str] = None
+        self._place: Optional[tuple[str, int]] = None
+        self._key: Any = None
+
+    @property
+    def foreign(self) -> bool:
+        """Whether the call's arrays are of a library other than NumPy and CuPy (results are converted back)."""
+        return self.library not in (None, "numpy", "cupy")
+
+    # ----------------------------------------------------------------------------------------------- in
+    def data(self, name: str, a: Any) -> Any:
+        """A data array as NumPy/CuPy, zero-copy; it must come from the call's library and device."""
+        if a is None:
+            return None
+        native, library, key, namespace = self._convert(name, a)
+        if key is None:  # not an array: array_module refuses it, naming it
+            return native
+        foreign = library not in ("numpy", "cupy")
+        place = device_kind(native)
+        if self._first is None:
+            self._first, self.library, self._key, self._place = name, library, key, place
+            if namespace is not None:
+                self.namespace = namespace
+                self.caller_device = _compat().device(a)
+            if foreign and place[0] == "cuda":
+                self.device_id = place[1]
+            return native
+        if not (foreign or self.foreign):
+            return native  # NumPy and CuPy: array_module checks mixtures and devices, as for every caller
+        if key is not self._key:
+            raise TypeError(f"{self._first} is a {self.library} array but {name} is a {library} array: pass arrays of "
+                            f"one library (results come back in its type), converting with that library's "
+                            f"from_dlpack")
+        if place != self._place:
+            raise ValueError(f"{self._first} is on {_where(self._place)} but {name} is on {_where(place)}: move "
+                             f"them to one device")
+        return native
+
+    def buffer(self, name: str, a: Any) -> Any:
+        """An output buffer (``out=``, ``dq=``...) as a writable NumPy/CuPy view of the caller's memory."""
+        if a is None:
+            return None
+        native = self.data(name, a)
+        if isinstance(native, np.ndarray) and not native.flags.writeable:
+            hint = " (JAX arrays are immutable: let cuflash allocate)" if "jax" in _library(a) else ""
+            raise ValueError(f"{name} is read-only: a buffer for the result must be writable{hint}")
+        return native
+
+    def option(self, name: str, a: Any) -> Any:
+        """An option's array (seqlens, bias, ...), converted; its checks are the usual ones after conversion."""
+        if a is None or isinstance(a, np.ndarray) or _is_cupy(a) or not _is_foreign_array(a):
+            return a
+        return self._convert(name, a)[0]
+
+    def _convert(self, name: str, a: Any) -> tuple[Any, str, Any, Any]:
+        """``(native array, library, identity key, Array API namespace or None)``."""
+        if isinstance(a, np.ndarray):
+            return a, "numpy", "numpy", None
+        if _is_cupy(a):
+            return a, "cupy", "cupy", None
+        if not _is_foreign_array(a):
+            return a, _library(a), None, None  # not an array: array_module refuses it, naming it
+        library = _library(a)
+        if hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__"):
+            kind, _ = device_kind(a)
+            try:
+                if kind == "cpu":
+                    native = np.from_dlpack(a)
+                else:
+                    cupy = _cupy(f"{name} (a {library} array)")
+                    with cupy.cuda.Device(device_kind(a)[1]):
+                        native = cupy.from_dlpack(a)
+            except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+                raise TypeError(f"{name}: {library} could not hand this array over through DLPack without a copy "
+                                f"({type(exc).__name__}: {exc})") from None
+        else:  # __cuda_array_interface__ only (Numba, PyCUDA): CuPy reads it in place
+            cupy = _cupy(f"{name} (a {library} array)")
+            native = cupy.asarray(a)
+        try:
+            namespace = _compat().array_namespace(a)
+        except TypeError:  # a library array-api-compat does not know: results stay NumPy/CuPy
+            namespace = None
+        return native, library, (namespace if namespace is not None else type(a)), namespace
+
+    # ----------------------------------------------------------------------------------------------- out
+    def export(self, x: Any) -> Any:
+        """A NumPy/CuPy result in the caller's array type (zero-copy where the caller's library allows)."""
+        if x is None or self.namespace is None:
+            return x
+        result = self.namespace.from_dlpack(x)
+        compat = _compat()
+        if self.caller_device is not None and compat.device(result) != self.caller_device:
+            result = compat.to_device(result, self.caller_device)
+        return result
+
+    @contextlib.contextmanager
+    def device(self) -> Iterator[None]:
+        """Where the work runs: under ``cupy.cuda.Device(i)`` for foreign CUDA arrays (NumPy and CuPy callers manage
+        their own device, as before)."""
+        if self.device_id is None:
+            yield
+            return
+        cupy = _cupy("the arrays")
+        with cupy.cuda.Device(self.device_id):
+            yield
+
+
+def _is_foreign_array(a: Any) -> bool:
+    return (hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__")) or hasattr(a, "__cuda_array_interface__")
+
+
+def _where(place: Optional[tuple[str, int]]) -> str:
+    if place is None:
+        return "an unknown device"
+    return "the CPU" if place[0] == "cpu" else f"GPU {place[1]}"

@@ -1,0 +1,329 @@
+"""Arrays of other libraries (issue: fits the array ecosystem): PyTorch tensors and array-api-strict arrays through
+DLPack, CUDA arrays of an unknown library and CUDA Array Interface objects through the fake CuPy, and the errors
+for masked, object, mixed-library and mixed-device arrays.
+
+Every value is held to the float64 reference by the 2x/3x same-dtype rule (:mod:`cuflash.testing`); every result
+must be of the caller's array type. PyTorch and array-api-strict are test dependencies (``.[test]``): their tests
+are skipped only where the package is not installed at all.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import interop
+from cuflash.backends import cuda
+
+import fake_cupy
+from interop_support import cases, check_through
+
+CASES = cases()
+
+
+def _torch():
+    return pytest.importorskip("torch", reason="PyTorch is not installed (it comes with the test extra)")
+
+
+def _xps():
+    return pytest.importorskip("array_api_strict", reason="array-api-strict is not installed (test extra)")
+
+
+# ================================================================================================ PyTorch (CPU)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_torch_tensors_in_torch_tensors_out(name):
+    torch = _torch()
+    check_through(CASES[name], torch.from_dlpack, lambda t: t.numpy(), lambda t: isinstance(t, torch.Tensor))
+
+
+def test_torch_zero_copy_in_place_change_is_detected_and_out_buffer_is_written():
+    """The tensors are read through views: an in-place change of q after the forward reaches cuflash's
+    fingerprint (a copy would hide it), and an ``out=`` tensor is written in place and returned as itself."""
+    torch = _torch()
+    case = CASES["causal-gqa"]
+    q, k, v = (torch.from_dlpack(a.copy()) for a in (case.q, case.k, case.v))
+    buf = torch.empty(q.shape, dtype=q.dtype)
+    out, residual = cuflash.attention(q, k, v, causal=True, out=buf, return_residual=True)
+    assert out is buf and residual.out is buf
+    assert np.array_equal(buf.numpy(), cuflash.attention(case.q, case.k, case.v, causal=True))
+    q[0, 1, 0, 0] += 1.0
+    with pytest.raises(ValueError, match="q was modified in place"):
+        cuflash.attention_backward(torch.ones_like(out), residual)
+
+
+def test_torch_permuted_tensors_with_bhsd_layout():
+    """PyTorch SDPA's layout: (batch, heads, seqlen, head_dim) tensors, here non-contiguous views, with
+    layout="bhsd"; compared with the bshd call on the same values and with torch's own SDPA."""
+    torch = _torch()
+    case = CASES["causal-gqa"]
+    q, k, v = (torch.from_dlpack(a).transpose(1, 2) for a in (case.q, case.k, case.v))  # views, not contiguous
+    assert not q.is_contiguous()
+    out = cuflash.attention(q, k, v, causal=True, layout="bhsd")
+    assert isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(q.shape)
+    want = cuflash.attention(case.q, case.k, case.v, causal=True)
+    assert np.array_equal(out.transpose(1, 2).numpy(), want)
+    # torch's SDPA aligns causal top-left: equal to cuflash's bottom-right only for Sq == Sk; compare without it
+    got = cuflash.attention(q, k, v, layout="bhsd")
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(2, 1),
+                                                            v.double().repeat_interleave(2, 1))
+    assert np.abs(got.numpy() - sdpa.numpy()).max() < 1e-5
+
+
+def test_torch_every_public_function_returns_tensors():
+    torch = _torch()
+    case = CASES["plain"]
+    T = torch.from_dlpack
+    q, k, v, dout = (T(a) for a in (case.q, case.k, case.v, case.dout))
+    out, vjp = cuflash.attention_vjp(q, k, v)
+    assert all(isinstance(g, torch.Tensor) for g in (out, *vjp(dout)))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    merged, lse2 = cuflash.merge_attention_states([out, out], [lse, lse])
+    assert isinstance(merged, torch.Tensor) and isinstance(lse2, torch.Tensor)
+    assert np.allclose(merged.numpy(), out.numpy(), atol=1e-6) and np.allclose(lse2.numpy(), lse.numpy() + np.log(2))
+    qkv = torch.stack([q, k, v], dim=2)  # (B, S, 3, H, D)
+    out_p, res = cuflash.attention_qkvpacked(qkv, return_residual=True)
+    assert isinstance(out_p, torch.Tensor) and np.array_equal(out_p.numpy(), out.numpy())
+    dqkv = cuflash.attention_backward(dout, res)
+    assert isinstance(dqkv, torch.Tensor) and dqkv.shape == qkv.shape
+    out_kv = cuflash.attention_kvpacked(q, torch.stack([k, v], dim=2))
+    assert isinstance(out_kv, torch.Tensor) and np.array_equal(out_kv.numpy(), out.numpy())
+
+
+def test_torch_errors_are_clear():
+    torch = _torch()
+    case = CASES["plain"]
+    q, k, v = (torch.from_dlpack(a) for a in (case.q, case.k, case.v))
+    with pytest.raises(TypeError, match=r"q is a torch array but k is a numpy array: pass arrays of one library"):
+        cuflash.attention(q, case.k, v)
+    with pytest.raises(TypeError, match=r"q: torch could not hand this array over through DLPack.*detach"):
+        cuflash.attention(q.clone().requires_grad_(), k, v)
+    with pytest.raises(TypeError, match=r"q: torch could not hand this array over through DLPack"):
+        cuflash.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())  # NumPy's DLPack import has no bfloat16
+    with pytest.raises(TypeError, match=r"dout is a numpy array"):
+        out, residual = cuflash.attention(q, k, v, return_residual=True)
+        cuflash.attention_backward(case.dout, residual)
+    with pytest.raises(TypeError, match="q, k, v must share one dtype"):
+        cuflash.attention(q, k.double(), v)
+
+
+# ================================================================================================ array-api-strict
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_array_api_strict_arrays(name):
+    xps = _xps()
+    check_through(CASES[name], xps.asarray, lambda a: np.asarray(a), lambda a: isinstance(a, xps._array_object.Array))
+
+
+def test_array_api_strict_results_stay_on_the_callers_device():
+    xps = _xps()
+    case = CASES["plain"]
+    device = xps.Device("device1")
+    q, k, v = (xps.asarray(a, device=device) for a in (case.q, case.k, case.v))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    assert out.device == device and lse.device == device
+    assert np.array_equal(np.asarray(xps.asarray(out, device=xps.Device("CPU_DEVICE"))),
+                          cuflash.attention(case.q, case.k, case.v))
+    out + q  # the caller's arithmetic works: same device (array-api-strict refuses mixtures)
+
+
+# ================================================================================================ JAX arrays (DLPack)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_jax_arrays_through_cuflash_attention(name):
+    """Plain cuflash.attention on JAX arrays (no jit: cuflash.jax is the adapter for transformations)."""
+    jax = pytest.importorskip("jax", reason="JAX is not installed (it comes with the test extra)")
+    check_through(CASES[name], jax.numpy.asarray, np.asarray, lambda a: isinstance(a, jax.Array))
+
+
+def test_jax_arrays_are_immutable_buffers():
+    jax = pytest.importorskip("jax", reason="JAX is not installed (it comes with the test extra)")
+    q, k, v = (jax.numpy.asarray(a) for a in (CASES["plain"].q, CASES["plain"].k, CASES["plain"].v))
+    with pytest.raises(ValueError, match=r"out is read-only: a buffer for the result must be writable \(JAX arrays "
+                                         r"are immutable"):
+        cuflash.attention(q, k, v, out=jax.numpy.zeros_like(q))
+
+
+# ================================================================================================ NumPy edge cases
+def test_masked_object_and_non_array_inputs_are_refused_everywhere():
+    case = CASES["plain"]
+    q, k, v = case.q, case.k, case.v
+    masked = np.ma.masked_array(k, mask=k > 1)
+    with pytest.raises(TypeError, match="k is a numpy.ma.MaskedArray"):
+        cuflash.attention(q, masked, v)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(TypeError, match="dout is a numpy.ma.MaskedArray"):
+        cuflash.attention_backward(np.ma.masked_array(q), q, k, v, out, lse)
+    with pytest.raises(TypeError, match=r"outs\[1\] is a numpy.ma.MaskedArray"):
+        cuflash.merge_attention_states([out, np.ma.masked_array(out)], [lse, lse])
+    with pytest.raises(TypeError, match="out is a numpy.ma.MaskedArray"):
+        cuflash.attention(q, k, v, out=np.ma.masked_array(np.empty_like(q)))
+    objects = np.empty(q.shape, dtype=object)
+    objects[...] = 1.0
+    with pytest.raises(TypeError, match=r"v is an array of Python objects \(dtype object\)"):
+        cuflash.attention(q, k, objects)
+    with pytest.raises(TypeError, match=r"q must be a numpy.ndarray or cupy.ndarray \(or an array of another "
+                                        r"library that implements __dlpack__"):
+        cuflash.attention(q.tolist(), k, v)
+
+
+def test_unsupported_dlpack_device_is_named():
+    class OnAnotherAccelerator:
+        def __dlpack__(self, **kw):
+            raise AssertionError("must not be read")
+
+        def __dlpack_device__(self):
+            return 14, 0  # kDLOneAPI
+
+    with pytest.raises(TypeError, match="DLPack device type 14 is not supported"):
+        cuflash.attention(OnAnotherAccelerator(), CASES["plain"].k, CASES["plain"].v)
+
+
+def test_numpy_calls_do_not_import_array_api_compat():
+    """The conversion layer costs NumPy and CuPy callers nothing: array-api-compat is loaded only for arrays of
+    other libraries."""
+    code = ("import sys, numpy as np, cuflash; x = np.ones((1, 4, 1, 8), np.float32); cuflash.attention(x, x, x); "
+            "cuflash.attention_vjp(x, x, x)[1](x); print('array_api_compat' in sys.modules)")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "False"
+
+
+# ================================================================================================ CUDA (fake CuPy)
+class ForeignCuda:
+    """A CUDA array of a library cuflash does not know (a torch CUDA tensor, say): DLPack only, over the fake
+    CuPy's device memory. ``__dlpack__`` records the consumer stream it is asked to order against."""
+
+    def __init__(self, arr):
+        self._arr = arr
+        self.streams = []
+
+    def __dlpack_device__(self):
+        return 2, self._arr.device.id  # kDLCUDA
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        self.streams.append(stream)
+        return self._arr  # stands in for the capsule: the fake from_dlpack below unwraps it
+
+    def __array_namespace__(self, api_version=None):
+        return FOREIGN
+
+    shape = property(lambda self: self._arr.shape)
+    dtype = property(lambda self: self._arr.dtype)
+    device = property(lambda self: ("foreign-gpu", self._arr.device.id))
+
+
+FOREIGN = types.SimpleNamespace(from_dlpack=lambda x: ForeignCuda(x), __name__="foreign")
+
+
+class CaiOnly:
+    """A Numba-like device array: only ``__cuda_array_interface__`` (over a fake CuPy array)."""
+
+    def __init__(self, arr):
+        self._arr = arr
+
+    @property
+    def __cuda_array_interface__(self):
+        return self._arr.__cuda_array_interface__
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    """A fake CuPy with two GPUs and the DLPack import real CuPy has: ``from_dlpack`` of a CUDA array on the
+    current device (the consumer stream it hands over belongs to that device), and ``asarray`` of CUDA Array
+    Interface objects."""
+    fake = fake_cupy.install(monkeypatch, fake_cupy.make([fake_cupy.H100, fake_cupy.A100]))
+    cuda._memoized.cache_clear()
+
+    def from_dlpack(x, *, device=None, copy=None):
+        kind, index = x.__dlpack_device__()
+        current = fake.cuda.Device().id
+        if kind != 2 or index != current:
+            raise ValueError(f"from_dlpack of a device-{index} array with device {current} current")
+        return x.__dlpack__(stream=fake.cuda.get_current_stream().ptr)
+
+    asarray = fake.asarray
+
+    def asarray_cai(a, dtype=None, order=None, *, blocking=False):
+        return a._arr if isinstance(a, CaiOnly) else asarray(a, dtype, order, blocking=blocking)
+
+    fake.from_dlpack, fake.asarray = from_dlpack, asarray_cai
+    yield fake
+    cuda._memoized.cache_clear()
+
+
+def _emulator():
+    from cuflash import emulate
+
+    ok, why = emulate.available()
+    if not ok:
+        pytest.skip(f"CPU emulation unavailable: {why}")
+
+
+def _fp16_case():
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal((1, 20, 2, 16)).astype(np.float16) for _ in range(4))
+    return q, k, v, dout
+
+
+@pytest.mark.emulate
+def test_foreign_cuda_arrays_run_on_their_device_and_come_back_in_their_type(cp):
+    """A DLPack CUDA array on GPU 1 (GPU 0 current): imported under GPU 1 (the fake's from_dlpack refuses
+    another current device), computed there (the kernels launch on device 1), and returned as the caller's type;
+    values as the emulated NumPy call's, bitwise (the same kernels)."""
+    _emulator()
+    q, k, v, dout = _fp16_case()
+    with cp.cuda.Device(1):
+        arrays = [ForeignCuda(cp.asarray(a)) for a in (q, k, v, dout)]
+    out, residual = cuflash.attention(*arrays[:3], causal=True, return_residual=True)
+    grads = cuflash.attention_backward(arrays[3], residual)
+    assert cp.cuda.Device().id == 0
+    assert isinstance(out, ForeignCuda) and out.device == ("foreign-gpu", 1)
+    assert all(isinstance(g, ForeignCuda) and g.device == ("foreign-gpu", 1) for g in grads)
+    assert cp._launches and {launch.device for launch in cp._launches} == {1}
+    assert all(a.streams for a in arrays)  # each was read through DLPack (with the consumer's stream)
+    want = cuflash.attention(q, k, v, causal=True, backend="emulate")
+    assert np.array_equal(out._arr.get(), want)
+    want_grads = cuflash.attention_backward(dout, q, k, v, *cuflash.attention(q, k, v, causal=True, return_lse=True,
+                                                                              backend="emulate"),
+                                            causal=True, backend="emulate")
+    for g, w in zip(grads, want_grads):
+        assert np.array_equal(g._arr.get(), w)
+
+
+@pytest.mark.emulate
+def test_cuda_array_interface_objects_give_cupy_results(cp):
+    _emulator()
+    q, k, v, _ = _fp16_case()
+    got = cuflash.attention(*(CaiOnly(cp.asarray(a)) for a in (q, k, v)))
+    assert isinstance(got, cp.ndarray)
+    assert np.array_equal(got.get(), cuflash.attention(q, k, v, backend="emulate"))
+
+
+def test_mixed_devices_are_refused_before_any_launch(cp):
+    q, k, v, _ = _fp16_case()
+    torch_like_cpu = CASES["plain"]  # a foreign CPU array next to a foreign CUDA one
+    gpu0 = [ForeignCuda(cp.asarray(a)) for a in (q, k, v)]
+    with cp.cuda.Device(1):
+        gpu1 = ForeignCuda(cp.asarray(k))
+        native1 = cp.asarray(k)
+    with pytest.raises(ValueError, match="q is on GPU 0 but k is on GPU 1: move them to one device"):
+        cuflash.attention(gpu0[0], gpu1, gpu0[2])
+    with pytest.raises(ValueError, match=r"the arrays must all live on one GPU \(q on GPU 0, k on GPU 1"):
+        cuflash.attention(cp.asarray(q), native1, cp.asarray(v))
+    xps = pytest.importorskip("array_api_strict", reason="array-api-strict is not installed (test extra)")
+    with pytest.raises(TypeError, match="q is a array_api_strict array but k is a "):
+        cuflash.attention(xps.asarray(torch_like_cpu.q), gpu0[1], gpu0[2])
+    with pytest.raises(TypeError, match="q is numpy, k is cupy"):
+        cuflash.attention(q, cp.asarray(k), cp.asarray(v))
+    assert cp._launches == []
+
+
+def test_device_kind():
+    assert interop.device_kind(np.zeros(3)) == ("cpu", 0)
+
+    class Managed:
+        def __dlpack_device__(self):
+            return 13, 2  # kDLCUDAManaged on GPU 2
+
+    assert interop.device_kind(Managed()) == ("cuda", 2)

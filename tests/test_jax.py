@@ -1,0 +1,265 @@
+"""cuflash.jax (issue: a JAX adapter): jit, grad and vmap on CPU JAX, against jax.nn.dot_product_attention (with
+its top-left causal alignment handled), the float64 reference by the 2x/3x rule, and finite differences; both
+ways in (``buffer_callback``, the default, and ``pure_callback``); trace-time errors; and the GPU branch of the
+callback (XLA's device and stream) with the fake CuPy.
+
+JAX is a test dependency (``.[test]``); this module is skipped only where it is not installed at all.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="JAX is not installed (it comes with the test extra: pip install '.[test]')")
+jnp = pytest.importorskip("jax.numpy")
+
+import cuflash  # noqa: E402
+import cuflash.jax as cj  # noqa: E402
+from cuflash import reference  # noqa: E402
+from cuflash.testing import Case, check_backward, check_forward  # noqa: E402
+
+import fake_cupy  # noqa: E402
+
+
+@pytest.fixture(params=["buffer", "pure"])
+def callback(request, monkeypatch):
+    """Both ways into cuflash: XLA's buffers (jax.experimental.buffer_callback) and host arrays (pure_callback)."""
+    if request.param == "buffer" and cj._buffer_callback is None:
+        pytest.skip("this JAX has no jax.experimental.buffer_callback")
+    monkeypatch.setattr(cj, "CALLBACK", request.param)
+    return request.param
+
+
+def _arrays(shape_q, shape_k, dtype=np.float32, seed=0, dv=None):
+    rng = np.random.default_rng(seed)
+    shape_v = shape_k if dv is None else shape_k[:-1] + (dv,)
+    q = rng.standard_normal(shape_q).astype(dtype)
+    k = rng.standard_normal(shape_k).astype(dtype)
+    v = rng.standard_normal(shape_v).astype(dtype)
+    return q, k, v
+
+
+def _bottom_right_mask(sq, sk):
+    """cuflash's causal rule as a boolean (1, 1, Sq, Sk) mask for jax.nn.dot_product_attention."""
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    return jnp.asarray((j <= i + (sk - sq))[None, None])
+
+
+# ------------------------------------------------------------------------------------------------ forward
+@pytest.mark.parametrize("sq,sk,hq,hkv,causal", [(33, 33, 4, 2, True), (17, 40, 2, 2, True), (40, 17, 2, 1, True),
+                                                 (20, 31, 4, 4, False)])
+def test_forward_matches_dot_product_attention_under_jit(callback, sq, sk, hq, hkv, causal):
+    q, k, v = (jnp.asarray(a) for a in _arrays((2, sq, hq, 16), (2, sk, hkv, 16)))
+    got = jax.jit(lambda q, k, v: cj.attention(q, k, v, causal=causal))(q, k, v)
+    assert isinstance(got, jax.Array) and got.shape == q.shape and got.dtype == q.dtype
+    if causal and sq == sk:
+        want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    elif causal:  # JAX aligns causal top-left; cuflash (like FlashAttention-2) bottom-right: an explicit mask
+        want = jax.nn.dot_product_attention(q, k, v, mask=_bottom_right_mask(sq, sk))
+        top_left = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        assert float(jnp.abs(got - top_left).max()) > 0.1  # the alignments really differ here
+    else:
+        want = jax.nn.dot_product_attention(q, k, v)
+    sees = np.arange(sq) + (sk - sq) >= 0 if causal else np.ones(sq, bool)  # rows that see at least one key
+    assert float(jnp.abs(got - want)[:, sees].max()) < 2e-5
+    assert not np.asarray(got)[:, ~sees].any()  # a row that sees no key is 0 in cuflash (JAX averages v there)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_forward_and_gradients_against_the_float64_reference(callback, dtype):
+    """The 2x/3x same-dtype rule of cuflash.testing, through jit(vjp(cuflash.jax.attention))."""
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    q, k, v = _arrays((2, 37, 4, 32), (2, 29, 2, 32), np_dtype, seed=1)
+    dout = np.random.default_rng(2).standard_normal(q.shape).astype(np_dtype)
+    case = Case(q, k, v, dout, {"causal": True, "window": (9, None)})
+
+    @jax.jit
+    def run(q, k, v, dout):
+        out, vjp = jax.vjp(lambda q, k, v: cj.attention(q, k, v, causal=True, window=(9, None)), q, k, v)
+        return out, vjp(dout)
+
+    out, grads = run(*(jnp.asarray(a) for a in (q, k, v, dout)))
+    lse = cuflash.attention(q, k, v, causal=True, window=(9, None), return_lse=True)[1]
+    check_forward(lambda *a, **o: (np.asarray(out), lse), case)
+    check_backward(lambda *a, **o: tuple(np.asarray(g) for g in grads), case, np.asarray(out), lse)
+
+
+def test_gradients_match_jax_autodiff_of_dot_product_attention(callback):
+    q, k, v = (jnp.asarray(a) for a in _arrays((2, 24, 4, 16), (2, 24, 2, 16), seed=3))
+    w = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape).astype(np.float32))
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * w)
+
+    ours = jax.jit(jax.grad(loss(lambda q, k, v: cj.attention(q, k, v, causal=True)), argnums=(0, 1, 2)))(q, k, v)
+    theirs = jax.grad(loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)),
+                      argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape and float(jnp.abs(a - b).max()) < 2e-5 * (1 + float(jnp.abs(b).max()))
+
+
+def test_gradients_match_finite_differences_in_float64():
+    """Central differences of a scalar loss along random directions, in float64 (JAX's x64 mode, cuflash's
+    float64 NumPy path): agreement to ~1e-9 relative, far below any wrong-gradient error."""
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(a) for a in _arrays((1, 13, 2, 8), (1, 19, 1, 8), np.float64, seed=5, dv=6))
+        w = jnp.asarray(np.random.default_rng(6).standard_normal(q.shape[:-1] + (6,)))
+
+        def loss(q, k, v):
+            return jnp.sum(cj.attention(q, k, v, causal=True, window=(7, 2)) * w)
+
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        rng = np.random.default_rng(7)
+        for i, x in enumerate((q, k, v)):
+            direction = jnp.asarray(rng.standard_normal(x.shape))
+            eps = 1e-5
+            shifted = [list((q, k, v)), list((q, k, v))]
+            shifted[0][i] = x + eps * direction
+            shifted[1][i] = x - eps * direction
+            numeric = (loss(*shifted[0]) - loss(*shifted[1])) / (2 * eps)
+            analytic = jnp.sum(grads[i] * direction)
+            assert abs(float(numeric - analytic)) <= 1e-7 * (1 + abs(float(analytic))), (i, numeric, analytic)
+
+
+# ------------------------------------------------------------------------------------------------ vmap
+def test_vmap_over_a_new_axis_and_of_the_gradient(callback):
+    q, k, v = (jnp.asarray(a) for a in _arrays((3, 2, 21, 2, 8), (3, 2, 15, 2, 8), seed=8))
+    fn = jax.jit(jax.vmap(lambda q, k, v: cj.attention(q, k, v, causal=True)))
+    assert np.array_equal(np.asarray(fn(q, k, v)), cuflash.attention(*map(np.asarray, (q, k, v)), causal=True))
+    # only q mapped: k, v are broadcast (no broadcasting inside cuflash itself)
+    one = jax.vmap(lambda q: cj.attention(q, k[0], v[0]))(q)
+    for i in range(3):
+        assert np.array_equal(np.asarray(one[i]), cuflash.attention(*map(np.asarray, (q[i], k[0], v[0]))))
+    grads = jax.vmap(jax.grad(lambda q, k, v: jnp.sum(cj.attention(q, k, v) ** 2), argnums=(0, 1, 2)))(q, k, v)
+    for i in range(3):
+        alone = jax.grad(lambda q, k, v: jnp.sum(cj.attention(q, k, v) ** 2), argnums=(0, 1, 2))(q[i], k[i], v[i])
+        for g, h in zip(grads, alone):
+            assert np.array_equal(np.asarray(g[i]), np.asarray(h))
+
+
+# ------------------------------------------------------------------------------------------------ options
+def test_layout_dv_seqlens_and_dropout_match_the_numpy_call(callback):
+    """Options go through unchanged: each result equals cuflash.attention's on the same NumPy arrays, bitwise."""
+    q, k, v = _arrays((2, 11, 2, 16), (2, 14, 1, 16), seed=9, dv=24)
+    sq, sk = np.array([11, 5], np.int32), np.array([14, 3], np.int32)
+    opts = dict(causal=True, dropout_p=0.3, seed=1234)
+    got = jax.jit(lambda q, k, v, sq, sk: cj.attention(q, k, v, seqlens_q=sq, seqlens_k=sk, **opts))(
+        *(jnp.asarray(a) for a in (q, k, v, sq, sk)))
+    assert np.array_equal(np.asarray(got), cuflash.attention(q, k, v, seqlens_q=sq, seqlens_k=sk, **opts))
+    qt, kt, vt = (np.swapaxes(a, 1, 2) for a in (q, k, v))  # (B, H, S, D)
+    got = jax.jit(lambda q, k, v: cj.attention(q, k, v, layout="bhsd", **opts))(*(jnp.asarray(a) for a in (qt, kt, vt)))
+    assert got.shape == (2, 2, 11, 24)
+    assert np.array_equal(np.asarray(got), cuflash.attention(qt, kt, vt, layout="bhsd", **opts))
+    dout = np.ones((2, 11, 2, 24), np.float32)
+    grads = jax.grad(lambda q, k, v: jnp.sum(cj.attention(q, k, v, **opts)), argnums=(0, 1, 2))(
+        *(jnp.asarray(a) for a in (q, k, v)))
+    out, residual = cuflash.attention(q, k, v, return_residual=True, **opts)
+    for g, h in zip(grads, cuflash.attention_backward(dout, residual)):
+        assert np.array_equal(np.asarray(g), h)
+
+
+@pytest.mark.emulate
+def test_bias_is_traced_and_differentiated():
+    """bias may be a traced, differentiated argument: its gradient is cuflash's dbias (here on the emulated
+    CUDA kernels, the backends that compute modifiers today), under jit and under vmap of an unbatched bias."""
+    from cuflash import emulate
+
+    ok, why = emulate.available()
+    if not ok:
+        pytest.skip(f"CPU emulation unavailable: {why}")
+    q, k, v = _arrays((2, 17, 2, 16), (2, 17, 2, 16), np.float16, seed=10)
+    dout = np.random.default_rng(11).standard_normal(q.shape).astype(np.float16)
+    bias = np.random.default_rng(12).standard_normal((2, 17, 17)).astype(np.float32)  # (heads, Sq, Sk)
+
+    def loss(bias, q):
+        out = cj.attention(q, k, v, bias=bias, backend="emulate")
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(np.float32))
+
+    dbias = jax.jit(jax.grad(loss))(jnp.asarray(bias), jnp.asarray(q))
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+    want = reference.attention_backward(dout, q, k, v, bias=bias, return_dbias=True)[3]
+    base = reference.attention_backward(dout, q, k, v, bias=bias, return_dbias=True, compute_dtype=np.float16)[3]
+    from cuflash.testing import assert_attention_close
+
+    # (the floor at the default magnitude, max |dbias|: reference.term_magnitudes fails on a bias-only modifier,
+    # an IndexError in cuflash/reference.py reported to its owner)
+    assert_attention_close(np.asarray(dbias), want, base, mult=3, name="dbias")
+    stacked = jnp.stack([jnp.asarray(q)] * 3)
+    per = jax.vmap(jax.grad(loss), in_axes=(None, 0))(jnp.asarray(bias), stacked)
+    assert per.shape == (3,) + bias.shape
+    assert all(np.array_equal(np.asarray(per[i]), np.asarray(dbias)) for i in range(3))
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_errors_are_raised_when_tracing_with_cuflash_messages():
+    q, k, v = (jnp.asarray(a) for a in _arrays((1, 8, 2, 8), (1, 9, 2, 8)))
+    fn = jax.jit(lambda q, k, v: cj.attention(q, k, v, causal=True))
+    with pytest.raises(ValueError, match=r"heads of q \(3\) must be a multiple of heads of k/v \(2\)"):
+        fn(jnp.concatenate([q, q[:, :, :1]], axis=2), k, v)
+    with pytest.raises(ValueError, match="window"):
+        cj.attention(q, k, v, window=(-1, 0))
+    with pytest.raises(ValueError, match="explicit seed"):
+        cj.attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(TypeError, match="alibi_slopes must be a concrete array"):
+        jax.jit(lambda s: cj.attention(q, k, v, alibi_slopes=s))(jnp.ones(2))
+    with pytest.raises(TypeError, match="q must be a jax.Array"):
+        cj.attention(q.tolist(), k, v)
+    with pytest.raises(ValueError, match="layout must be"):
+        cj.attention(q, k, v, layout="sbhd")
+
+
+# ------------------------------------------------------------------------------------------------ the GPU branch
+class _Buffer:
+    """What XLA hands a buffer_callback on a GPU: DLPack device (kDLCUDA, id), over fake device memory."""
+
+    def __init__(self, arr):
+        self.arr = arr
+        self.streams = []
+
+    def __dlpack_device__(self):
+        return 2, self.arr.device.id
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        self.streams.append(stream)
+        return self.arr
+
+
+def test_gpu_buffers_become_cupy_arrays_on_xlas_device_and_stream(monkeypatch):
+    """On a GPU the callback reads XLA's buffers as CuPy arrays without copies, under the buffers' device, with
+    XLA's stream current (so cuflash's kernels are ordered with XLA's work), through the CUDA stream protocol."""
+    cp = fake_cupy.install(monkeypatch, fake_cupy.make([fake_cupy.H100, fake_cupy.A100]))
+    made = []
+
+    def from_external(obj):
+        version, ptr = obj.__cuda_stream__()
+        stream = cp.cuda.Stream()
+        stream.ptr = ptr
+        made.append((version, ptr))
+        return stream
+
+    monkeypatch.setattr(cp.cuda.Stream, "from_external", staticmethod(from_external), raising=False)
+
+    def from_dlpack(x, **kwargs):
+        assert cp.cuda.Device().id == x.__dlpack_device__()[1]
+        return x.__dlpack__(stream=cp.cuda.get_current_stream().ptr)
+
+    cp.from_dlpack = from_dlpack
+    with cp.cuda.Device(1):
+        buffers = [_Buffer(cp.zeros((2, 3), np.float16)) for _ in range(3)]
+    ctx = type("Ctx", (), {"stream": 0xABC})()
+    with cj._device_arrays(ctx, buffers) as arrays:
+        assert [a is b.arr for a, b in zip(arrays, buffers)] == [True] * 3
+        assert cp.cuda.Device().id == 1 and cp.cuda.get_current_stream().ptr == 0xABC
+    assert made == [(0, 0xABC)] and all(b.streams == [0xABC] for b in buffers)
+    assert cp.cuda.Device().id == 0
+
+
+def test_docstring_documents_every_parameter():
+    import inspect
+    import re
+
+    doc = cj.attention.__doc__
+    params = doc.split("Parameters")[1].split("Returns")[0]
+    documented = {n.strip() for line in params.splitlines() if (m := re.match(r"^ {4}([A-Za-z_][\w, ]*) :", line))
+                  for n in m.group(1).split(",")}
+    assert set(inspect.signature(cj.attention).parameters) <= documented
