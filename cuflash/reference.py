@@ -191,7 +191,8 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     cond = 1.0 + s.max(initial=0) + np.abs(lse[np.isfinite(lse)]).max(initial=0)
     slope = 1.0
     if p.mods is not None and p.mods.score is not None:
-        slope = float(np.abs(p.mods.dscore.evaluate(_env(p, s0), _host_values(p))[prob > 0]).max(initial=0))
+        factor = np.broadcast_to(p.mods.dscore.evaluate(_env(p, s0), _host_values(p)), prob.shape)
+        slope = float(np.abs(factor[prob > 0]).max(initial=0))
     mags = {"out": (prob @ np.abs(vg)).max(initial=0), "lse": cond}
     if dout is not None:
         b, sq, hq, d = p.q.shape

@@ -58,11 +58,70 @@ class Case:
         return (f"Case(q={self.q.shape}, k={self.k.shape}, dtype={self.q.dtype}, options={opts})")
 
 
+#: score modifiers the strategy draws (``w``: a float per key; ``s``: a float per head), each with a different shape
+#: of derivative: affine, saturating, piecewise, per-position.
+SCORE_MODS = ("score * 0.7 + w[kv_idx]", "2.0 * tanh(score / 2.0)", "where(q_idx >= kv_idx, score, score - 1.5)",
+              "score - s[h] * abs(q_idx - kv_idx)", "max(score, -2.0) + 0.1 * min(score, 0.5)")
+#: mask modifiers the strategy draws (``doc``: an int per key and query; ``keep``: a bool per key)
+MASK_MODS = ("(q_idx + kv_idx) % 3 != 1", "keep[kv_idx] or kv_idx == 0", "doc_q[q_idx] == doc_k[kv_idx]",
+             "kv_idx <= q_idx + b")
+
+
+def _modifier_options(draw, st, rng, batch, hq, sq, sk):
+    """bias / alibi_slopes / softcap / score_mod / mask_mod options (each present or not) with their operands."""
+    opts, arrays = {}, {}
+    if draw(st.booleans()):
+        shape = draw(st.sampled_from([(hq, sq, sk), (sq, sk), batch + (hq, 1, sk), (1, sq, 1), (sk,)]))
+        opts["bias"] = rng.standard_normal(shape).astype(np.float32)
+    if draw(st.booleans()):
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.5, hq).astype(np.float32)
+    if draw(st.booleans()):
+        opts["softcap"] = draw(st.sampled_from([1.0, 5.0, 30.0]))
+    if draw(st.booleans()):
+        opts["score_mod"] = text = draw(st.sampled_from(SCORE_MODS))
+        if "w[" in text:
+            arrays["w"] = rng.standard_normal(sk).astype(np.float32)
+        if "s[" in text:
+            arrays["s"] = rng.uniform(0, 0.3, hq).astype(np.float32)
+    if draw(st.booleans()):
+        opts["mask_mod"] = text = draw(st.sampled_from(MASK_MODS))
+        if "keep[" in text:
+            arrays["keep"] = rng.random(sk) < 0.7
+        if "doc_q[" in text:
+            docs = np.sort(rng.integers(0, 4, max(sq, sk)))
+            arrays["doc_q"], arrays["doc_k"] = docs[-sq:], docs[-sk:]
+    if arrays:
+        opts["mod_arrays"] = arrays
+    return opts
+
+
+def _block_mask(draw, st, rng, batch, hq, sq, sk, block_sizes):
+    """A BlockMask of one of the constructors (element-exact ones and FA1's whole blocks)."""
+    bq, bk = draw(st.sampled_from(block_sizes)), draw(st.sampled_from(block_sizes))
+    kind = draw(st.sampled_from(["blocks", "causal", "window", "document", "dense", "prefix"]))
+    if kind == "causal":
+        return BlockMask.causal(sq, sk, block=(bq, bk))
+    if kind == "window":
+        return BlockMask.sliding_window(sq, sk, window=(draw(st.integers(0, sq)), draw(st.integers(0, 8))),
+                                        block=(bq, bk))
+    if kind == "document" and sq == sk:
+        return BlockMask.document(np.sort(rng.integers(0, 3, sq)), block=(bq, bk))
+    if kind == "prefix" and sq == sk:
+        return BlockMask.prefix_lm(sq, draw(st.integers(0, sq)), block=(bq, bk))
+    nb = int(np.prod(batch))
+    lead = (draw(st.sampled_from([1, nb])), draw(st.sampled_from([1, hq])))
+    if kind == "dense":
+        return BlockMask.from_dense(rng.random(lead + (sq, sk)) < draw(st.floats(0.2, 1.0)), block=(bq, bk))
+    grid = rng.random(lead + (-(-sq // bq), -(-sk // bk))) < draw(st.floats(0.2, 1.0))
+    return BlockMask(grid, block=(bq, bk), seqlen_q=sq, seqlen_k=sk)
+
+
 def attention_cases(*, dtypes=("float32",), max_seqlen=160, head_dims=None, max_head_dim=80,
                     max_batch_dims=2, gqa=True, causal=True, window=True, seqlens=True,
-                    block_mask=True, block_sizes=(16, 32, 64), scale=True, dropout=False):
+                    block_mask=True, block_sizes=(16, 32, 64), scale=True, dropout=False, modifiers=False):
     """Hypothesis strategy of :class:`Case`: awkward lengths, Sq ≠ Sk both ways, GQA/MQA,
-    causal, windows, per-sequence lengths, BlockMasks, any number of batch dimensions."""
+    causal, windows, per-sequence lengths, BlockMasks of every kind, any number of batch dimensions;
+    with ``modifiers``, bias (of several broadcast shapes), ALiBi, softcap, score and mask modifiers."""
     from hypothesis import strategies as st
 
     @st.composite
@@ -91,12 +150,9 @@ def attention_cases(*, dtypes=("float32",), max_seqlen=160, head_dims=None, max_
             opts["seqlens_q"] = rng.integers(0, sq + 1, size=batch).astype(np.int32)
             opts["seqlens_k"] = rng.integers(0, sk + 1, size=batch).astype(np.int32)
         if block_mask and draw(st.booleans()):
-            bq, bk = draw(st.sampled_from(block_sizes)), draw(st.sampled_from(block_sizes))
-            nb = int(np.prod(batch))
-            grid_shape = (draw(st.sampled_from([1, nb])), draw(st.sampled_from([1, hq])),
-                          -(-sq // bq), -(-sk // bk))
-            grid = rng.random(grid_shape) < draw(st.floats(0.2, 1.0))
-            opts["block_mask"] = BlockMask(grid, block=(bq, bk), seqlen_q=sq, seqlen_k=sk)
+            opts["block_mask"] = _block_mask(draw, st, rng, batch, hq, sq, sk, block_sizes)
+        if modifiers:
+            opts.update(_modifier_options(draw, st, rng, batch, hq, sq, sk))
         if dropout and draw(st.booleans()):
             opts["dropout_p"] = draw(st.sampled_from([0.1, 0.5, 0.9]))
             opts["seed"] = draw(st.integers(0, 2**64 - 1))
@@ -158,14 +214,21 @@ def check_forward(fn, case: Case):
     return out, lse
 
 
-def check_backward(fn, case: Case, out, lse):
-    """Hold ``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` to the rule (mult 3)."""
-    grads = fn(case.dout, case.q, case.k, case.v, out, lse, **case.options)
+def check_backward(fn, case: Case, out, lse, *, dbias=None):
+    """Hold ``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` to the rule (mult 3).
+
+    ``dbias`` (default: when the case has a ``bias``): ``fn`` is called with ``return_dbias=True`` and its
+    fourth result held to the rule too (the naive baseline rounded to the bias's dtype, as the result is)."""
+    dbias = "bias" in case.options if dbias is None else dbias
+    extra = {"return_dbias": True} if dbias else {}
+    grads = fn(case.dout, case.q, case.k, case.v, out, lse, **case.options, **extra)
     opts, drop = _reference_options(case)
-    refs = reference.attention_backward(case.dout, case.q, case.k, case.v, **opts, **drop)
+    refs = reference.attention_backward(case.dout, case.q, case.k, case.v, **opts, **drop, **extra)
     bases = reference.attention_backward(case.dout, case.q, case.k, case.v,
-                                         compute_dtype=case.q.dtype, **opts, **drop)
+                                         compute_dtype=case.q.dtype, **opts, **drop, **extra)
+    if dbias:
+        bases = bases[:3] + (np.asarray(bases[3]).astype(np.asarray(case.options["bias"]).dtype),)
     mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **opts, **drop)
-    for name, g, r, b in zip(("dq", "dk", "dv"), grads, refs, bases):
+    for name, g, r, b in zip(("dq", "dk", "dv", "dbias"), grads, refs, bases):
         assert_attention_close(g, r, b, mult=3, name=name, magnitude=mags[name])
     return grads

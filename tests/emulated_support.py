@@ -34,11 +34,12 @@ def emulated_backward(deterministic=False, **kw):
     """``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` through the emulated backward kernels;
     ``kw`` (spec, dq_spec, schedule, ...) goes to the emulate backend."""
 
-    def fn(dout, q, k, v, out, lse, **options):
+    def fn(dout, q, k, v, out, lse, return_dbias=False, **options):
         problem = make_problem(q, k, v, **options)
         d, o, l = flatten_backward(problem, dout, out, lse)
-        grads = emulate_backend.backward(problem, d, o, l, deterministic=deterministic, **kw)
-        return tuple(problem.unflatten(g, a.shape[1:]) for g, a in zip(grads, (problem.q, problem.k, problem.v)))
+        grads = emulate_backend.backward(problem, d, o, l, deterministic=deterministic, dbias=return_dbias, **kw)
+        result = tuple(problem.unflatten(g, a.shape[1:]) for g, a in zip(grads, (problem.q, problem.k, problem.v)))
+        return result + (grads[3].reshape(problem.mods.bias_shape),) if return_dbias else result
 
     return fn
 

@@ -1,0 +1,136 @@
+"""Score and mask modifiers and element-exact BlockMasks on every backend (NumPy, the emulated CUDA kernels, the fake
+CuPy's cuda backend), forward and backward (dbias included), against the float64 reference at the usual rule."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import cuflash
+from cuflash import BlockMask, reference
+from cuflash.testing import Case, attention_cases, check_backward, check_forward
+
+from emulated_support import emulated, emulated_backward
+from fwd_cases import make_case
+
+_emulate_ok, _why = cuflash.emulate.available()
+needs_emulator = pytest.mark.skipif(not _emulate_ok, reason=f"CPU emulation unavailable: {_why}")
+
+
+def numpy_fwd(q, k, v, **options):
+    return cuflash.attention(q, k, v, return_lse=True, **options)
+
+
+def numpy_bwd(dout, q, k, v, out, lse, **options):
+    return cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+
+
+def _cases():
+    """One case per modifier and mask kind, with GQA and awkward lengths (float16: the kernels' dtype)."""
+    rng = np.random.default_rng(11)
+    base = dict(b=2, sq=75, sk=75, hq=4, hkv=2, d=40)
+    docs = np.sort(rng.integers(0, 4, 75))
+    yield "bias_full", dict(bias=rng.standard_normal((2, 4, 75, 75)).astype(np.float32))
+    yield "bias_per_key_broadcast", dict(bias=rng.standard_normal((75,)).astype(np.float32), causal=True)
+    yield "bias_heads_rows", dict(bias=rng.standard_normal((4, 75, 1)).astype(np.float32), window=(20, 5))
+    yield "alibi", dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32), causal=True)
+    yield "softcap", dict(softcap=2.0)
+    yield "score_mod", dict(score_mod="where(q_idx >= kv_idx, score, score - 1.5) + w[kv_idx]",
+                            mod_arrays={"w": rng.standard_normal(75).astype(np.float32)})
+    yield "mask_mod", dict(mask_mod="d[q_idx] == d[kv_idx] and kv_idx <= q_idx", mod_arrays={"d": docs})
+    yield "everything", dict(bias=rng.standard_normal((4, 75, 75)).astype(np.float32), softcap=5.0,
+                             alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4], np.float32), score_mod="score * 0.8",
+                             mask_mod="(q_idx + kv_idx) % 5 != 2", causal=True)
+    yield "document_causal", dict(block_mask=BlockMask.document(docs, block=(16, 32)) &
+                                  BlockMask.causal(75, block=(16, 32)))
+    yield "prefix_lm", dict(block_mask=BlockMask.prefix_lm(75, 30, block=(32, 16)))
+    yield "dense_bits", dict(block_mask=BlockMask.from_dense(rng.random((2, 1, 75, 75)) < 0.3, block=(16, 16)))
+    yield "mask_or", dict(block_mask=BlockMask.sliding_window(75, window=(10, 0), block=(16, 16)) |
+                          BlockMask.from_mask_mod("kv_idx < 4", seqlen_q=75, block=(16, 16)))
+    yield "blockmask_and_bias", dict(block_mask=BlockMask.causal(75, block=(32, 32)),
+                                     bias=rng.standard_normal((1, 75, 75)).astype(np.float32))
+    del base
+
+
+CASES = dict(_cases())
+
+
+def _case(name, dtype=np.float16):
+    return make_case(2, 75, 75, 4, 2, 40, dtype, **CASES[name])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_numpy_backend(name, dtype):
+    case = _case(name, dtype)
+    out, lse = check_forward(numpy_fwd, case)
+    check_backward(numpy_bwd, case, out, lse)
+
+
+@needs_emulator
+@pytest.mark.emulate
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_emulated_kernels(name, deterministic):
+    case = _case(name)
+    out, lse = check_forward(emulated, case)
+    check_backward(emulated_backward(deterministic), case, out, lse)
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 2), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(attention_cases(dtypes=("float32", "float64"), max_seqlen=90, max_head_dim=24, modifiers=True))
+def test_numpy_backend_hypothesis(case):
+    out, lse = check_forward(numpy_fwd, case)
+    check_backward(numpy_bwd, case, out, lse)
+
+
+@needs_emulator
+@pytest.mark.emulate
+@settings(max_examples=max(6, settings.default.max_examples // 8), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(attention_cases(dtypes=("float16",), max_seqlen=80, head_dims=(16, 40), modifiers=True))
+def test_emulated_kernels_hypothesis(case):
+    out, lse = check_forward(emulated, case)
+    check_backward(emulated_backward(deterministic=False), case, out, lse)
+
+
+def test_sliding_window_blockmask_equals_window_on_the_kernels():
+    """Not bitwise there (different tiles), but both exact: the same keep set, at the rule."""
+    case = make_case(1, 130, 130, 2, 1, 64, np.float16)
+    a = emulated(case.q, case.k, case.v, window=(40, 0))[0] if _emulate_ok else None
+    if a is None:
+        pytest.skip(_why)
+    b = emulated(case.q, case.k, case.v, block_mask=BlockMask.sliding_window(130, window=(40, 0), block=(16, 16)))[0]
+    ref = reference.attention(case.q, case.k, case.v, window=(40, 0))
+    base = reference.attention(case.q, case.k, case.v, window=(40, 0), compute_dtype=np.float16)
+    for x in (a, b):
+        assert np.abs(x - ref).max() <= 2 * np.abs(base - ref).max() + 2 * 2.0**-11
+
+
+def test_a_mask_modifier_removes_whole_rows_like_seqlens():
+    q, k, v, _ = (x for x in _qkv())
+    out, lse = cuflash.attention(q, k, v, mask_mod="q_idx < 3", return_lse=True)
+    assert (out[:, 3:] == 0).all() and np.isneginf(lse[..., 3:]).all() and np.isfinite(lse[..., :3]).all()
+
+
+def _qkv():
+    rng = np.random.default_rng(3)
+    return [rng.standard_normal(s) for s in ((1, 9, 2, 8), (1, 9, 2, 8), (1, 9, 2, 8), (1, 9, 2, 8))]
+
+
+def test_modifier_gradients_vanish_where_masked_even_if_undefined_there():
+    """log(score) is NaN for negative scores: masked entries must not bring that NaN into dq, dk (dS = 0 there)."""
+    q, k, v, do = _qkv()
+    opts = dict(score_mod="log(abs(score) + 1e-3)", mask_mod="q_idx >= kv_idx")
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+    grads = cuflash.attention_backward(do, q, k, v, out, lse, **opts)
+    refs = reference.attention_backward(do, q, k, v, **opts)
+    for g, r in zip(grads, refs):
+        assert np.isfinite(g).all() and np.allclose(g, r, rtol=1e-9, atol=1e-12)
+
+
+def test_term_magnitudes_with_bias_only():
+    q, k, v, do = _qkv()
+    mags = reference.term_magnitudes(q, k, v, do, bias=np.zeros((2, 9, 9)))
+    assert set(mags) == {"out", "lse", "dq", "dk", "dv", "dbias"} and all(np.isfinite(x) for x in mags.values())
