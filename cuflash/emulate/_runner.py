@@ -1,9 +1,11 @@
 """Loading an emulated kernel library, checking arguments against its signature, and launching it."""
 from __future__ import annotations
 
+import _thread
 import ctypes
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +20,8 @@ MAX_PARAMS = 256
 _LAUNCH_LOCK = threading.Lock()
 # How often the waiting main thread wakes up to run Python's signal handlers (Ctrl-C) during a launch.
 _POLL_SECONDS = 0.1
+# How long a launch waits for its worker thread to begin before running on the main thread instead.
+_START_SECONDS = 10.0
 
 
 class EmulationError(RuntimeError):
@@ -114,18 +118,26 @@ def _interruptible(call, cancel: ctypes.c_int) -> int:
     """``call()`` (a launch) on a worker thread, so that Ctrl-C reaches the waiting main thread within
     ``_POLL_SECONDS``; on any exception there (KeyboardInterrupt, SystemExit from a signal handler) the launch is
     told to stop through ``cancel`` (the runtime checks it between blocks and at every barrier), awaited, and the
-    exception re-raised: no thread or fiber outlives the call, and the library can be launched again.
+    exception re-raised: no launch outlives the call, and the library can be launched again.
 
     ctypes releases the GIL during the call. Python runs signal handlers in the main thread only, and a blocking
     wait would postpone them until the launch ends (24.7 s seen), hence the short timed waits. They wait for an
     Event, not Thread.join: a join interrupted by KeyboardInterrupt marks a running thread as stopped (CPython
     3.11, bpo-45274), after which join returns while the launch still runs.
+
+    The worker is a bare ``_thread`` thread, not ``threading.Thread``: Thread.start waits without a timeout for
+    the new thread to report in, and waits forever when that thread dies before it does (CPython gh-140746). A CI
+    run hung there once, after some thousand launches, with no such OS thread left. Here a thread that has not
+    begun within ``_START_SECONDS`` loses the launch to the main thread (without Ctrl-C for that launch); the
+    ``owner`` lock makes sure exactly one of the two runs it.
     """
     if threading.current_thread() is not threading.main_thread():
         return call()  # only the main thread receives KeyboardInterrupt: nothing to wait for (~0.2 ms saved)
-    outcome, done = {}, threading.Event()
+    outcome, done, owner = {}, threading.Event(), threading.Lock()
 
     def run():
+        if not owner.acquire(blocking=False):
+            return  # too late: the main thread ran the launch itself
         try:
             outcome["rc"] = call()
         except BaseException as exc:  # handed to the caller's thread
@@ -133,17 +145,23 @@ def _interruptible(call, cancel: ctypes.c_int) -> int:
         finally:
             done.set()
 
-    worker = threading.Thread(target=run, name="cuflash-emulate-launch", daemon=True)
-    worker.start()
+    try:
+        _thread.start_new_thread(run, ())
+    except RuntimeError:  # no thread to be had: launch here, without Ctrl-C
+        return call()
+    deadline, stranded = time.monotonic() + _START_SECONDS, False
     try:
         while not done.wait(_POLL_SECONDS):
-            pass
+            if time.monotonic() > deadline and owner.acquire(blocking=False):
+                stranded = True  # the worker never began; it will return as soon as it does
+                break
     except BaseException:
         cancel.value = 1
-        _wait_despite_interrupts(done)
+        if not owner.acquire(blocking=False):  # the worker runs the launch: await it
+            _wait_despite_interrupts(done)
         raise
-    finally:
-        worker.join()  # the thread has only to return now
+    if stranded:
+        return call()
     if "error" in outcome:
         raise outcome["error"]
     return outcome["rc"]
