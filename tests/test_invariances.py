@@ -186,8 +186,8 @@ def _one(options, index, flat_index):
             opts[key] = np.asarray(opts[key][index])
     bm = opts.get("block_mask")
     if bm is not None:
-        grid = bm.grid[flat_index if bm.grid.shape[0] > 1 else 0]
-        opts["block_mask"] = BlockMask(grid, block=bm.block, seqlen_q=bm.seqlen_q, seqlen_k=bm.seqlen_k)
+        dense = bm.to_dense()  # element-exact: the grid alone would lose the rule of partial blocks
+        opts["block_mask"] = BlockMask.from_dense(dense[flat_index if dense.shape[0] > 1 else 0][None], block=bm.block)
     return opts
 
 

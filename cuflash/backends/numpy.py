@@ -376,7 +376,9 @@ def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
                 modifiers.mask(s, t, chunk)
             _mask_scores(s, masks, t, chunk)
             m_new = np.maximum(m_i, s.max(axis=-1))
-            m_safe = np.where(m_new == -np.inf, 0, m_new)  # a row that saw nothing yet: no -inf - -inf
+            # A row that saw nothing yet (-inf) or an infinite or NaN score: shift by 0, as the float64 reference
+            # does, so that +inf gives lse = +inf (and NaN outputs), never -inf - -inf or inf - inf in lse.
+            m_safe = np.where(np.isfinite(m_new), m_new, 0)
             s -= m_safe[..., None]
             rule.exp(s, out=s)
             alpha = rule.exp(m_i - m_safe)
