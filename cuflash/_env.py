@@ -82,6 +82,9 @@ VARIABLES: dict[str, Variable] = {
         _flag, "0 or 1", True, "precompile the emulator's shim header once per toolchain"),
     "CUFLASH_EMULATE_CXX": Variable(
         _text, "a C++ compiler command", None, "the compiler of emulated kernels; default g++"),
+    "CUFLASH_MPI_CUDA_AWARE": Variable(
+        _flag, "0 or 1", False,
+        "the MPI library takes device buffers (cuflash.distributed over MPI; mpi4py cannot ask the library)"),
     "CUFLASH_EMULATE_HW_MATH": Variable(
         _flag, "0 or 1", False,
         "emulate the GPU's fp32 rounding: flush denormals to zero, exp2f with ex2.approx.ftz's error"),

@@ -20,9 +20,9 @@ handle whose ``wait()`` completes them and whose ``poke()`` lets MPI progress th
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from .. import _env
 
 #: MPI tags of cuflash's messages (a range of its own, so other traffic on the same communicator does not match)
 TAG_BASE = 0x4346  # "CF"
@@ -75,7 +75,7 @@ class MpiTransport:
         self.MPI, self.comm, self.xp = MPI, comm, xp
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.device = xp.__name__ == "cupy"
-        self.cuda_aware = os.environ.get("CUFLASH_MPI_CUDA_AWARE", "0") not in ("", "0")
+        self.cuda_aware = _env.get("CUFLASH_MPI_CUDA_AWARE")
 
     def allgather_ints(self, values) -> np.ndarray:
         send = np.ascontiguousarray(values, dtype=np.int64)

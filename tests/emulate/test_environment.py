@@ -127,3 +127,26 @@ def test_the_minimum_stack_runs_the_attention_kernels():
 def test_stack_kib_must_be_an_integer():
     with pytest.raises(TypeError, match="stack_kib"):
         _copy_launch(stack_kib=128.5)
+
+
+def test_the_readme_table_is_the_variables_table():
+    """The README's table of environment variables is cuflash._env.VARIABLES, row for row, and nothing in cuflash
+    reads a CUFLASH_* variable around the table."""
+    from pathlib import Path
+    import re
+
+    from cuflash import _env
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    section = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(CUFLASH_\w+)` \| (.+?) \| (.+?) \| (.+?) \|$", section, re.M)
+    want = []
+    for name, var in _env.VARIABLES.items():
+        default = ("1" if var.default else "0") if isinstance(var.default, bool) else \
+            ("unset" if var.default is None else str(var.default))
+        want.append((name, var.accepted, default, var.meaning))
+    assert rows == want
+    readers = [p for p in (root / "cuflash").rglob("*.py")
+               if p.name != "_env.py" and re.search(r"environ(\.get)?\(?\[?[\"']CUFLASH_", p.read_text())]
+    assert readers == [], f"read CUFLASH_* variables outside cuflash._env: {readers}"
