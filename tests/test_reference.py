@@ -58,11 +58,8 @@ def brute_force(q, k, v, *, causal=False, scale=None, window=None, block_mask=No
                 for j in range(sk):
                     if not sees(i, j, lq[b], lk[b], causal, window):
                         continue
-                    if block_mask is not None:
-                        g = block_mask.grid
-                        bq, bk = block_mask.block
-                        if not g[b if g.shape[0] > 1 else 0, h if g.shape[1] > 1 else 0, i // bq, j // bk]:
-                            continue
+                    if block_mask is not None and not block_mask.keep(b, h, i, j):  # element-exact
+                        continue
                     scores[j] = scale * math.fsum(qf[b, i, h, c] * kf[b, j, hk, c] for c in range(d))
                 if not scores:
                     continue
