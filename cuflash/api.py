@@ -19,7 +19,7 @@ import numpy as np
 
 from . import backends
 from .blockmask import BlockMask
-from .dropout import fresh_seed
+from .dropout import fresh_seed, needs_seed
 from .interop import Edge
 from .problem import array_module, check_backward, check_buffer, make_problem
 
@@ -341,7 +341,7 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
                         "(residual.lse)")
     q, k, v = natives
     layout = _check_layout(options["layout"])
-    drawn = options["seed"] is None and _truthy(options["dropout_p"])
+    drawn = needs_seed(options["dropout_p"], options["seed"])
     if drawn:
         options["seed"] = fresh_seed()
     native_options = _native_options(edge, options)
@@ -599,13 +599,6 @@ def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> tuple[Array, 
 
 
 # ==================================================================================================== helpers
-def _truthy(x: Any) -> bool:
-    try:
-        return bool(x)
-    except Exception:  # noqa: BLE001 - an invalid dropout_p: make_problem names it
-        return False
-
-
 def _is_given(name: str, value: Any) -> bool:
     """Whether a keyword-form option differs from its default (was given)."""
     default = DEFAULTS[name]

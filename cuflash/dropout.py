@@ -15,7 +15,7 @@ log-sum-exp is that of the undropped scores.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -92,6 +92,15 @@ def _is_count(s: object) -> bool:
     if isinstance(s, (bool, np.bool_)) or not isinstance(s, numbers.Integral):
         return False
     return int(s) >= 0
+
+
+def needs_seed(dropout_p: Any, seed: Optional[int]) -> bool:
+    """Whether a call must draw a seed: dropout is on and none was given. An invalid ``dropout_p`` counts as
+    off here: validation (``check_dropout``) names it right after."""
+    try:
+        return seed is None and bool(dropout_p)
+    except Exception:  # noqa: BLE001 - e.g. an array's ambiguous truth value
+        return False
 
 
 def fresh_seed() -> int:

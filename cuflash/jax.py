@@ -62,6 +62,7 @@ except ImportError:  # JAX older than 0.7
 
 from . import api
 from .blockmask import BlockMask
+from .dropout import needs_seed
 from .problem import make_problem
 
 __all__ = ["attention", "CALLBACK"]
@@ -118,7 +119,7 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: Optional[f
                   score_mod=score_mod, mask_mod=mask_mod, dropout_p=dropout_p, seed=seed, layout=layout)
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    if _truthy(dropout_p) and seed is None:
+    if needs_seed(dropout_p, seed):
         raise ValueError("cuflash.jax.attention needs an explicit seed with dropout_p > 0: a seed drawn here would "
                          "be one constant for every call of a jitted function (pass seed=int, e.g. from your PRNG)")
     host = {"alibi_slopes": _concrete("alibi_slopes", alibi_slopes),
@@ -274,13 +275,6 @@ def _device_arrays(ctx: Any, buffers: Sequence[Any]) -> Iterator[list[Any]]:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _truthy(x: Any) -> bool:
-    try:
-        return bool(x)
-    except Exception:  # noqa: BLE001 - an invalid dropout_p: validation names it
-        return False
-
-
 def _jax_array(name: str, a: Any) -> Any:
     if isinstance(a, jax.Array):
         return a

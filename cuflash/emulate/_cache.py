@@ -123,8 +123,9 @@ def cache_dir() -> Path:
 
 # ------------------------------------------------------------------------------------------------ files
 
-def file_digest(path: Path) -> str | None:
-    """SHA-256 of a regular file that this user owns and nobody else can write; None for anything else."""
+def _read_private(path: Path, read):
+    """``read(file)`` of a regular file that this user owns and nobody else can write (opened without following
+    a link, the checks made on the open file); None for anything else."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -133,10 +134,17 @@ def file_digest(path: Path) -> str | None:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or _ownership_problem(st):
             return None
+        return read(f)
+
+
+def file_digest(path: Path) -> str | None:
+    """SHA-256 of a private regular file (:func:`_read_private`); None for anything else."""
+    def digest(f):
         h = hashlib.sha256()
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             h.update(chunk)
         return h.hexdigest()
+    return _read_private(path, digest)
 
 
 def write_record(path: Path, record: dict) -> None:
@@ -153,18 +161,12 @@ def write_record(path: Path, record: dict) -> None:
 
 def read_record(path: Path) -> dict | None:
     """The JSON object at ``path`` when it is a private regular file and well formed, else None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or _ownership_problem(st):
-            return None
+    def parse(f):
         try:
-            record = json.loads(f.read(1 << 20))
+            return json.loads(f.read(1 << 20))
         except ValueError:
             return None
+    record = _read_private(path, parse)
     return record if isinstance(record, dict) else None
 
 
