@@ -50,6 +50,15 @@ _OPTIONS_DOC = """
     seed : int, optional
         Dropout seed in ``[0, 2**64)``. With ``dropout_p > 0`` and ``seed=None`` the forward draws a
         fresh seed and returns it as an extra last result; the backward requires it.
+    precision : {"ieee", "3xtf32", "tf32"}, default "ieee"
+        The arithmetic of float32 inputs on the CUDA kernels. ``"ieee"`` (the default, chosen for
+        accuracy): float32 FMA, the accuracy of a naive float32 computation. ``"3xtf32"``: TF32 tensor
+        cores, each product split into three (CUTLASS's 3xTF32), near-float32 accuracy, faster where
+        tensor cores outrun the FMA pipes. ``"tf32"``: one TF32 product, the fastest and the least
+        accurate (10-bit mantissas: about 1e-3 relative, like PyTorch's allow_tf32). float64 always
+        computes in float64 (DMMA on A100/H100) and 16-bit inputs on their own tensor cores: they take
+        only ``"ieee"``. The NumPy backend computes float32 in float32 whatever the mode. The README's
+        "Precision" table gives each mode's measured accuracy.
     dtype : {None, "bfloat16"}
         ``"bfloat16"`` declares ``uint16`` arrays as bfloat16 bit patterns, for CuPy versions without
         ``ml_dtypes.bfloat16`` support (results are then bfloat16 bits too); otherwise leave None.
@@ -61,18 +70,18 @@ _OPTIONS_DOC = """
 
 #: the options attention and attention_backward share (the forward's must be the backward's)
 OPTIONS = ("causal", "scale", "window", "block_mask", "seqlens_q", "seqlens_k", "bias", "alibi_slopes", "softcap",
-           "score_mod", "mask_mod", "mod_arrays", "dropout_p", "seed", "dtype")
+           "score_mod", "mask_mod", "mod_arrays", "dropout_p", "seed", "dtype", "precision")
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None, seqlens_q=None, seqlens_k=None,
               bias=None, alibi_slopes=None, softcap=None, score_mod=None, mask_mod=None, mod_arrays=None,
-              dropout_p=0.0, seed=None, return_lse=False, dtype=None, backend=None):
+              dropout_p=0.0, seed=None, return_lse=False, dtype=None, precision="ieee", backend=None):
     """Exact softmax attention, computed block by block without materializing the score matrix.
 
     Parameters
     ----------
     q : array, shape ``(..., seqlen_q, heads, head_dim)``
-        float16, bfloat16, float32 or float64 (NumPy); float16 or bfloat16 (CuPy).
+        float16, bfloat16, float32 or float64 (NumPy and CuPy).
     k, v : array, shape ``(..., seqlen_k, heads_kv, head_dim)``
         Same dtype and batch dimensions as ``q``; ``heads % heads_kv == 0`` (query head ``h``
         reads kv head ``h // (heads // heads_kv)``).
@@ -104,8 +113,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, block_mask=None
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, block_mask=None,
                        seqlens_q=None, seqlens_k=None, bias=None, alibi_slopes=None, softcap=None, score_mod=None,
-                       mask_mod=None, mod_arrays=None, dropout_p=0.0, seed=None, dtype=None, deterministic=False,
-                       return_dbias=False, backend=None):
+                       mask_mod=None, mod_arrays=None, dropout_p=0.0, seed=None, dtype=None, precision="ieee",
+                       deterministic=False, return_dbias=False, backend=None):
     """Gradients of :func:`attention` by recomputation from the saved ``lse`` (FA2 Algorithm 2).
 
     Parameters

@@ -24,7 +24,7 @@ from ..problem import Problem
 
 MIN_CC = 80
 #: what this backend computes (checked once, by cuflash.backends.select)
-DTYPES = tuple(specs.CTYPES)
+DTYPES = tuple(specs.CTYPES) + tuple(specs.WIDE_CTYPES)  # float32/float64: kernels/flash_*_wide.cu
 MAX_HEAD_DIM = specs.NATIVE_HEAD_DIMS[-1]
 BF16_BITS = True
 MODIFIERS = True  # score and mask modifiers compiled into the kernels (cuflash/cuda/modcode.py)
@@ -136,7 +136,8 @@ def forward(problem: Problem, *, spec=None):
 
     ``spec`` forces a :class:`~cuflash.cuda.specs.KernelSpec` (benchmarks compare tile choices with it)."""
     _check_devices(problem)
-    fl = launches.forward_launch(problem, max_smem=_device()[2], spec=spec)
+    _, cc, max_smem = _device()
+    fl = launches.forward_launch(problem, max_smem=max_smem, spec=spec, cc=cc)
     if fl.launch is not None:
         run(fl.launch)
     return fl.result()
@@ -145,8 +146,9 @@ def forward(problem: Problem, *, spec=None):
 def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=False):
     """``(dq, dk, dv)`` on the current CuPy stream (:func:`cuflash.cuda.launch.backward_launch`)."""
     _check_devices(problem, dout=dout, out=out, lse=lse)
-    bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=_device()[2],
-                                  dbias=dbias)
+    _, cc, max_smem = _device()
+    bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=max_smem,
+                                  dbias=dbias, cc=cc)
     for launch in bl.launches:
         run(launch)
     return bl.result()
