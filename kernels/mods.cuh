@@ -96,7 +96,11 @@ __device__ __forceinline__ void modify_scores(float (&S)[kM][kN][4], float (&S0)
           score_coords<kTransposed>(row0, col0, lane, mi, nj, r, i, j);
           const float s0 = __fmul_rn(S[mi][nj][r], p.scale);
           if constexpr (kKeep) S0[mi][nj][r] = s0;
-          S[mi][nj][r] = __fmul_rn(Mods::score(s0, pos.b, pos.h, i, j, pos.len_q, pos.len_k, p), kLog2e);
+          // Only inside the sequence: the modifier's operands have the sequence's extents, and a boundary tile's
+          // rows past len_q (never written; P = 0 in the backward) or columns past len_k (masked below) would read
+          // past them; there the plain score stays (finite: zero-filled Q/K rows).
+          const bool inside = i < pos.len_q && j < pos.len_k;
+          S[mi][nj][r] = __fmul_rn(inside ? Mods::score(s0, pos.b, pos.h, i, j, pos.len_q, pos.len_k, p) : s0, kLog2e);
         }
       }
 }

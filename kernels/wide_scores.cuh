@@ -55,7 +55,8 @@ __device__ __forceinline__ void mask_scores(T (&S)[kM][kN][kR], int row0, int co
 }
 
 // S = mod(S_raw * scale) * log2(e), every multiply correctly rounded (so the forward and both backward kernels hold
-// the same bits); without a score modifier one multiply by scale * log2(e). kKeep: S0 receives S_raw * scale.
+// the same bits); without a score modifier one multiply by scale * log2(e). kKeep: S0 receives S_raw * scale. The
+// modifier is evaluated at (i, j) inside the sequence only.
 template <class Mods, bool kTransposed, bool kKeep, int kTM, typename T, int kM, int kN, int kR>
 __device__ __forceinline__ void modify_scores(T (&S)[kM][kN][kR], T (&S0)[kM][kN][kR], int row0, int col0, int lane,
                                               const ScorePos& pos, const Params& p) {
@@ -73,7 +74,12 @@ __device__ __forceinline__ void modify_scores(T (&S)[kM][kN][kR], T (&S0)[kM][kN
           coords<kTM, kTransposed>(row0, col0, lane, mi, nj, r, i, j);
           const T s0 = R::mul(S[mi][nj][r], R::scale(p));
           if constexpr (kKeep) S0[mi][nj][r] = s0;
-          S[mi][nj][r] = R::mul(Mods::score(s0, pos.b, pos.h, i, j, pos.len_q, pos.len_k, p), R::kLog2e);
+          // Only inside the sequence: a modifier reads its operands at (i, j), whose extents are the sequence's.
+          // Rows past len_q (zero-filled, never written; P = 0 in the backward since L = +inf) keep the plain finite
+          // score, not one computed from memory past an operand (NaN there would reach dK, dV through 0 * NaN);
+          // columns past len_k are masked below.
+          const bool inside = i < pos.len_q && j < pos.len_k;
+          S[mi][nj][r] = R::mul(inside ? Mods::score(s0, pos.b, pos.h, i, j, pos.len_q, pos.len_k, p) : s0, R::kLog2e);
         }
       }
 }
