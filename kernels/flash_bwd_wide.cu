@@ -1,11 +1,12 @@
 // cuflash — FlashAttention-2 backward by recomputation (FA2 Algorithm 2) for float32 and float64: flash_bwd.cu's
 // kernels and features over the arithmetics of wide_mma.cuh, every intermediate in the element type.
 //
-//   flash_bwd_wide_preprocess_kernel   D = rowsum(dO o O) and L = lse * log2(e) per query row (L = +inf for rows
-//                                      that see no key: P = exp2(S - L) = 0), and zeroes the dQ workspace.
+//   flash_bwd_wide_preprocess_kernel   D = rowsum(dO o O) and L = the lse in softmax units per query row (float32:
+//                                      lse * log2(e); float64: lse; L = +inf for rows that see no key: P = 0), and
+//                                      zeroes the dQ workspace.
 //   flash_bwd_wide_kernel              grid (key tiles, kv heads, batch): K_j, V_j loaded once; for every query head
 //                                      of the kv head's group and every query tile i that sees the keys: S^T = K_j
-//                                      Q_i^T (the forward's rounding), P^T = exp2(S^T - L), dP^T = V_j dO_i^T,
+//                                      Q_i^T (the forward's rounding), P^T = ex(S^T - L), dP^T = V_j dO_i^T,
 //                                      dS^T = P^T o (dP^T - D); P^T and dS^T through shared memory; dV_j += P^T dO_i,
 //                                      dK_j += dS^T Q_i in registers; dQ_i += dS K_j by atomics (float32 or float64
 //                                      atomicAdd) into the workspace unless deterministic (wide_traits.cuh: layout).
@@ -52,7 +53,7 @@ __global__ void __launch_bounds__(128) flash_bwd_wide_preprocess_kernel(const __
     const long long at = batch * p.stats_batch_stride + head * p.stats_head_stride + row;
     const T l = wide::stats<T>(p.lse)[at];
     wide::stats<T>(p.dsum)[at] = sum;
-    wide::stats<T>(p.lse_log2)[at] = (row < len_q && l != R::neg_inf()) ? R::mul(l, R::kLog2e) : R::pos_inf();
+    wide::stats<T>(p.lse_log2)[at] = (row < len_q && l != R::neg_inf()) ? R::lse_to_units(l) : R::pos_inf();
   }
   if (p.dq_accum.ptr != nullptr) {
     T* acc_row = p.dq_accum.at<T>(batch, head) + row * p.dq_accum.row_stride;
@@ -222,7 +223,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_wide_kernel(const __gri
 
     if (s_phase) {
       const ScorePos pos{blk.batch, head, blk.len_q, blk.len_k};
-      // Lines 11-13: S^T = K_j Q_i^T with the forward's rounding, the element mask, P^T = exp2(S^T - L).
+      // Lines 11-13: S^T = K_j Q_i^T with the forward's rounding, the element mask, P^T = ex(S^T - L).
       T S[1][kNTS][kR], S0[1][kNTS][kR];
 #pragma unroll
       for (int nj = 0; nj < kNTS; ++nj)
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_wide_kernel(const __gri
 #pragma unroll
       for (int nj = 0; nj < kNTS; ++nj)
 #pragma unroll
-        for (int r = 0; r < kR; ++r) S[0][nj][r] = R::ex2(S[0][nj][r] - sL[q_col0 + 8 * nj + 2 * (lane & 3) + (r & 1)]);
+        for (int r = 0; r < kR; ++r) S[0][nj][r] = R::ex(S[0][nj][r] - sL[q_col0 + 8 * nj + 2 * (lane & 3) + (r & 1)]);
 
       // Lines 17-19: dP^T = V_j dO_i^T (with dropout, of the dropped P: dP^T o Z^T / (1-p)), dS^T = P^T o (dP^T - D)
       // with the undropped P^T; then the modifier's chain rule (and dbias).
@@ -316,7 +317,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_wide_kernel(const __gri
 
 // ---------------------------------------------------------------------------------------------------------------
 // Deterministic dQ: grid (query tiles, query heads, batch), the forward's orientation and block info; per visible
-// key tile S = Q_i K_j^T, P = exp2(S - L), dP = dO_i V_j^T, dS = P o (dP - D), dQ_i += dS K_j in registers. No
+// key tile S = Q_i K_j^T, P = ex(S - L), dP = dO_i V_j^T, dS = P o (dP - D), dQ_i += dS K_j in registers. No
 // atomics: bitwise reproducible.
 // ---------------------------------------------------------------------------------------------------------------
 template <class M, int kHeadDim, int kBlockM, int kBlockN, int kWarps, class Mods>
@@ -413,7 +414,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_wide_dq_kernel(const __
 #pragma unroll
       for (int nj = 0; nj < kNTS; ++nj)
 #pragma unroll
-        for (int r = 0; r < kR; ++r) S[mi][nj][r] = R::ex2(S[mi][nj][r] - L[mi * kH + r / 2]);
+        for (int r = 0; r < kR; ++r) S[mi][nj][r] = R::ex(S[mi][nj][r] - L[mi * kH + r / 2]);
 
     T dP[kMT][kNTS][kR];
 #pragma unroll

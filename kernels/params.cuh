@@ -61,7 +61,7 @@ struct ModArgs {
 // The float64 kernels' scalars in float64 (kernels/wide_*.cuh): the float fields above would round them to 24 bits,
 // an error of ~6e-8 in every score, far above float64's. Zero (unused) for the other kernels.
 struct WideArg {
-  double scale, scale_log2, rescale;  // softmax scale, scale * log2(e), dropout's 1/(1-p) (1 without dropout)
+  double scale, rescale;  // softmax scale, dropout's 1/(1-p) (1 without dropout)
 };
 
 struct Params {

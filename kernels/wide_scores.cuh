@@ -4,7 +4,7 @@
 // These are mods.cuh's modify_scores / mask_scores / backprop_modifier and dropout.cuh's keep bits, written for
 // fragments of any height (8 or 16 rows) and element type: the 16-bit kernels' helpers assume m16n8k16's
 // float[kM][kN][4]. Same order and semantics: s = scale * q.k (correctly rounded), then the score modifier, then
-// the masks, then the base-2 softmax on s * log2(e). The float64 kernels take a modifier struct rendered in float64
+// the masks, then the softmax (base 2 on s * log2(e) for float32, base e for float64: wide_math.cuh). The float64 kernels take a modifier struct rendered in float64
 // (cuflash/cuda/modcode.py, real="double": double score(double, ...), float64 operands); check_mods says so at
 // compile time.
 #pragma once
@@ -54,9 +54,9 @@ __device__ __forceinline__ void mask_scores(T (&S)[kM][kN][kR], int row0, int co
       }
 }
 
-// S = mod(S_raw * scale) * log2(e), every multiply correctly rounded (so the forward and both backward kernels hold
-// the same bits); without a score modifier one multiply by scale * log2(e). kKeep: S0 receives S_raw * scale. The
-// modifier is evaluated at (i, j) inside the sequence only.
+// S = mod(S_raw * scale) in softmax units (wide_math.cuh: * log2(e) for float32), every multiply correctly rounded
+// (so the forward and both backward kernels hold the same bits); without a score modifier one multiply by
+// Real::softmax_scale. kKeep: S0 receives S_raw * scale. The modifier is evaluated at (i, j) inside the sequence.
 template <class Mods, bool kTransposed, bool kKeep, int kTM, typename T, int kM, int kN, int kR>
 __device__ __forceinline__ void modify_scores(T (&S)[kM][kN][kR], T (&S0)[kM][kN][kR], int row0, int col0, int lane,
                                               const ScorePos& pos, const Params& p) {
@@ -68,7 +68,7 @@ __device__ __forceinline__ void modify_scores(T (&S)[kM][kN][kR], T (&S0)[kM][kN
 #pragma unroll
       for (int r = 0; r < kR; ++r) {
         if constexpr (!Mods::kScore) {
-          S[mi][nj][r] = R::mul(S[mi][nj][r], R::scale_log2(p));
+          S[mi][nj][r] = R::mul(S[mi][nj][r], R::softmax_scale(p));
         } else {
           int i, j;
           coords<kTM, kTransposed>(row0, col0, lane, mi, nj, r, i, j);
@@ -79,7 +79,7 @@ __device__ __forceinline__ void modify_scores(T (&S)[kM][kN][kR], T (&S0)[kM][kN
           // score, not one computed from memory past an operand (NaN there would reach dK, dV through 0 * NaN);
           // columns past len_k are masked below.
           const bool inside = i < pos.len_q && j < pos.len_k;
-          S[mi][nj][r] = R::mul(inside ? Mods::score(s0, pos.b, pos.h, i, j, pos.len_q, pos.len_k, p) : s0, R::kLog2e);
+          S[mi][nj][r] = R::to_units(inside ? Mods::score(s0, pos.b, pos.h, i, j, pos.len_q, pos.len_k, p) : s0);
         }
       }
 }

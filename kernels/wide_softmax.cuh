@@ -2,8 +2,8 @@
 // element type: float32 statistics for float32, float64 for float64. kernels/softmax.cuh is the 16-bit kernels'
 // (m16n8k16 layout, fp32); this is the same algorithm over wide_mma.cuh's layout (kR / 2 rows per lane and block).
 //
-// Base 2: scores arrive multiplied by scale * log2(e) (wide_scores.cuh), P = exp2(S - m), and
-// lse = (m + log2 l) * ln 2.
+// Scores arrive in softmax units (wide_math.cuh: base 2 for float32, P = exp2(S - m), lse = (m + log2 l) * ln 2;
+// base e for float64, P = exp(S - m), lse = m + log l).
 #pragma once
 
 #include "wide_math.cuh"
@@ -17,7 +17,7 @@ struct OnlineSoftmax {
   using R = Real<T>;
   static constexpr int kH = Tr::kR / 2;              // rows per lane in one fragment block (1 or 2)
   static constexpr int kRows = Tr::kMTiles * kH;     // rows per lane: row mi * kH + h
-  T m_i[kRows];  // running row max (base-2 units), -inf until a visible score is seen
+  T m_i[kRows];  // running row max (softmax units), -inf until a visible score is seen
   T l_i[kRows];  // running row sum of exp2(S - m): this lane's share; the quad's four are added in finalize
 
   __device__ __forceinline__ void init() {
@@ -28,8 +28,8 @@ struct OnlineSoftmax {
     }
   }
 
-  // m_new = max(m_old, rowmax(S)); P = exp2(S - m_new) over S; l = exp2(m_old - m_new) l + rowsum(P);
-  // acc = diag(exp2(m_old - m_new)) acc (the caller adds P V).
+  // m_new = max(m_old, rowmax(S)); P = ex(S - m_new) over S; l = ex(m_old - m_new) l + rowsum(P);
+  // acc = diag(ex(m_old - m_new)) acc (the caller adds P V).
   __device__ __forceinline__ void update(T (&S)[Tr::kMTiles][Tr::kNTilesS][Tr::kR],
                                          T (&acc)[Tr::kMTiles][Tr::kNTilesO][Tr::kR]) {
 #pragma unroll
@@ -44,7 +44,7 @@ struct OnlineSoftmax {
         // a row that has seen only masked scores: subtract 0, not -inf (-inf - -inf = NaN); P = 0, acc = l = 0
         const T m_use = m_new == R::neg_inf() ? T(0) : m_new;
         if (m_new != m_i[row]) {  // rescale only when the max moved
-          const T alpha = R::ex2(m_i[row] - m_use);
+          const T alpha = R::ex(m_i[row] - m_use);
           l_i[row] *= alpha;
 #pragma unroll
           for (int nd = 0; nd < Tr::kNTilesO; ++nd) {
@@ -58,7 +58,7 @@ struct OnlineSoftmax {
         for (int nj = 0; nj < Tr::kNTilesS; ++nj) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const T p = R::ex2(S[mi][nj][2 * h + e] - m_use);
+            const T p = R::ex(S[mi][nj][2 * h + e] - m_use);
             S[mi][nj][2 * h + e] = p;
             rowsum += p;
           }
@@ -76,7 +76,7 @@ struct OnlineSoftmax {
       const T l = quad_sum(l_i[r]);
       const bool seen = row_valid[r] && l != T(0);
       inv_l[r] = seen ? T(1) / l : T(0);
-      lse_row[r] = seen ? (m_i[r] + R::lg2(l)) * R::kLn2 : R::neg_inf();
+      lse_row[r] = seen ? R::lse(m_i[r], l) : R::neg_inf();
     }
   }
 };

@@ -223,6 +223,7 @@ def test_rms_accuracy_class(mode, hw_math, monkeypatch):
         case = as_mode(make_case(1, sq, sk, 2, 1, d, seed=seed, **opts), dtype, precision)
         ratios = ws.check_rms(fwd, bwd(), case, precision)
         assert all(np.isfinite(r) for r in ratios.values())
+        print(mode, "hw_math" if hw_math else "", {k: round(v, 2) for k, v in ratios.items()})
 
 
 # ------------------------------------------------------------------------------------------------

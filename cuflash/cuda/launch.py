@@ -183,7 +183,7 @@ def _common(problem, d8: int) -> dict:
                 window_left=_window(problem.window_left), window_right=_window(problem.window_right),
                 stats_batch_stride=hq * sq, stats_head_stride=sq, dropout=drop,
                 # the float64 kernels' scalars, rounded once to float64 (kernels/params.cuh, WideArg)
-                wide=(problem.scale, problem.scale * float(np.log2(np.e)), rescale64))
+                wide=(problem.scale, rescale64))
 
 
 def is_wide(problem) -> bool:

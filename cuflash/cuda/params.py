@@ -33,8 +33,8 @@ MOD_ARRAY = _struct([("ptr", _PTR), ("stride", _I64, (4,))], "cuflash::ModArray"
 MODS = _struct([("arrays", MOD_ARRAY, (MOD_ARRAYS,)), ("scalars", _F32, (MOD_SCALARS,)),
                 ("iscalars", _I32, (MOD_SCALARS,)), ("dbias", _PTR), ("dbias_stride", _I64, (4,))],
                "cuflash::ModArgs")
-#: the float64 kernels' scalars in float64 (scale, scale·log2 e, dropout's 1/(1-p)); zero for the others
-WIDE = _struct([("scale", np.float64), ("scale_log2", np.float64), ("rescale", np.float64)], "cuflash::WideArg")
+#: the float64 kernels' scalars in float64 (scale, dropout's 1/(1-p)); zero for the others
+WIDE = _struct([("scale", np.float64), ("rescale", np.float64)], "cuflash::WideArg")
 TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "dq_accum")
 PARAMS = _struct([*((name, TENSOR) for name in TENSORS),
                   ("lse", _PTR), ("lse_log2", _PTR), ("dsum", _PTR),
