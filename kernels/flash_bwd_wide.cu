@@ -131,7 +131,7 @@ struct WideBool {  // a compile-time bool for the per-tile dropout branch (no <t
 // workspace. BlockMask lists per key tile (the transposed lists; ~m for a query tile kept only partly).
 // ---------------------------------------------------------------------------------------------------------------
 template <class M, int kHeadDim, int kBlockM, int kBlockN, int kWarps, class Mods>
-__global__ void __launch_bounds__(kWarps * 32) flash_bwd_wide_kernel(const __grid_constant__ Params p) {
+__global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_kernel(const __grid_constant__ Params p) {
   using Tr = wide::WideBwdTraits<M, kHeadDim, kBlockM, kBlockN, kWarps>;
   using T = typename Tr::T;
   using R = wide::Real<T>;
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_bwd_wide_kernel(const __gri
 // atomics: bitwise reproducible.
 // ---------------------------------------------------------------------------------------------------------------
 template <class M, int kHeadDim, int kBlockM, int kBlockN, int kWarps, class Mods>
-__global__ void __launch_bounds__(kWarps * 32) flash_bwd_wide_dq_kernel(const __grid_constant__ Params p) {
+__global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_dq_kernel(const __grid_constant__ Params p) {
   using Tr = wide::WideDqTraits<M, kHeadDim, kBlockM, kBlockN, kWarps>;
   using T = typename Tr::T;
   using R = wide::Real<T>;

@@ -25,8 +25,9 @@ namespace cuflash {
 
 // Reads q, k, v (B, S, H, ld) of the element type, writes o (like q) and lse (B, Hq, Sq) in the element type
 // (natural log). M: the arithmetic (wide_mma.cuh), whose element type the arrays have.
+// CUFLASH_WIDE_BOUNDS: the register budget (wide_traits.cuh).
 template <class M, int kHeadDim, int kBlockM, int kBlockN, int kWarps, class Mods>
-__global__ void __launch_bounds__(kWarps * 32) flash_fwd_wide_kernel(const __grid_constant__ Params p) {
+__global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_fwd_wide_kernel(const __grid_constant__ Params p) {
   using Tr = wide::WideFwdTraits<M, kHeadDim, kBlockM, kBlockN, kWarps>;
   using T = typename Tr::T;
   using R = wide::Real<T>;

@@ -228,48 +228,86 @@ using F64Fma = FmaAtom<double, 8>;
 // ---- warp products ----
 
 // C[kMT][kNT] += A B over k in [0, kKTotal): A rows 0 .. kMT * kTM - 1 (the warp's), B columns 0 .. 8 * kNT - 1.
-// Each B fragment is loaded once per k-step and used for every m-tile.
+// Each C element sums its products in k order, whatever the loop order. Two orders, picked by the size of C
+// (measured with the compile check):
+//   k outer (two k-steps per iteration): each B fragment loaded once per k-step and used for every m-tile; the
+//     accumulators are indexed by (mi, nj) only, so k need not be unrolled (a head_dim of 256 in k-steps of 4 would
+//     be 64 copies of the body);
+//   when C alone takes 128 registers or more (head_dim 256, and 192 on the FMA paths): columns outer, k inner, A
+//     reloaded per column block. With k outer, ptxas hoisted the B loads of all 32 column blocks of a k-step and
+//     spilled under the 240-register budget.
 template <class M, int kMT, int kNT, int kKTotal, class XA, class XB>
 __device__ __forceinline__ void warp_gemm(typename M::T (&C)[kMT][kNT][M::kR], const XA& A, const XB& B, int lane) {
   static_assert(kKTotal % M::kK == 0, "k must be a multiple of the arithmetic's k-step");
-  // Not fully unrolled: the accumulators are indexed by (mi, nj) only, and a head_dim of 256 in k-steps of 4 would
-  // be 64 copies of the body.
+  constexpr bool kBigC = kMT * kNT * M::kR * int(sizeof(typename M::T)) / 4 >= 128;
+  if constexpr (!kBigC) {
 #pragma unroll 2
-  for (int k0 = 0; k0 < kKTotal; k0 += M::kK) {
-    typename M::A a[kMT];
+    for (int k0 = 0; k0 < kKTotal; k0 += M::kK) {
+      typename M::A a[kMT];
 #pragma unroll
-    for (int mi = 0; mi < kMT; ++mi) M::load_a(a[mi], A, mi * M::kTM, k0, lane);
+      for (int mi = 0; mi < kMT; ++mi) M::load_a(a[mi], A, mi * M::kTM, k0, lane);
+#pragma unroll
+      for (int nj = 0; nj < kNT; ++nj) {
+        typename M::B b;
+        M::load_b(b, B, k0, 8 * nj, lane);
+#pragma unroll
+        for (int mi = 0; mi < kMT; ++mi) M::mma(C[mi][nj], a[mi], b);
+      }
+    }
+  } else {
 #pragma unroll
     for (int nj = 0; nj < kNT; ++nj) {
-      typename M::B b;
-      M::load_b(b, B, k0, 8 * nj, lane);
+#pragma unroll 1
+      for (int k0 = 0; k0 < kKTotal; k0 += M::kK) {
+        typename M::B b;
+        M::load_b(b, B, k0, 8 * nj, lane);
 #pragma unroll
-      for (int mi = 0; mi < kMT; ++mi) M::mma(C[mi][nj], a[mi], b);
+        for (int mi = 0; mi < kMT; ++mi) {
+          typename M::A a;
+          M::load_a(a, A, mi * M::kTM, k0, lane);
+          M::mma(C[mi][nj], a, b);
+        }
+      }
     }
   }
 }
 
 // C[kMT][kNTC] += P V with P = the C fragments [kMT][kNTP] of the warp's rows (keys 0 .. 8 * kNTP - 1), V[key][n]
-// read through X (tensor-core arithmetics: kRegA).
+// read through X (tensor-core arithmetics: kRegA). P's A fragments are converted once. Loop order (measured with the
+// compile check): keys outer, output columns inner in general; for the 16-row layouts at head_dim 256 (32 output
+// blocks, 128 accumulator registers) output columns outer, so that each B fragment is used as soon as it is loaded
+// (the other order kept many in flight and spilled 32 bytes for 3xTF32; for float64 it is the other way round).
 template <class M, int kMT, int kNTP, int kNTC, class XB>
 __device__ __forceinline__ void warp_gemm_regs_a(typename M::T (&C)[kMT][kNTC][M::kR],
                                                  const typename M::T (&P)[kMT][kNTP][M::kR], const XB& V, int lane) {
   static_assert(M::kRegA, "the FMA arithmetics stage A through shared memory");
+  typename M::A a[kNTP][M::kRegSteps][kMT];
 #pragma unroll
-  for (int nj = 0; nj < kNTP; ++nj) {
+  for (int nj = 0; nj < kNTP; ++nj)
 #pragma unroll
-    for (int s = 0; s < M::kRegSteps; ++s) {
-      typename M::A a[kMT];
+    for (int s = 0; s < M::kRegSteps; ++s)
 #pragma unroll
-      for (int mi = 0; mi < kMT; ++mi) M::a_from_c(a[mi], P[mi][nj], s);
+      for (int mi = 0; mi < kMT; ++mi) M::a_from_c(a[nj][s][mi], P[mi][nj], s);
+  auto step = [&](int nd, int nj, int s) {
+    typename M::B b;
+    M::load_b_perm(b, V, 8 * nj, s, 8 * nd, lane);
 #pragma unroll
-      for (int nd = 0; nd < kNTC; ++nd) {
-        typename M::B b;
-        M::load_b_perm(b, V, 8 * nj, s, 8 * nd, lane);
+    for (int mi = 0; mi < kMT; ++mi) M::mma(C[mi][nd], a[nj][s][mi], b);
+  };
+  if constexpr (M::kTM == 16 && kNTC >= 32) {
 #pragma unroll
-        for (int mi = 0; mi < kMT; ++mi) M::mma(C[mi][nd], a[mi], b);
-      }
-    }
+    for (int nd = 0; nd < kNTC; ++nd)
+#pragma unroll
+      for (int nj = 0; nj < kNTP; ++nj)
+#pragma unroll
+        for (int s = 0; s < M::kRegSteps; ++s) step(nd, nj, s);
+  } else {
+#pragma unroll
+    for (int nj = 0; nj < kNTP; ++nj)
+#pragma unroll
+      for (int s = 0; s < M::kRegSteps; ++s)
+#pragma unroll
+        for (int nd = 0; nd < kNTC; ++nd) step(nd, nj, s);
   }
 }
 

@@ -37,9 +37,9 @@ __device__ __forceinline__ void coords(int row0, int col0, int lane, int mi, int
 
 // S = -inf where the score is not kept (visibility rule, BlockMask grid, mask modifier); vis first, so the grid and
 // the modifier's operands are never read outside their extents.
-template <class Mods, bool kTransposed, int kTM, typename T, int kM, int kN, int kR>
-__device__ __forceinline__ void mask_scores(T (&S)[kM][kN][kR], int row0, int col0, int lane, const Visibility vis,
-                                            const BlockGrid grid, const ScorePos& pos, const Params& p) {
+template <class Mods, bool kTransposed, bool kGrid, int kTM, typename T, int kM, int kN, int kR>
+__device__ __forceinline__ void mask_scores_(T (&S)[kM][kN][kR], int row0, int col0, int lane, const Visibility vis,
+                                             const BlockGrid grid, const ScorePos& pos, const Params& p) {
 #pragma unroll
   for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
@@ -48,10 +48,23 @@ __device__ __forceinline__ void mask_scores(T (&S)[kM][kN][kR], int row0, int co
       for (int r = 0; r < kR; ++r) {
         int i, j;
         coords<kTM, kTransposed>(row0, col0, lane, mi, nj, r, i, j);
-        if (!(vis(i, j) && grid.kept(i, j) &&
+        if (!(vis(i, j) && (!kGrid || grid.kept(i, j)) &&
               (!Mods::kMask || Mods::mask(pos.b, pos.h, i, j, pos.len_q, pos.len_k, p))))
           S[mi][nj][r] = Real<T>::neg_inf();
       }
+}
+
+// The BlockMask grid is looked up only in tiles it keeps partly (grid.cells set): a uniform branch, so that the
+// common tile does not pay (in instructions, and in registers for the hoisted divisions) for two integer divisions
+// per score.
+template <class Mods, bool kTransposed, int kTM, typename T, int kM, int kN, int kR>
+__device__ __forceinline__ void mask_scores(T (&S)[kM][kN][kR], int row0, int col0, int lane, const Visibility vis,
+                                            const BlockGrid grid, const ScorePos& pos, const Params& p) {
+  if (grid.cells != nullptr) {
+    mask_scores_<Mods, kTransposed, true, kTM>(S, row0, col0, lane, vis, grid, pos, p);
+  } else {
+    mask_scores_<Mods, kTransposed, false, kTM>(S, row0, col0, lane, vis, grid, pos, p);
+  }
 }
 
 // S = mod(S_raw * scale) in softmax units (wide_math.cuh: * log2(e) for float32), every multiply correctly rounded

@@ -8,26 +8,39 @@ namespace cuflash {
 namespace wide {
 
 // Issues (does not wait for) the copy of a kRows x kCols tile: smem row r (stride kLd) <- gmem + r * row_stride.
-// 16-byte chunks (4 floats / 2 doubles); consecutive threads take consecutive chunks of a row, so a warp reads
-// whole 128-byte lines. Rows >= rows_valid and columns >= cols_valid (a multiple of 8) are zero-filled without
-// reading global memory: zero keys keep padded scores finite, and padded V rows must be zero since P V multiplies
-// them by P = 0.
+// 16-byte chunks (4 floats / 2 doubles). Eight threads share a row (8 x 16 bytes: a warp reads four whole 128-byte
+// lines per instruction), each taking every eighth chunk, and walk down the tile kThreads / 8 rows per pass with
+// one running pointer: a flat chunk index (thread -> (row, chunk) by division) made ptxas keep an address per copy
+// live across the key loop, ~100 registers for a float64 128-column tile. Rows >= rows_valid and columns >=
+// cols_valid (a multiple of 8) are zero-filled without reading global memory: zero keys keep padded scores finite,
+// and padded V rows must be zero since P V multiplies them by P = 0.
 template <typename T, int kRows, int kCols, int kLd, int kThreads>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, long long row_stride, int rows_valid, int cols_valid,
                                           int tid) {
-  constexpr int kPer = 16 / int(sizeof(T));
-  constexpr int kChunks = kCols / kPer;
-  constexpr int kTotal = kRows * kChunks;
-  static_assert(kCols % kPer == 0 && (kLd * int(sizeof(T))) % 16 == 0, "16-byte chunks and rows");
+  constexpr int kPer = 16 / int(sizeof(T));     // elements per chunk
+  constexpr int kPerRow = 8;                    // threads per row
+  constexpr int kChunks = kCols / kPer / kPerRow;  // chunks per thread and row
+  constexpr int kRowsPerPass = kThreads / kPerRow;
+  static_assert(kCols % (kPer * kPerRow) == 0 && kThreads % kPerRow == 0 && (kLd * int(sizeof(T))) % 16 == 0,
+                "whole 128-byte rows of 16-byte chunks");
+  const int row0 = tid / kPerRow, col0 = (tid % kPerRow) * kPer;
+  const T* src = gmem + row0 * row_stride + col0;
+  T* dst = smem + row0 * kLd + col0;
 #pragma unroll
-  for (int pass = 0; pass < (kTotal + kThreads - 1) / kThreads; ++pass) {
-    const int c = tid + pass * kThreads;
-    if (kTotal % kThreads == 0 || c < kTotal) {
-      const int r = c / kChunks, col = (c % kChunks) * kPer;
-      const bool pred = r < rows_valid && col < cols_valid;
-      const void* src = pred ? static_cast<const void*>(gmem + r * row_stride + col) : static_cast<const void*>(gmem);
-      arch::cp_async_16(smem + r * kLd + col, src, pred);
+  for (int pass = 0; pass < (kRows + kRowsPerPass - 1) / kRowsPerPass; ++pass) {
+    const int r = row0 + pass * kRowsPerPass;
+    if (kRows % kRowsPerPass == 0 || r < kRows) {
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const int col = col0 + c * kPer * kPerRow;
+        const bool pred = r < rows_valid && col < cols_valid;
+        // a predicated-off copy still needs some address; the tile base is valid and is not read
+        arch::cp_async_16(dst + c * kPer * kPerRow, pred ? static_cast<const void*>(src + c * kPer * kPerRow)
+                                                         : static_cast<const void*>(gmem), pred);
+      }
     }
+    src += kRowsPerPass * row_stride;
+    dst += kRowsPerPass * kLd;
   }
 }
 

@@ -191,7 +191,7 @@ def test_dbias_in_the_elements_type(mode):
 # ------------------------------------------------------------------------------------------------
 # Hypothesis: small random problems, every arithmetic (dropout included)
 # ------------------------------------------------------------------------------------------------
-N_EXAMPLES = max(4, settings.default.max_examples // 12)
+N_EXAMPLES = max(4, settings.default.max_examples // 5)
 
 
 @pytest.mark.parametrize("mode_id", sorted(MODES))

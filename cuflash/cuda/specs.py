@@ -298,7 +298,7 @@ _F32_DQ = {32: (64, 32, 4, "dQ 16 + S,dP 16+16 regs; 27 KB smem"),
            96: (64, 32, 4, "dQ 48 regs; 76 KB smem"),
            128: (32, 32, 2, "dQ 64 regs; 68 KB smem"),
            192: (32, 32, 2, "dQ 96 regs; 100 KB smem"),
-           256: (32, 16, 2, "dQ 128 + S,dP 8+8 regs; 100 KB smem (FFMA: 16-key rows, see the ffma table)")}
+           256: (32, 8, 2, "dQ 128 regs; 8-key tiles (16 spilled 24 B at 3xTF32 on sm_90); 81 KB smem")}
 _F64_FWD = {32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 doubles; 54 KB smem"),
             64: (64, 32, 4, "acc 32 + S 16 doubles; 69 KB smem"),
             96: (32, 32, 4, "8 rows/warp: acc 24 + S 8 doubles; 76 KB smem"),
@@ -315,8 +315,8 @@ _F64_DQ = {32: (32, 32, 4, "8 rows/warp: dQ 8 + S,dP 8+8 doubles; 37 KB smem"),
            64: (32, 32, 4, "dQ 16 doubles; 70 KB smem"),
            96: (32, 16, 4, "dQ 24 doubles; 77 KB smem"),
            128: (32, 16, 4, "dQ 32 doubles; 99 KB smem"),
-           192: (16, 16, 2, "dQ 48 doubles; 100 KB smem"),
-           256: (16, 16, 2, "dQ 64 doubles; 133 KB smem")}
+           192: (16, 8, 2, "dQ 48 doubles; 8-key tiles (16 spilled 60 B on sm_90 with a modifier); 75 KB smem"),
+           256: (16, 8, 2, "dQ 64 doubles; 8-key tiles (16 spilled 120 B on sm_90); 99 KB smem")}
 # DFMA runs on the 99 KB GPUs only: its rows fit there with P / dS staged in shared memory.
 _F64_FWD_DFMA = {**_F64_FWD, **{
     32: (32, 32, 4, "8 rows/warp; 37 KB smem with P"),
@@ -332,12 +332,11 @@ _F64_BWD_DFMA = {**_F64_BWD, **{
 _F64_DQ_DFMA = {**_F64_DQ, **{
     128: (16, 16, 2, "dQ 32 doubles; 69 KB smem with dS"),
     192: (16, 8, 2, "dQ 48 doubles, 8-key tiles; 75 KB smem with dS"),
-    256: (8, 8, 1, "dQ 64 doubles; 68 KB smem with dS")}}
+    256: (16, 8, 2, "dQ 64 doubles; (8, 8, 1) spilled 12 B with a modifier; 99 KB smem with dS")}}
 _F32_FWD_FFMA = {**_F32_FWD, **{192: (32, 32, 2, "acc 96 + S 16 regs; 80 KB smem with P"),
-                                   256: (32, 16, 2, "acc 128 + S 8 regs; 69 KB smem with P")}}
+                                   256: (32, 8, 2, "acc 128 + S 4 regs; 8-key tiles (16 spilled 12 B); 50 KB")}}
 _F32_DQ_FFMA = {**_F32_DQ, **{192: (32, 16, 2, "dQ 96 regs; 78 KB smem with dS"),
-                                 256: (32, 16, 2, "16-key tiles: 103 KB > 99 KB with dS at 32 keys")}}
-_F32_DQ_FFMA[256] = (16, 16, 1, "dQ 128 regs, 16-key tiles: 68 KB smem with dS")
+                                 256: (16, 8, 1, "dQ 128 regs, 8-key tiles (16 spilled 44 B on sm_90); 50 KB")}}
 
 WIDE_TILES: dict[str, dict[str, dict[int, tuple[Tile, Optional[Tile]]]]] = {
     "wfwd": {"ffma": _rows(_F32_FWD_FFMA), "tf32": _rows(_F32_FWD), "3xtf32": _rows(_F32_FWD),
