@@ -154,10 +154,13 @@ def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=Fal
     return bl.result()
 
 
-def warmup(dtypes=DTYPES, head_dims=specs.NATIVE_HEAD_DIMS, *, backward=False, progress=True, file=None):
+def warmup(dtypes=tuple(specs.CTYPES), head_dims=specs.NATIVE_HEAD_DIMS, *, backward=False, precision="ieee",
+           progress=True, file=None):
     """Compile the kernels for ``dtypes`` x ``head_dims`` on the current device now (NVRTC, then CuPy's
     disk cache), so the first real call does not pay for it.
 
+    ``dtypes`` defaults to the 16-bit ones; float32 and float64 compile the kernels of kernels/flash_*_wide.cu, in
+    the arithmetic that ``precision`` (float32) and the device (float64) select.
     Returns the specs compiled: the forward ones, then with ``backward=True`` the ``(bwd, dq)`` pairs (a
     head_dim whose backward this GPU cannot run, 256 on 99 KB-shared-memory GPUs, is left out).
     ``progress`` prints a one-line progress bar to ``file`` (default stderr).
@@ -165,16 +168,19 @@ def warmup(dtypes=DTYPES, head_dims=specs.NATIVE_HEAD_DIMS, *, backward=False, p
     ok, why = available()
     if not ok:
         raise RuntimeError(f"cannot warm up the CUDA kernels: {why}")
-    _, _, max_smem = _device()
+    _, cc, max_smem = _device()
     names = [dt if isinstance(dt, str) else np.dtype(dt).name for dt in dtypes]
     jobs: dict = {}  # spec(s) -> the module to compile; a dict keeps order and drops repeats
     for dt in names:
+        wide = dt in specs.WIDE_CTYPES
+        math = specs.wide_math(dt, precision, cc) if wide else ""
+        f, b, q = ("wfwd", "wbwd", "wdq") if wide else ("fwd", "bwd", "dq")
         for d in head_dims:
-            fwd = specs.select("fwd", dt, d, max_smem)
+            fwd = specs.select(f, dt, d, max_smem, math=math)
             jobs.setdefault(fwd, ((fwd.name_expression,), fwd))
             if backward:
                 try:
-                    pair = specs.select("bwd", dt, d, max_smem), specs.select("dq", dt, d, max_smem)
+                    pair = specs.select(b, dt, d, max_smem, math=math), specs.select(q, dt, d, max_smem, math=math)
                 except ValueError:
                     continue
                 module = (*specs.helper_names(dt), pair[0].name_expression, pair[1].name_expression)
