@@ -274,77 +274,142 @@ MODIFIED_TILES: dict[tuple[str, int], Tile] = {
 # float64 DFMA row fit the 99 KB of sm_86/89 (DFMA runs only there), the float64 DMMA rows the 163 KB of A100
 # (DMMA runs only on sm_80/sm_90). Per thread, with r = the math's fragment rows (16 for float32, 8 for float64):
 # forward acc = rows/warp * head_dim / 32 elements and S = rows/warp * block_n / 32 (a float64 element is two
-# registers); backward dK + dV = 2 * r * (head_dim / split) / 32, S^T and dP^T = 2 * r * (block_m / split) / 32;
-# dq pass dQ = rows/warp * head_dim / 32 plus S and dP. Register counts from `python -m cuflash build --check`.
+# registers); backward dK and dV = r * (head_dim / split) / 32 each; dq pass dQ = rows/warp * head_dim / 32 plus S
+# and dP. The register counts are `python -m cuflash build --check`'s (NVRTC 12.9, plain specialization; the wide
+# kernels' budget is 240, wide_traits.cuh), which every row passes on sm_80 and sm_90 with 0 spills, plain and with
+# the representative modifier; "(16 spilled ...)" records the 16-key row a row replaced.
 # ------------------------------------------------------------------------------------------------
 def _rows(table: dict) -> dict:
     return {d: (Tile(*row), None) for d, row in table.items()}
 
 
-_F32_FWD = {32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 regs; 28 KB smem (+17 KB P for FFMA)"),
-            64: (64, 64, 4, "acc 32 + S 32 regs; 52 KB smem"),
-            96: (64, 64, 4, "acc 48 + S 32 regs; 76 KB smem"),
-            128: (64, 32, 4, "acc 64 + S 16 regs; 68 KB smem (64-key tiles: 101 KB, over sm_86's 99 KB with P)"),
-            192: (64, 32, 4, "acc 96 + S 16 regs; 100 KB smem"),
-            256: (32, 16, 2, "acc 128 + S 8 regs; 66 KB (64 x 32 needs 133 KB)")}
-_F32_BWD = {32: (32, 32, 4, "2 key groups x split 2: dK,dV 8+8, S,dP 8+8 regs; 28 KB smem"),
-            64: (32, 64, 8, "4 key groups x split 2: dK,dV 16+16, S,dP 16+16 regs; 71 KB smem"),
-            96: (32, 32, 4, "split 2: dK,dV 24+24 regs; 56 KB smem"),
-            128: (32, 32, 4, "split 2: dK,dV 32+32, S,dP 8+8 regs; 77 KB smem"),
-            192: (16, 32, 8, "split 4: dK,dV 24+24 regs, 8 query columns per warp; 80 KB smem"),
-            256: (16, 16, 4, "one key group, split 4: dK,dV 32+32 regs; 69 KB smem")}
-_F32_DQ = {32: (64, 32, 4, "dQ 16 + S,dP 16+16 regs; 27 KB smem"),
-           64: (64, 32, 4, "dQ 32 + S,dP 16+16 regs; 52 KB smem"),
-           96: (64, 32, 4, "dQ 48 regs; 76 KB smem"),
-           128: (32, 32, 2, "dQ 64 regs; 68 KB smem"),
-           192: (32, 32, 2, "dQ 96 regs; 100 KB smem"),
-           256: (32, 8, 2, "dQ 128 regs; 8-key tiles (16 spilled 24 B at 3xTF32 on sm_90); 81 KB smem")}
-_F64_FWD = {32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 doubles; 54 KB smem"),
-            64: (64, 32, 4, "acc 32 + S 16 doubles; 69 KB smem"),
-            96: (32, 32, 4, "8 rows/warp: acc 24 + S 8 doubles; 76 KB smem"),
-            128: (32, 32, 4, "acc 32 + S 8 doubles; 99 KB smem"),
-            192: (32, 16, 4, "acc 48 + S 4 doubles; 98 KB smem"),
-            256: (32, 16, 4, "acc 64 + S 4 doubles; 130 KB smem")}
-_F64_BWD = {32: (32, 32, 8, "4 key groups of 8 x split 2: dK,dV 4+4, S,dP 4+4 doubles; 56 KB smem"),
-            64: (32, 32, 8, "split 2: dK,dV 8+8 doubles; 87 KB smem"),
-            96: (32, 32, 8, "split 2: dK,dV 12+12 doubles; 119 KB smem"),
-            128: (16, 32, 8, "split 2: dK,dV 16+16 doubles; 109 KB smem"),
-            192: (16, 16, 4, "split 2: dK,dV 24+24 doubles; 103 KB smem"),
-            256: (16, 16, 8, "split 4: dK,dV 16+16 doubles; 135 KB smem")}
-_F64_DQ = {32: (32, 32, 4, "8 rows/warp: dQ 8 + S,dP 8+8 doubles; 37 KB smem"),
-           64: (32, 32, 4, "dQ 16 doubles; 70 KB smem"),
-           96: (32, 16, 4, "dQ 24 doubles; 77 KB smem"),
-           128: (32, 16, 4, "dQ 32 doubles; 99 KB smem"),
-           192: (16, 8, 2, "dQ 48 doubles; 8-key tiles (16 spilled 60 B on sm_90 with a modifier); 75 KB smem"),
-           256: (16, 8, 2, "dQ 64 doubles; 8-key tiles (16 spilled 120 B on sm_90); 99 KB smem")}
-# DFMA runs on the 99 KB GPUs only: its rows fit there with P / dS staged in shared memory.
-_F64_FWD_DFMA = {**_F64_FWD, **{
-    32: (32, 32, 4, "8 rows/warp; 37 KB smem with P"),
-    64: (32, 32, 4, "8 rows/warp; 79 KB smem with P"),
-    128: (32, 16, 4, "8 rows/warp, 16-key tiles: 73 KB smem with P"),
-    192: (16, 16, 2, "8 rows/warp: 76 KB smem with P"),
-    256: (16, 8, 2, "8 rows/warp, 8-key tiles: 66 KB smem with P")}}
-_F64_BWD_DFMA = {**_F64_BWD, **{
-    96: (16, 32, 8, "split 2: 87 KB smem"),
-    128: (16, 16, 4, "split 2: dK,dV 16+16 doubles; 73 KB smem"),
-    192: (16, 8, 4, "one key group of 8, split 4; 78 KB smem"),
-    256: (8, 8, 4, "one key group of 8, split 4, 8-query tiles; 68 KB smem")}}
-_F64_DQ_DFMA = {**_F64_DQ, **{
-    128: (16, 16, 2, "dQ 32 doubles; 69 KB smem with dS"),
-    192: (16, 8, 2, "dQ 48 doubles, 8-key tiles; 75 KB smem with dS"),
-    256: (16, 8, 2, "dQ 64 doubles; (8, 8, 1) spilled 12 B with a modifier; 99 KB smem with dS")}}
-_F32_FWD_FFMA = {**_F32_FWD, **{192: (32, 32, 2, "acc 96 + S 16 regs; 80 KB smem with P"),
-                                   256: (32, 8, 2, "acc 128 + S 4 regs; 8-key tiles (16 spilled 12 B); 50 KB")}}
-_F32_DQ_FFMA = {**_F32_DQ, **{192: (32, 16, 2, "dQ 96 regs; 78 KB smem with dS"),
-                                 256: (16, 8, 1, "dQ 128 regs, 8-key tiles (16 spilled 44 B on sm_90); 50 KB")}}
-
 WIDE_TILES: dict[str, dict[str, dict[int, tuple[Tile, Optional[Tile]]]]] = {
-    "wfwd": {"ffma": _rows(_F32_FWD_FFMA), "tf32": _rows(_F32_FWD), "3xtf32": _rows(_F32_FWD),
-             "dmma": _rows(_F64_FWD), "dfma": _rows(_F64_FWD_DFMA)},
-    "wbwd": {"ffma": _rows(_F32_BWD), "tf32": _rows(_F32_BWD), "3xtf32": _rows(_F32_BWD),
-             "dmma": _rows(_F64_BWD), "dfma": _rows(_F64_BWD_DFMA)},
-    "wdq": {"ffma": _rows(_F32_DQ_FFMA), "tf32": _rows(_F32_DQ), "3xtf32": _rows(_F32_DQ),
-            "dmma": _rows(_F64_DQ), "dfma": _rows(_F64_DQ_DFMA)},
+    "wfwd": {
+        "ffma": _rows({
+            32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 regs; P staged; 44 KB smem; 212/196 regs (sm_80/90)"),
+            64: (64, 64, 4, "16 rows/warp: acc 32 + S 32 regs; P staged; 68 KB smem; 206/194 regs (sm_80/90)"),
+            96: (64, 64, 4, "16 rows/warp: acc 48 + S 32 regs; P staged; 92 KB smem; 210/213 regs (sm_80/90)"),
+            128: (64, 32, 4, "16 rows/warp: acc 64 + S 16 regs; P staged; 75 KB smem; 208/194 regs (sm_80/90)"),
+            192: (32, 32, 2, "16 rows/warp: acc 96 + S 16 regs; P staged; 78 KB smem; 239/222 regs (sm_80/90)"),
+            256: (32, 8, 2, "acc 128 regs; 8-key tiles (16 spilled 12 B); 50 KB smem; 240/240 regs (sm_80/90)"),
+        }),
+        "tf32": _rows({
+            32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 regs; 27 KB smem; 192/219 regs (sm_80/90)"),
+            64: (64, 64, 4, "16 rows/warp: acc 32 + S 32 regs; 51 KB smem; 189/217 regs (sm_80/90)"),
+            96: (64, 64, 4, "16 rows/warp: acc 48 + S 32 regs; 75 KB smem; 189/213 regs (sm_80/90)"),
+            128: (64, 32, 4, "16 rows/warp: acc 64 + S 16 regs; 66 KB smem; 196/202 regs (sm_80/90)"),
+            192: (64, 32, 4, "16 rows/warp: acc 96 + S 16 regs; 98 KB smem; 205/206 regs (sm_80/90)"),
+            256: (32, 16, 2, "acc 128 regs at 16 rows/warp; 2 warps; 65 KB smem; 215/215 regs (sm_80/90)"),
+        }),
+        "3xtf32": _rows({
+            32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 regs; 27 KB smem; 208/234 regs (sm_80/90)"),
+            64: (64, 64, 4, "16 rows/warp: acc 32 + S 32 regs; 51 KB smem; 208/234 regs (sm_80/90)"),
+            96: (64, 64, 4, "16 rows/warp: acc 48 + S 32 regs; 75 KB smem; 212/236 regs (sm_80/90)"),
+            128: (64, 32, 4, "16 rows/warp: acc 64 + S 16 regs; 66 KB smem; 190/180 regs (sm_80/90)"),
+            192: (64, 32, 4, "16 rows/warp: acc 96 + S 16 regs; 98 KB smem; 211/227 regs (sm_80/90)"),
+            256: (32, 16, 2, "acc 128 regs at 16 rows/warp; 2 warps; 65 KB smem; 239/239 regs (sm_80/90)"),
+        }),
+        "dmma": _rows({
+            32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 doubles; 53 KB smem; 228/234 regs (sm_80/90)"),
+            64: (64, 32, 4, "16 rows/warp: acc 32 + S 16 doubles; 68 KB smem; 224/224 regs (sm_80/90)"),
+            96: (32, 32, 4, "8 rows/warp: acc 24 + S 8 doubles; 74 KB smem; 180/188 regs (sm_80/90)"),
+            128: (32, 32, 4, "8 rows/warp: acc 32 + S 8 doubles; 98 KB smem; 196/196 regs (sm_80/90)"),
+            192: (32, 16, 4, "8 rows/warp: acc 48 + S 4 doubles; 98 KB smem; 228/220 regs (sm_80/90)"),
+            256: (32, 16, 4, "8 rows/warp: acc 64 + S 4 doubles; 130 KB smem; 240/232 regs (sm_80/90)"),
+        }),
+        "dfma": _rows({
+            32: (32, 32, 4, "8 rows/warp: acc 8 + S 8 doubles; P staged; 36 KB smem; 160 regs (sm_80)"),
+            64: (32, 32, 4, "8 rows/warp: acc 16 + S 8 doubles; P staged; 60 KB smem; 181 regs (sm_80)"),
+            96: (32, 32, 4, "8 rows/warp: acc 24 + S 8 doubles; P staged; 84 KB smem; 198 regs (sm_80)"),
+            128: (32, 16, 4, "8 rows/warp: acc 32 + S 4 doubles; P staged; 71 KB smem; 204 regs (sm_80)"),
+            192: (16, 16, 2, "8 rows/warp: acc 48 + S 4 doubles; P staged; 76 KB smem; 228 regs (sm_80)"),
+            256: (16, 8, 2, "8 rows/warp: acc 64 + S 2 doubles; P staged; 66 KB smem; 237 regs (sm_80)"),
+        }),
+    },
+    "wbwd": {
+        "ffma": _rows({
+            32: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 8 regs each; 27 KB smem; 152/152 regs (sm_80/90)"),
+            64: (32, 64, 8, "4 key group(s) of 16 x split 2: dK, dV 16 regs each; 69 KB smem; 182/176 regs (sm_80/90)"),
+            96: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 24 regs each; 59 KB smem; 184/184 regs (sm_80/90)"),
+            128: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 32 regs each; 75 KB smem; 218/178 regs (sm_80/90)"),
+            192: (16, 32, 8, "2 key group(s) of 16 x split 4: dK, dV 24 regs each; 79 KB smem; 186/171 regs (sm_80/90)"),
+            256: (16, 16, 4, "1 key group(s) of 16 x split 4: dK, dV 32 regs each; 68 KB smem; 206/181 regs (sm_80/90)"),
+        }),
+        "tf32": _rows({
+            32: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 8 regs each; 27 KB smem; 148/148 regs (sm_80/90)"),
+            64: (32, 64, 8, "4 key group(s) of 16 x split 2: dK, dV 16 regs each; 69 KB smem; 164/166 regs (sm_80/90)"),
+            96: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 24 regs each; 59 KB smem; 182/182 regs (sm_80/90)"),
+            128: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 32 regs each; 75 KB smem; 173/174 regs (sm_80/90)"),
+            192: (16, 32, 8, "2 key group(s) of 16 x split 4: dK, dV 24 regs each; 79 KB smem; 160/167 regs (sm_80/90)"),
+            256: (16, 16, 4, "1 key group(s) of 16 x split 4: dK, dV 32 regs each; 68 KB smem; 171/172 regs (sm_80/90)"),
+        }),
+        "3xtf32": _rows({
+            32: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 8 regs each; 27 KB smem; 144/144 regs (sm_80/90)"),
+            64: (32, 64, 8, "4 key group(s) of 16 x split 2: dK, dV 16 regs each; 69 KB smem; 152/147 regs (sm_80/90)"),
+            96: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 24 regs each; 59 KB smem; 166/162 regs (sm_80/90)"),
+            128: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 32 regs each; 75 KB smem; 181/176 regs (sm_80/90)"),
+            192: (16, 32, 8, "2 key group(s) of 16 x split 4: dK, dV 24 regs each; 79 KB smem; 154/152 regs (sm_80/90)"),
+            256: (16, 16, 4, "1 key group(s) of 16 x split 4: dK, dV 32 regs each; 68 KB smem; 179/180 regs (sm_80/90)"),
+        }),
+        "dmma": _rows({
+            32: (32, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 4 doubles each; 54 KB smem; 132/132 regs (sm_80/90)"),
+            64: (32, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 8 doubles each; 86 KB smem; 151/148 regs (sm_80/90)"),
+            96: (32, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 12 doubles each; 118 KB smem; 162/162 regs (sm_80/90)"),
+            128: (16, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 16 doubles each; 109 KB smem; 185/181 regs (sm_80/90)"),
+            192: (16, 16, 4, "2 key group(s) of 8 x split 2: dK, dV 24 doubles each; 103 KB smem; 213/213 regs (sm_80/90)"),
+            256: (16, 16, 8, "2 key group(s) of 8 x split 4: dK, dV 16 doubles each; 135 KB smem; 178/173 regs (sm_80/90)"),
+        }),
+        "dfma": _rows({
+            32: (32, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 4 doubles each; 54 KB smem; 182 regs (sm_80)"),
+            64: (32, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 8 doubles each; 86 KB smem; 202 regs (sm_80)"),
+            96: (16, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 12 doubles each; 85 KB smem; 222 regs (sm_80)"),
+            128: (16, 16, 4, "2 key group(s) of 8 x split 2: dK, dV 16 doubles each; 71 KB smem; 226 regs (sm_80)"),
+            192: (16, 8, 4, "1 key group(s) of 8 x split 4: dK, dV 12 doubles each; 76 KB smem; 216 regs (sm_80)"),
+            256: (8, 8, 4, "1 key group(s) of 8 x split 4: dK, dV 16 doubles each; 67 KB smem; 226 regs (sm_80)"),
+        }),
+    },
+    "wdq": {
+        "ffma": _rows({
+            32: (64, 32, 4, "16 rows/warp: dQ 16 + S, dP 16 regs each; dS staged; 36 KB smem; 194/194 regs (sm_80/90)"),
+            64: (64, 32, 4, "16 rows/warp: dQ 32 + S, dP 16 regs each; dS staged; 60 KB smem; 196/188 regs (sm_80/90)"),
+            96: (64, 32, 4, "16 rows/warp: dQ 48 + S, dP 16 regs each; dS staged; 84 KB smem; 198/204 regs (sm_80/90)"),
+            128: (32, 32, 2, "16 rows/warp: dQ 64 + S, dP 16 regs each; dS staged; 70 KB smem; 204/204 regs (sm_80/90)"),
+            192: (32, 16, 2, "16 rows/warp: dQ 96 + S, dP 8 regs each; dS staged; 76 KB smem; 222/239 regs (sm_80/90)"),
+            256: (16, 8, 1, "dQ 128 regs; 8-key tiles, 1 warp (16 spilled 44 B on sm_90); 50 KB smem; 240/240 regs (sm_80/90)"),
+        }),
+        "tf32": _rows({
+            32: (64, 32, 4, "16 rows/warp: dQ 16 + S, dP 16 regs each; 27 KB smem; 189/188 regs (sm_80/90)"),
+            64: (64, 32, 4, "16 rows/warp: dQ 32 + S, dP 16 regs each; 51 KB smem; 195/199 regs (sm_80/90)"),
+            96: (64, 32, 4, "16 rows/warp: dQ 48 + S, dP 16 regs each; 75 KB smem; 204/212 regs (sm_80/90)"),
+            128: (32, 32, 2, "16 rows/warp: dQ 64 + S, dP 16 regs each; 66 KB smem; 197/195 regs (sm_80/90)"),
+            192: (32, 32, 2, "16 rows/warp: dQ 96 + S, dP 16 regs each; 98 KB smem; 224/220 regs (sm_80/90)"),
+            256: (32, 8, 2, "dQ 128 regs; 8-key tiles (16 spilled 24 B at 3xTF32 on sm_90); 81 KB smem; 202/202 regs (sm_80/90)"),
+        }),
+        "3xtf32": _rows({
+            32: (64, 32, 4, "16 rows/warp: dQ 16 + S, dP 16 regs each; 27 KB smem; 144/146 regs (sm_80/90)"),
+            64: (64, 32, 4, "16 rows/warp: dQ 32 + S, dP 16 regs each; 51 KB smem; 158/182 regs (sm_80/90)"),
+            96: (64, 32, 4, "16 rows/warp: dQ 48 + S, dP 16 regs each; 75 KB smem; 192/202 regs (sm_80/90)"),
+            128: (32, 32, 2, "16 rows/warp: dQ 64 + S, dP 16 regs each; 66 KB smem; 192/198 regs (sm_80/90)"),
+            192: (32, 32, 2, "16 rows/warp: dQ 96 + S, dP 16 regs each; 98 KB smem; 228/224 regs (sm_80/90)"),
+            256: (32, 8, 2, "dQ 128 regs; 8-key tiles (16 spilled 24 B at 3xTF32 on sm_90); 81 KB smem; 226/240 regs (sm_80/90)"),
+        }),
+        "dmma": _rows({
+            32: (32, 32, 4, "8 rows/warp: dQ 8 + S, dP 8 doubles each; 36 KB smem; 150/152 regs (sm_80/90)"),
+            64: (32, 32, 4, "8 rows/warp: dQ 16 + S, dP 8 doubles each; 68 KB smem; 176/174 regs (sm_80/90)"),
+            96: (32, 16, 4, "8 rows/warp: dQ 24 + S, dP 4 doubles each; 75 KB smem; 154/156 regs (sm_80/90)"),
+            128: (32, 16, 4, "8 rows/warp: dQ 32 + S, dP 4 doubles each; 99 KB smem; 174/172 regs (sm_80/90)"),
+            192: (16, 8, 2, "8 rows/warp: dQ 48 + S, dP 2 doubles each; 8-key tiles (16 spilled 60 B on sm_90 with a modifier); 74 KB smem; 224/222 regs (sm_80/90)"),
+            256: (16, 8, 2, "8 rows/warp: dQ 64 + S, dP 2 doubles each; 8-key tiles (16 spilled 120 B on sm_90; (8, 8, 1) 12 B with a modifier); 98 KB smem; 240/239 regs (sm_80/90)"),
+        }),
+        "dfma": _rows({
+            32: (32, 32, 4, "8 rows/warp: dQ 8 + S, dP 8 doubles each; dS staged; 45 KB smem; 183 regs (sm_80)"),
+            64: (32, 32, 4, "8 rows/warp: dQ 16 + S, dP 8 doubles each; dS staged; 77 KB smem; 203 regs (sm_80)"),
+            96: (32, 16, 4, "8 rows/warp: dQ 24 + S, dP 4 doubles each; dS staged; 80 KB smem; 188 regs (sm_80)"),
+            128: (16, 16, 2, "8 rows/warp: dQ 32 + S, dP 4 doubles each; dS staged; 68 KB smem; 218 regs (sm_80)"),
+            192: (16, 8, 2, "8 rows/warp: dQ 48 + S, dP 2 doubles each; dS staged; 8-key tiles (16 spilled 60 B on sm_90 with a modifier); 75 KB smem; 232 regs (sm_80)"),
+            256: (16, 8, 2, "8 rows/warp: dQ 64 + S, dP 2 doubles each; dS staged; 8-key tiles (16 spilled 120 B on sm_90; (8, 8, 1) 12 B with a modifier); 99 KB smem; 240 regs (sm_80)"),
+        }),
+    },
 }
 #: every family with a tile table
 FAMILIES = tuple(TILES) + WIDE_FAMILIES
