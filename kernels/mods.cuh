@@ -75,6 +75,10 @@ __device__ __forceinline__ void mask_scores(float (&S)[kM][kN][4], int row0, int
       }
 }
 
+// The modifier is evaluated at every (i, j) of the tile, rows past len_q and columns past len_k included (those are
+// masked or never used): its array operands carry a zero margin of a tile past their extents for that
+// (cuflash/cuda/modcode.py, MOD_MARGIN), so no read leaves them.
+//
 // S = mod(S_raw * scale) * log2(e) (base 2 for the softmax), every step correctly rounded: __fmul_rn is never
 // contracted into an FMA (NVRTC contracts `a * b - c` by default; g++ for x86-64 has no FMA to contract into), so the
 // forward, the dQ pass and the backward's S^T hold the same bits, on the GPU as in the emulator. Without a score
@@ -96,11 +100,7 @@ __device__ __forceinline__ void modify_scores(float (&S)[kM][kN][4], float (&S0)
           score_coords<kTransposed>(row0, col0, lane, mi, nj, r, i, j);
           const float s0 = __fmul_rn(S[mi][nj][r], p.scale);
           if constexpr (kKeep) S0[mi][nj][r] = s0;
-          // Only inside the sequence: the modifier's operands have the sequence's extents, and a boundary tile's
-          // rows past len_q (never written; P = 0 in the backward) or columns past len_k (masked below) would read
-          // past them; there the plain score stays (finite: zero-filled Q/K rows).
-          const bool inside = i < pos.len_q && j < pos.len_k;
-          S[mi][nj][r] = __fmul_rn(inside ? Mods::score(s0, pos.b, pos.h, i, j, pos.len_q, pos.len_k, p) : s0, kLog2e);
+          S[mi][nj][r] = __fmul_rn(Mods::score(s0, pos.b, pos.h, i, j, pos.len_q, pos.len_k, p), kLog2e);
         }
       }
 }

@@ -18,8 +18,8 @@
 //             with big = tf32(x), small = tf32(x - big) (x - big is exact in fp32); A B ~ As Bb + Ab Bs + Ab Bb, the
 //             small terms first, As Bs (~2^-22 relative) dropped. Near-float32 accuracy (measured: README, Precision).
 //   F32Fma /  float32 / float64 FFMA/DFMA, no tensor core: each lane computes its own C elements, k-steps of one
-//   F64Fma    16-byte vector of A's row and B's column (4 floats / 2 doubles), fma in k order. Their kTM is 16 / 8
-//             (the layouts of the tensor-core paths of the same element type, so the tile tables look alike).
+//   F64Fma    16-byte vector of A's row and B's column (4 floats; float64: one double, see below), fma in k order.
+//             Their kTM is 16 / 8 (the layouts of the tensor-core paths of the same element type).
 //
 // Operands come from shared memory through accessors (RowMajor / ColMajor: X(i, j)), so one product serves every
 // orientation the kernels need (Q K^T, P V, dS^T Q, dS K, ...). The second product of the forward, P V, takes A = P
@@ -170,10 +170,10 @@ struct F32Tf32Base {
 using F32Tf32 = F32Tf32Base<false>;
 using F32Tf32x3 = F32Tf32Base<true>;
 
-template <typename T_, int kTM_>
+template <typename T_, int kTM_, int kK_>
 struct FmaAtom {
   using T = T_;
-  static constexpr int kTM = kTM_, kR = kTM_ / 4, kK = 16 / int(sizeof(T_));
+  static constexpr int kTM = kTM_, kR = kTM_ / 4, kK = kK_;
   static constexpr bool kRegA = false;
   static constexpr int kRegSteps = 1;
   struct A {
@@ -222,8 +222,11 @@ struct FmaAtom {
       for (int k = 0; k < kK; ++k) c[r] = Real<T>::fma(a.x[r >> 1][k], b.x[k][r & 1], c[r]);
   }
 };
-using F32Fma = FmaAtom<float, 16>;
-using F64Fma = FmaAtom<double, 8>;
+// float32: k-steps of one 16-byte vector (4 floats). float64: of one double (8-byte loads): DFMA runs only on GPUs
+// without float64 tensor cores, where float64 arithmetic (1/64 of float32's rate) hides any load cost, and the
+// smaller fragments kept the head_dim-256 dQ pass with a modifier from spilling (compile check).
+using F32Fma = FmaAtom<float, 16, 4>;
+using F64Fma = FmaAtom<double, 8, 1>;
 
 // ---- warp products ----
 

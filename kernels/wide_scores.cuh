@@ -69,7 +69,7 @@ __device__ __forceinline__ void mask_scores(T (&S)[kM][kN][kR], int row0, int co
 
 // S = mod(S_raw * scale) in softmax units (wide_math.cuh: * log2(e) for float32), every multiply correctly rounded
 // (so the forward and both backward kernels hold the same bits); without a score modifier one multiply by
-// Real::softmax_scale. kKeep: S0 receives S_raw * scale. The modifier is evaluated at (i, j) inside the sequence.
+// Real::softmax_scale. kKeep: S0 receives S_raw * scale.
 template <class Mods, bool kTransposed, bool kKeep, int kTM, typename T, int kM, int kN, int kR>
 __device__ __forceinline__ void modify_scores(T (&S)[kM][kN][kR], T (&S0)[kM][kN][kR], int row0, int col0, int lane,
                                               const ScorePos& pos, const Params& p) {
@@ -87,12 +87,8 @@ __device__ __forceinline__ void modify_scores(T (&S)[kM][kN][kR], T (&S0)[kM][kN
           coords<kTM, kTransposed>(row0, col0, lane, mi, nj, r, i, j);
           const T s0 = R::mul(S[mi][nj][r], R::scale(p));
           if constexpr (kKeep) S0[mi][nj][r] = s0;
-          // Only inside the sequence: a modifier reads its operands at (i, j), whose extents are the sequence's.
-          // Rows past len_q (zero-filled, never written; P = 0 in the backward since L = +inf) keep the plain finite
-          // score, not one computed from memory past an operand (NaN there would reach dK, dV through 0 * NaN);
-          // columns past len_k are masked below.
-          const bool inside = i < pos.len_q && j < pos.len_k;
-          S[mi][nj][r] = R::to_units(inside ? Mods::score(s0, pos.b, pos.h, i, j, pos.len_q, pos.len_k, p) : s0);
+          // (i, j) may lie past len_q / len_k in a boundary tile: the operands' zero margin covers it (mods.cuh)
+          S[mi][nj][r] = R::to_units(Mods::score(s0, pos.b, pos.h, i, j, pos.len_q, pos.len_k, p));
         }
       }
 }

@@ -18,7 +18,10 @@
 // The register budget of the float32/float64 main kernels. ptxas' allocation is greedy: at head dims >= 192 it took
 // all 255 registers for scheduling freedom without needing them (0 spills at 240), which leaves no headroom for
 // another compiler version; __maxnreg__ caps it per kernel (CUDA >= 12.4; it cannot be combined with
-// __launch_bounds__, and a block never exceeds 256 threads <= 65536 / 240). Older compilers get
+// __launch_bounds__, and a block never exceeds 256 threads <= 65536 / 240). With a score modifier compiled in (a
+// user's expression, whose cost no table can foresee) the budget is the whole 255: the compile check holds those
+// specializations to no spills only, as it does the 16-bit ones (the 240 budget spilled 12-20 bytes in two of them
+// with the representative modifier). Older compilers get
 // __launch_bounds__(threads, 1): one resident block per SM, all the tables' shared memory allows anyway (a bare
 // __launch_bounds__(threads) made ptxas aim at 3 blocks of 128 threads, cap the float64 kernels at 168 registers and
 // spill). The emulator ignores both.
@@ -26,7 +29,7 @@
 #if defined(CUFLASH_EMULATE)
 #define CUFLASH_WIDE_BOUNDS(threads)
 #elif defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1204)
-#define CUFLASH_WIDE_BOUNDS(threads) __maxnreg__(CUFLASH_WIDE_MAX_REGISTERS)
+#define CUFLASH_WIDE_BOUNDS(threads) __maxnreg__(Mods::kScore ? 255 : CUFLASH_WIDE_MAX_REGISTERS)
 #else
 #define CUFLASH_WIDE_BOUNDS(threads) __launch_bounds__(threads, 1)
 #endif

@@ -335,6 +335,12 @@ def test_float64_modifier_operands_travel_in_float64():
     value, keep = modcode.operands(p.mods, np, real="double")
     kinds = sorted(str(a.dtype) for a in keep)
     assert kinds == ["float64", "float64", "uint8"]  # the bias, the softcap (one element), keep
+    # a zero margin past every q_idx / kv_idx axis: the kernels evaluate the modifier on whole boundary tiles
+    bias = next(a for a in keep if a.ndim == 4)
+    m = modcode.MOD_MARGIN
+    assert bias.shape == (1, 2, 8 + m, 8 + m) and not bias[:, :, 8:].any() and not bias[..., 8:].any()
+    assert next(a for a in keep if a.dtype == np.uint8).shape == (8 + m,)
+    assert max(max(s.block_m, s.block_n) for s in specs.all_specs()) <= m
     assert next(a for a in keep if a.size == 1)[0] == 1 / 3  # not rounded to float32
     assert modcode.render(p.mods)[0] != name  # the float32 struct is another specialization
 

@@ -6,7 +6,9 @@ named after a digest of what it computes, so each distinct modifier compiles onc
 CuPy's cache keeps it. :func:`operands` packs the values: each (array, indexing) pair takes one
 ``ModArray`` slot with the element strides of its index variables, scalars take ``scalars`` (float) or
 ``iscalars`` (int, bool). Arrays travel as float32 / int32 / uint8, converted without ever expanding a
-broadcast (a bias broadcast over batch and heads stays one small array with zero strides).
+broadcast (a bias broadcast over batch and heads stays one small array with zero strides), with a zero margin past
+the end of every axis indexed by q_idx or kv_idx (:data:`MOD_MARGIN`: the kernels evaluate a score modifier on
+whole tiles).
 
 The float64 kernels take the same modifiers in float64 (``real="double"``): the struct computes in double, float
 arrays travel as float64, and float scalars, which ``ModArgs::scalars`` would round to float32, travel as
@@ -104,8 +106,15 @@ def _compact(a):
     return a[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(a.strides, a.shape))]
 
 
-def _device_array(xp, a, t: str, real: str = "float"):
-    """``a`` on ``xp`` in the kernels' element type, and its element strides per axis (0 where it broadcasts)."""
+#: zero elements appended to every q_idx / kv_idx axis of an array operand: the kernels evaluate a score modifier at
+#: every (i, j) of a boundary tile, up to a tile past the sequence's end (kernels/mods.cuh), so no read may leave the
+#: array there. At least the largest block_m / block_n of the tile tables (tests/test_kernels_emulated_wide.py).
+MOD_MARGIN = 256
+
+
+def _device_array(xp, a, t: str, real: str = "float", margin_axes=()):
+    """``a`` on ``xp`` in the kernels' element type, and its element strides per axis (0 where it broadcasts).
+    Each axis of ``margin_axes`` that does not broadcast gets :data:`MOD_MARGIN` zeros past its end."""
     small = _compact(a)
     dt = np.dtype(np.float64 if (t == "float" and real == "double") else _DEVICE_DTYPE[t])
     if t == "int" and small.size and (int(small.min()) < -2**31 or int(small.max()) >= 2**31):
@@ -113,7 +122,13 @@ def _device_array(xp, a, t: str, real: str = "float"):
     if small.dtype == np.bool_:
         small = small.view(np.uint8)
     conv = xp.asarray(small).astype(dt, copy=False)
-    strides = [0 if st == 0 and n > 1 else s // dt.itemsize for st, n, s in zip(a.strides, a.shape, conv.strides)]
+    broadcast = [st == 0 and n > 1 for st, n in zip(a.strides, a.shape)]
+    pad = [ax for ax in margin_axes if not broadcast[ax]]
+    if pad:
+        padded = xp.zeros(tuple(n + (MOD_MARGIN if ax in pad else 0) for ax, n in enumerate(conv.shape)), dtype=dt)
+        padded[tuple(slice(0, n) for n in conv.shape)] = conv
+        conv = padded
+    strides = [0 if b else s // dt.itemsize for b, s in zip(broadcast, conv.strides)]
     return conv, strides
 
 
@@ -130,7 +145,8 @@ def operands(mods, xp, real: str = "float") -> tuple[tuple, tuple]:
             arrays[k] = (params.address(conv), (0, 0, 0, 0))
             keep.append(conv)
             continue
-        conv, strides = _device_array(xp, mods.values[name], types[name], real)
+        margin = [axis for axis, var in enumerate(index) if var in ("q_idx", "kv_idx")]
+        conv, strides = _device_array(xp, mods.values[name], types[name], real, margin)
         by_var = [0, 0, 0, 0]
         for axis, var in enumerate(index):
             by_var[_AXES[var]] = strides[axis]
