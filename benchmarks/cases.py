@@ -10,9 +10,10 @@ OPS = ("fwd", "bwd", "fwd_bwd")
 DEVICES = ("cpu", "cuda")
 MODES = ("smoke", "quick", "full")
 OP_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
-FIGURES = ("product", "throughput", "memory", "blocksparse", "tiles", "decode")
+FIGURES = ("product", "throughput", "memory", "blocksparse", "tiles", "decode", "wide")
 FIGURE_FILES = {"product": "product", "throughput": "fig1_throughput", "memory": "fig2_memory",
-                "blocksparse": "fig3_blocksparse", "tiles": "fig4_tiles", "decode": "fig5_decode"}
+                "blocksparse": "fig3_blocksparse", "tiles": "fig4_tiles", "decode": "fig5_decode",
+                "wide": "fig6_wide"}
 FIGURE_TITLES = {
     "product": "NumPy backend target: fp32, N=4096, 4 heads, head_dim 64, forward",
     "throughput": "Attention throughput vs sequence length (FA benchmark configuration)",
@@ -20,11 +21,18 @@ FIGURE_TITLES = {
     "blocksparse": "Block-sparse attention: runtime vs BlockMask density",
     "tiles": "Forward runtime vs key-block (tile) size",
     "decode": "Decode-shaped attention: bandwidth vs seqlen_q",
+    "wide": "float32 (precision ieee / 3xtf32 / tf32) and float64 attention vs naive attention in the same arithmetic",
 }
 GPU_IMPLS = ("cuflash", "torch-flash", "torch-cudnn", "torch-efficient", "torch-math", "cupy-standard",
              "jax-cudnn", "jax-xla")
 CPU_IMPLS = ("cuflash", "numpy", "numpy-inplace", "torch-flash", "torch-math")
 PRODUCT_IMPLS = ("cuflash", "numpy", "numpy-inplace", "torch-flash")  # torch-flash: SDPA's CPU pick for fp32
+#: the float32/float64 figure: cuflash against naive attention in the same arithmetic class (CuPy's cuBLAS, PyTorch's
+#: SDPA math backend), each dtype x precision below
+WIDE_IMPLS = ("cuflash", "cupy-naive", "torch-math")
+WIDE_MODES = (("float32", "ieee"), ("float32", "3xtf32"), ("float32", "tf32"), ("float64", "ieee"))
+#: float64 tensor-core peak of an H100 SXM (DMMA, dense), TFLOP/s: the float64 target is half of it at long seqlens
+H100_FP64_TENSOR_PEAK = 67.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,9 @@ class Case:
         Key-tile size (the tile sweep only).
     impls : tuple of str, keyword-only
         The implementations a suite runs on this case.
+    precision : str, keyword-only
+        cuflash's ``precision=`` for float32 (the float32/float64 figure); the baselines run in the same accuracy
+        class ("tf32": TF32 matmuls, otherwise full float32).
     """
 
     figure: str
@@ -66,6 +77,7 @@ class Case:
     mask_block: Optional[tuple] = None
     block_k: Optional[int] = None
     impls: tuple = ()
+    precision: str = "ieee"
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -106,6 +118,7 @@ class Case:
         """One line naming the case (progress bar, logs)."""
         extra = "" if self.density is None else f" density={self.density:g}"
         extra += "" if self.block_k is None else f" block_k={self.block_k}"
+        extra += "" if self.precision == "ieee" else f" precision={self.precision}"
         return (f"{self.figure} {self.op} {self.dtype} B={self.batch} H={self.heads} Sq={self.seqlen_q} "
                 f"Sk={self.seqlen_k} d={self.head_dim}{' causal' if self.causal else ''}{extra}")
 
@@ -154,6 +167,9 @@ class SuiteSpec:
     decode_heads: int
     decode_head_dim: int
     sparse_ops: tuple = ("fwd",)
+    wide_seqlens: tuple = ()        # the float32/float64 figure (GPU only): seqlens, ops, head_dim
+    wide_ops: tuple = ("fwd",)
+    wide_head_dim: int = 64
 
 
 def _cuda_spec(mode: str) -> SuiteSpec:
@@ -162,13 +178,15 @@ def _cuda_spec(mode: str) -> SuiteSpec:
                          (False, True), OPS, (1024, 2048, 4096, 8192, 16384, 32768, 65536), 64,
                          4096, (1.0, 0.5, 0.25, 0.125, 0.0625), (128, 128), 4096, (64, 128),
                          (32, 64, 128), (16384, 65536), (1, 2, 4, 8, 16), 4, 32, 128,
-                         sparse_ops=("fwd", "bwd"))
+                         sparse_ops=("fwd", "bwd"), wide_seqlens=(1024, 2048, 4096, 8192, 16384),
+                         wide_ops=("fwd", "bwd"))
     if mode == "smoke":
         return SuiteSpec(256, 64, "float16", (128,), (32,), (False, True), OPS, (128, 256), 32,
-                         256, (1.0, 0.5), (64, 64), 256, (32,), (32, 64), (512,), (1, 4), 1, 2, 32)
+                         256, (1.0, 0.5), (64, 64), 256, (32,), (32, 64), (512,), (1, 4), 1, 2, 32,
+                         wide_seqlens=(128,), wide_ops=("fwd", "bwd"), wide_head_dim=32)
     return SuiteSpec(16384, 2048, "float16", (1024, 4096), (128,), (False, True), ("fwd", "fwd_bwd"),
                      (1024, 4096, 16384), 64, 4096, (1.0, 0.5, 0.25), (128, 128), 4096, (128,),
-                     (32, 64, 128), (16384,), (1, 16), 4, 32, 128)
+                     (32, 64, 128), (16384,), (1, 16), 4, 32, 128, wide_seqlens=(1024, 4096))
 
 
 def _cpu_spec(mode: str) -> SuiteSpec:
@@ -217,6 +235,7 @@ def suite(device: str, mode: str) -> list[Case]:
     cases += _sparse_cases(s, device)
     cases += _tile_cases(s, device)
     cases += _decode_cases(s, device, lean)
+    cases += _wide_cases(s, device)
     return cases
 
 
@@ -267,3 +286,17 @@ def _decode_cases(s: SuiteSpec, device: str, impls: tuple) -> list[Case]:
     # decode step sees the whole cache anyway.
     return [Case("decode", device, "fwd", s.dtype, s.decode_batch, s.decode_heads, sq, sk, s.decode_head_dim,
                  impls=impls) for sk in s.decode_seqlen_k for sq in s.decode_seqlen_q]
+
+
+def _wide_cases(s: SuiteSpec, device: str) -> list[Case]:
+    """float32 in each precision and float64, FA configuration (16k tokens, hidden 2048 on a GPU), non-causal: the
+    targets (README, Precision) are float64 >= 50% of the DMMA peak at long seqlens and every float32 mode faster than
+    the naive cuBLAS attention of its accuracy class at every seqlen >= 1k, with O(N) memory where naive is O(N^2)."""
+    out = []
+    d = s.wide_head_dim
+    for dtype, precision in WIDE_MODES:
+        for n in s.wide_seqlens:
+            b, h = fa_config(n, d, tokens=s.tokens, hidden=s.hidden)
+            out += [Case("wide", device, op, dtype, b, h, n, n, d, precision=precision, impls=WIDE_IMPLS)
+                    for op in s.wide_ops]
+    return out

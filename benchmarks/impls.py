@@ -58,6 +58,8 @@ def _build_cuflash(case: Case, x: Inputs):
     import cuflash
 
     opts = dict(causal=case.causal, block_mask=x.block_mask)
+    if case.precision != "ieee":
+        opts["precision"] = case.precision
     if case.block_k is not None:
         run = _tile_forward(case, x)
     elif case.op == "fwd":
@@ -155,6 +157,76 @@ def _build_standard(*, inplace: bool):
     return build
 
 
+# ---------------------------------------------------------------------------------- naive attention on cuBLAS
+def standard_attention_backward(q, k, v, dout, p, out):
+    """Standard attention's backward (FA1 Algorithm 3) from the saved P ``(B, H, Sq, Sk)`` and O: dV = PᵀdO,
+    dP = dO Vᵀ, dS = P∘(dP − rowsum(dO∘O)), dQ = dS K/√d, dK = dSᵀQ/√d; O(N²) memory like the forward."""
+    xp = _module_of(q)
+    scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
+    qh, kh, vh = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    doh, oh = dout.transpose(0, 2, 1, 3), out.transpose(0, 2, 1, 3)
+    dv = xp.matmul(p.swapaxes(-1, -2), doh)
+    ds = xp.matmul(doh, vh.swapaxes(-1, -2))
+    ds -= (doh * oh).sum(axis=-1, keepdims=True)
+    ds *= p
+    dq = xp.matmul(ds, kh) * scale
+    dk = xp.matmul(ds.swapaxes(-1, -2), qh) * scale
+    return tuple(a.transpose(0, 2, 1, 3) for a in (dq, dk, dv))
+
+
+def cublas_compute_type(dtype: str, precision: str):
+    """CuPy's matmul compute type of the accuracy class: TF32 tensor cores for precision "tf32", else strict float32
+    / float64 (CuPy's default for float32 follows the CUPY_TF32 environment variable: set explicitly here)."""
+    from cupy._core import _routines_linalg as linalg
+
+    if dtype == "float32":
+        return linalg.COMPUTE_TYPE_TF32 if precision == "tf32" else linalg.COMPUTE_TYPE_FP32
+    return linalg.COMPUTE_TYPE_DEFAULT
+
+
+def _build_cupy_naive(case: Case, x: Inputs):
+    """Standard attention forward / backward on CuPy (cuBLAS), in the case's dtype and accuracy class."""
+    from cupy._core import _routines_linalg as linalg
+
+    dt = x.q.dtype
+    kind = cublas_compute_type(case.dtype, case.precision)
+    bias = causal_bias(x.xp, case.seqlen_q, case.seqlen_k, dt) if case.causal else None
+
+    def in_class(fn):
+        def run():
+            before = linalg.get_compute_type(dt)
+            linalg.set_compute_type(dt, kind)
+            try:
+                return fn()
+            finally:
+                linalg.set_compute_type(dt, before)
+        return run
+
+    if case.op == "fwd":
+        return in_class(lambda: standard_attention(x.q, x.k, x.v, bias=bias)), device_sync(case.device)
+    xp = x.xp
+
+    def forward_saving_p():
+        scale = dt.type(1.0 / math.sqrt(case.head_dim))
+        s = xp.matmul(x.q.transpose(0, 2, 1, 3) * scale, x.k.transpose(0, 2, 3, 1))
+        if bias is not None:
+            s += bias
+        s -= s.max(axis=-1, keepdims=True)
+        xp.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        return s, xp.matmul(s, x.v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+    p, out = in_class(forward_saving_p)()  # the forward's saved P and O (not timed for "bwd")
+    if case.op == "bwd":
+        return in_class(lambda: standard_attention_backward(x.q, x.k, x.v, x.dout, p, out)), device_sync(case.device)
+    del p, out
+
+    def fwd_bwd():
+        p2, out2 = forward_saving_p()
+        return standard_attention_backward(x.q, x.k, x.v, x.dout, p2, out2)
+    return in_class(fwd_bwd), device_sync(case.device)
+
+
 # ---------------------------------------------------------------------------------- PyTorch SDPA
 TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION",
                   "torch-efficient": "EFFICIENT_ATTENTION", "torch-math": "MATH"}
@@ -203,6 +275,13 @@ def _build_torch(name: str):
 
         def attend():
             with sdpa_kernel(backend):
+                if case.dtype == "float32":  # the accuracy class: TF32 matmuls for precision "tf32" only
+                    tf32 = torch.backends.cuda.matmul.allow_tf32
+                    torch.backends.cuda.matmul.allow_tf32 = case.precision == "tf32"
+                    try:
+                        return sdpa(tr(q), tr(k), tr(v), is_causal=case.causal)
+                    finally:
+                        torch.backends.cuda.matmul.allow_tf32 = tf32
                 return sdpa(tr(q), tr(k), tr(v), is_causal=case.causal)
 
         if case.op == "fwd":
@@ -279,6 +358,7 @@ IMPLS = {
     "numpy": _standard("numpy", "cpu", inplace=False),
     "numpy-inplace": _standard("numpy-inplace", "cpu", inplace=True),
     "cupy-standard": _standard("cupy-standard", "cuda", inplace=True),
+    "cupy-naive": Impl("cupy-naive", ("cuda",), OPS, _build_cupy_naive, _check_standard, "pool", "standard"),
     **{n: Impl(n, ("cpu", "cuda") if n in ("torch-flash", "torch-math") else ("cuda",), OPS, _build_torch(n),
                _check_torch, "torch", "standard" if n == "torch-math" else None) for n in TORCH_BACKENDS},
     **{n: Impl(n, ("cuda",), OPS, _build_jax(n), _check_jax, None) for n in JAX_IMPLS},

@@ -153,5 +153,21 @@ def _plot_product(plt, payload):
     return _finish(fig, payload, 8)
 
 
+def _plot_wide(plt, payload):
+    recs = payload["records"]
+    dtypes = sorted({r["dtype"] for r in recs})
+    ops = [op for op in OPS if any(r["op"] == op for r in recs)]
+    fig, axes = plt.subplots(len(ops), len(dtypes), figsize=(4.0 * len(dtypes), 3.2 * len(ops)), squeeze=False)
+    for i, op in enumerate(ops):
+        for j, dt in enumerate(dtypes):
+            ax = axes[i][j]
+            _lines(ax, [r for r in recs if r["op"] == op and r["dtype"] == dt], x="seqlen_q", y="tflops")
+            ax.set_title(f"{op}, {dt}", fontsize=9)
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.legend(fontsize=6)
+    return _finish(fig, payload, 10)
+
+
 PLOTTERS = {"product": _plot_product, "throughput": _plot_throughput, "memory": _plot_memory,
-            "blocksparse": _plot_blocksparse, "tiles": _plot_tiles, "decode": _plot_decode}
+            "blocksparse": _plot_blocksparse, "tiles": _plot_tiles, "decode": _plot_decode, "wide": _plot_wide}

@@ -39,7 +39,10 @@ class Record:
     def of(cls, case: Case, impl: str, timer: Timer, peak: Optional[int], io_bytes: Optional[int]) -> "Record":
         """The record of ``impl`` on ``case`` from its timer, observed peak and modelled bytes."""
         ms = timer.median_ms
-        return cls(impl=impl, op=case.op, dtype=case.dtype, head_dim=case.head_dim, seqlen_q=case.seqlen_q,
+        # the float32 precision rides on the dtype label ("float32:tf32"), so that records stay in one schema and
+        # "x cuflash" compares each precision with its own baselines
+        dtype = case.dtype if case.precision == "ieee" else f"{case.dtype}:{case.precision}"
+        return cls(impl=impl, op=case.op, dtype=dtype, head_dim=case.head_dim, seqlen_q=case.seqlen_q,
                    seqlen_k=case.seqlen_k, batch=case.batch, heads=case.heads, causal=case.causal,
                    density=case.density, ms=round(ms, 6), tflops=round(case.flops / (ms * 1e-3) / 1e12, 4),
                    peak_bytes=peak, gbps=round(case.bytes / (ms * 1e-3) / 1e9, 3), io_bytes=io_bytes,
@@ -120,6 +123,7 @@ def table(result: RunResult) -> str:
             out += ["", f"== {fig}: {FIGURE_TITLES[fig]}", head]
             out += [_row(r, ref.get(_rkey(fig, r))) for r in rows]
     out += product_targets(result)
+    out += wide_targets(result)
     reasons = sorted({e["reason"] for _, e in result.skipped if not e["reason"].startswith(NA)})
     if reasons:
         out += ["", f"{len(result.skipped)} (case, impl) pairs not measured (see 'skipped' in the JSON); "
@@ -149,6 +153,35 @@ def product_targets(result: RunResult) -> list[str]:
     if "torch-flash" in ms:
         x = ms["cuflash"] / ms["torch-flash"]
         lines.append(f"  cuflash / torch SDPA  = {x:.2f}x (target <= 3x: {'met' if x <= 3 else 'not met'})")
+    return lines
+
+
+def wide_targets(result: RunResult) -> list[str]:
+    """The float32/float64 targets, as measured in this run (GPU): float64 cuflash at >= 50% of an H100's DMMA peak
+    at the longest seqlen, and each float32 precision faster than the naive cuBLAS attention of its accuracy class
+    (cupy-naive) at every seqlen >= 1024."""
+    from .cases import H100_FP64_TENSOR_PEAK, OPS
+
+    recs = [r for f, r in result.records if f == "wide" and r.device == "cuda"]
+    if not recs:
+        return []
+    lines = ["", "float32/float64 targets (this run; the DMMA peak is an H100 SXM's):"]
+    for op in OPS:
+        f64 = [r for r in recs if r.impl == "cuflash" and r.op == op and r.dtype == "float64"]
+        if f64:
+            r = max(f64, key=lambda r: r.seqlen_q)
+            share = r.tflops / H100_FP64_TENSOR_PEAK
+            lines.append(f"  float64 {op} at seqlen {r.seqlen_q}: {r.tflops:.1f} TFLOP/s = {share:.0%} of "
+                         f"{H100_FP64_TENSOR_PEAK:g} (target >= 50%: {'met' if share >= 0.5 else 'not met'})")
+        for dtype in sorted({r.dtype for r in recs if r.dtype.startswith("float32")}):
+            mine = {r.seqlen_q: r.ms for r in recs if r.impl == "cuflash" and r.op == op and r.dtype == dtype}
+            naive = {r.seqlen_q: r.ms for r in recs if r.impl == "cupy-naive" and r.op == op and r.dtype == dtype}
+            both = sorted(n for n in mine if n in naive and n >= 1024)
+            if both:
+                ok = all(mine[n] < naive[n] for n in both)
+                worst = max(mine[n] / naive[n] for n in both)
+                lines.append(f"  {dtype} {op}: cuflash / cupy-naive <= {worst:.2f}x over seqlens {both} "
+                             f"(target < 1 at every seqlen: {'met' if ok else 'not met'})")
     return lines
 
 

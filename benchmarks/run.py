@@ -147,7 +147,8 @@ def _reason(exc: BaseException) -> str:
 
 def skip_entry(case: Case, impl: str, reason: str) -> dict:
     """The JSON ``skipped`` entry of a pair not measured: the case's fields and the reason."""
-    return {"impl": impl, "op": case.op, "dtype": case.dtype, "head_dim": case.head_dim,
+    dtype = case.dtype if case.precision == "ieee" else f"{case.dtype}:{case.precision}"  # as Record.of
+    return {"impl": impl, "op": case.op, "dtype": dtype, "head_dim": case.head_dim,
             "seqlen_q": case.seqlen_q, "seqlen_k": case.seqlen_k, "batch": case.batch, "heads": case.heads,
             "causal": case.causal, "density": case.density, "block_k": case.block_k, "device": case.device,
             "reason": reason}

@@ -28,6 +28,7 @@ Array = Any
 #: ``"bshd"``: ``(..., seqlen, heads, head_dim)`` (FlashAttention's layout, the default); ``"bhsd"``:
 #: ``(..., heads, seqlen, head_dim)`` (PyTorch SDPA's).
 Layout = Literal["bshd", "bhsd"]
+Precision = Literal["ieee", "3xtf32", "tf32"]
 LAYOUTS = ("bshd", "bhsd")
 
 _OPTIONS_DOC = """
@@ -78,6 +79,15 @@ _OPTIONS_DOC = """
         likewise. ``"bhsd"`` costs nothing: the arrays are read through transposed views (the kernels need only
         the last axis contiguous), and ``out`` comes back as a transposed view of a ``"bshd"`` result.
         ``lse`` is ``(..., heads, seqlen_q)`` in both.
+    precision : {"ieee", "3xtf32", "tf32"}, default "ieee"
+        The arithmetic of float32 inputs on the CUDA kernels. ``"ieee"`` (the default, chosen for
+        accuracy): float32 FMA, the accuracy of a naive float32 computation. ``"3xtf32"``: TF32 tensor
+        cores, each product split into three (CUTLASS's 3xTF32), near-float32 accuracy, faster where
+        tensor cores outrun the FMA pipes. ``"tf32"``: one TF32 product, the fastest and the least
+        accurate (10-bit mantissas: about 1e-3 relative, like PyTorch's allow_tf32). float64 always
+        computes in float64 (DMMA on A100/H100) and 16-bit inputs on their own tensor cores: they take
+        only ``"ieee"``. The NumPy backend computes float32 in float32 whatever the mode. The README's
+        "Precision" table gives each mode's measured accuracy.
     dtype : {None, "bfloat16"}
         ``"bfloat16"`` declares ``uint16`` arrays as bfloat16 bit patterns, for CuPy versions without
         ``ml_dtypes.bfloat16`` support (results are then bfloat16 bits too); otherwise leave None.
@@ -95,12 +105,14 @@ _ARRAYS_DOC = """Arrays of other libraries (PyTorch, JAX, array-api-strict, Numb
 
 #: the options attention and attention_backward share (the forward's must be the backward's)
 OPTIONS = ("causal", "scale", "window", "block_mask", "seqlens_q", "seqlens_k", "bias", "alibi_slopes", "softcap",
-           "score_mod", "mask_mod", "mod_arrays", "dropout_p", "seed", "dtype", "layout")
+           "score_mod", "mask_mod", "mod_arrays", "dropout_p", "seed", "dtype", "layout",
+           "precision")
 #: each option's default (an option of the keyword form left at its default is "not given")
 DEFAULTS: Mapping[str, Any] = MappingProxyType(
     {"causal": False, "scale": None, "window": None, "block_mask": None, "seqlens_q": None, "seqlens_k": None,
      "bias": None, "alibi_slopes": None, "softcap": None, "score_mod": None, "mask_mod": None, "mod_arrays": None,
-     "dropout_p": 0.0, "seed": None, "dtype": None, "layout": "bshd"})
+     "dropout_p": 0.0, "seed": None, "dtype": None, "layout": "bshd",
+     "precision": "ieee"})
 _OPTION_ARRAYS = ("seqlens_q", "seqlens_k", "bias", "alibi_slopes")
 
 
@@ -191,7 +203,7 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = ..., scale: Option
               mask_mod: Optional[str] = ..., mod_arrays: Optional[Mapping[str, Any]] = ..., dropout_p: float = ...,
               seed: Optional[int] = ..., return_lse: Literal[False] = ..., return_residual: Literal[True],
               out: Optional[Array] = ..., layout: Layout = ..., dtype: Optional[str] = ...,
-              backend: Optional[str] = ...) -> tuple[Array, AttentionResidual]: ...
+              precision: Precision = ..., backend: Optional[str] = ...) -> tuple[Array, AttentionResidual]: ...
 
 
 @overload
@@ -202,7 +214,7 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = ..., scale: Option
               mask_mod: Optional[str] = ..., mod_arrays: Optional[Mapping[str, Any]] = ..., dropout_p: float = ...,
               seed: Optional[int] = ..., return_lse: bool = ..., return_residual: Literal[False] = ...,
               out: Optional[Array] = ..., layout: Layout = ..., dtype: Optional[str] = ...,
-              backend: Optional[str] = ...) -> Any: ...
+              precision: Precision = ..., backend: Optional[str] = ...) -> Any: ...
 
 
 def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Optional[float] = None,
@@ -212,13 +224,13 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: Opti
               mask_mod: Optional[str] = None, mod_arrays: Optional[Mapping[str, Any]] = None, dropout_p: float = 0.0,
               seed: Optional[int] = None, return_lse: bool = False, return_residual: bool = False,
               out: Optional[Array] = None, layout: Layout = "bshd", dtype: Optional[str] = None,
-              backend: Optional[str] = None) -> Any:
+              precision: Precision = "ieee", backend: Optional[str] = None) -> Any:
     """Exact softmax attention, computed block by block without materializing the score matrix.
 
     Parameters
     ----------
     q : array, shape ``(..., seqlen_q, heads, head_dim)``
-        float16, bfloat16, float32 or float64 (NumPy); float16 or bfloat16 (CuPy).
+        float16, bfloat16, float32 or float64 (NumPy and CuPy).
         {arrays}
     k : array, shape ``(..., seqlen_k, heads_kv, head_dim)``
         Same dtype and batch dimensions as ``q``; ``heads % heads_kv == 0`` (query head ``h``
@@ -268,7 +280,7 @@ def attention_qkvpacked(qkv: Array, *, causal: bool = False, scale: Optional[flo
                         mod_arrays: Optional[Mapping[str, Any]] = None, dropout_p: float = 0.0,
                         seed: Optional[int] = None, return_lse: bool = False, return_residual: bool = False,
                         out: Optional[Array] = None, layout: Layout = "bshd", dtype: Optional[str] = None,
-                        backend: Optional[str] = None) -> Any:
+                        precision: Precision = "ieee", backend: Optional[str] = None) -> Any:
     """:func:`attention` of packed self-attention inputs (FlashAttention-2's ``flash_attn_qkvpacked_func``).
 
     Parameters
@@ -303,7 +315,7 @@ def attention_kvpacked(q: Array, kv: Array, *, causal: bool = False, scale: Opti
                        mod_arrays: Optional[Mapping[str, Any]] = None, dropout_p: float = 0.0,
                        seed: Optional[int] = None, return_lse: bool = False, return_residual: bool = False,
                        out: Optional[Array] = None, layout: Layout = "bshd", dtype: Optional[str] = None,
-                       backend: Optional[str] = None) -> Any:
+                       precision: Precision = "ieee", backend: Optional[str] = None) -> Any:
     """:func:`attention` with keys and values packed (FlashAttention-2's ``flash_attn_kvpacked_func``).
 
     Parameters
@@ -389,9 +401,10 @@ def attention_backward(dout: Array, q: Union[Array, AttentionResidual], k: Optio
                        score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
                        mod_arrays: Optional[Mapping[str, Any]] = None, dropout_p: float = 0.0,
                        seed: Optional[int] = None, dtype: Optional[str] = None, layout: Layout = "bshd",
-                       deterministic: bool = False, return_dbias: bool = False, dq: Optional[Array] = None,
-                       dk: Optional[Array] = None, dv: Optional[Array] = None, dqkv: Optional[Array] = None,
-                       dkv: Optional[Array] = None, backend: Optional[str] = None) -> Any:
+                       precision: Precision = "ieee", deterministic: bool = False, return_dbias: bool = False,
+                       dq: Optional[Array] = None, dk: Optional[Array] = None, dv: Optional[Array] = None,
+                       dqkv: Optional[Array] = None, dkv: Optional[Array] = None,
+                       backend: Optional[str] = None) -> Any:
     """Gradients of :func:`attention` by recomputation from the saved ``lse`` (FA2 Algorithm 2).
 
     Two forms:

@@ -296,10 +296,11 @@ class Expr:
         ``values`` the operand names to host arrays/numbers; floats computed in ``dtype``."""
         return _evaluate(self.root, env, values, np.dtype(dtype))
 
-    def cpp(self, read) -> str:
+    def cpp(self, read, real: str = "float") -> str:
         """C++ text of the expression. ``read(name, index)`` gives the C++ expression of array ``name``'s element
-        at the index variables ``index`` (a tuple), or of scalar ``name`` (``index`` None)."""
-        return _cpp(self.root, read)
+        at the index variables ``index`` (a tuple), or of scalar ``name`` (``index`` None). ``real``: the type of
+        float operations, "float" (the 16-bit and float32 kernels) or "double" (the float64 kernels)."""
+        return _cpp(self.root, read, real)
 
     def derivative(self, wrt: str = "score") -> "Expr":
         """d(expression)/d(wrt), simplified, where ``wrt`` is ``"score"`` or an array operand read at the
@@ -471,20 +472,25 @@ def _evaluate(n: Node, env, values, dtype):
 # ------------------------------------------------------------------------------------------------ C++
 _CPP_FLOAT = {"abs": "fabsf", "min": "fminf", "max": "fmaxf", "exp": "expf", "log": "logf", "tanh": "tanhf",
               "sqrt": "sqrtf"}
+#: the same in float64, for the float64 kernels (kernels/wide_scores.cuh): float operations in double
+_CPP_DOUBLE = {"abs": "fabs", "min": "fmin", "max": "fmax", "exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt"}
 
 
-def _cpp(n: Node, read) -> str:
+def _cpp(n: Node, read, real: str = "float") -> str:
     op = n.op
+    double = real == "double"
     if op == "const":
         if n.type == "bool":
             return "true" if n.value else "false"
         if n.type == "int":
             return str(n.value)
         if math.isinf(n.value):
+            if double:
+                return "wide::Real<double>::pos_inf()" if n.value > 0 else "wide::Real<double>::neg_inf()"
             return "pos_inf()" if n.value > 0 else "neg_inf()"
         if math.isnan(n.value):
-            return "__int_as_float(0x7fc00000)"
-        return f"{float(n.value)!r}f"
+            return "__longlong_as_double(0x7ff8000000000000LL)" if double else "__int_as_float(0x7fc00000)"
+        return f"{float(n.value)!r}" if double else f"{float(n.value)!r}f"
     if op == "var":
         return n.value
     if op == "scalar":
@@ -493,11 +499,11 @@ def _cpp(n: Node, read) -> str:
         return read(*n.value)
     if op == "bits":
         slot, table, bq, bk = n.value
-        return (f"dense_bit({_cpp(slot, read)}, {read(table, 'table')}, "
+        return (f"dense_bit({_cpp(slot, read, real)}, {read(table, 'table')}, "
                 f"(q_idx % {bq}) * {bk} + kv_idx % {bk})")
-    a = [_cpp(x, read) for x in n.args]
+    a = [_cpp(x, read, real) for x in n.args]
     if op == "float":
-        return f"float({a[0]})"
+        return f"{real}({a[0]})"
     if op == "neg":
         return f"(-{a[0]})"
     if op == "not":
@@ -511,7 +517,8 @@ def _cpp(n: Node, read) -> str:
     if op == "%":
         return f"floor_mod({a[0]}, {a[1]})"
     if op == "call":
-        fn = _CPP_FLOAT[n.value] if n.type == "float" else ("::abs" if n.value == "abs" else n.value)
+        fn = (_CPP_DOUBLE if double else _CPP_FLOAT)[n.value] if n.type == "float" else \
+            ("::abs" if n.value == "abs" else n.value)
         return f"{fn}({', '.join(a)})"
     return f"({a[0]} {op} {a[1]})"
 

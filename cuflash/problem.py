@@ -17,6 +17,9 @@ from typing import Any, Optional
 import numpy as np
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: ``precision=``: the arithmetic of float32 inputs on the CUDA kernels (cuflash.api documents them); "ieee" is the
+#: only one for the other dtypes, and the NumPy backend computes float32 in float32 whatever it says.
+PRECISIONS = ("ieee", "3xtf32", "tf32")
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,6 +202,8 @@ class Problem:
     element_type: str = ""
     #: score and mask modifiers (:class:`cuflash.mods.Modifiers`), or None
     mods: Any = None
+    #: the float32 arithmetic of the CUDA kernels (:data:`PRECISIONS`)
+    precision: str = "ieee"
 
     batch = property(lambda self: self.q.shape[0])
     seqlen_q = property(lambda self: self.q.shape[1])
@@ -358,14 +363,25 @@ def check_dropout(dropout_p, seed, what="dropout_p"):
     return float(dropout_p), (None if seed is None else int(seed))
 
 
+def _check_precision(precision, element_type: str) -> str:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+    if precision != "ieee" and element_type != "float32":
+        raise ValueError(f"precision={precision!r} selects float32 tensor-core arithmetic; {element_type} inputs "
+                         f"take only precision='ieee' (their arithmetic is fixed by the dtype)")
+    return precision
+
+
 def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
                  seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, dtype=None, bias=None,
-                 alibi_slopes=None, softcap=None, score_mod=None, mask_mod=None, mod_arrays=None) -> Problem:
+                 alibi_slopes=None, softcap=None, score_mod=None, mask_mod=None, mod_arrays=None,
+                 precision="ieee") -> Problem:
     """Validate the forward arguments and return the normalized :class:`Problem`."""
     xp = array_module(q, k, v, names=("q", "k", "v"))
     q, k, v = native(q), native(k), native(v)
     element_type = _check_element_type(q, dtype)
     _check_qkv(q, k, v, element_type)
+    precision = _check_precision(precision, element_type)
     n_batch = q.ndim - 3
     batch_shape = tuple(q.shape[:n_batch])
     scale = _check_scale(scale, q.shape[-1])
@@ -384,7 +400,7 @@ def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=N
     mods = _check_modifiers(xp, batch_shape, extents, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
                             score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays)
     return Problem(xp, qf, kf, vf, batch_shape, scale, bool(causal), left, right, sq, sk,
-                   block_mask, dropout_p, seed, element_type, mods)
+                   block_mask, dropout_p, seed, element_type, mods, precision)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,13 +6,36 @@ dtype are upcast to float64 (on the host); results are float64 NumPy arrays.
 
 ``compute_dtype`` runs the same naive algorithm in another dtype: with the input's own dtype it
 is the "naive same-dtype computation" whose error against float64 sets the test tolerances
-(:func:`cuflash.testing.assert_attention_close`).
+(:func:`cuflash.testing.assert_attention_close`). ``compute_dtype="tf32"`` is the naive TF32
+computation, the yardstick of the CUDA kernels' ``precision="tf32"``: float32 throughout, with the
+inputs of every matrix product rounded to TF32 (:func:`round_tf32`) and the products summed in
+float32. ``np.longdouble`` (x86-64: 64-bit significands) is the reference the float64 kernels are
+measured against, so that the naive float64 computation has an error to compare with.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .problem import check_backward, make_problem
+
+
+#: ``compute_dtype`` of the naive TF32 computation
+TF32 = "tf32"
+
+
+def round_tf32(x):
+    """float32 values rounded to TF32 as ``cvt.rna.tf32.f32`` does (10 mantissa bits, ties away from zero; the
+    largest finite values round to infinity; infinities and NaN unchanged). Returns float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    finite = (u & 0x7F800000) != 0x7F800000
+    r = np.where(finite, (u + np.uint32(0x1000)) & np.uint32(0xFFFFE000), u).astype(np.uint32)
+    return r.view(np.float32)
+
+
+def _compute_dtype(compute_dtype):
+    return np.dtype(np.float32) if isinstance(compute_dtype, str) and compute_dtype == TF32 else \
+        np.dtype(compute_dtype)
 
 
 def _grouped(p, dtype):
@@ -83,10 +106,27 @@ def _probabilities(p, q, k):
 def _mm(a, b):
     """``a @ b`` as the naive computation in ``a``'s dtype does it: for 16-bit floats the products are summed
     in float32 and rounded once (what NumPy's own float16 matmul does, element by element), here through
-    float32 BLAS: 8x faster for float16 and far more for ml_dtypes' bfloat16, with the same rounding."""
+    float32 BLAS: 8x faster for float16 and far more for ml_dtypes' bfloat16, with the same rounding. In the
+    naive TF32 computation (:data:`TF32`) the inputs are rounded to TF32 and the exact products summed in float32."""
+    if _TF32_MODE[0] and a.dtype == np.float32:
+        return round_tf32(a) @ round_tf32(b)
     if a.dtype.itemsize == 2:
         return (a.astype(np.float32) @ b.astype(np.float32)).astype(a.dtype)
     return a @ b
+
+
+_TF32_MODE = [False]  # set while a naive TF32 computation runs (the reference is single-threaded NumPy code)
+
+
+class _tf32_mode:
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        self.prev, _TF32_MODE[0] = _TF32_MODE[0], self.on
+
+    def __exit__(self, *exc):
+        _TF32_MODE[0] = self.prev
 
 
 def _rounder(dtype):
@@ -107,10 +147,11 @@ def attention(q, k, v, *, return_lse=False, dropout_mask=None, dropout_p=0.0, co
     Returns ``out`` (and ``lse``, ``(..., heads, Sq)``) in ``compute_dtype`` (float64 by default).
     """
     p = make_problem(q, k, v, **options)
-    qg, kg, vg = _grouped(p, np.dtype(compute_dtype))
-    prob, lse = _probabilities(p, qg, kg)
-    prob = _apply_dropout(prob, p, dropout_mask, dropout_p)
-    out = p.unflatten(_ungroup(_mm(prob, vg), p), p.q.shape[1:])
+    with _tf32_mode(isinstance(compute_dtype, str) and compute_dtype == TF32):
+        qg, kg, vg = _grouped(p, _compute_dtype(compute_dtype))
+        prob, lse = _probabilities(p, qg, kg)
+        prob = _apply_dropout(prob, p, dropout_mask, dropout_p)
+        out = p.unflatten(_ungroup(_mm(prob, vg), p), p.q.shape[1:])
     lse = p.unflatten(lse.reshape(p.batch, p.heads_q, p.seqlen_q), (p.heads_q, p.seqlen_q))
     return (out, lse) if return_lse else out
 
@@ -128,7 +169,12 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, dropout_mask=None, 
     p = make_problem(q, k, v, **options)
     if out is not None and lse is not None:
         check_backward(p, dout, out, lse)
-    qg, kg, vg = _grouped(p, np.dtype(compute_dtype))
+    with _tf32_mode(isinstance(compute_dtype, str) and compute_dtype == TF32):
+        return _backward(p, dout, dropout_mask, dropout_p, _compute_dtype(compute_dtype), return_dbias)
+
+
+def _backward(p, dout, dropout_mask, dropout_p, compute_dtype, return_dbias):
+    qg, kg, vg = _grouped(p, compute_dtype)
     prob, _ = _probabilities(p, qg, kg)
     pd = _apply_dropout(prob, p, dropout_mask, dropout_p)
     r = _rounder(qg.dtype)
@@ -191,8 +237,8 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     cond = 1.0 + s.max(initial=0) + np.abs(lse[np.isfinite(lse)]).max(initial=0)
     slope = 1.0
     if p.mods is not None and p.mods.score is not None:
-        factor = np.broadcast_to(p.mods.dscore.evaluate(_env(p, s0), _host_values(p)), prob.shape)
-        slope = float(np.abs(factor[prob > 0]).max(initial=0))
+        dscore = np.broadcast_to(p.mods.dscore.evaluate(_env(p, s0), _host_values(p)), prob.shape)  # may be 0-d
+        slope = float(np.abs(dscore[prob > 0]).max(initial=0))
     mags = {"out": (prob @ np.abs(vg)).max(initial=0), "lse": cond}
     if dout is not None:
         b, sq, hq, d = p.q.shape

@@ -14,6 +14,14 @@
 // Additions beyond the agreed contract:
 //   pack2<T>(lo, hi) -> uint32_t    two floats rounded to T (round-to-nearest-even) packed into one b32
 //                                   register, `lo` in the low 16 bits: the A-fragment layout of P in P*V.
+// The float32/float64 kernels (kernels/wide_*.cuh; the fragment layouts are spelled out in wide_mma.cuh):
+//   mma_884_f64(d, a, b, c)         D = A*B + C, mma.sync m8n8k4 row.col .f64 (sm_80+, PTX ISA "Matrix Fragments
+//                                   for mma.m8n8k4 with .f64"): one double of A and of B, two of C/D per lane;
+//                                   each element is a chain of .f64 fused multiply-adds, round to nearest even
+//   mma_1688_tf32(d, a, b, c)       D = A*B + C, mma.sync m16n8k8 row.col .f32.tf32.tf32.f32 (sm_80+, "Matrix
+//                                   Fragments for mma.m16n8k8"): four tf32 (b32) of A, two of B, four fp32 of C/D
+//   to_tf32(x) -> uint32_t          cvt.rna.tf32.f32: x rounded to 10 mantissa bits, ties away from zero, as the
+//                                   b32 bit pattern the tf32 mma takes (low 13 bits zero)
 #pragma once
 
 #if defined(__CUDACC_RTC__)
@@ -68,6 +76,29 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const ui
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
         "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// ---- float64 / tf32 tensor cores (the wide kernels) ----
+__device__ __forceinline__ void mma_884_f64(double (&d)[2], double a, double b, const double (&c)[2]) {
+  asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%4, %5};\n"
+               : "=d"(d[0]), "=d"(d[1])
+               : "d"(a), "d"(b), "d"(c[0]), "d"(c[1]));
+}
+
+__device__ __forceinline__ void mma_1688_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                              const float (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

@@ -83,6 +83,10 @@ __device__ __forceinline__ void mask_scores(float (&S)[kM][kN][4], int row0, int
       }
 }
 
+// The modifier is evaluated at every (i, j) of the tile, rows past len_q and columns past len_k included (those are
+// masked or never used): its array operands carry a zero margin of a tile past their extents for that
+// (cuflash/cuda/modcode.py, MOD_MARGIN), so no read leaves them.
+//
 // S = mod(S_raw * scale) * log2(e) (base 2 for the softmax), every step correctly rounded: __fmul_rn is never
 // contracted into an FMA (NVRTC contracts `a * b - c` by default; g++ for x86-64 has no FMA to contract into), so the
 // forward, the dQ pass and the backward's S^T hold the same bits, on the GPU as in the emulator. Without a score

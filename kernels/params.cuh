@@ -57,11 +57,18 @@ struct ModArgs {
   long long dbias_stride[4];   // (b, h, q_idx, kv_idx) element strides of dbias (0 where the bias broadcasts)
 };
 
+// The float64 kernels' scalars in float64 (kernels/wide_*.cuh): the float fields above would round them to 24 bits,
+// an error of ~6e-8 in every score, far above float64's. Zero (unused) for the other kernels.
+struct WideArg {
+  double scale, rescale;  // softmax scale, dropout's 1/(1-p) (1 without dropout)
+};
+
 struct Params {
   // q, dout, dq: (B, Sq, Hq, ld); k, v, dk, dv: (B, Sk, Hkv, ld); o: like q; dq_accum: fp32 like q, or null.
   TensorArg q, k, v, o, dout, dq, dk, dv, dq_accum;
   // (B, Hq, Sq) fp32 rows of statistics with row stride 1: lse (natural log, the forward's output), and the
-  // backward's lse * log2(e) and D = rowsum(dO o O).
+  // backward's lse * log2(e) and D = rowsum(dO o O). (The float64 kernels read these, dq_accum and mods.dbias as
+  // float64 arrays: the pointer types here are the 16/32-bit kernels'.)
   float* lse;
   float* lse_log2;
   float* dsum;
@@ -77,6 +84,7 @@ struct Params {
   BlockMaskArg mask;
   DropoutArg dropout;
   ModArgs mods;
+  WideArg wide;
 };
 
 }  // namespace cuflash

@@ -24,7 +24,7 @@ from ..problem import Problem
 
 MIN_CC = 80
 #: what this backend computes (checked once, by cuflash.backends.select)
-DTYPES = tuple(specs.CTYPES)
+DTYPES = tuple(specs.CTYPES) + tuple(specs.WIDE_CTYPES)  # float32/float64: kernels/flash_*_wide.cu
 MAX_HEAD_DIM = specs.NATIVE_HEAD_DIMS[-1]
 BF16_BITS = True
 MODIFIERS = True  # score and mask modifiers compiled into the kernels (cuflash/cuda/modcode.py)
@@ -136,7 +136,8 @@ def forward(problem: Problem, *, spec=None):
 
     ``spec`` forces a :class:`~cuflash.cuda.specs.KernelSpec` (benchmarks compare tile choices with it)."""
     _check_devices(problem)
-    fl = launches.forward_launch(problem, max_smem=_device()[2], spec=spec)
+    _, cc, max_smem = _device()
+    fl = launches.forward_launch(problem, max_smem=max_smem, spec=spec, cc=cc)
     if fl.launch is not None:
         run(fl.launch)
     return fl.result()
@@ -145,17 +146,21 @@ def forward(problem: Problem, *, spec=None):
 def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=False):
     """``(dq, dk, dv)`` on the current CuPy stream (:func:`cuflash.cuda.launch.backward_launch`)."""
     _check_devices(problem, dout=dout, out=out, lse=lse)
-    bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=_device()[2],
-                                  dbias=dbias)
+    _, cc, max_smem = _device()
+    bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=max_smem,
+                                  dbias=dbias, cc=cc)
     for launch in bl.launches:
         run(launch)
     return bl.result()
 
 
-def warmup(dtypes=DTYPES, head_dims=specs.NATIVE_HEAD_DIMS, *, backward=False, progress=True, file=None):
+def warmup(dtypes=tuple(specs.CTYPES), head_dims=specs.NATIVE_HEAD_DIMS, *, backward=False, precision="ieee",
+           progress=True, file=None):
     """Compile the kernels for ``dtypes`` x ``head_dims`` on the current device now (NVRTC, then CuPy's
     disk cache), so the first real call does not pay for it.
 
+    ``dtypes`` defaults to the 16-bit ones; float32 and float64 compile the kernels of kernels/flash_*_wide.cu, in
+    the arithmetic that ``precision`` (float32) and the device (float64) select.
     Returns the specs compiled: the forward ones, then with ``backward=True`` the ``(bwd, dq)`` pairs (a
     head_dim whose backward this GPU cannot run, 256 on 99 KB-shared-memory GPUs, is left out).
     ``progress`` prints a one-line progress bar to ``file`` (default stderr).
@@ -163,16 +168,19 @@ def warmup(dtypes=DTYPES, head_dims=specs.NATIVE_HEAD_DIMS, *, backward=False, p
     ok, why = available()
     if not ok:
         raise RuntimeError(f"cannot warm up the CUDA kernels: {why}")
-    _, _, max_smem = _device()
+    _, cc, max_smem = _device()
     names = [dt if isinstance(dt, str) else np.dtype(dt).name for dt in dtypes]
     jobs: dict = {}  # spec(s) -> the module to compile; a dict keeps order and drops repeats
     for dt in names:
+        wide = dt in specs.WIDE_CTYPES
+        math = specs.wide_math(dt, precision, cc) if wide else ""
+        f, b, q = ("wfwd", "wbwd", "wdq") if wide else ("fwd", "bwd", "dq")
         for d in head_dims:
-            fwd = specs.select("fwd", dt, d, max_smem)
+            fwd = specs.select(f, dt, d, max_smem, math=math)
             jobs.setdefault(fwd, ((fwd.name_expression,), fwd))
             if backward:
                 try:
-                    pair = specs.select("bwd", dt, d, max_smem), specs.select("dq", dt, d, max_smem)
+                    pair = specs.select(b, dt, d, max_smem, math=math), specs.select(q, dt, d, max_smem, math=math)
                 except ValueError:
                     continue
                 module = (*specs.helper_names(dt), pair[0].name_expression, pair[1].name_expression)

@@ -13,7 +13,7 @@ from ..cuda import specs
 from ..problem import Problem
 
 #: what this backend computes (checked once, by cuflash.backends.select)
-DTYPES = tuple(specs.CTYPES)
+DTYPES = tuple(specs.CTYPES) + tuple(specs.WIDE_CTYPES)  # float32/float64: kernels/flash_*_wide.cu
 MAX_HEAD_DIM = specs.NATIVE_HEAD_DIMS[-1]
 BF16_BITS = True
 MODIFIERS = True  # score and mask modifiers compiled into the kernels (cuflash/cuda/modcode.py)
@@ -33,6 +33,11 @@ def _max_smem() -> int:
     return specs.SMEM_LIMIT[_env.get("CUFLASH_EMULATE_ARCH")]
 
 
+def _cc() -> int:
+    """The compute capability being emulated (``CUFLASH_EMULATE_ARCH``): it picks the float64 arithmetic."""
+    return _env.get("CUFLASH_EMULATE_ARCH")
+
+
 def forward(problem: Problem, *, schedule=None, seed=None, spec=None):
     """``(out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) float32)`` through the emulated kernel.
 
@@ -40,7 +45,7 @@ def forward(problem: Problem, *, schedule=None, seed=None, spec=None):
     """
     from .. import emulate
 
-    fl = launches.forward_launch(problem, max_smem=_max_smem(), spec=spec)
+    fl = launches.forward_launch(problem, max_smem=_max_smem(), spec=spec, cc=_cc())
     if fl.launch is not None:
         emulate.launch(fl.launch, schedule=schedule, seed=seed)
     return fl.result()
@@ -55,7 +60,7 @@ def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=Fal
     from .. import emulate
 
     bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=_max_smem(),
-                                  spec=spec, dq_spec=dq_spec, dbias=dbias)
+                                  spec=spec, dq_spec=dq_spec, dbias=dbias, cc=_cc())
     for launch in bl.launches:
         emulate.launch(launch, schedule=schedule, seed=seed)
     return bl.result()

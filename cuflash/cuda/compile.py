@@ -138,10 +138,10 @@ def check_host_layout(cxx: str | None = None) -> str | None:
     return None if proc.returncode == 0 else proc.stderr
 
 
-def representative_modifier() -> tuple[str, str]:
+def representative_modifier(real: str = "float") -> tuple[str, str]:
     """``(struct name, C++)`` of a modifier that exercises every path (softcap, bias with dbias, ALiBi, a mask
     modifier reading an array, a BlockMask with an element rule): its specializations are held to no spills
-    (headroom is the plain kernels' rule)."""
+    (headroom is the plain kernels' rule). ``real="double"``: the same in float64, as the float64 kernels take it."""
     import numpy as np
 
     from ..problem import make_problem
@@ -153,32 +153,41 @@ def representative_modifier() -> tuple[str, str]:
     mask = BlockMask.document(np.arange(8) // 3, block=(4, 4)) & BlockMask.causal(8, block=(4, 4))
     p = make_problem(q, q, q, bias=np.zeros((2, 8, 8), np.float32), softcap=30.0, alibi_slopes=np.ones(2, np.float32),
                      mask_mod="keep[kv_idx]", mod_arrays={"keep": np.ones(8, bool)}, block_mask=mask)
-    return modcode.render(p.mods, p.block_mask, dbias=True)
+    return modcode.render(p.mods, p.block_mask, dbias=True, real=real)
 
 
-def _jobs(archs):
+def _jobs(archs, sources=None):
     """One compilation per (source file, arch, modifier): every specialization of that file some GPU of the arch
-    selects, plain and (float16) with the representative modifier."""
+    selects, plain and with the representative modifier (float16; the float32/float64 kernels with it rendered in
+    their own float type: float32 and float64 in one translation unit). ``sources``: only these files."""
     from dataclasses import replace
 
     plan = specs.specs_by_arch()
-    mods_name, mods_code = representative_modifier()
+    mods = {real: representative_modifier(real) for real in ("float", "double")}
     for arch in archs:
         by_source: dict[str, dict] = {}
         for spec, limit in plan[arch].items():
-            by_source.setdefault(spec.source, {})[spec] = limit
+            if sources is None or spec.source in sources:
+                by_source.setdefault(spec.source, {})[spec] = limit
         for source_name, chosen in by_source.items():
-            helpers = [n for dt in specs.CTYPES for n in specs.helper_names(dt)] \
-                if source_name == specs.SOURCES["bwd"] else []
+            helpers = specs.source_helpers(source_name)
             yield arch, translation_unit(kernel_source(source_name), chosen), chosen, \
                 [s.name_expression for s in chosen] + helpers
-            modded = {replace(specs.select(s.family, s.dtype, s.head_dim, limit, modified=True), mods=mods_name): limit
-                      for s, limit in chosen.items() if s.dtype == "float16"}
-            yield arch, kernel_source(source_name) + mods_code, modded, [s.name_expression for s in modded] + helpers
+            modded, code = {}, ""
+            for real in ("float", "double"):
+                dtypes = ("float16",) if real == "float" else ()
+                dtypes += ("float32",) if real == "float" else ("float64",)
+                picked = {replace(specs.select(s.family, s.dtype, s.head_dim, limit, modified=True, math=s.math),
+                                  mods=mods[real][0]): limit for s, limit in chosen.items() if s.dtype in dtypes}
+                if picked:
+                    modded.update(picked)
+                    code += mods[real][1]
+            yield arch, kernel_source(source_name) + code, modded, [s.name_expression for s in modded] + helpers
 
 
-def check(archs=(80, 90), out=sys.stdout) -> int:
-    """Compile every specialization for every arch; print a table; return the number of failing rows."""
+def check(archs=(80, 90), out=sys.stdout, sources=None) -> int:
+    """Compile every specialization for every arch (of ``sources`` only, when given); print a table; return the
+    number of failing rows."""
     try:
         cupy_compiler()
     except ImportError as exc:
@@ -189,7 +198,7 @@ def check(archs=(80, 90), out=sys.stdout) -> int:
     print(f"params layout (host compiler, every offset): {'ok' if layout is None else 'FAILED'}", file=out)
     if layout is not None:
         print(layout, file=out)
-    jobs = list(_jobs(archs))
+    jobs = list(_jobs(archs, sources))
 
     def run(job):
         arch, source, chosen, names = job

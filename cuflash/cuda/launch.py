@@ -152,11 +152,30 @@ def _window(w) -> int:
 def _common(problem, d8: int) -> dict:
     """The params fields every kernel of a problem shares."""
     b, sq, hq, _ = problem.q.shape
+    drop = _dropout_arg(problem)
+    rescale64 = 1.0 / (1.0 - problem.dropout_p) if problem.dropout_p else 1.0
     return dict(seqlens_q=problem.seqlens_q, seqlens_k=problem.seqlens_k, seqlen_q=sq, seqlen_k=problem.seqlen_k,
                 head_dim=d8, heads_per_kv=problem.group, scale=problem.scale,
                 scale_log2=np.float32(problem.scale * np.log2(np.e)),  # rounded once: every kernel multiplies by it
                 window_left=_window(problem.window_left), window_right=_window(problem.window_right),
-                stats_batch_stride=hq * sq, stats_head_stride=sq, dropout=_dropout_arg(problem))
+                stats_batch_stride=hq * sq, stats_head_stride=sq, dropout=drop,
+                # the float64 kernels' scalars, rounded once to float64 (kernels/params.cuh, WideArg)
+                wide=(problem.scale, rescale64))
+
+
+def is_wide(problem) -> bool:
+    """float32/float64 inputs: the kernels of kernels/flash_*_wide.cu."""
+    return problem.element_type in specs.WIDE_CTYPES
+
+
+def math_of(problem, cc: int = 80) -> str:
+    """The wide kernels' arithmetic for ``problem`` on a GPU of compute capability ``cc`` ("" for 16-bit inputs)."""
+    return specs.wide_math(problem.element_type, problem.precision, cc) if is_wide(problem) else ""
+
+
+def _stats_dtype(problem):
+    """lse, L, D and the dQ workspace: float32, float64 for float64 inputs."""
+    return np.float64 if problem.element_type == "float64" else np.float32
 
 
 def _launch(spec: specs.KernelSpec, source: str, grid, values: dict, keep: tuple, module=()) -> LaunchSpec:
@@ -166,15 +185,16 @@ def _launch(spec: specs.KernelSpec, source: str, grid, values: dict, keep: tuple
 
 def _with_mods(problem, specs_, dbias=False):
     """The specializations with the call's modifier compiled in, their source, the ModArgs value and the arrays it
-    points to (and the dbias accumulator, when asked for)."""
+    points to (and the dbias accumulator, when asked for). The float64 kernels take it in float64."""
     source = kernel_source(specs_[0].source)
     if problem.mods is None and problem.block_mask is None:
         return specs_, source, None, (), None
-    name, code = modcode.render(problem.mods, problem.block_mask, dbias=dbias)
-    value, keep = modcode.operands(problem.mods, problem.block_mask, problem.xp, dbias=dbias)
+    real = "double" if problem.element_type == "float64" else "float"
+    name, code = modcode.render(problem.mods, problem.block_mask, dbias=dbias, real=real)
+    value, keep = modcode.operands(problem.mods, problem.block_mask, problem.xp, dbias=dbias, real=real)
     acc = None
     if dbias:
-        acc, strides = modcode.dbias_buffer(problem.mods, problem.xp)
+        acc, strides = modcode.dbias_buffer(problem.mods, problem.xp, dtype=_stats_dtype(problem))
         value = value[:3] + (params.address(acc), strides)
     return tuple(replace(s, mods=name) for s in specs_), source + code, value, keep + (acc,), acc
 
@@ -192,7 +212,7 @@ class ForwardLaunch:
 
     launch: Optional[LaunchSpec]  # None when there is nothing to compute (an empty problem)
     out: Any                      # (B, Sq, Hq, d8) in the input dtype
-    lse: Any                      # (B, Hq, Sq) float32
+    lse: Any                      # (B, Hq, Sq) float32 (float64 for float64 inputs)
     head_dim: int
 
     def result(self):
@@ -201,17 +221,19 @@ class ForwardLaunch:
 
 
 def forward_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80],
-                   spec: Optional[specs.KernelSpec] = None) -> ForwardLaunch:
-    """The forward kernel's launch for ``problem`` (CuPy or NumPy arrays alike); allocates ``out``/``lse``."""
+                   spec: Optional[specs.KernelSpec] = None, cc: int = 80) -> ForwardLaunch:
+    """The forward kernel's launch for ``problem`` (CuPy or NumPy arrays alike); allocates ``out``/``lse``.
+    ``cc``: the GPU's compute capability (picks the float64 arithmetic, :func:`cuflash.cuda.specs.wide_math`)."""
     xp = problem.xp
     b, sq, hq, d = problem.q.shape
-    spec = spec or specs.select("fwd", problem.element_type, d, max_smem)
+    spec = spec or specs.select("wfwd" if is_wide(problem) else "fwd", problem.element_type, d, max_smem,
+                                math=math_of(problem, cc))
     if spec.dtype != problem.element_type or spec.head_dim < d:
         raise ValueError(f"kernel {spec} cannot run a {problem.element_type} problem of head_dim {d}")
     check_launch_limits(problem, "forward")
     d8 = padded_head_dim(d)
     out = xp.empty((b, sq, hq, d8), dtype=problem.q.dtype)
-    lse = xp.empty((b, hq, sq), dtype=np.float32)
+    lse = xp.empty((b, hq, sq), dtype=_stats_dtype(problem))
     if b == 0 or sq == 0:
         return ForwardLaunch(None, out, lse, d)
     q, k, v = (_prepare(xp, a, d8) for a in (problem.q, problem.k, problem.v))
@@ -248,17 +270,19 @@ class BackwardLaunch:
         return grads if self.dbias is None else grads + (self.dbias,)
 
 
-def backward_specs(problem, max_smem: int) -> tuple[specs.KernelSpec, specs.KernelSpec]:
+def backward_specs(problem, max_smem: int, cc: int = 80) -> tuple[specs.KernelSpec, specs.KernelSpec]:
     """The (bwd, dq) specializations for ``problem`` on a GPU allowing ``max_smem`` bytes per block."""
     d, t = problem.head_dim, problem.element_type
     modified = problem.mods is not None and problem.mods.score is not None
-    return (specs.select("bwd", t, d, max_smem, modified=modified),
-            specs.select("dq", t, d, max_smem, modified=modified))
+    bwd, dq = ("wbwd", "wdq") if is_wide(problem) else ("bwd", "dq")
+    math = math_of(problem, cc)
+    return (specs.select(bwd, t, d, max_smem, modified=modified, math=math),
+            specs.select(dq, t, d, max_smem, modified=modified, math=math))
 
 
 def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max_smem: int = specs.SMEM_LIMIT[80],
                     spec: Optional[specs.KernelSpec] = None, dq_spec: Optional[specs.KernelSpec] = None,
-                    dbias: bool = False) -> BackwardLaunch:
+                    dbias: bool = False, cc: int = 80) -> BackwardLaunch:
     """The backward's launches for ``problem`` (CuPy or NumPy arrays alike).
 
     ``dout``, ``out`` are ``(B, Sq, Hq, D)`` in the input dtype and ``lse`` ``(B, Hq, Sq)`` (the
@@ -271,7 +295,7 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
     b, sq, hq, d = problem.q.shape
     sk, hkv = problem.seqlen_k, problem.heads_kv
     if spec is None or dq_spec is None:
-        chosen = backward_specs(problem, max_smem)
+        chosen = backward_specs(problem, max_smem, cc)
         spec, dq_spec = spec or chosen[0], dq_spec or chosen[1]
     for s in (spec, dq_spec):
         if s.dtype != problem.element_type or s.head_dim < d:
@@ -287,9 +311,10 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
         return BackwardLaunch((), dq, dk, dv, d, dbias_acc)
 
     q, k, v, do, o = (_prepare(xp, a, d8) for a in (problem.q, problem.k, problem.v, dout, out))
-    lse = xp.ascontiguousarray(lse, dtype=np.float32)
-    lse_log2, dsum = xp.empty((b, hq, sq), dtype=np.float32), xp.empty((b, hq, sq), dtype=np.float32)
-    acc = None if deterministic else xp.empty((b, sq, hq, d8), dtype=np.float32)
+    st = _stats_dtype(problem)
+    lse = xp.ascontiguousarray(lse, dtype=st)
+    lse_log2, dsum = xp.empty((b, hq, sq), dtype=st), xp.empty((b, hq, sq), dtype=st)
+    acc = None if deterministic else xp.empty((b, sq, hq, d8), dtype=st)
     common = dict(_common(problem, d8), q=q, k=k, v=v, o=o, dout=do, dq=dq, dk=dk, dv=dv, dq_accum=acc, lse=lse,
                   lse_log2=lse_log2, dsum=dsum)
     if mods is not None:

@@ -8,7 +8,12 @@ ids, say) compile to the same struct, once per kernel family, and CuPy's cache k
 their values: each (array, indexing) pair takes one ``ModArray`` slot with the element strides of its index
 variables, scalars take ``scalars`` (float) or ``iscalars`` (int, bool). Arrays travel as float32 / int32 /
 uint8, converted without ever expanding a broadcast (a bias broadcast over batch and heads stays one small
-array with zero strides).
+array with zero strides), with a zero margin past the end of every axis indexed by q_idx or kv_idx
+(:data:`MOD_MARGIN`: the kernels evaluate modifiers and mask rules on whole tiles).
+
+The float64 kernels take the same modifiers in float64 (``real="double"``): the struct computes in double, float
+arrays travel as float64, and float scalars, which ``ModArgs::scalars`` would round to float32, travel as
+one-element float64 arrays read with zero strides (each takes a ``ModArray`` slot).
 """
 from __future__ import annotations
 
@@ -74,15 +79,18 @@ def _reads(n: Node, out: list):
         _reads(a, out)
 
 
-def slots(p: Parts) -> Slots:
-    """Slot assignment for every operand (limits: kernels/params.cuh), in order of first reading."""
+def slots(p: Parts, real: str = "float") -> Slots:
+    """Slot assignment for every operand (limits: kernels/params.cuh), in order of first reading; with
+    ``real="double"`` float scalars take array slots ``(name, None)``."""
     reads: list = []
     for e in p.exprs:
         _reads(e.root, reads)
     arrays, scalars, types, counts = {}, {}, {}, {"scalars": 0, "iscalars": 0}
     for name, index, t in reads:
         types.setdefault(name, t)
-        if index is None:
+        if index is None and real == "double" and t == "float":
+            arrays.setdefault((name, None), len(arrays))
+        elif index is None:
             if name not in scalars:
                 which = "scalars" if t == "float" else "iscalars"
                 scalars[name] = (which, counts[which])
@@ -96,40 +104,47 @@ def slots(p: Parts) -> Slots:
     return Slots(arrays, scalars, types)
 
 
-def _reader(s: Slots):
+def _reader(s: Slots, real: str = "float"):
+    ctype = dict(_CTYPE, float=real)
+
     def read(name, index):
         t = s.types[name]
         if index == "table":  # the ModArray itself (kernels/mods.cuh: dense_bit)
             return f"p.mods.arrays[{s.arrays[(name, index)]}]"
-        if index is None:
+        if index is None and (name, None) not in s.arrays:
             which, k = s.scalars[name]
             value = f"p.mods.{which}[{k}]"
         else:
             args = ["0", "0", "0", "0"]  # the value of each of b, h, q_idx, kv_idx the array is read at
-            for i in index:
+            for i in index or ():
                 if isinstance(i, tuple):
                     args[_AXES[i[0]]] = f"({i[0]} / {i[1]})"  # a block index (indices are never negative)
                 elif i is not None:
                     args[_AXES[i]] = i
-            value = f"mod_read<{_CTYPE[t]}>(p.mods.arrays[{s.arrays[(name, index)]}], {', '.join(args)})"
+            value = f"mod_read<{ctype[t]}>(p.mods.arrays[{s.arrays[(name, index)]}], {', '.join(args)})"
         return f"({value} != 0)" if t == "bool" else value
 
     return read
 
 
-def render(mods, block_mask=None, *, dbias: bool = False) -> tuple[str, str]:
-    """``(struct name, C++ text)``; ``dbias``: the backward accumulates the bias's gradient."""
+def render(mods, block_mask=None, *, dbias: bool = False, real: str = "float") -> tuple[str, str]:
+    """``(struct name, C++ text)``; ``dbias``: the backward accumulates the bias's gradient; ``real``: "float"
+    (16-bit and float32 kernels) or "double" (float64 kernels), the type of the score and of every float
+    operation."""
+    if real not in ("float", "double"):
+        raise ValueError(f"real must be 'float' or 'double', got {real!r}")
     p = parts(mods, block_mask, dbias)
-    read = _reader(slots(p))
-    code = {name: (e.cpp(read) if e is not None else default) for name, e, default in (
-        ("score", p.score, "score"), ("dscore", p.dscore, "1.0f"), ("dbias", p.dbias, "1.0f"),
+    read = _reader(slots(p, real), real)
+    one = "1.0f" if real == "float" else "1.0"
+    code = {name: (e.cpp(read, real) if e is not None else default) for name, e, default in (
+        ("score", p.score, "score"), ("dscore", p.dscore, one), ("dbias", p.dbias, one),
         ("mask", p.mask, "true"), ("rule", p.rule, "true"))}
     body = (f"  static constexpr bool kScore = {str(p.score is not None).lower()};\n"
             f"  static constexpr bool kMask = {str(p.mask is not None).lower()};\n"
             f"  static constexpr bool kDBias = {str(dbias).lower()};\n"
-            f"  __device__ static __forceinline__ float score(float score, {_VARS}) {{ return {code['score']}; }}\n"
-            f"  __device__ static __forceinline__ float dscore(float score, {_VARS}) {{ return {code['dscore']}; }}\n"
-            f"  __device__ static __forceinline__ float dbias(float score, {_VARS}) {{ return {code['dbias']}; }}\n"
+            f"  __device__ static __forceinline__ {real} score({real} score, {_VARS}) {{ return {code['score']}; }}\n"
+            f"  __device__ static __forceinline__ {real} dscore({real} score, {_VARS}) {{ return {code['dscore']}; }}\n"
+            f"  __device__ static __forceinline__ {real} dbias({real} score, {_VARS}) {{ return {code['dbias']}; }}\n"
             f"  __device__ static __forceinline__ bool mask({_VARS}) {{ return {code['mask']}; }}\n"
             f"  __device__ static __forceinline__ bool rule({_VARS}) {{ return {code['rule']}; }}\n")
     name = "Mods_" + hashlib.sha1(body.encode()).hexdigest()[:16]
@@ -142,24 +157,38 @@ def _compact(a):
     return a[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(a.strides, a.shape))]
 
 
-def _device_array(xp, a, t: str):
-    """``a`` on ``xp`` in the kernels' element type, and its element strides per axis (0 where it broadcasts)."""
+#: zero elements appended to every q_idx / kv_idx axis of an array operand: the kernels evaluate a modifier or a
+#: mask rule at every (i, j) of a boundary tile, up to a tile past the sequence's end (kernels/mods.cuh), so no read
+#: may leave the array there. At least the largest block_m / block_n of the tile tables
+#: (tests/test_kernels_emulated_wide.py).
+MOD_MARGIN = 256
+
+
+def _device_array(xp, a, t: str, real: str = "float", margin_axes=()):
+    """``a`` on ``xp`` in the kernels' element type, and its element strides per axis (0 where it broadcasts).
+    Each axis of ``margin_axes`` that does not broadcast gets :data:`MOD_MARGIN` zeros past its end."""
     small = _compact(a)
-    dt = np.dtype(_DEVICE_DTYPE[t])
+    dt = np.dtype(np.float64 if (t == "float" and real == "double") else _DEVICE_DTYPE[t])
     if t == "int" and small.size and (int(small.min()) < -2**31 or int(small.max()) >= 2**31):
         raise ValueError("integer modifier operands must fit in int32 on the CUDA kernels")
     if small.dtype == np.bool_:
         small = small.view(np.uint8)
     conv = xp.asarray(small).astype(dt, copy=False)
-    strides = [0 if st == 0 and n > 1 else s // dt.itemsize for st, n, s in zip(a.strides, a.shape, conv.strides)]
+    broadcast = [st == 0 and n > 1 for st, n in zip(a.strides, a.shape)]
+    pad = [ax for ax in margin_axes if not broadcast[ax]]
+    if pad:
+        padded = xp.zeros(tuple(n + (MOD_MARGIN if ax in pad else 0) for ax, n in enumerate(conv.shape)), dtype=dt)
+        padded[tuple(slice(0, n) for n in conv.shape)] = conv
+        conv = padded
+    strides = [0 if b else s // dt.itemsize for b, s in zip(broadcast, conv.strides)]
     return conv, strides
 
 
-def operands(mods, block_mask, xp, *, dbias: bool = False) -> tuple[tuple, tuple]:
-    """``(ModArgs value without dbias, arrays it points to)`` for :func:`cuflash.cuda.params.pack`; ``dbias`` as
-    given to :func:`render` (the slots are the struct's)."""
+def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") -> tuple[tuple, tuple]:
+    """``(ModArgs value without dbias, arrays it points to)`` for :func:`cuflash.cuda.params.pack`; ``dbias`` and
+    ``real`` as given to :func:`render` (the slots are the struct's)."""
     p = parts(mods, block_mask, dbias)
-    s = slots(p)
+    s = slots(p, real)
     arrays = [(0, (0, 0, 0, 0))] * params.MOD_ARRAYS
     keep = []
     for (name, index), k in s.arrays.items():
@@ -168,7 +197,14 @@ def operands(mods, block_mask, xp, *, dbias: bool = False) -> tuple[tuple, tuple
             arrays[k] = (params.address(conv), (conv.strides[0], 0, 0, 0))
             keep.append(conv)
             continue
-        conv, strides = _device_array(xp, p.values[name], s.types[name])
+        if index is None:  # a float scalar of the float64 kernels: one float64 element, read with zero strides
+            conv = xp.asarray(np.asarray([np.asarray(p.values[name]).item()], dtype=np.float64))
+            arrays[k] = (params.address(conv), (0, 0, 0, 0))
+            keep.append(conv)
+            continue
+        margin = [axis for axis, var in enumerate(index)
+                  if (var[0] if isinstance(var, tuple) else var) in ("q_idx", "kv_idx")]
+        conv, strides = _device_array(xp, p.values[name], s.types[name], real, margin)
         by_var = [0, 0, 0, 0]
         for axis, var in enumerate(index):
             if var is not None:
@@ -181,10 +217,11 @@ def operands(mods, block_mask, xp, *, dbias: bool = False) -> tuple[tuple, tuple
     return (arrays, scalars["scalars"], scalars["iscalars"], 0, (0, 0, 0, 0)), tuple(keep)
 
 
-def dbias_buffer(mods, xp):
-    """The fp32 dbias accumulator in the bias's compact (B|1, H|1, Sq|1, Sk|1) shape, zeroed, and its element
-    strides per (b, h, q_idx, kv_idx) (0 where the bias broadcasts: the kernels add those contributions up)."""
+def dbias_buffer(mods, xp, dtype=np.float32):
+    """The dbias accumulator (fp32; float64 for the float64 kernels) in the bias's compact (B|1, H|1, Sq|1, Sk|1)
+    shape, zeroed, and its element strides per (b, h, q_idx, kv_idx) (0 where the bias broadcasts: the kernels add
+    those contributions up)."""
     small = _compact(mods.values["cuflash_bias"])
-    acc = xp.zeros(small.shape, dtype=np.float32)
-    strides = tuple(0 if n == 1 else s // 4 for n, s in zip(small.shape, acc.strides))
+    acc = xp.zeros(small.shape, dtype=dtype)
+    strides = tuple(0 if n == 1 else s // acc.itemsize for n, s in zip(small.shape, acc.strides))
     return acc, strides

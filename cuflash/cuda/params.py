@@ -30,6 +30,8 @@ MOD_ARRAY = _struct([("ptr", _PTR), ("stride", _I64, (4,))], "cuflash::ModArray"
 MODS = _struct([("arrays", MOD_ARRAY, (MOD_ARRAYS,)), ("scalars", _F32, (MOD_SCALARS,)),
                 ("iscalars", _I32, (MOD_SCALARS,)), ("dbias", _PTR), ("dbias_stride", _I64, (4,))],
                "cuflash::ModArgs")
+#: the float64 kernels' scalars in float64 (scale, dropout's 1/(1-p)); zero for the others
+WIDE = _struct([("scale", np.float64), ("rescale", np.float64)], "cuflash::WideArg")
 TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "dq_accum")
 PARAMS = _struct([*((name, TENSOR) for name in TENSORS),
                   ("lse", _PTR), ("lse_log2", _PTR), ("dsum", _PTR),
@@ -37,7 +39,7 @@ PARAMS = _struct([*((name, TENSOR) for name in TENSORS),
                   ("seqlens_q", _PTR), ("seqlens_k", _PTR),
                   ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32), ("heads_per_kv", _I32),
                   ("scale", _F32), ("scale_log2", _F32), ("window_left", _I32), ("window_right", _I32),
-                  ("mask", BLOCK_MASK), ("dropout", DROPOUT), ("mods", MODS)],
+                  ("mask", BLOCK_MASK), ("dropout", DROPOUT), ("mods", MODS), ("wide", WIDE)],
                  "cuflash::Params")
 
 

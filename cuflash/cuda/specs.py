@@ -15,6 +15,12 @@ The families (``kernels/flash_fwd.cu``, ``kernels/flash_bwd.cu``):
           columns of S^T and the head-dim columns of dK/dV (``kernels/bwd_traits.cuh``).
 ``dq``    the deterministic dQ pass, in the forward's orientation (16 query rows per warp).
 
+The float32/float64 families (``kernels/flash_fwd_wide.cu``, ``kernels/flash_bwd_wide.cu``; the same three
+kernels, :data:`WIDE_TILES`) are specialized on an arithmetic, ``math`` (:data:`MATHS`): ``ffma`` (float32
+FFMA), ``tf32`` / ``3xtf32`` (float32 on TF32 tensor cores, one product or CUTLASS's split into three),
+``dmma`` (float64 tensor cores, ``mma.m8n8k4.f64``: A100, H100) and ``dfma`` (float64 FMA, for GPUs without
+float64 tensor cores). ``wfwd``/``wbwd``/``wdq`` are their families.
+
 How to add a head dim
 ---------------------
 1. Add it to :data:`NATIVE_HEAD_DIMS` (a multiple of 32: the backward computes dQ in 32-column
@@ -44,11 +50,31 @@ ARCH_FAMILIES = {80: (80, 86, 89), 90: (90,)}
 REGISTER_HEADROOM = 8
 
 KERNEL_NAMES = {"fwd": "cuflash::flash_fwd_kernel", "bwd": "cuflash::flash_bwd_kernel",
-                "dq": "cuflash::flash_bwd_dq_kernel"}
+                "dq": "cuflash::flash_bwd_dq_kernel", "wfwd": "cuflash::flash_fwd_wide_kernel",
+                "wbwd": "cuflash::flash_bwd_wide_kernel", "wdq": "cuflash::flash_bwd_wide_dq_kernel"}
 #: kernel family → its source file in kernels/ (the backward file also holds the preprocess/convert kernels).
-SOURCES = {"fwd": "flash_fwd.cu", "bwd": "flash_bwd.cu", "dq": "flash_bwd.cu"}
+SOURCES = {"fwd": "flash_fwd.cu", "bwd": "flash_bwd.cu", "dq": "flash_bwd.cu", "wfwd": "flash_fwd_wide.cu",
+           "wbwd": "flash_bwd_wide.cu", "wdq": "flash_bwd_wide.cu"}
 #: the backward's small kernels, one per element type, compiled with the bwd/dq family.
 HELPERS = ("cuflash::flash_bwd_preprocess_kernel", "cuflash::flash_bwd_convert_dq_kernel")
+#: the same for the float32/float64 backward (wbwd/wdq).
+WIDE_HELPERS = ("cuflash::flash_bwd_wide_preprocess_kernel", "cuflash::flash_bwd_wide_convert_dq_kernel")
+#: element types of the float32/float64 families, by dtype name → CUDA type.
+WIDE_CTYPES = {"float32": "float", "float64": "double"}
+#: the wide families' arithmetic (kernels/wide_mma.cuh): name → (element type, C++ type, rows of its mma tile).
+#: The row count is the fragment height of the warp products: 16 for the m16n8k8 layout (and the float32 FMA
+#: path, which keeps it), 8 for mma.m8n8k4.f64 (and the float64 FMA path).
+MATHS = {"ffma": ("float32", "cuflash::wide::F32Fma", 16), "tf32": ("float32", "cuflash::wide::F32Tf32", 16),
+         "3xtf32": ("float32", "cuflash::wide::F32Tf32x3", 16), "dmma": ("float64", "cuflash::wide::F64Dmma", 8),
+         "dfma": ("float64", "cuflash::wide::F64Fma", 8)}
+#: the arithmetics that stage P (and dS) through shared memory for the second product: the FMA paths, whose
+#: threads need whole rows of P, where an mma's fragments are spread over a quad of lanes.
+STAGED_MATHS = ("ffma", "dfma")
+#: the public ``precision=`` values (cuflash.api) and, for float32, the arithmetic each selects.
+PRECISIONS = {"ieee": "ffma", "3xtf32": "3xtf32", "tf32": "tf32"}
+#: compute capabilities with float64 tensor cores (A100, H100): float64 runs on DMMA there, else on DFMA (sm_86/89
+#: run the sm_80 cubin but have no float64 tensor-core path).
+DMMA_CCS = (80, 90)
 
 
 @dataclass(frozen=True)
@@ -59,28 +85,53 @@ class Tile:
     why: str
 
 
+WIDE_FAMILIES = ("wfwd", "wbwd", "wdq")
+
+
+def wide_math(dtype: str, precision: str = "ieee", cc: int = 80) -> str:
+    """The arithmetic of the float32/float64 kernels for ``dtype``, the public ``precision`` and the GPU's compute
+    capability: float32 by precision (:data:`PRECISIONS`), float64 on DMMA where the GPU has it, else DFMA."""
+    if dtype == "float64":
+        return "dmma" if cc in DMMA_CCS else "dfma"
+    return PRECISIONS[precision]
+
+
 @dataclass(frozen=True)
 class KernelSpec:
-    """One specialization: ``<family kernel><T, head_dim, block_m, block_n, warps>``."""
+    """One specialization: ``<family kernel><T, head_dim, block_m, block_n, warps>`` (the wide families:
+    ``<Math, head_dim, block_m, block_n, warps>``, the math naming the element type)."""
 
-    family: str      # "fwd" | "bwd" | "dq"
-    dtype: str       # "float16" | "bfloat16"
+    family: str      # "fwd" | "bwd" | "dq" | "wfwd" | "wbwd" | "wdq"
+    dtype: str       # "float16" | "bfloat16" (wide families: "float32" | "float64")
     head_dim: int    # native (padded) head dim
     block_m: int     # query rows of a tile (B_r)
     block_n: int     # keys of a tile (B_c)
     warps: int
 
     def __post_init__(self):
-        if self.family not in KERNEL_NAMES or self.dtype not in CTYPES or self.head_dim not in NATIVE_HEAD_DIMS \
-                or self.block_n % 16 or not _shape_ok(self):
+        if self.wide:
+            ok = (self.dtype in WIDE_CTYPES and self.math in MATHS and MATHS[self.math][0] == self.dtype
+                  and self.head_dim in NATIVE_HEAD_DIMS and _wide_shape_ok(self))
+        else:
+            ok = (self.family in KERNEL_NAMES and self.dtype in CTYPES and self.head_dim in NATIVE_HEAD_DIMS
+                  and not self.block_n % 16 and not self.math and _shape_ok(self))
+        if not ok:
             raise ValueError(f"invalid kernel specialization {self}")
 
     #: the modifier struct compiled in (kernels/mods.cuh; cuflash/cuda/modcode.py renders the others)
     mods: str = "cuflash::NoMods"
+    #: the wide families' arithmetic (:data:`MATHS`); "" for the 16-bit families
+    math: str = ""
+
+    @property
+    def wide(self) -> bool:
+        """A float32/float64 family (kernels/flash_*_wide.cu)."""
+        return self.family in WIDE_FAMILIES
 
     @property
     def name_expression(self) -> str:
-        return (f"{KERNEL_NAMES[self.family]}<{CTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, "
+        first = MATHS[self.math][1] if self.wide else CTYPES[self.dtype]
+        return (f"{KERNEL_NAMES[self.family]}<{first}, {self.head_dim}, {self.block_m}, "
                 f"{self.block_n}, {self.warps}, {self.mods}>")
 
     @property
@@ -93,13 +144,16 @@ class KernelSpec:
 
     @property
     def split(self) -> int:
-        """bwd only: parts sharing a 16-key group's query columns and head-dim columns."""
-        return self.warps // (self.block_n // 16)
+        """bwd only: parts sharing a 16-key group's query columns and head-dim columns (wbwd: a group of the
+        math's fragment height, 8 or 16 keys)."""
+        return self.warps // (self.block_n // (MATHS[self.math][2] if self.wide else 16))
 
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory; rows padded by 8 elements (16 bytes) for conflict-free ldmatrix.
         The C++ traits compute the same (``kSmemBytes``); the compile check holds them equal."""
+        if self.wide:
+            return _wide_smem_bytes(self)
         row = self.head_dim + 8
         if self.family == "fwd":   # Q [block_m], K, V [block_n]
             return 2 * (self.block_m + 2 * self.block_n) * row
@@ -112,8 +166,39 @@ class KernelSpec:
     @property
     def traits(self) -> str:
         """The C++ traits type whose ``kSmemBytes`` must equal :attr:`smem_bytes`."""
+        if self.wide:
+            t = {"wfwd": "WideFwdTraits", "wdq": "WideDqTraits", "wbwd": "WideBwdTraits"}[self.family]
+            return (f"cuflash::wide::{t}<{MATHS[self.math][1]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
+                    f"{self.warps}>")
         t = {"fwd": "FwdTraits", "dq": "DqTraits", "bwd": "BwdTraits"}[self.family]
         return f"cuflash::{t}<{CTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, {self.block_n}, {self.warps}>"
+
+
+def _wide_smem_bytes(s: KernelSpec) -> int:
+    """kernels/wide_traits.cuh's kSmemBytes. Tiles of head_dim columns have rows of head_dim + 4 elements; the
+    forward's float64 V tile head_dim + 2 (kernels/wide_traits.cuh says why); P (or dS) staged for the FMA paths,
+    and the backward's P^T, dS^T, rows of block + 4; the backward's L and D, block_m each; all in the element type."""
+    size = 4 if s.dtype == "float32" else 8
+    ld = s.head_dim + 4
+    staged = s.math in STAGED_MATHS
+    if s.family == "wfwd":
+        ld_v = s.head_dim + (2 if size == 8 else 4)
+        elems = s.block_m * ld + s.block_n * ld + s.block_n * ld_v + (s.block_m * (s.block_n + 4) if staged else 0)
+    elif s.family == "wdq":
+        elems = 2 * s.block_m * ld + 2 * s.block_n * ld + (s.block_m * (s.block_n + 4) if staged else 0)
+    else:
+        elems = 2 * s.block_n * ld + 2 * s.block_m * ld + 2 * s.block_n * (s.block_m + 4) + 2 * s.block_m
+    return elems * size
+
+
+def _wide_shape_ok(s: KernelSpec) -> bool:
+    tm = MATHS[s.math][2]
+    if s.family == "wbwd":  # key groups of tm keys, each split into equal parts of head-dim columns
+        groups = s.block_n // tm
+        return (groups * tm == s.block_n and groups >= 1 and s.warps % groups == 0 and s.block_m % 8 == 0
+                and (s.head_dim // s.split) % 8 == 0 and s.head_dim % 32 == 0)
+    rows = s.block_m // s.warps
+    return rows * s.warps == s.block_m and rows % tm == 0 and rows // tm in (1, 2, 4) and s.block_n % 8 == 0
 
 
 def _shape_ok(s: KernelSpec) -> bool:
@@ -184,6 +269,152 @@ MODIFIED_TILES: dict[tuple[str, int], Tile] = {
 }
 
 
+# ------------------------------------------------------------------------------------------------
+# The float32/float64 tables: family → math → head_dim → (row, None). One row each: the float32 rows and every
+# float64 DFMA row fit the 99 KB of sm_86/89 (DFMA runs only there), the float64 DMMA rows the 163 KB of A100
+# (DMMA runs only on sm_80/sm_90). Per thread, with r = the math's fragment rows (16 for float32, 8 for float64):
+# forward acc = rows/warp * head_dim / 32 elements and S = rows/warp * block_n / 32 (a float64 element is two
+# registers); backward dK and dV = r * (head_dim / split) / 32 each; dq pass dQ = rows/warp * head_dim / 32 plus S
+# and dP. The register counts are `python -m cuflash build --check`'s (NVRTC 12.9, plain specialization; the wide
+# kernels' budget is 240, wide_traits.cuh), which every row passes on sm_80 and sm_90 with 0 spills, plain and with
+# the representative modifier; "(16 spilled ...)" records the 16-key row a row replaced.
+# ------------------------------------------------------------------------------------------------
+def _rows(table: dict) -> dict:
+    return {d: (Tile(*row), None) for d, row in table.items()}
+
+
+WIDE_TILES: dict[str, dict[str, dict[int, tuple[Tile, Optional[Tile]]]]] = {
+    "wfwd": {
+        "ffma": _rows({
+            32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 regs; P staged; 44 KB smem; 212/196 regs (sm_80/90)"),
+            64: (64, 64, 4, "16 rows/warp: acc 32 + S 32 regs; P staged; 68 KB smem; 206/194 regs (sm_80/90)"),
+            96: (64, 64, 4, "16 rows/warp: acc 48 + S 32 regs; P staged; 92 KB smem; 210/213 regs (sm_80/90)"),
+            128: (64, 32, 4, "16 rows/warp: acc 64 + S 16 regs; P staged; 75 KB smem; 208/194 regs (sm_80/90)"),
+            192: (32, 32, 2, "16 rows/warp: acc 96 + S 16 regs; P staged; 78 KB smem; 239/222 regs (sm_80/90)"),
+            256: (32, 8, 2, "acc 128 regs; 8-key tiles (16 spilled 12 B); 50 KB smem; 240/240 regs (sm_80/90)"),
+        }),
+        "tf32": _rows({
+            32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 regs; 27 KB smem; 192/219 regs (sm_80/90)"),
+            64: (64, 64, 4, "16 rows/warp: acc 32 + S 32 regs; 51 KB smem; 189/217 regs (sm_80/90)"),
+            96: (64, 64, 4, "16 rows/warp: acc 48 + S 32 regs; 75 KB smem; 189/213 regs (sm_80/90)"),
+            128: (64, 32, 4, "16 rows/warp: acc 64 + S 16 regs; 66 KB smem; 196/202 regs (sm_80/90)"),
+            192: (64, 32, 4, "16 rows/warp: acc 96 + S 16 regs; 98 KB smem; 205/206 regs (sm_80/90)"),
+            256: (32, 16, 2, "acc 128 regs at 16 rows/warp; 2 warps; 65 KB smem; 215/215 regs (sm_80/90)"),
+        }),
+        "3xtf32": _rows({
+            32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 regs; 27 KB smem; 208/234 regs (sm_80/90)"),
+            64: (64, 64, 4, "16 rows/warp: acc 32 + S 32 regs; 51 KB smem; 208/234 regs (sm_80/90)"),
+            96: (64, 64, 4, "16 rows/warp: acc 48 + S 32 regs; 75 KB smem; 212/236 regs (sm_80/90)"),
+            128: (64, 32, 4, "16 rows/warp: acc 64 + S 16 regs; 66 KB smem; 190/180 regs (sm_80/90)"),
+            192: (64, 32, 4, "16 rows/warp: acc 96 + S 16 regs; 98 KB smem; 211/227 regs (sm_80/90)"),
+            256: (32, 16, 2, "acc 128 regs at 16 rows/warp; 2 warps; 65 KB smem; 239/239 regs (sm_80/90)"),
+        }),
+        "dmma": _rows({
+            32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 doubles; 53 KB smem; 228/234 regs (sm_80/90)"),
+            64: (64, 32, 4, "16 rows/warp: acc 32 + S 16 doubles; 68 KB smem; 224/224 regs (sm_80/90)"),
+            96: (32, 32, 4, "8 rows/warp: acc 24 + S 8 doubles; 74 KB smem; 180/188 regs (sm_80/90)"),
+            128: (32, 32, 4, "8 rows/warp: acc 32 + S 8 doubles; 98 KB smem; 196/196 regs (sm_80/90)"),
+            192: (32, 16, 4, "8 rows/warp: acc 48 + S 4 doubles; 98 KB smem; 228/220 regs (sm_80/90)"),
+            256: (32, 16, 4, "8 rows/warp: acc 64 + S 4 doubles; 130 KB smem; 240/232 regs (sm_80/90)"),
+        }),
+        "dfma": _rows({
+            32: (32, 32, 4, "8 rows/warp: acc 8 + S 8 doubles; P staged; 36 KB smem; 160 regs (sm_80)"),
+            64: (32, 32, 4, "8 rows/warp: acc 16 + S 8 doubles; P staged; 60 KB smem; 181 regs (sm_80)"),
+            96: (32, 32, 4, "8 rows/warp: acc 24 + S 8 doubles; P staged; 84 KB smem; 198 regs (sm_80)"),
+            128: (32, 16, 4, "8 rows/warp: acc 32 + S 4 doubles; P staged; 71 KB smem; 204 regs (sm_80)"),
+            192: (16, 16, 2, "8 rows/warp: acc 48 + S 4 doubles; P staged; 76 KB smem; 228 regs (sm_80)"),
+            256: (16, 8, 2, "8 rows/warp: acc 64 + S 2 doubles; P staged; 66 KB smem; 237 regs (sm_80)"),
+        }),
+    },
+    "wbwd": {
+        "ffma": _rows({
+            32: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 8 regs each; 27 KB smem; 152/152 regs (sm_80/90)"),
+            64: (32, 64, 8, "4 key group(s) of 16 x split 2: dK, dV 16 regs each; 69 KB smem; 182/176 regs (sm_80/90)"),
+            96: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 24 regs each; 59 KB smem; 184/184 regs (sm_80/90)"),
+            128: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 32 regs each; 75 KB smem; 218/178 regs (sm_80/90)"),
+            192: (16, 32, 8, "2 key group(s) of 16 x split 4: dK, dV 24 regs each; 79 KB smem; 186/171 regs (sm_80/90)"),
+            256: (16, 16, 4, "1 key group(s) of 16 x split 4: dK, dV 32 regs each; 68 KB smem; 206/181 regs (sm_80/90)"),
+        }),
+        "tf32": _rows({
+            32: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 8 regs each; 27 KB smem; 148/148 regs (sm_80/90)"),
+            64: (32, 64, 8, "4 key group(s) of 16 x split 2: dK, dV 16 regs each; 69 KB smem; 164/166 regs (sm_80/90)"),
+            96: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 24 regs each; 59 KB smem; 182/182 regs (sm_80/90)"),
+            128: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 32 regs each; 75 KB smem; 173/174 regs (sm_80/90)"),
+            192: (16, 32, 8, "2 key group(s) of 16 x split 4: dK, dV 24 regs each; 79 KB smem; 160/167 regs (sm_80/90)"),
+            256: (16, 16, 4, "1 key group(s) of 16 x split 4: dK, dV 32 regs each; 68 KB smem; 171/172 regs (sm_80/90)"),
+        }),
+        "3xtf32": _rows({
+            32: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 8 regs each; 27 KB smem; 144/144 regs (sm_80/90)"),
+            64: (32, 64, 8, "4 key group(s) of 16 x split 2: dK, dV 16 regs each; 69 KB smem; 152/147 regs (sm_80/90)"),
+            96: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 24 regs each; 59 KB smem; 166/162 regs (sm_80/90)"),
+            128: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 32 regs each; 75 KB smem; 181/176 regs (sm_80/90)"),
+            192: (16, 32, 8, "2 key group(s) of 16 x split 4: dK, dV 24 regs each; 79 KB smem; 154/152 regs (sm_80/90)"),
+            256: (16, 16, 4, "1 key group(s) of 16 x split 4: dK, dV 32 regs each; 68 KB smem; 179/180 regs (sm_80/90)"),
+        }),
+        "dmma": _rows({
+            32: (32, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 4 doubles each; 54 KB smem; 132/132 regs (sm_80/90)"),
+            64: (32, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 8 doubles each; 86 KB smem; 151/148 regs (sm_80/90)"),
+            96: (32, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 12 doubles each; 118 KB smem; 162/162 regs (sm_80/90)"),
+            128: (16, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 16 doubles each; 109 KB smem; 185/181 regs (sm_80/90)"),
+            192: (16, 16, 4, "2 key group(s) of 8 x split 2: dK, dV 24 doubles each; 103 KB smem; 213/213 regs (sm_80/90)"),
+            256: (16, 16, 8, "2 key group(s) of 8 x split 4: dK, dV 16 doubles each; 135 KB smem; 178/173 regs (sm_80/90)"),
+        }),
+        "dfma": _rows({
+            32: (32, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 4 doubles each; 54 KB smem; 182 regs (sm_80)"),
+            64: (32, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 8 doubles each; 86 KB smem; 202 regs (sm_80)"),
+            96: (16, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 12 doubles each; 85 KB smem; 222 regs (sm_80)"),
+            128: (16, 16, 4, "2 key group(s) of 8 x split 2: dK, dV 16 doubles each; 71 KB smem; 226 regs (sm_80)"),
+            192: (16, 8, 4, "1 key group(s) of 8 x split 4: dK, dV 12 doubles each; 76 KB smem; 216 regs (sm_80)"),
+            256: (8, 8, 4, "1 key group(s) of 8 x split 4: dK, dV 16 doubles each; 67 KB smem; 226 regs (sm_80)"),
+        }),
+    },
+    "wdq": {
+        "ffma": _rows({
+            32: (64, 32, 4, "16 rows/warp: dQ 16 + S, dP 16 regs each; dS staged; 36 KB smem; 194/194 regs (sm_80/90)"),
+            64: (64, 32, 4, "16 rows/warp: dQ 32 + S, dP 16 regs each; dS staged; 60 KB smem; 196/188 regs (sm_80/90)"),
+            96: (64, 32, 4, "16 rows/warp: dQ 48 + S, dP 16 regs each; dS staged; 84 KB smem; 198/204 regs (sm_80/90)"),
+            128: (32, 32, 2, "16 rows/warp: dQ 64 + S, dP 16 regs each; dS staged; 70 KB smem; 204/204 regs (sm_80/90)"),
+            192: (32, 16, 2, "16 rows/warp: dQ 96 + S, dP 8 regs each; dS staged; 76 KB smem; 222/239 regs (sm_80/90)"),
+            256: (16, 8, 1, "dQ 128 regs; 8-key tiles, 1 warp (16 spilled 44 B on sm_90); 50 KB smem; 240/240 regs (sm_80/90)"),
+        }),
+        "tf32": _rows({
+            32: (64, 32, 4, "16 rows/warp: dQ 16 + S, dP 16 regs each; 27 KB smem; 189/188 regs (sm_80/90)"),
+            64: (64, 32, 4, "16 rows/warp: dQ 32 + S, dP 16 regs each; 51 KB smem; 195/199 regs (sm_80/90)"),
+            96: (64, 32, 4, "16 rows/warp: dQ 48 + S, dP 16 regs each; 75 KB smem; 204/212 regs (sm_80/90)"),
+            128: (32, 32, 2, "16 rows/warp: dQ 64 + S, dP 16 regs each; 66 KB smem; 197/195 regs (sm_80/90)"),
+            192: (32, 32, 2, "16 rows/warp: dQ 96 + S, dP 16 regs each; 98 KB smem; 224/220 regs (sm_80/90)"),
+            256: (32, 8, 2, "dQ 128 regs; 8-key tiles (16 spilled 24 B at 3xTF32 on sm_90); 81 KB smem; 202/202 regs (sm_80/90)"),
+        }),
+        "3xtf32": _rows({
+            32: (64, 32, 4, "16 rows/warp: dQ 16 + S, dP 16 regs each; 27 KB smem; 144/146 regs (sm_80/90)"),
+            64: (64, 32, 4, "16 rows/warp: dQ 32 + S, dP 16 regs each; 51 KB smem; 158/182 regs (sm_80/90)"),
+            96: (64, 32, 4, "16 rows/warp: dQ 48 + S, dP 16 regs each; 75 KB smem; 192/202 regs (sm_80/90)"),
+            128: (32, 32, 2, "16 rows/warp: dQ 64 + S, dP 16 regs each; 66 KB smem; 192/198 regs (sm_80/90)"),
+            192: (32, 32, 2, "16 rows/warp: dQ 96 + S, dP 16 regs each; 98 KB smem; 228/224 regs (sm_80/90)"),
+            256: (32, 8, 2, "dQ 128 regs; 8-key tiles (16 spilled 24 B at 3xTF32 on sm_90); 81 KB smem; 226/240 regs (sm_80/90)"),
+        }),
+        "dmma": _rows({
+            32: (32, 32, 4, "8 rows/warp: dQ 8 + S, dP 8 doubles each; 36 KB smem; 150/152 regs (sm_80/90)"),
+            64: (32, 32, 4, "8 rows/warp: dQ 16 + S, dP 8 doubles each; 68 KB smem; 176/174 regs (sm_80/90)"),
+            96: (32, 16, 4, "8 rows/warp: dQ 24 + S, dP 4 doubles each; 75 KB smem; 154/156 regs (sm_80/90)"),
+            128: (32, 16, 4, "8 rows/warp: dQ 32 + S, dP 4 doubles each; 99 KB smem; 174/172 regs (sm_80/90)"),
+            192: (16, 8, 2, "8 rows/warp: dQ 48 + S, dP 2 doubles each; 8-key tiles (16 spilled 60 B on sm_90 with a modifier); 74 KB smem; 224/222 regs (sm_80/90)"),
+            256: (16, 8, 2, "8 rows/warp: dQ 64 + S, dP 2 doubles each; 8-key tiles (16 spilled 120 B on sm_90; (8, 8, 1) 12 B with a modifier); 98 KB smem; 240/239 regs (sm_80/90)"),
+        }),
+        "dfma": _rows({
+            32: (32, 32, 4, "8 rows/warp: dQ 8 + S, dP 8 doubles each; dS staged; 45 KB smem; 183 regs (sm_80)"),
+            64: (32, 32, 4, "8 rows/warp: dQ 16 + S, dP 8 doubles each; dS staged; 77 KB smem; 203 regs (sm_80)"),
+            96: (32, 16, 4, "8 rows/warp: dQ 24 + S, dP 4 doubles each; dS staged; 80 KB smem; 188 regs (sm_80)"),
+            128: (16, 16, 2, "8 rows/warp: dQ 32 + S, dP 4 doubles each; dS staged; 68 KB smem; 218 regs (sm_80)"),
+            192: (16, 8, 2, "8 rows/warp: dQ 48 + S, dP 2 doubles each; dS staged; 8-key tiles (16 spilled 60 B on sm_90 with a modifier); 75 KB smem; 232 regs (sm_80)"),
+            256: (16, 8, 2, "8 rows/warp: dQ 64 + S, dP 2 doubles each; dS staged; 8-key tiles (16 spilled 120 B on sm_90; (8, 8, 1) 12 B with a modifier); 99 KB smem; 240 regs (sm_80)"),
+        }),
+    },
+}
+#: every family with a tile table
+FAMILIES = tuple(TILES) + WIDE_FAMILIES
+
+
 def native_head_dim(head_dim: int) -> int:
     """The native head dim a problem of ``head_dim`` runs on (the next one up)."""
     for d in NATIVE_HEAD_DIMS:
@@ -192,36 +423,50 @@ def native_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be at most {NATIVE_HEAD_DIMS[-1]} on the CUDA kernels, got {head_dim}")
 
 
-def _spec(family: str, dtype: str, head_dim: int, tile: Tile) -> KernelSpec:
-    return KernelSpec(family, dtype, head_dim, tile.block_m, tile.block_n, tile.warps)
+def _spec(family: str, dtype: str, head_dim: int, tile: Tile, math: str = "") -> KernelSpec:
+    return KernelSpec(family, dtype, head_dim, tile.block_m, tile.block_n, tile.warps, math=math)
+
+
+def _table(family: str, math: str = "") -> dict:
+    return WIDE_TILES[family][math] if family in WIDE_FAMILIES else TILES[family]
 
 
 def select(family: str, dtype: str, head_dim: int, max_smem: int = SMEM_LIMIT[80], *,
-           modified: bool = False) -> KernelSpec:
+           modified: bool = False, math: str = "") -> KernelSpec:
     """The specialization of ``family`` the dispatcher runs for ``dtype`` and a (true) ``head_dim`` on a GPU
-    allowing ``max_smem`` bytes of shared memory per block (``modified``: with a score modifier compiled in).
-    ``dtype`` was validated by the backend."""
+    allowing ``max_smem`` bytes of shared memory per block (``modified``: with a score modifier compiled in;
+    ``math``: the wide families' arithmetic, :func:`wide_math`). ``dtype`` was validated by the backend."""
     d = native_head_dim(head_dim)
-    rows = TILES[family][d]
+    if family in WIDE_FAMILIES and (math not in MATHS or MATHS[math][0] != dtype):
+        raise ValueError(f"the {family} kernels need a math for {dtype} ({', '.join(MATHS)}), got {math!r}")
+    rows = _table(family, math)[d]
     if modified and (family, d) in MODIFIED_TILES:
         rows = (MODIFIED_TILES[family, d],) + rows[1:]
     for tile in rows:
-        if tile is not None and _spec(family, dtype, d, tile).smem_bytes <= max_smem:
-            return _spec(family, dtype, d, tile)
-    need = _spec(family, dtype, d, TILES[family][d][0]).smem_bytes
+        if tile is not None and _spec(family, dtype, d, tile, math).smem_bytes <= max_smem:
+            return _spec(family, dtype, d, tile, math)
+    need = _spec(family, dtype, d, _table(family, math)[d][0], math).smem_bytes
     raise ValueError(f"the CUDA {family} kernel for head_dim {head_dim} needs {need} bytes of shared memory per "
                      f"block; this GPU allows {max_smem} (head_dim {d} needs an A100/H100-class GPU)")
 
 
-def all_specs(families=tuple(TILES)) -> list[KernelSpec]:
+def _variants(family: str, cc=None):
+    """(dtype, math) pairs of ``family`` (those a GPU of compute capability ``cc`` runs, when given)."""
+    if family not in WIDE_FAMILIES:
+        return [(dtype, "") for dtype in CTYPES]
+    return [(dtype, m) for m, (dtype, _, _) in MATHS.items()
+            if cc is None or dtype == "float32" or m == wide_math(dtype, cc=cc)]
+
+
+def all_specs(families=FAMILIES) -> list[KernelSpec]:
     """Every specialization the dispatcher can select on some supported GPU, in table order."""
     out: dict[KernelSpec, None] = {}
     for family in families:
-        for dtype in CTYPES:
+        for dtype, math in _variants(family):
             for d in NATIVE_HEAD_DIMS:
-                for tile in TILES[family][d]:
+                for tile in _table(family, math)[d]:
                     if tile is not None:
-                        out.setdefault(_spec(family, dtype, d, tile))
+                        out.setdefault(_spec(family, dtype, d, tile, math))
     return list(out)
 
 
@@ -233,11 +478,11 @@ def specs_by_arch() -> dict[int, dict[KernelSpec, int]]:
         chosen: dict[KernelSpec, int] = {}
         for cc in ccs:
             limit = SMEM_LIMIT[cc]
-            for family in TILES:
-                for dtype in CTYPES:
+            for family in FAMILIES:
+                for dtype, math in _variants(family, cc):
                     for d in NATIVE_HEAD_DIMS:
                         try:
-                            spec = select(family, dtype, d, limit)
+                            spec = select(family, dtype, d, limit, math=math)
                         except ValueError:  # head_dim 256 backward on 99 KB GPUs
                             continue
                         chosen[spec] = min(chosen.get(spec, limit), limit)
@@ -247,4 +492,15 @@ def specs_by_arch() -> dict[int, dict[KernelSpec, int]]:
 
 def helper_names(dtype: str) -> list[str]:
     """The backward's preprocess and convert kernels for ``dtype`` (tiny; compiled with the family)."""
+    if dtype in WIDE_CTYPES:
+        return [f"{name}<{WIDE_CTYPES[dtype]}>" for name in WIDE_HELPERS]
     return [f"{name}<{CTYPES[dtype]}>" for name in HELPERS]
+
+
+def source_helpers(source: str) -> list[str]:
+    """The helper kernels compiled with every module of ``source`` (the backward files' preprocess/convert)."""
+    if source == SOURCES["bwd"]:
+        return [n for dt in CTYPES for n in helper_names(dt)]
+    if source == SOURCES["wbwd"]:
+        return [n for dt in WIDE_CTYPES for n in helper_names(dt)]
+    return []

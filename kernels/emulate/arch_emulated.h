@@ -9,6 +9,7 @@
 #ifndef CUFLASH_EMULATE_ARCH_EMULATED_H_
 #define CUFLASH_EMULATE_ARCH_EMULATED_H_
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 namespace cuflash {
@@ -100,6 +101,85 @@ __attribute__((optimize("O3"))) void mma_fn(Fiber* const* lanes, uint32_t) {
   }
 }
 
+// ---- float64 and tf32 (the wide kernels) ----
+// mma.m8n8k4 .f64 (PTX ISA, "Matrix Fragments for mma.m8n8k4 with .f64 floating point type"; CUTLASS's
+// SM80_8x8x4_F64F64F64F64_TN traits say the same): a0 = A[g][t], b0 = B[k = t][n = g], c0/c1 = C[g][2t], C[g][2t+1].
+// The ISA gives each multiply-add the precision of an .f64 fused multiply-add, rounded to nearest even; the order
+// of the four is not specified, and this emulation takes k order: d = fma(a3, b3, fma(a2, b2, fma(a1, b1,
+// fma(a0, b0, c)))).
+struct MmaF64In {
+  double a, b;
+  const double* c;
+};
+
+__attribute__((optimize("O3"))) inline void mma_f64_fn(Fiber* const* lanes, uint32_t) {
+  double A[8][4], B[4][8], C[8][8];
+  for (int l = 0; l < 32; ++l) {
+    auto* in = static_cast<const MmaF64In*>(lanes[l]->win);
+    int g = l >> 2, t = l & 3;
+    A[g][t] = in->a;
+    B[t][g] = in->b;
+    C[g][2 * t] = in->c[0];
+    C[g][2 * t + 1] = in->c[1];
+  }
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) {
+      double acc = C[i][j];
+      for (int k = 0; k < 4; ++k) acc = std::fma(A[i][k], B[k][j], acc);
+      C[i][j] = acc;
+    }
+  for (int l = 0; l < 32; ++l) {
+    double* d = static_cast<double*>(lanes[l]->wout);
+    int g = l >> 2, t = l & 3;
+    d[0] = C[g][2 * t];
+    d[1] = C[g][2 * t + 1];
+  }
+}
+
+// tf32 as the tensor core reads a b32 register: sign, exponent and the top 10 mantissa bits (the low 13 bits are
+// not part of a .tf32 operand; the kernels always pass cvt.rna results, whose low bits are zero anyway).
+inline float tf32_operand(uint32_t bits) {
+  bits &= 0xffffe000u;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// mma.m16n8k8 .tf32 (PTX ISA, "Matrix Fragments for mma.m16n8k8", .tf32 rows; CUTLASS's
+// SM80_16x8x8_F32TF32TF32F32_TN traits say the same): a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4],
+// a3 = A[g+8][t+4]; b0 = B[k = t][n = g], b1 = B[t+4][g]; C/D as m16n8k16: c0,c1 = row g, c2,c3 = row g+8, columns
+// 2t, 2t+1. Products of two 11-bit significands are exact in fp32; the ISA leaves the accumulation order and
+// rounding unspecified ("at least single precision"), and this emulation adds the 8 products to C in k order,
+// rounding to fp32 after each addition (no FMA: x86-64 g++ does not contract without -mfma).
+struct MmaTf32In {
+  const uint32_t* a;
+  const uint32_t* b;
+  const float* c;
+};
+
+__attribute__((optimize("O3"))) inline void mma_tf32_fn(Fiber* const* lanes, uint32_t) {
+  float A[16][8], B[8][8], C[16][8];
+  for (int l = 0; l < 32; ++l) {
+    auto* in = static_cast<const MmaTf32In*>(lanes[l]->win);
+    int g = l >> 2, t = l & 3;
+    A[g][t] = tf32_operand(in->a[0]);
+    A[g + 8][t] = tf32_operand(in->a[1]);
+    A[g][t + 4] = tf32_operand(in->a[2]);
+    A[g + 8][t + 4] = tf32_operand(in->a[3]);
+    B[t][g] = tf32_operand(in->b[0]);
+    B[t + 4][g] = tf32_operand(in->b[1]);
+    for (int r = 0; r < 4; ++r) C[g + 8 * (r >> 1)][2 * t + (r & 1)] = in->c[r];
+  }
+  for (int i = 0; i < 16; ++i)
+    for (int k = 0; k < 8; ++k)
+      for (int j = 0; j < 8; ++j) C[i][j] += A[i][k] * B[k][j];
+  for (int l = 0; l < 32; ++l) {
+    float* d = static_cast<float*>(lanes[l]->wout);
+    int g = l >> 2, t = l & 3;
+    for (int r = 0; r < 4; ++r) d[r] = C[g + 8 * (r >> 1)][2 * t + (r & 1)];
+  }
+}
+
 inline void check_shared(const char* what, const void* p, size_t bytes, size_t align) {
   if (reinterpret_cast<uintptr_t>(p) % align)
     ::cuflash_emu::fail("%s: shared address %p is not %zu-byte aligned", what, p, align);
@@ -148,6 +228,27 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   emu::MmaIn in{a, b, c};
   ::cuflash_emu::warp_collective(std::is_same<T, __half>::value ? "mma.sync.m16n8k16.f16" : "mma.sync.m16n8k16.bf16",
                                  0xffffffffu, &emu::mma_fn<T>, &in, d, true);
+}
+
+__device__ __forceinline__ void mma_884_f64(double (&d)[2], double a, double b, const double (&c)[2]) {
+  emu::MmaF64In in{a, b, c};
+  ::cuflash_emu::warp_collective("mma.sync.m8n8k4.f64", 0xffffffffu, &emu::mma_f64_fn, &in, d, true);
+}
+
+__device__ __forceinline__ void mma_1688_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                              const float (&c)[4]) {
+  emu::MmaTf32In in{a, b, c};
+  ::cuflash_emu::warp_collective("mma.sync.m16n8k8.tf32", 0xffffffffu, &emu::mma_tf32_fn, &in, d, true);
+}
+
+// cvt.rna.tf32.f32 (PTX ISA, cvt: .rna = round to nearest, ties away from zero): add half a tf32 ulp to the
+// magnitude bits and truncate to 10 mantissa bits. A carry out of the mantissa bumps the exponent (the largest
+// finite values round to infinity: no .satfinite); infinities stay, NaN stays a (quiet) NaN.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u) return (u & 0x007fffffu) ? 0x7fffffffu : u;
+  return (u + 0x1000u) & 0xffffe000u;
 }
 
 __device__ __forceinline__ void ldmatrix_x1(uint32_t (&r)[1], const void* smem_row) {

@@ -1,4 +1,7 @@
-"""Emulated twins of kernels/arch.cuh against NumPy: mma.m16n8k16, ldmatrix, cp.async, pack2."""
+"""Emulated twins of kernels/arch.cuh against NumPy: mma.m16n8k16, ldmatrix, cp.async, pack2, and the wide kernels'
+mma.m8n8k4 .f64, mma.m16n8k8 .tf32 and cvt.rna.tf32.f32."""
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -37,6 +40,95 @@ def test_mma_distinguishes_every_fragment_position():
     d = np.zeros((16, 8), np.float32)
     emu.launch(spec("arch_tests.cu", "mma_from_global<__half>", (a_bits, b.view(np.uint16), c, d)))
     np.testing.assert_array_equal(d, b.astype(np.float32) + c)
+
+
+# ------------------------------------------------------------------------------------------------ float64 / tf32
+def test_mma_f64_is_a_chain_of_fused_multiply_adds_in_k_order():
+    """Bit for bit: each element is fma(a3, b3, fma(a2, b2, fma(a1, b1, fma(a0, b0, c)))), every fma rounded once
+    to nearest even (computed here exactly with fractions, then rounded by float())."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((8, 4)), rng.standard_normal((4, 8))
+    c = rng.standard_normal((8, 8)) * 1e-3
+    d = np.full((8, 8), np.nan)
+    emu.launch(spec("arch_tests.cu", "mma_f64_from_global", (a, b, c, d)))
+    want = np.empty((8, 8))
+    for i in range(8):
+        for j in range(8):
+            acc = float(c[i, j])
+            for k in range(4):
+                acc = float(Fraction(float(a[i, k])) * Fraction(float(b[k, j])) + Fraction(acc))
+            want[i, j] = acc
+    np.testing.assert_array_equal(d, want)
+
+
+def test_mma_f64_distinguishes_every_fragment_position():
+    a = np.zeros((8, 4))
+    a[np.arange(4), np.arange(4)] = 1.0
+    a[np.arange(4, 8), np.arange(4)] = 2.0
+    b = np.arange(32, dtype=np.float64).reshape(4, 8)
+    c = 1000 * np.arange(64, dtype=np.float64).reshape(8, 8)
+    d = np.zeros((8, 8))
+    emu.launch(spec("arch_tests.cu", "mma_f64_from_global", (a, b, c, d)))
+    np.testing.assert_array_equal(d, a @ b + c)
+
+
+def _tf32_rna(x):
+    """cvt.rna.tf32.f32 defined on values: the nearer of the two 11-significant-bit neighbours, ties to the larger
+    magnitude; infinities kept; a finite value rounding past the largest tf32 becomes infinity."""
+    x = np.asarray(x, np.float32)
+    out = np.empty(x.shape, np.float32)
+    for idx, v in np.ndenumerate(x.astype(np.float64)):
+        if not np.isfinite(v) or v == 0:
+            out[idx] = v
+            continue
+        e = max(int(np.floor(np.log2(abs(v)))), -126)  # subnormals keep the minimum exponent's spacing
+        ulp = 2.0 ** (e - 10)
+        lo = np.floor(abs(v) / ulp) * ulp
+        hi = lo + ulp
+        m = hi if abs(v) - lo >= hi - abs(v) else lo
+        out[idx] = np.float32(np.copysign(m, v)) if m < 2.0 ** 128 else np.copysign(np.inf, v)
+    return out
+
+
+def test_tf32_rounds_to_nearest_ties_away():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(300).astype(np.float32),
+                        (rng.standard_normal(100) * 1e-38).astype(np.float32),  # subnormals
+                        np.array([0.0, -0.0, 1.0, 1 + 2**-11, -(1 + 2**-11), 1 + 3 * 2**-11, 1 + 2**-11 + 2**-20,
+                                  3.4028235e38, -3.4028235e38, np.inf, -np.inf], np.float32)])
+    out = np.zeros(x.size, np.uint32)
+    emu.launch(spec("arch_tests.cu", "tf32_kernel", (x, out, np.int32(x.size))))
+    assert (out & 0x1FFF == 0).all()
+    np.testing.assert_array_equal(out.view(np.float32), _tf32_rna(x))
+    nan = np.array([np.nan], np.float32)
+    got = np.zeros(1, np.uint32)
+    emu.launch(spec("arch_tests.cu", "tf32_kernel", (nan, got, np.int32(1))))
+    assert np.isnan(got.view(np.float32)).all()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_mma_tf32_matches_tf32_products_summed_in_k_order(seed):
+    """Inputs rounded by cvt.rna, products exact in fp32, the 8 products added to C in k order in fp32."""
+    rng = np.random.default_rng(seed)
+    a, b = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((8, 8)).astype(np.float32)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = np.full((16, 8), np.nan, np.float32)
+    emu.launch(spec("arch_tests.cu", "mma_tf32_from_global", (a, b, c, d)))
+    ta, tb = _tf32_rna(a).astype(np.float64), _tf32_rna(b).astype(np.float64)
+    acc = c.copy()
+    for k in range(8):
+        acc = (acc + np.outer(ta[:, k], tb[k]).astype(np.float32)).astype(np.float32)  # the products are exact
+    np.testing.assert_array_equal(d, acc)
+
+
+def test_mma_tf32_distinguishes_every_fragment_position():
+    a = np.zeros((16, 8), np.float32)
+    a[np.arange(16), np.arange(16) % 8] = 1 + (np.arange(16) >= 8)
+    b = np.arange(64, dtype=np.float32).reshape(8, 8)
+    c = 1000 * np.arange(128, dtype=np.float32).reshape(16, 8)
+    d = np.zeros((16, 8), np.float32)
+    emu.launch(spec("arch_tests.cu", "mma_tf32_from_global", (a, b, c, d)))
+    np.testing.assert_array_equal(d, a @ b + c)
 
 
 def _ldmatrix_expected(src, nmat, trans):

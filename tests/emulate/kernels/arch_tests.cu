@@ -105,6 +105,40 @@ extern "C" __global__ void cp_async_kernel(const float* src, float* dst, int n, 
   for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = smem[i];
 }
 
+// D = A B + C for mma.m8n8k4 .f64: A 8x4, B 4x8 (k, n), C and D 8x8, all row-major in global memory. Fragments
+// from the PTX ISA's table ("Matrix Fragments for mma.m8n8k4 with .f64"): a0 = A[g][t], b0 = B[t][g],
+// c0, c1 = C[g][2t], C[g][2t+1].
+extern "C" __global__ void mma_f64_from_global(const double* A, const double* B, const double* C, double* D) {
+  int l = threadIdx.x, g = l / 4, t = l % 4;
+  double c[2] = {C[g * 8 + 2 * t], C[g * 8 + 2 * t + 1]}, d[2];
+  cuflash::arch::mma_884_f64(d, A[g * 4 + t], B[t * 8 + g], c);
+  D[g * 8 + 2 * t] = d[0];
+  D[g * 8 + 2 * t + 1] = d[1];
+}
+
+// D = A B + C for mma.m16n8k8 .tf32: A 16x8, B 8x8 (k, n), C and D 16x8 row-major; A and B are fp32 and rounded to
+// tf32 here with cvt.rna ("Matrix Fragments for mma.m16n8k8", .tf32: a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4],
+// a3 = A[g+8][t+4]; b0 = B[t][g], b1 = B[t+4][g]; C as m16n8k16's).
+extern "C" __global__ void mma_tf32_from_global(const float* A, const float* B, const float* C, float* D) {
+  using cuflash::arch::to_tf32;
+  int l = threadIdx.x, g = l / 4, t = l % 4;
+  uint32_t a[4] = {to_tf32(A[g * 8 + t]), to_tf32(A[(g + 8) * 8 + t]), to_tf32(A[g * 8 + t + 4]),
+                   to_tf32(A[(g + 8) * 8 + t + 4])};
+  uint32_t b[2] = {to_tf32(B[t * 8 + g]), to_tf32(B[(t + 4) * 8 + g])};
+  float c[4] = {C[g * 8 + 2 * t], C[g * 8 + 2 * t + 1], C[(g + 8) * 8 + 2 * t], C[(g + 8) * 8 + 2 * t + 1]};
+  float d[4];
+  cuflash::arch::mma_1688_tf32(d, a, b, c);
+  D[g * 8 + 2 * t] = d[0];
+  D[g * 8 + 2 * t + 1] = d[1];
+  D[(g + 8) * 8 + 2 * t] = d[2];
+  D[(g + 8) * 8 + 2 * t + 1] = d[3];
+}
+
+// cvt.rna.tf32.f32 of n floats, the b32 results.
+extern "C" __global__ void tf32_kernel(const float* x, uint32_t* out, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = cuflash::arch::to_tf32(x[i]);
+}
+
 // pack2<T>: two floats rounded to T in one register, the first in the low half.
 template <typename T>
 __global__ void pack2_kernel(const float* x, uint32_t* out, int n) {
