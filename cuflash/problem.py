@@ -199,6 +199,10 @@ class Problem:
     element_type: str = ""
     #: score and mask modifiers (:class:`cuflash.mods.Modifiers`), or None
     mods: Any = None
+    #: the index, in a larger batch, of this problem's sequence 0: the ``b`` that modifiers and the dropout
+    #: counter see. Nonzero only for one sequence of a ragged batch (:meth:`VarlenProblem.sequence`,
+    #: :meth:`KVCacheProblem.sequence`), whose modifier operands keep the whole batch's extents.
+    batch_offset: int = 0
 
     batch = property(lambda self: self.q.shape[0])
     seqlen_q = property(lambda self: self.q.shape[1])

@@ -240,7 +240,8 @@ class _Mods:
         bs, hs = chunk
         col = lambda x: np.asarray(x).reshape(-1, 1, 1, 1, 1)  # noqa: E731
         heads = np.arange(p.heads_q).reshape(p.heads_kv, p.group)[hs]
-        env = dict(b=col(np.arange(p.batch)[bs]), h=heads[None, :, :, None, None], q_len=col(self.len_q[bs]),
+        env = dict(b=col(np.arange(p.batch)[bs] + p.batch_offset), h=heads[None, :, :, None, None],
+                   q_len=col(self.len_q[bs]),
                    kv_len=col(self.len_k[bs]), q_idx=np.arange(tile.i0, tile.i1).reshape(1, 1, 1, -1, 1),
                    kv_idx=np.arange(tile.k0, tile.k1).reshape(1, 1, 1, 1, -1))
         if score is not None:
@@ -287,7 +288,7 @@ def _dropout_scale(problem, tile, chunk, dtype):
         return None
     bs, hs = chunk
     heads = np.arange(problem.heads_q).reshape(problem.heads_kv, problem.group)[hs].reshape(-1)
-    b = np.arange(problem.batch)[bs][:, None, None, None]
+    b = (np.arange(problem.batch)[bs] + problem.batch_offset)[:, None, None, None]
     h = heads[None, :, None, None]
     i = np.arange(tile.i0, tile.i1)[None, None, :, None]
     j = np.arange(tile.k0, tile.k1)[None, None, None, :]
@@ -340,8 +341,55 @@ def _plan(problem, block_q, block_k, schedule):
     return lay, schedule or Schedule.for_problem(problem, lay.block_q, lay.block_k)
 
 
+@dataclass(frozen=True)
+class _Work:
+    """One problem's work for the pool: ``items`` (``(cost, work)`` pairs, independent of each other; lower cost
+    first), ``item(work)`` computing one, ``fold(work, result)`` taking results in item order (or None) and
+    ``finish()`` returning the problem's results once every item has run."""
+
+    items: list
+    item: Callable
+    finish: Callable
+    fold: Optional[Callable] = None
+
+
+def run_many(works):
+    """Run the items of several problems' :class:`_Work` on one pool and return each one's ``finish()``.
+
+    Forward items (no ``fold``) run longest first over all problems; items with a ``fold`` keep each problem's own
+    item order, which fixes its summation order. What an item computes never depends on the others, so each
+    problem's results are bitwise those of running it alone, whatever the thread count."""
+    works = list(works)
+    tagged = [(cost, n, w) for n, work in enumerate(works) for cost, w in work.items]
+    if all(work.fold is None for work in works):
+        tagged.sort(key=lambda x: x[0])  # stable: ties keep problem and item order
+
+    def consume(x, result):
+        fold = works[x[1]].fold
+        if fold is not None:
+            fold(x[2], result)
+
+    _run(lambda x: works[x[1]].item(x[2]), tagged, consume)
+    return [work.finish() for work in works]
+
+
 def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
     """Return ``out (B, Sq, Hq, D)`` in q's dtype and ``lse (B, Hq, Sq)``."""
+    return run_many([forward_work(problem, block_q=block_q, block_k=block_k, schedule=schedule)])[0]
+
+
+def _in_range(tiles, key_tiles, block_k):
+    """The tiles whose key tile index lies in ``key_tiles = (t0, t1)`` (all of them for None)."""
+    if key_tiles is None:
+        return tiles
+    t0, t1 = key_tiles
+    return [t for t in tiles if t0 <= t.k0 // block_k < t1]
+
+
+def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None, scratch=None, key_tiles=None):
+    """The forward of one problem as :class:`_Work`. ``scratch`` shares the per-thread tile buffers between the
+    problems of one pool; ``key_tiles = (t0, t1)`` visits only key tiles ``t0 <= t < t1`` (one part of a split key
+    range: the partial ``out`` and ``lse`` over those keys, for :func:`cuflash.merge.merge_parts`)."""
     wt = _work_dtype(problem)
     lay, sched = _plan(problem, block_q, block_k, schedule)
     rule = _exp_rule(problem, wt)
@@ -351,13 +399,13 @@ def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
     out = np.zeros(q.shape, dtype=wt)
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
     ones = np.ones(lay.block_k, dtype=wt)
-    scratch, masks = _Scratch(), _Masks(sched, problem)
+    scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
 
     def item(work):
         chunk, i = work
         bs, hs = chunk
-        tiles = list(sched.row(i))
+        tiles = _in_range(list(sched.row(i)), key_tiles, lay.block_k)
         if not tiles:
             return
         i0, i1 = tiles[0].i0, tiles[0].i1
@@ -398,11 +446,16 @@ def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
 
     # Longest rows first (a causal problem's last query tiles visit the most key tiles), so that
     # the workers finish together; each item's result is independent of the order.
-    rows = sorted((i for i in range(sched.n_q) if sched.hi[i] > sched.lo[i]),
-                  key=lambda i: (sched.lo[i] - sched.hi[i], i))
-    _run(item, [(chunk, i) for i in rows for chunk in lay.chunks])
-    return (_ungroup(out).astype(problem.dtype, copy=False),
-            lse.reshape(problem.batch, problem.heads_q, problem.seqlen_q))
+    lo, hi = sched.lo, sched.hi
+    if key_tiles is not None:
+        lo, hi = np.maximum(lo, key_tiles[0]), np.minimum(hi, key_tiles[1])
+    rows = sorted((i for i in range(sched.n_q) if hi[i] > lo[i]), key=lambda i: (lo[i] - hi[i], i))
+
+    def finish():
+        return (_ungroup(out).astype(problem.dtype, copy=False),
+                lse.reshape(problem.batch, problem.heads_q, problem.seqlen_q))
+
+    return _Work([(int(lo[i] - hi[i]), (chunk, i)) for i in rows for chunk in lay.chunks], item, finish)
 
 
 def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, schedule=None,
@@ -410,6 +463,13 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
     """FA2 Algorithm 2: ``(dq, dk, dv)`` by recomputing P from ``lse``; no N×N buffer.
 
     Always bitwise reproducible (``deterministic`` is accepted for the API's sake)."""
+    return run_many([backward_work(problem, dout, out, lse, block_q=block_q, block_k=block_k, schedule=schedule,
+                                   dbias=dbias)])[0]
+
+
+def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, schedule=None, dbias=False,
+                  scratch=None):
+    """The backward of one problem as :class:`_Work` (its dQ accumulators folded in item order)."""
     wt = _work_dtype(problem)
     lay, sched = _plan(problem, block_q, block_k, schedule)
     rule = _exp_rule(problem, wt)
@@ -425,7 +485,7 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
     dk = np.zeros(k.shape, dtype=wt)
     dv = np.zeros_like(dk)
     scale = wt.type(problem.scale)
-    scratch, masks = _Scratch(), _Masks(sched, problem)
+    scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
     modified = modifiers is not None and problem.mods.score is not None
     columns = [t for t in range(sched.n_k) if ((sched.lo <= t) & (t < sched.hi)).any()]
@@ -504,8 +564,10 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
             h_at = slice(hs.start * problem.group, hs.stop * problem.group) if db.shape[1] > 1 else slice(None)
             db[b_at, h_at, :, slice(k0, k1) if db.shape[3] > 1 else slice(None)] += part
 
-    _run(item, [(chunk, slot) for chunk in lay.chunks for slot in range(slots)], fold)
-    dq *= scale
-    cast = lambda x: _ungroup(x).astype(problem.dtype, copy=False)  # noqa: E731
-    grads = cast(dq), cast(dk), cast(dv)
-    return grads + (db,) if dbias else grads
+    def finish():
+        dq[...] *= scale
+        cast = lambda x: _ungroup(x).astype(problem.dtype, copy=False)  # noqa: E731
+        grads = cast(dq), cast(dk), cast(dv)
+        return grads + (db,) if dbias else grads
+
+    return _Work([(0, (chunk, slot)) for chunk in lay.chunks for slot in range(slots)], item, finish, fold)
