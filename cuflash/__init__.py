@@ -17,7 +17,9 @@ from .api import (AttentionResidual, attention, attention_backward, attention_kv
 from .blockmask import BlockMask  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
 from .io_cost import io_cost  # noqa: E402
+from .kvcache import attention_with_kvcache  # noqa: E402
 from .merge import merge_attention_states  # noqa: E402
+from .varlen import attention_varlen, attention_varlen_backward, attention_varlen_vjp  # noqa: E402
 
 
 def warmup(*args: Any, **kwargs: Any) -> Any:
@@ -28,5 +30,6 @@ def warmup(*args: Any, **kwargs: Any) -> Any:
 
 
 __all__ = ["warmup", "attention", "attention_backward", "attention_vjp", "attention_qkvpacked", "attention_kvpacked",
+           "attention_varlen", "attention_varlen_backward", "attention_varlen_vjp", "attention_with_kvcache",
            "AttentionResidual", "BlockMask", "dropout_mask", "io_cost", "merge_attention_states", "reference",
            "__version__"]

@@ -5,6 +5,13 @@ A backend module exposes ``available() -> (bool, reason)``, ``forward(problem)``
 types), ``BF16_BITS`` (takes uint16 arrays declared ``dtype="bfloat16"``), ``MAX_HEAD_DIM`` (None:
 any) and ``ARRAYS`` ("numpy" or "cupy"). :func:`select` checks a
 problem against those once, so no backend re-checks dtypes or head dims.
+
+Ragged batches and KV caches: a backend with ``VARLEN = True`` takes a
+:class:`~cuflash.problem.VarlenProblem` in ``forward_varlen(problem) -> (out (total_q, Hq, D), lse (Hq,
+total_q))`` and ``backward_varlen(problem, dout, out, lse, *, deterministic) -> (dq, dk, dv)``; one with
+``KVCACHE = True`` a :class:`~cuflash.problem.KVCacheProblem` in ``forward_kvcache(problem) -> (out (B, Sq, Hq, D),
+lse (B, Hq, Sq))``, which first writes ``k_new``/``v_new`` into the caches in place. A problem's ``kind``
+("varlen", "kvcache") names the constant :func:`select` checks.
 """
 from __future__ import annotations
 
@@ -52,6 +59,9 @@ def select(problem: Problem, backend):
     module = get(backend)
     if problem.xp.__name__ != module.ARRAYS:
         raise TypeError(f"backend {backend!r} takes {module.ARRAYS} arrays, got {problem.xp.__name__} arrays")
+    kind = getattr(problem, "kind", None)
+    if kind is not None and not getattr(module, kind.upper(), False):
+        raise ValueError(f"backend {backend!r} does not support {kind} yet; use backend='numpy' (NumPy arrays)")
     if problem.element_type not in module.DTYPES:
         bits = " or uint16 bits with dtype='bfloat16'" if module.BF16_BITS else ""
         other = "; use backend='numpy' (NumPy arrays) for float32/float64" if backend != "numpy" else ""

@@ -18,6 +18,10 @@ MAX_HEAD_DIM = specs.NATIVE_HEAD_DIMS[-1]
 BF16_BITS = True
 MODIFIERS = True  # score and mask modifiers compiled into the kernels (cuflash/cuda/modcode.py)
 ARRAYS = "numpy"
+#: ragged batches (cuflash.attention_varlen) and KV caches (cuflash.attention_with_kvcache): the kernels do not
+#: read cumulative offsets, page tables or split the key range yet, so select() refuses those problems here
+VARLEN = False
+KVCACHE = False
 
 
 def available():

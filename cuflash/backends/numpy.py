@@ -31,7 +31,8 @@ import numpy as np
 
 from .. import _env
 from ..dropout import keep_mask
-from ..problem import Problem, stats_dtype
+from ..merge import merge_parts
+from ..problem import KVCacheProblem, Problem, VarlenProblem, stats_dtype
 from ..tiling import Schedule
 from ._blas import single_threaded, worker_single_threaded
 
@@ -52,6 +53,11 @@ BF16_BITS = False
 MAX_HEAD_DIM = None
 ARRAYS = "numpy"
 MODIFIERS = True  # score and mask modifiers (cuflash.mods), evaluated tile by tile
+VARLEN = True  # ragged batches: forward_varlen, backward_varlen
+KVCACHE = True  # KV caches, contiguous or paged, split key ranges: forward_kvcache
+#: Bytes of keys and values gathered from a paged cache (or upcast) per batch of sequences of forward_kvcache:
+#: sequences are run in groups of about this size, so the copies never hold the whole cache at once.
+KV_GATHER_BYTES = 64 << 20
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
 
@@ -240,7 +246,8 @@ class _Mods:
         bs, hs = chunk
         col = lambda x: np.asarray(x).reshape(-1, 1, 1, 1, 1)  # noqa: E731
         heads = np.arange(p.heads_q).reshape(p.heads_kv, p.group)[hs]
-        env = dict(b=col(np.arange(p.batch)[bs]), h=heads[None, :, :, None, None], q_len=col(self.len_q[bs]),
+        env = dict(b=col(np.arange(p.batch)[bs] + p.batch_offset), h=heads[None, :, :, None, None],
+                   q_len=col(self.len_q[bs]),
                    kv_len=col(self.len_k[bs]), q_idx=np.arange(tile.i0, tile.i1).reshape(1, 1, 1, -1, 1),
                    kv_idx=np.arange(tile.k0, tile.k1).reshape(1, 1, 1, 1, -1))
         if score is not None:
@@ -287,7 +294,7 @@ def _dropout_scale(problem, tile, chunk, dtype):
         return None
     bs, hs = chunk
     heads = np.arange(problem.heads_q).reshape(problem.heads_kv, problem.group)[hs].reshape(-1)
-    b = np.arange(problem.batch)[bs][:, None, None, None]
+    b = (np.arange(problem.batch)[bs] + problem.batch_offset)[:, None, None, None]
     h = heads[None, :, None, None]
     i = np.arange(tile.i0, tile.i1)[None, None, :, None]
     j = np.arange(tile.k0, tile.k1)[None, None, None, :]
@@ -340,8 +347,57 @@ def _plan(problem, block_q, block_k, schedule):
     return lay, schedule or Schedule.for_problem(problem, lay.block_q, lay.block_k)
 
 
+@dataclass(frozen=True)
+class _Work:
+    """One problem's work for the pool: ``items`` (``(cost, work)`` pairs, independent of each other; lower cost
+    first), ``item(work)`` computing one, ``fold(work, result)`` taking results in item order (or None) and
+    ``finish()`` returning the problem's results once every item has run."""
+
+    items: list
+    item: Callable
+    finish: Callable
+    fold: Optional[Callable] = None
+
+
+def run_many(works):
+    """Run the items of several problems' :class:`_Work` on one pool and return each one's ``finish()``.
+
+    Forward items (no ``fold``) run longest first over all problems; items with a ``fold`` keep each problem's own
+    item order, which fixes its summation order. What an item computes never depends on the others, so each
+    problem's results are bitwise those of running it alone, whatever the thread count."""
+    works = list(works)
+    tagged = [(cost, n, w) for n, work in enumerate(works) for cost, w in work.items]
+    if all(work.fold is None for work in works):
+        tagged.sort(key=lambda x: x[0])  # stable: ties keep problem and item order
+
+    def consume(x, result):
+        fold = works[x[1]].fold
+        if fold is not None:
+            fold(x[2], result)
+
+    _run(lambda x: works[x[1]].item(x[2]), tagged, consume)
+    return [work.finish() for work in works]
+
+
 def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
     """Return ``out (B, Sq, Hq, D)`` in q's dtype and ``lse (B, Hq, Sq)``."""
+    return run_many([forward_work(problem, block_q=block_q, block_k=block_k, schedule=schedule)])[0]
+
+
+def _in_range(tiles, key_tiles, block_k):
+    """The tiles whose key tile index lies in ``key_tiles = (t0, t1)`` (all of them for None)."""
+    if key_tiles is None:
+        return tiles
+    t0, t1 = key_tiles
+    return [t for t in tiles if t0 <= t.k0 // block_k < t1]
+
+
+def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None, scratch=None, key_tiles=None,
+                 cast=True):
+    """The forward of one problem as :class:`_Work`. ``scratch`` shares the per-thread tile buffers between the
+    problems of one pool; ``key_tiles = (t0, t1)`` visits only key tiles ``t0 <= t < t1`` (one part of a split key
+    range: the partial ``out`` and ``lse`` over those keys, for :func:`cuflash.merge.merge_parts`); ``cast=False``
+    leaves ``out`` in the working dtype (a part to be merged is rounded once, after the merge)."""
     wt = _work_dtype(problem)
     lay, sched = _plan(problem, block_q, block_k, schedule)
     rule = _exp_rule(problem, wt)
@@ -351,13 +407,13 @@ def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
     out = np.zeros(q.shape, dtype=wt)
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
     ones = np.ones(lay.block_k, dtype=wt)
-    scratch, masks = _Scratch(), _Masks(sched, problem)
+    scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
 
     def item(work):
         chunk, i = work
         bs, hs = chunk
-        tiles = list(sched.row(i))
+        tiles = _in_range(list(sched.row(i)), key_tiles, lay.block_k)
         if not tiles:
             return
         i0, i1 = tiles[0].i0, tiles[0].i1
@@ -398,11 +454,16 @@ def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
 
     # Longest rows first (a causal problem's last query tiles visit the most key tiles), so that
     # the workers finish together; each item's result is independent of the order.
-    rows = sorted((i for i in range(sched.n_q) if sched.hi[i] > sched.lo[i]),
-                  key=lambda i: (sched.lo[i] - sched.hi[i], i))
-    _run(item, [(chunk, i) for i in rows for chunk in lay.chunks])
-    return (_ungroup(out).astype(problem.dtype, copy=False),
-            lse.reshape(problem.batch, problem.heads_q, problem.seqlen_q))
+    lo, hi = sched.lo, sched.hi
+    if key_tiles is not None:
+        lo, hi = np.maximum(lo, key_tiles[0]), np.minimum(hi, key_tiles[1])
+    rows = sorted((i for i in range(sched.n_q) if hi[i] > lo[i]), key=lambda i: (lo[i] - hi[i], i))
+
+    def finish():
+        return (_ungroup(out).astype(problem.dtype if cast else wt, copy=False),
+                lse.reshape(problem.batch, problem.heads_q, problem.seqlen_q))
+
+    return _Work([(int(lo[i] - hi[i]), (chunk, i)) for i in rows for chunk in lay.chunks], item, finish)
 
 
 def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, schedule=None,
@@ -410,6 +471,13 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
     """FA2 Algorithm 2: ``(dq, dk, dv)`` by recomputing P from ``lse``; no N×N buffer.
 
     Always bitwise reproducible (``deterministic`` is accepted for the API's sake)."""
+    return run_many([backward_work(problem, dout, out, lse, block_q=block_q, block_k=block_k, schedule=schedule,
+                                   dbias=dbias)])[0]
+
+
+def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, schedule=None, dbias=False,
+                  scratch=None):
+    """The backward of one problem as :class:`_Work` (its dQ accumulators folded in item order)."""
     wt = _work_dtype(problem)
     lay, sched = _plan(problem, block_q, block_k, schedule)
     rule = _exp_rule(problem, wt)
@@ -425,7 +493,7 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
     dk = np.zeros(k.shape, dtype=wt)
     dv = np.zeros_like(dk)
     scale = wt.type(problem.scale)
-    scratch, masks = _Scratch(), _Masks(sched, problem)
+    scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
     modified = modifiers is not None and problem.mods.score is not None
     columns = [t for t in range(sched.n_k) if ((sched.lo <= t) & (t < sched.hi)).any()]
@@ -504,8 +572,118 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
             h_at = slice(hs.start * problem.group, hs.stop * problem.group) if db.shape[1] > 1 else slice(None)
             db[b_at, h_at, :, slice(k0, k1) if db.shape[3] > 1 else slice(None)] += part
 
-    _run(item, [(chunk, slot) for chunk in lay.chunks for slot in range(slots)], fold)
-    dq *= scale
-    cast = lambda x: _ungroup(x).astype(problem.dtype, copy=False)  # noqa: E731
-    grads = cast(dq), cast(dk), cast(dv)
-    return grads + (db,) if dbias else grads
+    def finish():
+        dq[...] *= scale
+        cast = lambda x: _ungroup(x).astype(problem.dtype, copy=False)  # noqa: E731
+        grads = cast(dq), cast(dk), cast(dv)
+        return grads + (db,) if dbias else grads
+
+    return _Work([(0, (chunk, slot)) for chunk in lay.chunks for slot in range(slots)], item, finish, fold)
+
+
+# --------------------------------------------------------------------------------------------
+# Ragged batches and KV caches: one problem per sequence, over views, on one pool
+# --------------------------------------------------------------------------------------------
+def _live(len_q, len_k):
+    """Sequences with queries and keys: the others keep the preset out = 0, lse = -inf (and zero gradients)."""
+    return [i for i in range(len(len_q)) if len_q[i] > 0 and len_k[i] > 0]
+
+
+def forward_varlen(problem: VarlenProblem):
+    """``out (total_q, Hq, D)`` in q's dtype and ``lse (Hq, total_q)``: each sequence is a batch-1 problem over
+    views of the packed arrays, and all their work items share one pool (memory and time follow the real tokens)."""
+    out = np.zeros(problem.q.shape, dtype=problem.dtype)
+    lse = np.full((problem.heads_q, problem.total_q), -np.inf, dtype=stats_dtype(problem.dtype))
+    live = _live(*problem.lengths)
+    scratch = _Scratch()
+    results = run_many(forward_work(problem.sequence(i), scratch=scratch) for i in live)
+    for i, (o, l) in zip(live, results):
+        q0, q1 = problem.offsets_q[i:i + 2]
+        out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+    return out, lse
+
+
+def backward_varlen(problem: VarlenProblem, dout, out, lse, *, deterministic=False):
+    """``(dq, dk, dv)`` packed like ``q``, ``k``, ``v`` (FA2 Algorithm 2 per sequence, one pool)."""
+    grads = tuple(np.zeros(a.shape, dtype=problem.dtype) for a in (problem.q, problem.k, problem.v))
+    live = _live(*problem.lengths)
+    scratch = _Scratch()
+    results = run_many(backward_work(*problem.sequence(i, dout, out, lse), scratch=scratch) for i in live)
+    for i, (gq, gk, gv) in zip(live, results):
+        (q0, q1), (k0, k1) = problem.offsets_q[i:i + 2], problem.offsets_k[i:i + 2]
+        grads[0][q0:q1], grads[1][k0:k1], grads[2][k0:k1] = gq[0], gk[0], gv[0]
+    return grads
+
+
+def append_kvcache(problem: KVCacheProblem):
+    """Write ``k_new``/``v_new`` into the caches at positions ``cache_seqlens + [0, S_new)`` (one scatter each)."""
+    if not problem.seqlen_new:
+        return
+    b = np.arange(problem.batch)[:, None]
+    pos = problem.cache_host[:, None] + np.arange(problem.seqlen_new)[None, :]
+    at = (b, pos) if not problem.paged else (problem.table_host[b, pos // problem.page_size], pos % problem.page_size)
+    problem.k_cache[at] = problem.k_new
+    problem.v_cache[at] = problem.v_new
+
+
+def _sequence_kv(problem: KVCacheProblem, b: int):
+    """Sequence ``b``'s keys and values as ``(1, L, Hkv, D)``: a view of a contiguous cache, or its pages gathered
+    (a copy of that sequence's cache only)."""
+    n = int(problem.lengths_k[b])
+    if not problem.paged:
+        return problem.k_cache[b:b + 1, :n], problem.v_cache[b:b + 1, :n]
+    pages = problem.pages(b)
+    shape = (1, -1) + problem.k_cache.shape[2:]
+    return (problem.k_cache[pages].reshape(shape)[:, :n], problem.v_cache[pages].reshape(shape)[:, :n])
+
+
+def _split_works(problem: KVCacheProblem, b: int, scratch):
+    """The work of sequence ``b``: one forward, or ``num_splits`` forwards over consecutive runs of whole key tiles
+    (tiles of ``ceil(L / num_splits)`` keys, at most :data:`BLOCK_K`), each a partial result to merge."""
+    sub = problem.sequence(b, *_sequence_kv(problem, b))
+    splits = problem.num_splits or 1
+    if splits == 1:
+        return [forward_work(sub, scratch=scratch)]
+    n = int(problem.lengths_k[b])
+    bk = max(1, min(BLOCK_K, -(-n // splits)))
+    tiles = -(-n // bk)
+    return [forward_work(sub, block_k=bk, scratch=scratch, cast=False,
+                         key_tiles=(s * tiles // splits, (s + 1) * tiles // splits)) for s in range(splits)]
+
+
+def _groups(problem: KVCacheProblem, live):
+    """Consecutive live sequences in groups whose keys and values copied (gathered pages, upcasts) stay near
+    :data:`KV_GATHER_BYTES`; a contiguous cache in the working dtype is read through views: one group."""
+    per_key = 2 * problem.heads_kv * problem.head_dim * _work_dtype(problem).itemsize
+    copied = problem.paged or problem.dtype != _work_dtype(problem)
+    group, size = [], 0
+    for b in live:
+        cost = int(problem.lengths_k[b]) * per_key if copied else 0
+        if group and size + cost > KV_GATHER_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(b)
+        size += cost
+    if group:
+        yield group
+
+
+def forward_kvcache(problem: KVCacheProblem):
+    """Append the new tokens, then ``out (B, Sq, Hq, D)`` and ``lse (B, Hq, Sq)`` of each sequence's queries
+    against its ``cache_seqlens + S_new`` keys. With ``num_splits > 1`` the key range is split and the parts merged
+    by log-sum-exp (:func:`cuflash.merge.merge_parts`, in the working dtype, rounded once): what the CUDA
+    split-KV kernel and its combine step compute."""
+    append_kvcache(problem)
+    wt = _work_dtype(problem)
+    out = np.zeros(problem.q.shape, dtype=problem.dtype)
+    lse = np.full((problem.batch, problem.heads_q, problem.seqlen_q), -np.inf, dtype=wt)
+    scratch = _Scratch()
+    live = _live(np.full(problem.batch, problem.seqlen_q), problem.lengths_k)
+    for group in _groups(problem, live):
+        works = [_split_works(problem, b, scratch) for b in group]
+        results = iter(run_many(w for ws in works for w in ws))
+        for b, ws in zip(group, works):
+            parts = [next(results) for _ in ws]
+            o, l = parts[0] if len(parts) == 1 else merge_parts(np, [p[0] for p in parts], [p[1] for p in parts], wt)
+            out[b], lse[b] = o[0], l[0]
+    return out, lse
