@@ -2,180 +2,30 @@
 :func:`attention_qkvpacked` and :func:`attention_kvpacked`, and :class:`AttentionResidual`.
 
 Every function takes NumPy and CuPy arrays and any DLPack / CUDA Array Interface array, converted at the edge by
-:mod:`cuflash.interop` and given back in the caller's array type. What the backends do not compute natively is
-arranged here, for every backend alike: the ``layout`` transposes (views), a value head dim that differs from the
-query/key head dim (zero padding), packed inputs (views) and ``out=`` buffers (a copy into them).
+:mod:`cuflash.interop` and given back in the caller's array type. The rooms around this one: the options' names,
+defaults and shared documentation are :mod:`cuflash.options`; the residual and its fingerprint
+:mod:`cuflash.residual`; what the backends do not compute natively (``layout`` transposes, packed inputs, a value
+head dim of its own) ``cuflash._layout``; validation :mod:`cuflash.problem`. ``out=`` buffers are copied into here.
 """
 from __future__ import annotations
 
-import math
-import numbers
-import zlib
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Mapping, Optional, Sequence, Union, overload
 
 import numpy as np
 
-from . import backends
+from . import _layout, backends
 from .blockmask import BlockMask
 from .dropout import fresh_seed, needs_seed
 from .interop import Edge
-from .problem import array_module, check_backward, check_buffer, make_problem
+from .options import DEFAULTS, LAYOUTS, OPTIONS, Array, Layout, Precision, fill_doc, is_given, native_options
+from .problem import check_backward, check_buffer, make_problem
+from .residual import AttentionResidual, fingerprint
+
+__all__ = ["attention", "attention_backward", "attention_vjp", "attention_qkvpacked", "attention_kvpacked",
+           "AttentionResidual", "Vjp", "fingerprint", "Array", "Layout", "Precision", "LAYOUTS", "OPTIONS", "DEFAULTS"]
 
 #: An array of any supported library: NumPy, CuPy, or anything with ``__dlpack__`` / ``__cuda_array_interface__``.
-Array = Any
-#: ``"bshd"``: ``(..., seqlen, heads, head_dim)`` (FlashAttention's layout, the default); ``"bhsd"``:
-#: ``(..., heads, seqlen, head_dim)`` (PyTorch SDPA's).
-Layout = Literal["bshd", "bhsd"]
-Precision = Literal["ieee", "3xtf32", "tf32"]
-LAYOUTS = ("bshd", "bhsd")
-
-_OPTIONS_DOC = """
-    causal : bool, default False
-        Causal mask aligned bottom-right: query ``i`` sees key ``j`` iff ``j <= i + (Lk - Lq)``,
-        with ``Lq, Lk`` the sequence's own lengths.
-    scale : float, optional
-        Softmax scale applied to ``q @ k.T``; default ``1 / sqrt(head_dim)`` of q and k.
-    window : (int or None, int or None), optional
-        Local attention ``(left, right)`` around the same diagonal: keeps
-        ``i + off - left <= j <= i + off + right``; ``None`` leaves a side unbounded.
-    block_mask : BlockMask, optional
-        Block-sparse grid ``(batch|1, heads|1, ceil(Sq/bq), ceil(Sk/bk))``; False blocks are skipped.
-    seqlens_q, seqlens_k : integer array of the batch shape, optional
-        Valid length of each sequence; rows past ``seqlens_q`` give ``out = 0``, ``lse = -inf``.
-    bias : float array broadcastable to ``(..., heads, seqlen_q, seqlen_k)``, optional
-        Added to the scores (after the scale and softcap, before the softmax); the batch dimensions
-        broadcast all or none. The backward returns its gradient with ``return_dbias=True``.
-    alibi_slopes : float array ``(heads,)`` or ``(..., heads)``, optional
-        ALiBi (FlashAttention-2's convention): adds ``-slope[h] * |i + Lk - Lq - j|``.
-    softcap : float > 0, optional
-        Soft-capping (FlashAttention-2's convention): a score ``s`` becomes ``softcap * tanh(s / softcap)``
-        (first of the modifiers, right after the scale).
-    score_mod : str, optional
-        A score modifier written once as a Python expression over ``score, b, h, q_idx, kv_idx, q_len,
-        kv_len`` and the names of ``mod_arrays`` (:mod:`cuflash.mods` gives the grammar), e.g.
-        ``"score + slope[h] * (kv_idx - q_idx)"``; applied last, after bias and ALiBi. Differentiated
-        symbolically for the backward.
-    mask_mod : str, optional
-        A mask as an expression of the same variables (no ``score``) evaluating to a bool, e.g.
-        ``"doc[q_idx] == doc[kv_idx]"``; False removes the score. Evaluated on every visited tile: for
-        skipping whole tiles use ``BlockMask.from_mask_mod``.
-    mod_arrays : dict of str to array or number, optional
-        The arrays and scalars ``score_mod``/``mask_mod`` read. An array is indexed by the variables
-        ``b, h, q_idx, kv_idx`` only, and its shape must be their extents exactly (``b`` runs over the
-        flattened batch).
-    dropout_p : float in [0, 1), default 0
-        Attention dropout: after normalization, P is multiplied by a keep-mask and by
-        ``1/(1 - dropout_p)``; ``lse`` is of the undropped scores. The mask is a pure function of
-        (seed, batch, head, row, column) (:func:`cuflash.dropout_mask`), identical on every backend.
-    seed : int, optional
-        Dropout seed in ``[0, 2**64)``. With ``dropout_p > 0`` and ``seed=None`` the forward draws a
-        fresh seed and returns it as an extra last result (or keeps it in the residual); the backward
-        requires it.
-    layout : {"bshd", "bhsd"}, default "bshd"
-        ``"bshd"``: ``q`` is ``(..., seqlen_q, heads, head_dim)`` (FlashAttention's layout); ``"bhsd"``:
-        ``(..., heads, seqlen_q, head_dim)`` (PyTorch SDPA's), and ``k``, ``v``, ``out`` and the gradients
-        likewise. ``"bhsd"`` costs nothing: the arrays are read through transposed views (the kernels need only
-        the last axis contiguous), and ``out`` comes back as a transposed view of a ``"bshd"`` result.
-        ``lse`` is ``(..., heads, seqlen_q)`` in both.
-    precision : {"ieee", "3xtf32", "tf32"}, default "ieee"
-        The arithmetic of float32 inputs on the CUDA kernels. ``"ieee"`` (the default, chosen for
-        accuracy): float32 FMA, the accuracy of a naive float32 computation. ``"3xtf32"``: TF32 tensor
-        cores, each product split into three (CUTLASS's 3xTF32), near-float32 accuracy, faster where
-        tensor cores outrun the FMA pipes. ``"tf32"``: one TF32 product, the fastest and the least
-        accurate (10-bit mantissas: about 1e-3 relative, like PyTorch's allow_tf32). float64 always
-        computes in float64 (DMMA on A100/H100) and 16-bit inputs on their own tensor cores: they take
-        only ``"ieee"``. The NumPy backend computes float32 in float32 whatever the mode. The README's
-        "Precision" table gives each mode's measured accuracy.
-    dtype : {None, "bfloat16"}
-        ``"bfloat16"`` declares ``uint16`` arrays as bfloat16 bit patterns, for CuPy versions without
-        ``ml_dtypes.bfloat16`` support (results are then bfloat16 bits too); otherwise leave None.
-    backend : {None, "numpy", "cuda", "emulate"}
-        ``None`` picks from the arrays: NumPy (or CPU arrays of another library) → ``"numpy"``, CuPy (or CUDA
-        arrays of another library) → ``"cuda"``.
-
-    All masks combine by AND. A query row that sees no key gets ``out = 0``, ``lse = -inf`` and
-    zero gradients."""
-
-_ARRAYS_DOC = """Arrays of other libraries (PyTorch, JAX, array-api-strict, Numba, ... : anything with
-    ``__dlpack__`` or ``__cuda_array_interface__``) are taken without a copy, CPU arrays on the ``numpy``
-    backend and CUDA arrays on the ``cuda`` one, and results come back in the caller's array type
-    (:mod:`cuflash.interop`)."""
-
-#: the options attention and attention_backward share (the forward's must be the backward's)
-OPTIONS = ("causal", "scale", "window", "block_mask", "seqlens_q", "seqlens_k", "bias", "alibi_slopes", "softcap",
-           "score_mod", "mask_mod", "mod_arrays", "dropout_p", "seed", "dtype", "layout",
-           "precision")
-#: each option's default (an option of the keyword form left at its default is "not given")
-DEFAULTS: Mapping[str, Any] = MappingProxyType(
-    {"causal": False, "scale": None, "window": None, "block_mask": None, "seqlens_q": None, "seqlens_k": None,
-     "bias": None, "alibi_slopes": None, "softcap": None, "score_mod": None, "mask_mod": None, "mod_arrays": None,
-     "dropout_p": 0.0, "seed": None, "dtype": None, "layout": "bshd",
-     "precision": "ieee"})
-_OPTION_ARRAYS = ("seqlens_q", "seqlens_k", "bias", "alibi_slopes")
-
-
-# ==================================================================================================== residual
-@dataclass(frozen=True, eq=False, repr=False)
-class AttentionResidual:
-    """What :func:`attention_backward` needs of one forward call: ``attention(..., return_residual=True)``.
-
-    It carries the forward's ``out`` and ``lse`` (in the caller's array type), every option of the forward
-    (``options``; a drawn dropout seed filled in), references to ``q``, ``k``, ``v`` (no copies; nothing of
-    size N²) and a fingerprint of ``q``, ``k``, ``v`` and ``out`` taken after the forward:
-    ``attention_backward(dout, residual)`` cannot be given options other than the forward's, and raises
-    ``ValueError`` when one of those arrays was changed in place since (as PyTorch's autograd does). The name
-    is JAX's (``jax.vjp``'s residuals, ``jax.nn.dot_product_attention(..., return_residual=True)``).
-
-    Attributes
-    ----------
-    out : array
-        The forward's result (the same object ``attention`` returned).
-    lse : array, shape ``(..., heads, seqlen_q)``
-        Its log-sum-exp, float32 (float64 for float64 input).
-    options : mapping
-        Every option of the forward (:data:`OPTIONS`), read-only; ``options["seed"]`` is the drawn seed.
-    packed : {None, "qkv", "kv"}
-        Which packed form the forward took (the backward returns ``dqkv`` or ``(dq, dkv)`` accordingly).
-    backend : str or None
-        The forward's ``backend`` argument, the backward's default.
-    """
-
-    out: Array
-    lse: Array
-    options: Mapping[str, Any]
-    packed: Optional[str] = None
-    backend: Optional[str] = None
-    _saved: tuple[Any, ...] = field(default=(), repr=False)  # NumPy/CuPy q, k, v, out, lse (caller layout)
-    _native_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
-    _prints: tuple[Any, ...] = field(default=(), repr=False)
-    _edge: Optional[Edge] = field(default=None, repr=False)
-
-    def __repr__(self) -> str:
-        def show(x: Any) -> str:
-            if hasattr(x, "shape") and hasattr(x, "dtype"):
-                return f"{type(x).__name__}{tuple(x.shape)} {x.dtype}"
-            return repr(x)
-
-        options = {name: show(value) for name, value in self.options.items() if _is_given(name, value)}
-        return (f"AttentionResidual(out={show(self.out)}, lse={show(self.lse)}, options={{"
-                + ", ".join(f"{k}: {v}" for k, v in options.items())
-                + f"}}, packed={self.packed!r}, backend={self.backend!r})")
-
-    @property
-    def seed(self) -> Optional[int]:
-        """The dropout seed of the forward (drawn there when it was None), or None without dropout."""
-        seed = self.options.get("seed")
-        return None if seed is None else int(seed)
-
-    def check_unchanged(self) -> None:
-        """Raise ``ValueError`` if ``q``, ``k``, ``v`` or ``out`` changed since the forward."""
-        for name, a, before in zip(("q", "k", "v", "out"), self._saved[:4], self._prints):
-            if fingerprint(a) != before:
-                raise ValueError(f"{name} was modified in place after attention_vjp / attention(..., "
-                                 f"return_residual=True): the gradients would be those of other values; pass a copy "
-                                 f"to the in-place operation, or run the forward again")
 
 
 class Vjp:
@@ -301,7 +151,7 @@ def attention_qkvpacked(qkv: Array, *, causal: bool = False, scale: Optional[flo
     options = {name: value for name, value in locals().items() if name in OPTIONS}
     edge = Edge()
     packed = edge.data("qkv", qkv)
-    natives = _unpack(packed, "qkv", 3, layout)
+    natives = _layout.unpack(packed, "qkv", 3, layout)
     return _forward(edge, natives, options, return_lse=return_lse, return_residual=return_residual, out=out,
                     backend=backend, packed="qkv", caller=(qkv,))
 
@@ -336,7 +186,7 @@ def attention_kvpacked(q: Array, kv: Array, *, causal: bool = False, scale: Opti
     options = {name: value for name, value in locals().items() if name in OPTIONS}
     edge = Edge()
     q_n = edge.data("q", q)
-    k_n, v_n = _unpack(edge.data("kv", kv), "kv", 2, layout)
+    k_n, v_n = _layout.unpack(edge.data("kv", kv), "kv", 2, layout)
     return _forward(edge, (q_n, k_n, v_n), options, return_lse=return_lse, return_residual=return_residual, out=out,
                     backend=backend, packed="kv", caller=(q, kv))
 
@@ -352,15 +202,15 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
         raise TypeError("return_lse and return_residual are exclusive: the residual carries the lse "
                         "(residual.lse)")
     q, k, v = natives
-    layout = _check_layout(options["layout"])
+    layout = _layout.check_layout(options["layout"])
     drawn = needs_seed(options["dropout_p"], options["seed"])
     if drawn:
         options["seed"] = fresh_seed()
-    native_options = _native_options(edge, options)
+    natives_opts = native_options(edge, options)
     out_buf = edge.buffer("out", out)
     with edge.device():
-        qb, kb, vb = (_to_bshd(a, layout) for a in (q, k, v))
-        qp, kp, vp, kw, dv = _pad_head_dims(qb, kb, vb, native_options)
+        qb, kb, vb = (_layout.to_bshd(a, layout) for a in (q, k, v))
+        qp, kp, vp, kw, dv = _layout.pad_head_dims(qb, kb, vb, natives_opts)
         problem = make_problem(qp, kp, vp, **kw)
         want = tuple(q.shape[:-1]) + (v.shape[-1],)
         if out_buf is not None:
@@ -369,7 +219,7 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
         o = problem.unflatten(result, problem.q.shape[1:])
         if dv is not None:
             o = o[..., :dv]
-        o = _from_bshd(o, layout)
+        o = _layout.from_bshd(o, layout)
         lse = problem.unflatten(lse, (problem.heads_q, problem.seqlen_q))
         if out_buf is not None:
             out_buf[...] = o
@@ -379,7 +229,7 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
     if return_residual:
         saved = (q, k, v, o, lse)
         residual = AttentionResidual(out_caller, lse_caller, MappingProxyType(dict(options)), packed, backend,
-                                     saved, MappingProxyType(native_options),
+                                     saved, MappingProxyType(natives_opts),
                                      tuple(fingerprint(a) for a in saved[:4]), edge)
         return out_caller, residual
     results: tuple[Any, ...] = (out_caller,)
@@ -469,9 +319,9 @@ def attention_backward(dout: Array, q: Union[Array, AttentionResidual], k: Optio
     edge = Edge()
     arrays = tuple(edge.data(name, a) for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out),
                                                       ("lse", lse)))
-    native_options = _native_options(edge, given)
+    natives_opts = native_options(edge, given)
     natives = {name: edge.buffer(name, buffers[name]) for name in ("dq", "dk", "dv")}
-    return _backward(edge, arrays, native_options, natives, {n: buffers[n] for n in ("dq", "dk", "dv")},
+    return _backward(edge, arrays, natives_opts, natives, {n: buffers[n] for n in ("dq", "dk", "dv")},
                      deterministic=deterministic, return_dbias=return_dbias, backend=backend, packed=None)
 
 
@@ -480,7 +330,7 @@ def _backward_residual(dout: Array, residual: AttentionResidual, given: Mapping[
                        return_dbias: bool, backend: Optional[str]) -> Any:
     if any(a is not None for a in positional):
         raise TypeError("attention_backward(dout, residual) takes no k, v, out, lse: the residual holds them")
-    extra = sorted(name for name, value in given.items() if _is_given(name, value))
+    extra = sorted(name for name, value in given.items() if is_given(name, value))
     if extra:
         raise TypeError(f"attention_backward(dout, residual) takes the forward's options from the residual; "
                         f"{', '.join(extra)} given as well (the residual has {extra[0]}="
@@ -509,10 +359,10 @@ def _backward(edge: Edge, arrays: tuple[Any, ...], options: dict[str, Any], buff
               packed: Optional[str]) -> Any:
     """The backward of every form, on NumPy/CuPy arrays in the caller's layout."""
     q, k, v, dout, out, lse = arrays
-    layout = _check_layout(options.get("layout", "bshd"))
+    layout = _layout.check_layout(options.get("layout", "bshd"))
     with edge.device():
-        qb, kb, vb, doutb, outb = (_to_bshd(a, layout) for a in (q, k, v, dout, out))
-        qp, kp, vp, kw, dv_width = _pad_head_dims(qb, kb, vb, options)
+        qb, kb, vb, doutb, outb = (_layout.to_bshd(a, layout) for a in (q, k, v, dout, out))
+        qp, kp, vp, kw, dv_width = _layout.pad_head_dims(qb, kb, vb, options)
         if dv_width is not None:  # dout and out have v's head dim: checked here, before padding hides it
             want = tuple(qb.shape[:-1]) + (dv_width,)
             for name, a in (("dout", doutb), ("out", outb)):
@@ -520,7 +370,7 @@ def _backward(edge: Edge, arrays: tuple[Any, ...], options: dict[str, Any], buff
                     raise ValueError(f"{name} must have shape {tuple(q.shape[:-1]) + (dv_width,)} (q's shape with "
                                      f"v's head_dim), got {tuple(a.shape)}")
             if vp is not vb:  # v was padded: so are dout and out, with zeros (zero gradient contributions)
-                doutb, outb = (_pad_last(a, qb.shape[-1]) if hasattr(a, "shape") else a for a in (doutb, outb))
+                doutb, outb = (_layout.pad_last(a, qb.shape[-1]) if hasattr(a, "shape") else a for a in (doutb, outb))
         problem = make_problem(qp, kp, vp, **kw)
         dout_f, out_f, lse_f = check_backward(problem, doutb, outb, lse)
         if return_dbias and (problem.mods is None or problem.mods.bias_shape is None):
@@ -532,7 +382,7 @@ def _backward(edge: Edge, arrays: tuple[Any, ...], options: dict[str, Any], buff
         gq, gk, gv = (problem.unflatten(g, s) for g, s in zip(grads[:3], shapes))
         if dv_width is not None:
             gq, gk, gv = gq[..., :qb.shape[-1]], gk[..., :kb.shape[-1]], gv[..., :dv_width]
-        gq, gk, gv = (_from_bshd(g, layout) for g in (gq, gk, gv))
+        gq, gk, gv = (_layout.from_bshd(g, layout) for g in (gq, gk, gv))
         results = _place_grads(edge, (gq, gk, gv), buffers, caller_buffers, packed, problem.xp, layout)
         if return_dbias:  # in bias's own shape (the backend summed what it broadcasts) and dtype
             dbias = grads[3].reshape(problem.mods.bias_shape).astype(options["bias"].dtype, copy=False)
@@ -547,14 +397,14 @@ def _place_grads(edge: Edge, grads: tuple[Any, Any, Any], buffers: dict[str, Any
     """The gradients in the caller's form: written into the buffers (returned as the caller passed them), packed
     (``dqkv``, ``dkv``: one array with the gradients copied into it) and exported."""
     gq, gk, gv = grads
-    axis = _pack_axis(layout)
+    axis = _layout.pack_axis(layout)
 
     def packed_into(name: str, parts: Sequence[Any]) -> Any:
         buf = buffers.get(name)
-        target = buf if buf is not None else xp.empty(_pack_shape(parts[0].shape, len(parts), axis),
+        target = buf if buf is not None else xp.empty(_layout.pack_shape(parts[0].shape, len(parts), axis),
                                                        dtype=parts[0].dtype)
         for i, g in enumerate(parts):
-            target[_pack_index(i, axis, target.ndim)] = g
+            target[_layout.pack_index(i, axis, target.ndim)] = g
         return caller_buffers[name] if buf is not None else edge.export(target)
 
     def single(name: str, g: Any) -> Any:
@@ -574,12 +424,12 @@ def _place_grads(edge: Edge, grads: tuple[Any, Any, Any], buffers: dict[str, Any
 def _check_grad_buffers(buffers: dict[str, Any], xp: Any, q: Any, k: Any, v: Any, dout: Any, out: Any, lse: Any,
                         packed: Optional[str], layout: str) -> None:
     inputs = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
-    axis = _pack_axis(layout)
+    axis = _layout.pack_axis(layout)
     want = {"dq": tuple(q.shape), "dk": tuple(k.shape), "dv": tuple(v.shape)}
     if packed == "qkv":
-        want = {"dqkv": _pack_shape(q.shape, 3, axis)}
+        want = {"dqkv": _layout.pack_shape(q.shape, 3, axis)}
     elif packed == "kv":
-        want = {"dq": tuple(q.shape), "dkv": _pack_shape(k.shape, 2, axis)}
+        want = {"dq": tuple(q.shape), "dkv": _layout.pack_shape(k.shape, 2, axis)}
     checked: dict[str, Any] = {}
     for name, shape in want.items():
         buf = buffers.get(name)
@@ -611,139 +461,7 @@ def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> tuple[Array, 
     return out, Vjp(residual, bool(deterministic))
 
 
-# ==================================================================================================== helpers
-def _is_given(name: str, value: Any) -> bool:
-    """Whether a keyword-form option differs from its default (was given)."""
-    default = DEFAULTS[name]
-    if default is None:
-        return value is not None
-    if isinstance(value, (bool, np.bool_, numbers.Real, str)):
-        return bool(value != default)
-    return True
-
-
-def _check_layout(layout: Any) -> str:
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be 'bshd' (..., seqlen, heads, head_dim) or 'bhsd' (..., heads, seqlen, "
-                         f"head_dim), got {layout!r}")
-    return layout
-
-
-def _swap(a: Any) -> Any:
-    """Swap the seqlen and heads axes (a view)."""
-    if not hasattr(a, "ndim") or a.ndim < 3:
-        return a
-    n = a.ndim
-    return a.transpose(tuple(range(n - 3)) + (n - 2, n - 3, n - 1))
-
-
-def _to_bshd(a: Any, layout: str) -> Any:
-    return a if layout == "bshd" else _swap(a)
-
-
-_from_bshd = _to_bshd
-
-
-def _pack_axis(layout: str) -> int:
-    """The axis of the 3 (qkv) or 2 (kv) in a packed array: ``(..., S, 3, H, D)`` or ``(..., 3, H, S, D)``."""
-    return -3 if layout == "bshd" else -4
-
-
-def _pack_index(i: int, axis: int, ndim: int) -> tuple[Any, ...]:
-    return (slice(None),) * (ndim + axis) + (i,)
-
-
-def _pack_shape(shape: Sequence[int], n: int, axis: int) -> tuple[int, ...]:
-    shape = tuple(shape)
-    cut = len(shape) + axis + 1
-    return shape[:cut] + (n,) + shape[cut:]
-
-
-def _unpack(packed: Any, name: str, n: int, layout: Any) -> tuple[Any, ...]:
-    """Views ``packed[..., i, :, :]`` (or ``[..., i, :, :, :]`` for ``"bhsd"``) of a packed array."""
-    layout = _check_layout(layout)
-    axis = _pack_axis(layout)
-    form = "(..., seqlen, {n}, heads, head_dim)" if layout == "bshd" else "(..., {n}, heads, seqlen, head_dim)"
-    if not hasattr(packed, "shape") or not hasattr(packed, "ndim"):
-        array_module(packed, names=(name,))  # refuses it, naming it
-    if packed.ndim < 4 or packed.shape[axis] != n:
-        raise ValueError(f"{name} must have shape {form.format(n=n)} for layout={layout!r}, got "
-                         f"{tuple(packed.shape)}")
-    return tuple(packed[_pack_index(i, axis, packed.ndim)] for i in range(n))
-
-
-def _pad_last(a: Any, width: int) -> Any:
-    """``a`` with its last axis zero-padded to ``width`` (a copy)."""
-    xp = array_module(a, names=("array",))
-    padded = xp.zeros(tuple(a.shape[:-1]) + (width,), dtype=a.dtype)
-    padded[..., :a.shape[-1]] = a
-    return padded
-
-
-def _pad_head_dims(q: Any, k: Any, v: Any, options: Mapping[str, Any]
-                   ) -> tuple[Any, Any, Any, dict[str, Any], Optional[int]]:
-    """``(q, k, v, make_problem keywords, head_dim_v or None)``: when v's head dim differs from q's and k's, the
-    smaller is zero-padded to the larger (zero columns add nothing to a score and give zero output columns) and
-    the default scale is fixed to ``1/sqrt(head_dim)`` of q and k. Anything that is not such a case is passed on
-    unchanged for :func:`~cuflash.problem.make_problem` to judge."""
-    kw = {name: value for name, value in options.items() if name != "layout"}
-    arrays = (q, k, v)
-    if not all(hasattr(a, "shape") and hasattr(a, "ndim") and hasattr(a, "dtype") for a in arrays):
-        return q, k, v, kw, None
-    if (q.ndim < 3 or not q.ndim == k.ndim == v.ndim or tuple(k.shape[:-1]) != tuple(v.shape[:-1])
-            or q.shape[-1] != k.shape[-1] or v.shape[-1] == k.shape[-1] or min(k.shape[-1], v.shape[-1]) < 1
-            or not q.dtype == k.dtype == v.dtype):
-        return q, k, v, kw, None
-    d, dv = int(k.shape[-1]), int(v.shape[-1])
-    if kw.get("scale") is None:
-        kw["scale"] = 1.0 / math.sqrt(d)
-    if dv < d:
-        v = _pad_last(v, d)
-    else:
-        q, k = _pad_last(q, dv), _pad_last(k, dv)
-    return q, k, v, kw, dv
-
-
-def _native_options(edge: Edge, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options with their arrays converted to NumPy/CuPy (:meth:`Edge.option`)."""
-    native = dict(options)
-    for name in _OPTION_ARRAYS:
-        native[name] = edge.option(name, options.get(name))
-    arrays = options.get("mod_arrays")
-    if isinstance(arrays, dict):
-        native["mod_arrays"] = {key: edge.option(f"mod_arrays[{key!r}]", value) for key, value in arrays.items()}
-    return native
-
-
-# ==================================================================================================== fingerprint
-_CHUNK = 1 << 20
-_WEIGHTS: dict[int, Any] = {}  # device id -> the weights of fingerprint(), on that device
-
-
-def fingerprint(a: Any) -> tuple[Any, ...]:
-    """Shape, strides, dtype and a position-sensitive checksum of an array's bits: CRC-32 of a NumPy array's
-    bytes (1.6 GB/s here); for a CuPy array, on its device, ``sum_i bits16[i] * w[i]`` in float64 over fixed
-    pseudo-random weights ``w`` (1 Mi-element chunks). Any change of values (an edit, a permutation)
-    changes it, short of a deliberate collision."""
-    xp = array_module(a, names=("array",))
-    flat = xp.ascontiguousarray(a).reshape(-1).view(xp.uint8 if xp is np else xp.uint16)
-    total: float
-    if xp is np:
-        total = zlib.crc32(memoryview(flat))
-    else:
-        key = a.device.id
-        with xp.cuda.Device(key):  # the weights live on the array's device, whichever is current
-            if key not in _WEIGHTS:
-                _WEIGHTS[key] = xp.asarray(np.random.default_rng(0).random(_CHUNK))
-            total = 0.0
-            for start in range(0, flat.size, _CHUNK):
-                part = flat[start:start + _CHUNK].astype(xp.float64)
-                total += float(part @ _WEIGHTS[key][:part.size])
-    return tuple(a.shape), tuple(a.strides), str(a.dtype), total
-
 
 for _fn in (attention, attention_qkvpacked, attention_kvpacked, attention_backward):
-    if _fn.__doc__:
-        _fn.__doc__ = (_fn.__doc__.replace("{options}", _OPTIONS_DOC.strip("\n").lstrip())
-                       .replace("{arrays}", _ARRAYS_DOC))
+    fill_doc(_fn)
 del _fn

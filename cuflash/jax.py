@@ -60,7 +60,7 @@ try:
 except ImportError:  # JAX older than 0.7
     _buffer_callback = None
 
-from . import api
+from . import _layout, api
 from .blockmask import BlockMask
 from .dropout import needs_seed
 from .problem import make_problem
@@ -323,8 +323,8 @@ def _validate(q: Any, k: Any, v: Any, sq: Any, sk: Any, bias: Any, static: dict[
     def stand_in(a: Any) -> Any:
         return None if a is None else np.broadcast_to(np.zeros((), np.dtype(a.dtype)), tuple(a.shape))
 
-    layout = api._check_layout(static["layout"])
-    qd, kd, vd = (api._to_bshd(stand_in(a), layout) for a in (q, k, v))
+    layout = _layout.check_layout(static["layout"])
+    qd, kd, vd = (_layout.to_bshd(stand_in(a), layout) for a in (q, k, v))
     if kd.ndim == vd.ndim and kd.shape[:-1] == vd.shape[:-1] and vd.shape[-1] != kd.shape[-1] and vd.shape[-1]:
         vd = np.broadcast_to(np.zeros((), vd.dtype), kd.shape)  # v's own head dim is padded at run time
     options = {name: value for name, value in static.items() if name != "layout"}

@@ -13,7 +13,8 @@ from typing import Any, Optional
 from . import backends
 from .interop import Edge
 from .problem import make_kvcache_problem
-from .varlen import _check_flags, native_options
+from .options import native_options
+from .varlen import _ARRAY_OPTIONS, _check_flags
 
 Array = Any
 
@@ -92,8 +93,8 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
     edge = Edge()
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new}
     natives = {name: edge.data(name, a) for name, a in arrays.items()}  # writability: make_kvcache_problem
-    options = native_options(edge, dict(cache_seqlens=cache_seqlens, block_table=block_table,
-                                        alibi_slopes=alibi_slopes))
+    given = dict(cache_seqlens=cache_seqlens, block_table=block_table, alibi_slopes=alibi_slopes)
+    options = native_options(edge, given, _ARRAY_OPTIONS)
     with edge.device():
         problem = make_kvcache_problem(natives["q"], natives["k_cache"], natives["v_cache"], k_new=natives["k_new"],
                                        v_new=natives["v_new"], num_splits=num_splits, causal=causal, window=window,

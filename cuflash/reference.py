@@ -54,7 +54,8 @@ def _env(p, score=None):
     col = lambda x: np.asarray(x).reshape(-1, 1, 1, 1, 1)  # noqa: E731
     env = dict(b=col(np.arange(p.batch)), q_len=col(len_q), kv_len=col(len_k),
                h=np.arange(p.heads_q).reshape(1, p.heads_kv, p.group, 1, 1),
-               q_idx=np.arange(p.seqlen_q).reshape(1, 1, 1, -1, 1), kv_idx=np.arange(p.seqlen_k).reshape(1, 1, 1, 1, -1))
+               q_idx=np.arange(p.seqlen_q).reshape(1, 1, 1, -1, 1),
+               kv_idx=np.arange(p.seqlen_k).reshape(1, 1, 1, 1, -1))
     if score is not None:
         env["score"] = score
     return env

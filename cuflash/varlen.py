@@ -15,10 +15,11 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from . import backends
-from .api import fingerprint
-from .dropout import fresh_seed
+from .dropout import fresh_seed, needs_seed
 from .interop import Edge
+from .options import native_options
 from .problem import check_varlen_backward, make_varlen_problem
+from .residual import fingerprint
 
 Array = Any
 
@@ -71,28 +72,10 @@ _OPTIONS = ("max_seqlen_q", "max_seqlen_k", "causal", "scale", "window", "bias",
 _ARRAY_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_table", "bias", "alibi_slopes")
 
 
-def native_options(edge: Edge, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options with their arrays (offsets, lengths, page tables, bias, slopes, ``mod_arrays`` values) as
-    NumPy/CuPy arrays (:meth:`Edge.option`); their checks are :mod:`cuflash.problem`'s."""
-    native = {name: edge.option(name, value) if name in _ARRAY_OPTIONS else value for name, value in options.items()}
-    arrays = options.get("mod_arrays")
-    if isinstance(arrays, dict):
-        native["mod_arrays"] = {key: edge.option(f"mod_arrays[{key!r}]", value) for key, value in arrays.items()}
-    return native
-
-
 def _check_flags(**flags: Any) -> None:
     for name, flag in flags.items():
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-
-
-def _wants_seed(dropout_p: Any, seed: Any) -> bool:
-    """Whether the forward must draw a seed (an invalid dropout_p is left to the validation, which names it)."""
-    try:
-        return seed is None and bool(dropout_p)
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
@@ -137,14 +120,14 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     """
     _check_flags(return_lse=return_lse)
     options = {name: value for name, value in locals().items() if name in _OPTIONS}
-    drawn = _wants_seed(dropout_p, seed)
+    drawn = needs_seed(dropout_p, seed)
     if drawn:
         options["seed"] = fresh_seed()
     edge = Edge()
     arrays = tuple(edge.data(name, a) for name, a in (("q", q), ("k", k), ("v", v)))
-    offsets = native_options(edge, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    offsets = native_options(edge, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}, _ARRAY_OPTIONS)
     with edge.device():
-        problem = make_varlen_problem(*arrays, **offsets, **native_options(edge, options))
+        problem = make_varlen_problem(*arrays, **offsets, **native_options(edge, options, _ARRAY_OPTIONS))
         out, lse = backends.select(problem, backend).forward_varlen(problem)
         results: tuple[Any, ...] = (edge.export(out),) + ((edge.export(lse),) if return_lse else ())
     if drawn:
@@ -194,16 +177,16 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
         raise ValueError("return_dbias is not supported by attention_varlen_backward yet: each sequence reads its own "
                          "corner of the bias, and their gradients are not gathered into bias's shape; use "
                          "cuflash.attention_backward on the padded batch for dbias")
-    if _wants_seed(dropout_p, seed):
+    if needs_seed(dropout_p, seed):
         raise ValueError("seed is required when dropout_p > 0: pass the seed the forward used (returned by "
                          "attention_varlen when it drew one)")
     options = {name: value for name, value in locals().items() if name in _OPTIONS}
     edge = Edge()
     arrays = tuple(edge.data(name, a) for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out),
                                                       ("lse", lse)))
-    offsets = native_options(edge, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    offsets = native_options(edge, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}, _ARRAY_OPTIONS)
     with edge.device():
-        problem = make_varlen_problem(*arrays[:3], **offsets, **native_options(edge, options))
+        problem = make_varlen_problem(*arrays[:3], **offsets, **native_options(edge, options, _ARRAY_OPTIONS))
         saved = check_varlen_backward(problem, *arrays[3:])
         grads = backends.select(problem, backend).backward_varlen(problem, *saved, deterministic=deterministic)
         return edge.export(grads[0]), edge.export(grads[1]), edge.export(grads[2])
@@ -252,7 +235,7 @@ def attention_varlen_vjp(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_s
     deterministic = options.pop("deterministic", False)
     backend = options.pop("backend", None)
     _check_flags(deterministic=deterministic)
-    if _wants_seed(options.get("dropout_p", 0.0), options.get("seed")):
+    if needs_seed(options.get("dropout_p", 0.0), options.get("seed")):
         options["seed"] = fresh_seed()
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, return_lse=True, backend=backend, **options)
     return out, VarlenVjp((q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), options, bool(deterministic), backend)

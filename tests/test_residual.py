@@ -69,7 +69,8 @@ def test_an_option_passed_with_a_residual_is_a_type_error(name):
     value = {"causal": True, "scale": 0.5, "window": (2, 2), "block_mask": BlockMask.causal(23, 31, block=(8, 8)),
              "seqlens_q": np.array([1, 2]), "seqlens_k": np.array([1, 2]), "bias": np.zeros((4, 23, 31), np.float32),
              "alibi_slopes": np.ones(4, np.float32), "softcap": 5.0, "score_mod": "score", "mask_mod": "q_idx >= 0",
-             "mod_arrays": {"x": 1.0}, "dropout_p": 0.1, "seed": 3, "dtype": "bfloat16", "layout": "bhsd"}[name]
+             "mod_arrays": {"x": 1.0}, "dropout_p": 0.1, "seed": 3, "dtype": "bfloat16", "layout": "bhsd",
+             "precision": "tf32"}[name]
     assert value is not DEFAULTS[name]
     with pytest.raises(TypeError, match=rf"takes the forward's options from the residual; {name} given as well"):
         cuflash.attention_backward(dout, residual, **{name: value})

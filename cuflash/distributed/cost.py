@@ -132,7 +132,7 @@ def table(*, heads=32, heads_kv=8, head_dim=128, dtype="bfloat16") -> str:
     cols = [("fwd", False, heads, "fwd, no mask, MHA"), ("fwd", True, heads, "fwd, causal zigzag, MHA"),
             ("fwd", True, heads_kv, f"fwd, causal zigzag, GQA {heads}/{heads_kv}"),
             ("bwd", True, heads_kv, f"bwd, causal zigzag, GQA {heads}/{heads_kv}")]
-    lines = [f"| interconnect (assumed GB/s, latency) | compute (assumed) | " + " | ".join(c[3] for c in cols) + " |",
+    lines = ["| interconnect (assumed GB/s, latency) | compute (assumed) | " + " | ".join(c[3] for c in cols) + " |",
              "|---|---|" + "---|" * len(cols)]
     for link, (bw, lat) in INTERCONNECTS.items():
         for name, flops in THROUGHPUTS.items():

@@ -62,7 +62,7 @@ from typing import Optional
 import numpy as np
 
 from .. import backends
-from ..api import fingerprint
+from ..residual import fingerprint
 from ..merge import merge_parts
 from ..problem import _check_window, check_backward, make_problem, stats_dtype
 from . import comm as comms

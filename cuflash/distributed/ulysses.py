@@ -117,7 +117,6 @@ def _gather_qkv(s):
 
 
 def backward(s, dout, out, lse, deterministic):
-    p = s.problem
     q, k, v = _gather_qkv(s)
     do, o, lse_w = to_heads(s, [(dout, 1, 2), (out, 1, 2), (lse, 2, 1)], s.q_segs, s.q_len)
     dq, dk, dv = s.module.backward(_whole_problem(s, q, k, v), do, o, lse_w, deterministic=deterministic)

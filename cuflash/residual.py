@@ -1,0 +1,102 @@
+"""What a backward needs of its forward: :class:`AttentionResidual`, and the :func:`fingerprint` that proves the
+saved arrays unchanged since (PyTorch's autograd version counter, for arrays that have none).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from .interop import Edge
+from .options import Array, is_given
+from .problem import array_module
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class AttentionResidual:
+    """What :func:`attention_backward` needs of one forward call: ``attention(..., return_residual=True)``.
+
+    It carries the forward's ``out`` and ``lse`` (in the caller's array type), every option of the forward
+    (``options``; a drawn dropout seed filled in), references to ``q``, ``k``, ``v`` (no copies; nothing of
+    size N²) and a fingerprint of ``q``, ``k``, ``v`` and ``out`` taken after the forward:
+    ``attention_backward(dout, residual)`` cannot be given options other than the forward's, and raises
+    ``ValueError`` when one of those arrays was changed in place since (as PyTorch's autograd does). The name
+    is JAX's (``jax.vjp``'s residuals, ``jax.nn.dot_product_attention(..., return_residual=True)``).
+
+    Attributes
+    ----------
+    out : array
+        The forward's result (the same object ``attention`` returned).
+    lse : array, shape ``(..., heads, seqlen_q)``
+        Its log-sum-exp, float32 (float64 for float64 input).
+    options : mapping
+        Every option of the forward (:data:`OPTIONS`), read-only; ``options["seed"]`` is the drawn seed.
+    packed : {None, "qkv", "kv"}
+        Which packed form the forward took (the backward returns ``dqkv`` or ``(dq, dkv)`` accordingly).
+    backend : str or None
+        The forward's ``backend`` argument, the backward's default.
+    """
+
+    out: Array
+    lse: Array
+    options: Mapping[str, Any]
+    packed: Optional[str] = None
+    backend: Optional[str] = None
+    _saved: tuple[Any, ...] = field(default=(), repr=False)  # NumPy/CuPy q, k, v, out, lse (caller layout)
+    _native_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    _prints: tuple[Any, ...] = field(default=(), repr=False)
+    _edge: Optional[Edge] = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        def show(x: Any) -> str:
+            if hasattr(x, "shape") and hasattr(x, "dtype"):
+                return f"{type(x).__name__}{tuple(x.shape)} {x.dtype}"
+            return repr(x)
+
+        options = {name: show(value) for name, value in self.options.items() if is_given(name, value)}
+        return (f"AttentionResidual(out={show(self.out)}, lse={show(self.lse)}, options={{"
+                + ", ".join(f"{k}: {v}" for k, v in options.items())
+                + f"}}, packed={self.packed!r}, backend={self.backend!r})")
+
+    @property
+    def seed(self) -> Optional[int]:
+        """The dropout seed of the forward (drawn there when it was None), or None without dropout."""
+        seed = self.options.get("seed")
+        return None if seed is None else int(seed)
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` if ``q``, ``k``, ``v`` or ``out`` changed since the forward."""
+        for name, a, before in zip(("q", "k", "v", "out"), self._saved[:4], self._prints):
+            if fingerprint(a) != before:
+                raise ValueError(f"{name} was modified in place after attention_vjp / attention(..., "
+                                 f"return_residual=True): the gradients would be those of other values; pass a copy "
+                                 f"to the in-place operation, or run the forward again")
+
+
+_CHUNK = 1 << 20
+_WEIGHTS: dict[int, Any] = {}  # device id -> the weights of fingerprint(), on that device
+
+
+def fingerprint(a: Any) -> tuple[Any, ...]:
+    """Shape, strides, dtype and a position-sensitive checksum of an array's bits: CRC-32 of a NumPy array's
+    bytes (1.6 GB/s here); for a CuPy array, on its device, ``sum_i bits16[i] * w[i]`` in float64 over fixed
+    pseudo-random weights ``w`` (1 Mi-element chunks). Any change of values (an edit, a permutation)
+    changes it, short of a deliberate collision."""
+    xp = array_module(a, names=("array",))
+    flat = xp.ascontiguousarray(a).reshape(-1).view(xp.uint8 if xp is np else xp.uint16)
+    total: float
+    if xp is np:
+        total = zlib.crc32(memoryview(flat))
+    else:
+        key = a.device.id
+        with xp.cuda.Device(key):  # the weights live on the array's device, whichever is current
+            if key not in _WEIGHTS:
+                _WEIGHTS[key] = xp.asarray(np.random.default_rng(0).random(_CHUNK))
+            total = 0.0
+            for start in range(0, flat.size, _CHUNK):
+                part = flat[start:start + _CHUNK].astype(xp.float64)
+                total += float(part @ _WEIGHTS[key][:part.size])
+    return tuple(a.shape), tuple(a.strides), str(a.dtype), total
+
