@@ -56,7 +56,9 @@ struct OnlineSoftmax {
         m_new = quad_max(m_new);
         // A row that has seen only masked scores so far has m_new = -inf, and S - m_new would be
         // -inf - (-inf) = NaN. Subtracting 0 instead gives P = exp2(-inf) = 0 and leaves acc = 0, l = 0.
-        const float m_use = m_new == neg_inf() ? 0.f : m_new;
+        // An infinite score (m_new = +inf) is shifted by 0 too, as the float64 reference does: l = +inf and
+        // lse = +inf, not inf - inf = NaN.
+        const float m_use = (m_new == neg_inf() || m_new == -neg_inf()) ? 0.f : m_new;
         // Rescale only when the max moved (exp2(0) = 1 would change nothing); on the causal diagonal and for
         // smooth score distributions most tiles leave the max alone and skip kNTilesO*2 multiplies per row.
         if (m_new != m_i[row]) {

@@ -41,8 +41,9 @@ struct OnlineSoftmax {
 #pragma unroll
         for (int nj = 0; nj < Tr::kNTilesS; ++nj) m_new = R::max(m_new, R::max(S[mi][nj][2 * h], S[mi][nj][2 * h + 1]));
         m_new = quad_max(m_new);
-        // a row that has seen only masked scores: subtract 0, not -inf (-inf - -inf = NaN); P = 0, acc = l = 0
-        const T m_use = m_new == R::neg_inf() ? T(0) : m_new;
+        // a row that has seen only masked scores: subtract 0, not -inf (-inf - -inf = NaN); P = 0, acc = l = 0;
+        // an infinite score (+inf) likewise, as the float64 reference: lse = +inf, not NaN
+        const T m_use = (m_new == R::neg_inf() || m_new == -R::neg_inf()) ? T(0) : m_new;
         if (m_new != m_i[row]) {  // rescale only when the max moved
           const T alpha = R::ex(m_i[row] - m_use);
           l_i[row] *= alpha;

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import emulate
+from cuflash import emulate, reference
 from cuflash.backends import emulate as emulate_backend
 from cuflash.problem import check_backward as flatten_backward
 from cuflash.problem import make_problem
@@ -52,3 +52,23 @@ def kernel_grads(case, deterministic, schedule=None, seed=None, **kw):
     d, o, l = flatten_backward(problem, case.dout, out, lse)
     return emulate_backend.backward(problem, d, o, l, deterministic=deterministic, schedule=schedule, seed=seed,
                                     **kw)
+
+
+def infinite_key_case(dtype):
+    """q, k, v of ``dtype`` with one +inf element in a key."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 70, 2, 64)).astype(dtype) for _ in range(3))
+    k[0, 33, 1, 7] = np.inf  # rows with q[..., 7] > 0 score +inf there, rows with q[..., 7] < 0 score -inf
+    return q, k, v
+
+
+def check_infinite_scores(out, lse, q, k, v):
+    """An infinite score follows the float64 reference: +inf gives lse = +inf and a NaN row (inf / inf), not the
+    inf - inf = NaN lse; -inf is a masked score (finite results)."""
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    sees = (np.arange(70) >= 33) & (q[0, :, 1, 7] > 0)
+    assert sees.any() and (~sees[33:]).any()
+    assert np.array_equal(np.isposinf(lse[0, 1]), sees) and np.array_equal(np.isposinf(ref_lse[0, 1]), sees)
+    assert np.array_equal(np.isnan(lse), np.isnan(ref_lse)) and np.array_equal(np.isnan(out), np.isnan(ref_out))
+    finite = np.isfinite(ref_lse)
+    assert np.isfinite(lse[finite]).all() and np.isfinite(out[0, ~sees, 1]).all()

@@ -21,7 +21,8 @@ from cuflash.testing import Case, assert_attention_close, attention_cases
 from golden import golden_cases
 from fwd_cases import bf16, check_forward, feature_cases, make_case
 
-from emulated_support import DTYPES, emulated, pytestmark  # noqa: F401  (pytestmark marks the module)
+from emulated_support import (DTYPES, check_infinite_scores, emulated, infinite_key_case,  # noqa: F401
+                               pytestmark)
 
 
 def _dtype(d):
@@ -171,6 +172,12 @@ def test_mask_cuh_matches_python_rule(sq, sk, len_q, len_k, left, right):
             cols = np.arange(n * bn, (n + 1) * bn)  # may run past sk: those keys are not visible
             full = bool(visible(rows[:, None], cols[None, :], len_q, len_k, left, right).all()) if rows.size else True
             assert bool(interior[m, n]) == full, (m, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_infinite_score_gives_lse_inf_as_the_reference(dtype):
+    q, k, v = infinite_key_case(_dtype(dtype))
+    check_infinite_scores(*emulated(q, k, v, causal=True), q, k, v)
 
 
 def test_nan_key_poisons_exactly_the_rows_that_see_it():

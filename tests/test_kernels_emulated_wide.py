@@ -31,6 +31,7 @@ from cuflash.testing import Case, attention_cases
 import wide_support as ws
 from fwd_cases import make_case
 
+from emulated_support import check_infinite_scores, infinite_key_case  # noqa: I001
 from emulated_support import pytestmark  # noqa: F401  (pytestmark marks the module)
 
 # mode id -> (dtype, precision, emulated compute capability)
@@ -364,3 +365,11 @@ def test_dispatch_precision_and_dtypes():
     # the NumPy backend takes the option and computes float32 in float32
     a = cuflash.attention(q + 1, q, q, precision="tf32")
     assert a.dtype == np.float32
+
+
+@pytest.mark.parametrize("mode_id", ["f32-ieee", "f64-dmma"])
+def test_an_infinite_score_gives_lse_inf_as_the_reference(mode_id, monkeypatch):
+    dtype, precision, cc = MODES[mode_id]
+    monkeypatch.setenv("CUFLASH_EMULATE_ARCH", str(cc))
+    q, k, v = infinite_key_case(np.dtype(dtype))
+    check_infinite_scores(*fwd(q, k, v, causal=True, precision=precision), q, k, v)
