@@ -27,9 +27,9 @@ from cuflash.cuda.source import kernel_source
 from cuflash.cuda.specs import KernelSpec
 from cuflash.testing import Case, attention_cases, check_forward
 
-import bwd_cases
+import cases
 import fake_cupy
-from fwd_cases import bf16, feature_cases, make_case
+from cases import bf16, feature_cases, make_case
 
 _ok, _why = emulate.available()
 pytestmark = [pytest.mark.emulate, pytest.mark.skipif(not _ok, reason=f"CPU emulation unavailable: {_why}")]
@@ -336,7 +336,7 @@ def test_backward_feature(cp, name, deterministic):
     case = FEATURES[name]
     out, lse = gpu_forward(cp)(case.q, case.k, case.v, **case.options)
     n = len(cp._launches)
-    dq, dk, dv = bwd_cases.check_backward(gpu_backward(cp, deterministic), case, out, lse)
+    dq, dk, dv = cases.check_backward(gpu_backward(cp, deterministic), case, out, lse)
     assert dq.dtype == dk.dtype == dv.dtype == np.float16
     assert names(cp._launches[n:]) == bwd_names("float16", case.q.shape[-1], deterministic)
     main = specs.select("bwd", "float16", case.q.shape[-1], 227 * 1024)
@@ -386,7 +386,7 @@ def test_several_batch_dimensions(cp):
                                 "seqlens_k": rng.integers(0, 61, (2, 3)).astype(np.int32)})
     out, lse = check_forward(gpu_forward(cp), case)
     assert lse.shape == (2, 3, 4, 45)
-    dq, dk, dv = bwd_cases.check_backward(gpu_backward(cp, False), case, out, lse)
+    dq, dk, dv = cases.check_backward(gpu_backward(cp, False), case, out, lse)
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
     assert cp._launches[0].grid == (1, 4, 6)  # one query tile, 4 heads, 6 flattened sequences
 
@@ -401,7 +401,7 @@ def test_hypothesis(cp, case):
     from cuflash import testing
 
     out, lse = check_forward(gpu_forward(cp), case)
-    check = testing.check_backward if case.options.get("dropout_p") else bwd_cases.check_backward
+    check = testing.check_backward if case.options.get("dropout_p") else cases.check_backward
     check(gpu_backward(cp, deterministic=bool(case.q.shape[-1] % 2)), case, out, lse)
 
 
@@ -415,7 +415,7 @@ def test_bf16_ml_dtypes(cp, name):
     case = Case(*(a.astype(bf16()) for a in (case.q, case.k, case.v, case.dout)), options=case.options)
     out, lse = check_forward(gpu_forward(cp), case)
     assert out.dtype == bf16()
-    dq, dk, dv = bwd_cases.check_backward(gpu_backward(cp, name == "odd_head_dim_59"), case, out, lse)
+    dq, dk, dv = cases.check_backward(gpu_backward(cp, name == "odd_head_dim_59"), case, out, lse)
     assert dq.dtype == bf16()
 
 
@@ -445,7 +445,7 @@ def test_bf16_as_uint16_bits(make_fake, deterministic):
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, dtype="bfloat16", deterministic=deterministic, **opts)
     assert all(g.dtype == np.uint16 for g in grads)
     host_grads = tuple(g.get().view(bf16()) for g in grads)
-    bwd_cases.check_backward(lambda *a, **o: host_grads, case, host_out, lse.get())
+    cases.check_backward(lambda *a, **o: host_grads, case, host_out, lse.get())
     if deterministic:  # the atomic dQ may differ in its last bits from run to run; dK, dV never do
         assert np.array_equal(host_grads[0].view(np.uint16), want_grads[0].view(np.uint16))
     for g, w in zip(host_grads[1:], want_grads[1:]):

@@ -18,7 +18,7 @@ from cuflash.cuda import params, specs
 
 import fake_cupy
 import wide_support as ws
-from fwd_cases import make_case
+from cases import make_case
 from test_cuda_backend_fake import cp, make_fake, modules, on_device, pytestmark  # noqa: F401  (fixtures, marks)
 
 

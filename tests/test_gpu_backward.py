@@ -15,9 +15,8 @@ from cuflash.problem import check_backward as flatten_backward
 from cuflash.problem import make_problem
 from cuflash.testing import Case, attention_cases
 
-from bwd_cases import assert_bitwise_equal_runs, check_backward, check_golden_grads, host
+from cases import assert_bitwise_equal_runs, bf16, check_backward, check_golden_grads, feature_cases, host, make_case
 from golden import golden_cases
-from fwd_cases import bf16, feature_cases, make_case
 
 import gpu_support  # noqa: E402
 

@@ -16,10 +16,8 @@ import cuflash
 from cuflash.cuda import specs
 from cuflash.testing import attention_cases
 
-from bwd_cases import assert_bitwise_equal_runs, check_backward, host
-from bwd_dropout_cases import check_dv_keep_mask
-from dropout_cases import SEED, dropout_case, dropout_feature_cases
-from fwd_cases import bf16, make_case
+from cases import (SEED, assert_bitwise_equal_runs, bf16, check_backward, check_dv_keep_mask, dropout_case,
+                   dropout_feature_cases, host, make_case)
 
 import gpu_support  # noqa: E402
 

@@ -12,8 +12,7 @@ from hypothesis import HealthCheck, given, settings
 import cuflash
 from cuflash.testing import attention_cases
 
-from dropout_cases import SEED, check_keep_mask, dropout_feature_cases
-from fwd_cases import bf16, check_forward, make_case
+from cases import SEED, bf16, check_forward, check_keep_mask, dropout_feature_cases, make_case
 
 import gpu_support  # noqa: E402
 

@@ -15,7 +15,7 @@ from cuflash.cuda import specs
 from cuflash.testing import Case, assert_attention_close, attention_cases
 
 from golden import golden_cases
-from fwd_cases import bf16, check_forward, feature_cases, make_case
+from cases import bf16, check_forward, feature_cases, make_case
 
 import gpu_support  # noqa: E402
 

@@ -21,7 +21,7 @@ from cuflash.testing import attention_cases
 
 import gpu_support  # noqa: E402
 import wide_support as ws
-from fwd_cases import make_case
+from cases import make_case
 from test_kernels_emulated_wide import as_mode, feature_cases, _with_float_operands
 
 cp, pytestmark, _ = gpu_support.setup()

@@ -19,7 +19,7 @@ from cuflash.problem import key_range, make_problem, visible
 from cuflash.testing import Case, assert_attention_close, attention_cases
 
 from golden import golden_cases
-from fwd_cases import bf16, check_forward, feature_cases, make_case
+from cases import bf16, check_forward, feature_cases, make_case
 
 from emulated_support import (DTYPES, check_infinite_scores, emulated, infinite_key_case,  # noqa: F401
                                pytestmark)

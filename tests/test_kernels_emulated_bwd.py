@@ -15,9 +15,9 @@ from cuflash.cuda import specs
 from cuflash.cuda.specs import KernelSpec
 from cuflash.testing import Case, attention_cases
 
-import bwd_cases
+import cases
 from golden import golden_cases
-from fwd_cases import bf16, feature_cases, make_case
+from cases import bf16, feature_cases, make_case
 
 from emulated_support import emulated_backward, forward, kernel_grads, pytestmark  # noqa: F401  (pytestmark marks the module)
 
@@ -33,9 +33,9 @@ needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="ml_dtypes not installed")
 
 
 def check_backward(fn, case: Case):
-    """The 3x same-dtype rule (bwd_cases.check_backward) with out and lse from the emulated forward kernel."""
+    """The 3x same-dtype rule (cases.check_backward) with out and lse from the emulated forward kernel."""
     out, lse = forward(case)
-    return bwd_cases.check_backward(fn, case, out, lse)
+    return cases.check_backward(fn, case, out, lse)
 
 
 def as_dtype(case, dtype):
@@ -114,7 +114,7 @@ def test_every_table_row(spec):
 @pytest.mark.parametrize("name,case,gold_out,gold_lse", golden_cases())
 def test_golden(name, case, gold_out, gold_lse):
     out, lse = forward(case)
-    bwd_cases.check_golden_grads(emulated_backward()(case.dout, case.q, case.k, case.v, out, lse, **case.options),
+    cases.check_golden_grads(emulated_backward()(case.dout, case.q, case.k, case.v, out, lse, **case.options),
                                  case, name)
 
 
@@ -139,7 +139,7 @@ def test_deterministic_is_bitwise_reproducible_across_runs_and_schedules():
     spec, dq_spec = SMALL_SPECS["split1"]
     runs = [kernel_grads(case, True, schedule=s, seed=3, spec=spec, dq_spec=dq_spec)
             for s in ("forward", "forward", "reverse", "random")]
-    bwd_cases.assert_bitwise_equal_runs(runs)
+    cases.assert_bitwise_equal_runs(runs)
 
 
 def test_default_mode_agrees_with_deterministic():

@@ -28,10 +28,8 @@ from cuflash.cuda.specs import KernelSpec
 from cuflash.problem import make_problem
 from cuflash.testing import attention_cases
 
-import bwd_cases
-from bwd_dropout_cases import check_dv_keep_mask
-from dropout_cases import SEED, dropout_case, dropout_feature_cases
-from fwd_cases import bf16, make_case
+import cases
+from cases import SEED, bf16, check_dv_keep_mask, dropout_case, dropout_feature_cases, make_case
 
 from emulated_support import DTYPES, forward, emulated_backward, kernel_grads, pytestmark  # noqa: F401  (pytestmark marks the module)
 MODES = pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
@@ -48,7 +46,7 @@ SMALL_SPECS = {  # S^T 4 n-tiles, dq 16 rows; 2 n-tiles, dq 32 rows; 2 n-tiles, 
 
 def check_backward(fn, case):
     out, lse = forward(case)
-    return bwd_cases.check_backward(fn, case, out, lse)
+    return cases.check_backward(fn, case, out, lse)
 
 
 def as_dtype(case, dtype):
@@ -138,7 +136,7 @@ def test_deterministic_with_dropout_is_bitwise_reproducible():
     spec, dq_spec = SMALL_SPECS["split1"]
     runs = [kernel_grads(case, True, schedule=s, seed=3, spec=spec, dq_spec=dq_spec)
             for s in ("forward", "forward", "reverse", "random")]
-    bwd_cases.assert_bitwise_equal_runs(runs)
+    cases.assert_bitwise_equal_runs(runs)
     # and the default mode computes the same dK, dV bit for bit (dQ up to the order of the fp32 atomics)
     a = kernel_grads(case, False, schedule="random", seed=1, spec=spec, dq_spec=dq_spec)
     assert np.array_equal(a[1].view(np.uint16), runs[0][1].view(np.uint16))
@@ -163,7 +161,7 @@ def test_threshold_zero_equals_no_dropout_bitwise(deterministic):
     a = kernel_grads(case, deterministic)
     case.options.update(dropout_p=p, seed=5)
     b = kernel_grads(case, deterministic)
-    bwd_cases.assert_bitwise_equal_runs([a, b])
+    cases.assert_bitwise_equal_runs([a, b])
 
 
 def test_public_api_backward_and_vjp_with_drawn_seed():
@@ -179,4 +177,4 @@ def test_public_api_backward_and_vjp_with_drawn_seed():
     # and attention_backward with that seed computes them again, bit for bit
     again = cuflash.attention_backward(case.dout, case.q, case.k, case.v, out, lse, deterministic=True,
                                        backend="emulate", **case.options)
-    bwd_cases.assert_bitwise_equal_runs([grads, again])
+    cases.assert_bitwise_equal_runs([grads, again])

@@ -21,8 +21,7 @@ from cuflash.dropout import threshold
 from cuflash.problem import make_problem
 from cuflash.testing import attention_cases
 
-from dropout_cases import SEED, check_keep_mask, dropout_case, dropout_feature_cases
-from fwd_cases import bf16, check_forward, make_case
+from cases import SEED, bf16, check_forward, check_keep_mask, dropout_case, dropout_feature_cases, make_case
 
 from emulated_support import DTYPES, emulated, pytestmark  # noqa: F401  (pytestmark marks the module)
 

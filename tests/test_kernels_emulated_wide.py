@@ -29,7 +29,7 @@ from cuflash.problem import make_problem
 from cuflash.testing import Case, attention_cases
 
 import wide_support as ws
-from fwd_cases import make_case
+from cases import make_case
 
 from emulated_support import check_infinite_scores, infinite_key_case  # noqa: I001
 from emulated_support import pytestmark  # noqa: F401  (pytestmark marks the module)

@@ -11,7 +11,7 @@ from cuflash import BlockMask, reference
 from cuflash.testing import Case, attention_cases, check_backward, check_forward
 
 from emulated_support import emulated, emulated_backward
-from fwd_cases import make_case
+from cases import make_case
 
 _emulate_ok, _why = cuflash.emulate.available()
 needs_emulator = pytest.mark.skipif(not _emulate_ok, reason=f"CPU emulation unavailable: {_why}")

@@ -22,7 +22,7 @@ import cuflash  # noqa: E402
 from cuflash import reference  # noqa: E402
 
 import wide_support as ws  # noqa: E402
-from fwd_cases import make_case  # noqa: E402
+from cases import make_case  # noqa: E402
 
 MODES = [("float32", "ieee", 80), ("float32", "3xtf32", 80), ("float32", "tf32", 80), ("float64", "ieee", 80),
          ("float64", "ieee", 86)]

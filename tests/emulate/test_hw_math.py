@@ -96,7 +96,7 @@ def test_hw_math_from_the_environment(monkeypatch):
 
 
 def test_forward_attention_in_hw_math_mode_holds_the_accuracy_rule(monkeypatch):
-    from fwd_cases import make_case
+    from cases import make_case
 
     case = make_case(2, 130, 150, 2, 1, 64, np.float16, causal=True)
 
