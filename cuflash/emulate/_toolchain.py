@@ -1,7 +1,6 @@
 """Finding what the emulator needs on this machine: a GNU C++ compiler and the CUDA headers."""
 from __future__ import annotations
 
-import functools
 import glob
 import os
 import shutil
@@ -84,8 +83,21 @@ def find() -> tuple[Toolchain | None, str]:
     return _find(_env.get("CUFLASH_EMULATE_CXX"))
 
 
-@functools.lru_cache(maxsize=None)
-def _find(cxx: str | None) -> tuple[Toolchain | None, str]:  # cached per configured compiler
+_FOUND: dict[str | None, tuple[Toolchain, str]] = {}  # per configured compiler; only toolchains that work
+
+
+def _find(cxx: str | None) -> tuple[Toolchain | None, str]:
+    """Cached when found. A failure is not cached: a probe that timed out on a loaded machine must not make every
+    later emulated launch of the process fail."""
+    if cxx not in _FOUND:
+        found = _probe(cxx)
+        if found[0] is None:
+            return found
+        _FOUND[cxx] = found  # type: ignore[assignment]
+    return _FOUND[cxx]
+
+
+def _probe(cxx: str | None) -> tuple[Toolchain | None, str]:
     if not sys.platform.startswith("linux"):
         return None, f"the CPU emulator needs Linux (this is {sys.platform})"
     compiler = _compiler(cxx)

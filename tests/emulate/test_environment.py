@@ -150,3 +150,21 @@ def test_the_readme_table_is_the_variables_table():
     readers = [p for p in (root / "cuflash").rglob("*.py")
                if p.name != "_env.py" and re.search(r"environ(\.get)?\(?\[?[\"']CUFLASH_", p.read_text())]
     assert readers == [], f"read CUFLASH_* variables outside cuflash._env: {readers}"
+
+
+def test_a_failed_compiler_probe_is_tried_again(monkeypatch):
+    """A probe that failed (a timeout on a loaded machine) is not remembered: the next launch probes again, and a
+    toolchain once found is kept."""
+    from cuflash.emulate import _toolchain
+
+    real, calls = _toolchain._probe, []
+
+    def flaky(cxx):
+        calls.append(cxx)
+        return (None, "timed out") if len(calls) == 1 else real(cxx)
+
+    monkeypatch.setattr(_toolchain, "_probe", flaky)
+    monkeypatch.setattr(_toolchain, "_FOUND", {})
+    assert _toolchain._find("g++") == (None, "timed out")
+    found = _toolchain._find("g++")
+    assert found[0] is not None and _toolchain._find("g++") == found and len(calls) == 2
