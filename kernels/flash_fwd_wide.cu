@@ -50,9 +50,9 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_fwd_wide_kernel(const __g
   const ScorePos pos{blk.batch, blk.head, blk.len_q, blk.len_k};
   const long long q_row_stride = p.q.row_stride, k_row_stride = p.k.row_stride, v_row_stride = p.v.row_stride;
   const int head_dim = p.head_dim;
-  const T* q_i = p.q.at<const T>(blk.batch, blk.head) + blk.row_begin * q_row_stride;
-  const T* k_bh = p.k.at<const T>(blk.batch, blk.head_kv);
-  const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv);
+  const T* q_i = p.q.at<const T>(blk.batch, blk.head, blk.q0 + blk.row_begin);
+  const T* k_bh = p.k.at<const T>(blk.batch, blk.head_kv, blk.k0);
+  const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv, blk.k0);
 
   KeyTiles tiles;
   plan_key_tiles(tiles, blk, p.mask);
@@ -139,10 +139,11 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_fwd_wide_kernel(const __g
 #pragma unroll
   for (int r = 0; r < kMT * kH; ++r) inv_l[r] *= rescale;  // exact (x * 1) without dropout
 
-  T* o_i = p.o.at<T>(blk.batch, blk.head);
-  T* lse_i = wide::stats<T>(p.lse) + blk.batch * p.stats_batch_stride + blk.head * p.stats_head_stride;
+  // Rows [len_q, rows_q) of a padded batch get out = 0, lse = -inf; a packed sequence writes only its own rows.
+  T* o_i = p.o.at<T>(blk.batch, blk.head, blk.q0);
+  T* lse_i = wide::stats<T>(p.lse) + blk.stats(p) + blk.head * p.stats_head_stride;
   const long long o_row_stride = p.o.row_stride;
-  const int seqlen_q = p.seqlen_q;
+  const int seqlen_q = blk.rows_q(p);
 #pragma unroll
   for (int mi = 0; mi < kMT; ++mi) {
     const int r0 = row0 + kTM * mi;

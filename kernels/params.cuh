@@ -21,6 +21,12 @@ struct TensorArg {
   __device__ __forceinline__ T* at(long long batch, long long head) const {
     return static_cast<T*>(ptr) + batch * batch_stride + head * head_stride;
   }
+  // Row `row` of (batch, head): in a packed (varlen) batch batch_stride is 0 and `row` counts from the first token
+  // of the pack (SeqSpan in block_info.cuh adds the sequence's offset).
+  template <typename T>
+  __device__ __forceinline__ T* at(long long batch, long long head, long long row) const {
+    return at<T>(batch, head) + row * row_stride;
+  }
 };
 
 // A BlockMask's schedule as a kernel reads it (cuflash/cuda/launch.py): per (batch|1, head|1, tile) the sorted list of
@@ -66,8 +72,10 @@ struct WideArg {
 struct Params {
   // q, dout, dq: (B, Sq, Hq, ld); k, v, dk, dv: (B, Sk, Hkv, ld); o: like q; dq_accum: fp32 like q, or null.
   TensorArg q, k, v, o, dout, dq, dk, dv, dq_accum;
-  // (B, Hq, Sq) fp32 rows of statistics with row stride 1: lse (natural log, the forward's output), and the
-  // backward's lse * log2(e) and D = rowsum(dO o O). (The float64 kernels read these, dq_accum and mods.dbias as
+  // In a packed (varlen) batch they are (total, H, ld) with batch_stride 0, and sequence b's rows start at
+  // cu_seqlens_q/k[b] (FA2's layout, see SeqSpan in block_info.cuh).
+  // (B, Hq, Sq) fp32 rows of statistics with row stride 1 (packed: (Hq, total_q), stats_batch_stride 0): lse
+  // (natural log, the forward's output), and the backward's lse * log2(e) and D = rowsum(dO o O). (The float64 kernels read these, dq_accum and mods.dbias as
   // float64 arrays: the pointer types here are the 16/32-bit kernels'.)
   float* lse;
   float* lse_log2;
@@ -75,6 +83,8 @@ struct Params {
   long long stats_batch_stride, stats_head_stride;
   const int* seqlens_q;  // int32 (B,) own lengths, or null for the full lengths
   const int* seqlens_k;
+  const int* cu_seqlens_q;  // int32 (B + 1,) offsets of a packed (varlen) batch, or null for a padded batch; then
+  const int* cu_seqlens_k;  // seqlen_q/k are the largest lengths (max_seqlen_q/k: the grid's extent)
   int seqlen_q, seqlen_k;
   int head_dim;      // columns read and written (a multiple of 8, <= the specialization's head dim)
   int heads_per_kv;  // GQA/MQA group size

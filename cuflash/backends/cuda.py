@@ -29,9 +29,10 @@ MAX_HEAD_DIM = specs.NATIVE_HEAD_DIMS[-1]
 BF16_BITS = True
 MODIFIERS = True  # score and mask modifiers compiled into the kernels (cuflash/cuda/modcode.py)
 ARRAYS = "cupy"
-#: ragged batches (cuflash.attention_varlen) and KV caches (cuflash.attention_with_kvcache): the kernels do not
-#: read cumulative offsets, page tables or split the key range yet, so select() refuses those problems here
-VARLEN = False
+#: ragged batches (cuflash.attention_varlen): the kernels read cu_seqlens themselves (forward_varlen,
+#: backward_varlen). KV caches (cuflash.attention_with_kvcache): no page tables or split key ranges in the kernels
+#: yet, so select() refuses those problems here
+VARLEN = True
 KVCACHE = False
 
 #: compiled by available(): both element types' headers, a template instantiation and a load on the device, the
@@ -153,6 +154,29 @@ def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=Fal
     _, cc, max_smem = _device()
     bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=max_smem,
                                   dbias=dbias, cc=cc)
+    for launch in bl.launches:
+        run(launch)
+    return bl.result()
+
+
+def forward_varlen(problem, *, spec=None):
+    """``(out (total_q, Hq, D), lse (Hq, total_q))`` of a :class:`~cuflash.problem.VarlenProblem` on the current
+    stream: the forward kernel over the packed arrays (:func:`cuflash.cuda.launch.forward_varlen_launch`)."""
+    _check_devices(problem, cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k)
+    _, cc, max_smem = _device()
+    fl = launches.forward_varlen_launch(problem, max_smem=max_smem, spec=spec, cc=cc)
+    if fl.launch is not None:
+        run(fl.launch)
+    return fl.result()
+
+
+def backward_varlen(problem, dout, out, lse, *, deterministic=False):
+    """``(dq, dk, dv)`` packed like ``q``, ``k``, ``v`` on the current stream
+    (:func:`cuflash.cuda.launch.backward_varlen_launch`)."""
+    _check_devices(problem, dout=dout, out=out, lse=lse)
+    _, cc, max_smem = _device()
+    bl = launches.backward_varlen_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=max_smem,
+                                         cc=cc)
     for launch in bl.launches:
         run(launch)
     return bl.result()

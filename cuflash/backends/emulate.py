@@ -18,9 +18,10 @@ MAX_HEAD_DIM = specs.NATIVE_HEAD_DIMS[-1]
 BF16_BITS = True
 MODIFIERS = True  # score and mask modifiers compiled into the kernels (cuflash/cuda/modcode.py)
 ARRAYS = "numpy"
-#: ragged batches (cuflash.attention_varlen) and KV caches (cuflash.attention_with_kvcache): the kernels do not
-#: read cumulative offsets, page tables or split the key range yet, so select() refuses those problems here
-VARLEN = False
+#: ragged batches (cuflash.attention_varlen): the kernels read cu_seqlens themselves (forward_varlen,
+#: backward_varlen). KV caches (cuflash.attention_with_kvcache): no page tables or split key ranges in the kernels
+#: yet, so select() refuses those problems here
+VARLEN = True
 KVCACHE = False
 
 
@@ -65,6 +66,29 @@ def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=Fal
 
     bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=_max_smem(),
                                   spec=spec, dq_spec=dq_spec, dbias=dbias, cc=_cc())
+    for launch in bl.launches:
+        emulate.launch(launch, schedule=schedule, seed=seed)
+    return bl.result()
+
+
+def forward_varlen(problem, *, schedule=None, seed=None, spec=None):
+    """``(out (total_q, Hq, D), lse (Hq, total_q))`` of a :class:`~cuflash.problem.VarlenProblem` through the emulated
+    forward kernel (:func:`cuflash.cuda.launch.forward_varlen_launch`)."""
+    from .. import emulate
+
+    fl = launches.forward_varlen_launch(problem, max_smem=_max_smem(), spec=spec, cc=_cc())
+    if fl.launch is not None:
+        emulate.launch(fl.launch, schedule=schedule, seed=seed)
+    return fl.result()
+
+
+def backward_varlen(problem, dout, out, lse, *, deterministic=False, schedule=None, seed=None, spec=None,
+                    dq_spec=None):
+    """``(dq, dk, dv)`` packed like ``q``, ``k``, ``v`` through the emulated backward kernels."""
+    from .. import emulate
+
+    bl = launches.backward_varlen_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=_max_smem(),
+                                         spec=spec, dq_spec=dq_spec, cc=_cc())
     for launch in bl.launches:
         emulate.launch(launch, schedule=schedule, seed=seed)
     return bl.result()
