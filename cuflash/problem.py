@@ -721,6 +721,12 @@ class KVCacheProblem:
     """
 
     kind = "kvcache"
+    #: what the kernels' launch code reads of a padded Problem: no BlockMask or dropout in a KV-cache call, and
+    #: float32 runs in IEEE arithmetic
+    block_mask = None
+    precision = "ieee"
+    dropout_p = 0.0
+    seed = None
 
     xp: Any
     q: Any

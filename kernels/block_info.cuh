@@ -96,7 +96,9 @@ struct SeqRows {
   __device__ __forceinline__ long long stats(const Params& p) const { return batch * p.stats_batch_stride + q0; }
 };
 
-template <class Traits>
+// kSplitKV: the forward kernels, whose grid z may be batch * num_splits (params.cuh, SplitArg); the backward's dq
+// kernel has grid z = batch and no split code (its registers are spoken for).
+template <class Traits, bool kSplitKV = false>
 struct BlockInfo : SeqRows {
   int head, head_kv;
   int m_block, row_begin;  // query tile index and its first row
@@ -108,7 +110,9 @@ struct BlockInfo : SeqRows {
     head = blockIdx.y;
     head_kv = head / p.heads_per_kv;  // GQA/MQA: query heads share a kv head, no K/V copies
     row_begin = m_block * Traits::kBlockM;
-    set(SeqSpan(p, blockIdx.z), blockIdx.z);
+    const int splits = kSplitKV && p.split.num_splits > 1 ? p.split.num_splits : 1;  // grid z = batch * splits
+    const int b = blockIdx.z / splits;
+    set(SeqSpan(p, b), b);
     vis = Visibility::make(len_q, len_k, p.window_left, p.window_right);
     const int key_begin = vis.key_begin(row_begin);
     const int key_end = vis.key_end(row_begin, row_begin + Traits::kBlockM);
@@ -117,6 +121,16 @@ struct BlockInfo : SeqRows {
       n_end = (key_end + Traits::kBlockN - 1) / Traits::kBlockN;
     } else {
       n_begin = n_end = 0;  // this tile sees nothing (past len_q, or outside the window): out = 0, lse = -inf
+    }
+    if (kSplitKV && splits > 1) {
+      // Split-KV (flash-decoding): split s takes key tiles [s * per, (s + 1) * per) of the sequence, per = the
+      // sequence's tiles / splits rounded up, intersected with the visible range; an empty share leaves out = 0,
+      // lse = -inf, which the combine weighs 0.
+      const int split = blockIdx.z - b * splits;
+      const int per = ((len_k + Traits::kBlockN - 1) / Traits::kBlockN + splits - 1) / splits;
+      n_begin = max(n_begin, split * per);
+      n_end = min(n_end, (split + 1) * per);
+      if (n_end <= n_begin) n_begin = n_end = 0;
     }
   }
 

@@ -69,6 +69,26 @@ struct WideArg {
   double scale, rescale;  // softmax scale, dropout's 1/(1-p) (1 without dropout)
 };
 
+// A paged KV cache (the forward of attention_with_kvcache, kv_tile.cuh): k/v are (num_pages, page_size, Hkv, ld) with
+// batch_stride = the page stride, and sequence b's key position pos lives in page
+// block_table[b * table_stride + pos / page_size]. Null block_table: k/v are indexed by batch.
+struct PagedArg {
+  const int* block_table;
+  long long table_stride;
+  int page_size;
+};
+
+// Split-KV (flash-decoding, the forward of attention_with_kvcache): num_splits > 1 thread blocks per query tile
+// (grid z = batch * num_splits) each take a share of the key tiles and write their normalized partial out and lse
+// to workspaces in the accumulator type (float; double for float64), laid out like o and lse with one slab per
+// split; combine.cuh merges them. num_splits <= 1: no split, the forward writes o and lse itself.
+struct SplitArg {
+  void* o_accum;
+  void* lse_accum;
+  long long o_split_stride, lse_split_stride;
+  int num_splits;
+};
+
 struct Params {
   // q, dout, dq: (B, Sq, Hq, ld); k, v, dk, dv: (B, Sk, Hkv, ld); o: like q; dq_accum: fp32 like q, or null.
   TensorArg q, k, v, o, dout, dq, dk, dv, dq_accum;
@@ -95,6 +115,8 @@ struct Params {
   DropoutArg dropout;
   ModArgs mods;
   WideArg wide;
+  PagedArg paged;
+  SplitArg split;
 };
 
 }  // namespace cuflash

@@ -631,3 +631,38 @@ def test_varlen_wide_and_empty(cp):
     out, lse = cuflash.attention_varlen(empty, empty, empty, cu, cu, return_lse=True)
     grads = cuflash.attention_varlen_backward(out, empty, empty, empty, out, lse, cu, cu)
     assert len(cp._launches) == n and out.shape == (0, 2, 16) and all(g.shape == (0, 2, 16) for g in grads)
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache: contiguous and paged caches, split-KV and its combine
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_forward_and_split_combine(cp, paged):
+    """attention_with_kvcache on device arrays: the append lands in the device cache; one forward launch (grid z =
+    batch x splits) and, split, the combine after it; bitwise what backend="emulate" computes (the same launches)."""
+    from test_kvcache import Cache
+
+    rng = np.random.default_rng(23)
+    cache = Cache(rng, 2, 200, 2, 40, np.float16, page_size=24 if paged else None)
+    q = rng.standard_normal((2, 1, 4, 40)).astype(np.float16)
+    k_new, v_new = (rng.standard_normal((2, 1, 2, 40)).astype(np.float16) for _ in range(2))
+    lens = np.array([150, 7], np.int32)
+    table = None if cache.block_table is None else cp.asarray(cache.block_table)
+    for splits in (1, 3):
+        k_dev, v_dev = cp.asarray(cache.k), cp.asarray(cache.v)
+        n = len(cp._launches)
+        out, lse = cuflash.attention_with_kvcache(cp.asarray(q), k_dev, v_dev, cache_seqlens=cp.asarray(lens),
+                                                  k_new=cp.asarray(k_new), v_new=cp.asarray(v_new),
+                                                  block_table=table, num_splits=splits, return_lse=True)
+        fwd = specs.select("fwd", "float16", 40, 227 * 1024)
+        assert [launch.grid for launch in cp._launches[n:]] == [(1, 4, 2 * splits)] + ([(1, 4, 2)] if splits > 1
+                                                                                       else [])
+        if paged:
+            assert inside(pointer(cp._launches[n], "paged.block_table"), table)
+        k_host, v_host = cache.k.copy(), cache.v.copy()
+        want = cuflash.attention_with_kvcache(q, k_host, v_host, cache_seqlens=lens, k_new=k_new, v_new=v_new,
+                                              block_table=cache.block_table, num_splits=splits, return_lse=True,
+                                              backend="emulate")
+        assert np.array_equal(k_dev.get(), k_host) and np.array_equal(v_dev.get(), v_host)
+        assert np.array_equal(out.get(), want[0]) and np.array_equal(lse.get(), want[1])
+        assert cp._launches[n].shared_mem == fwd.smem_bytes

@@ -19,10 +19,10 @@ BF16_BITS = True
 MODIFIERS = True  # score and mask modifiers compiled into the kernels (cuflash/cuda/modcode.py)
 ARRAYS = "numpy"
 #: ragged batches (cuflash.attention_varlen): the kernels read cu_seqlens themselves (forward_varlen,
-#: backward_varlen). KV caches (cuflash.attention_with_kvcache): no page tables or split key ranges in the kernels
-#: yet, so select() refuses those problems here
+#: backward_varlen). KV caches (cuflash.attention_with_kvcache, forward_kvcache): contiguous or paged (the K/V loads
+#: go through the block table), split-KV with a combine kernel; the append of k_new/v_new is an array copy.
 VARLEN = True
-KVCACHE = False
+KVCACHE = True
 
 
 def available():
@@ -92,3 +92,18 @@ def backward_varlen(problem, dout, out, lse, *, deterministic=False, schedule=No
     for launch in bl.launches:
         emulate.launch(launch, schedule=schedule, seed=seed)
     return bl.result()
+
+
+def forward_kvcache(problem, *, num_splits_sm_count=108, schedule=None, seed=None, spec=None):
+    """Append ``k_new``/``v_new`` into the caches (an array copy), then ``(out (B, Sq, Hq, D), lse (B, Hq, Sq))``
+    through the emulated KV-cache forward (and split-KV combine) kernels. ``num_splits_sm_count``: the SM count the
+    ``num_splits=None`` heuristic assumes (108, an A100's)."""
+    from .. import emulate
+    from .numpy import append_kvcache
+
+    append_kvcache(problem)
+    kl = launches.forward_kvcache_launch(problem, max_smem=_max_smem(), sm_count=num_splits_sm_count, spec=spec,
+                                         cc=_cc())
+    for launch in kl.launches:
+        emulate.launch(launch, schedule=schedule, seed=seed)
+    return kl.result()

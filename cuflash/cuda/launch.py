@@ -456,3 +456,92 @@ def backward_varlen_launch(problem, dout, out, lse, *, deterministic: bool = Fal
     else:
         launches.append(helper(convert))
     return BackwardLaunch(tuple(launches), dq, dk, dv, d)
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache (attention_with_kvcache): the forward over a contiguous or paged cache, split-KV and its combine
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVCacheLaunch:
+    """The launches of one KV-cache forward (the forward kernel; with split-KV the combine after it) and the arrays
+    they write; :meth:`result` gives ``(out (B, Sq, Hq, D), lse (B, Hq, Sq))``."""
+
+    launches: tuple
+    out: Any
+    lse: Any
+    head_dim: int
+    num_splits: int
+
+    def result(self):
+        return ForwardLaunch(None, self.out, self.lse, self.head_dim).result()
+
+
+def forward_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_count: int = 108,
+                           spec: Optional[specs.KernelSpec] = None, cc: int = 80) -> KVCacheLaunch:
+    """The KV-cache forward for a :class:`~cuflash.problem.KVCacheProblem` whose new tokens are already appended.
+
+    Sequence b's queries attend to its first ``cache_seqlens[b] + S_new`` cache positions: the padded forward with
+    those as seqlens_k over the cache (``seqlen_k`` = the capacity bounds them); a paged cache is read through
+    ``block_table`` by the kernel's K/V loads (kernels/kv_tile.cuh), with the page stride as k/v's batch stride
+    (float64: the pages are gathered into a contiguous copy first; that kernel has no registers for paged loads).
+    ``problem.num_splits`` (None: :func:`cuflash.tiling.kv_splits` from ``sm_count`` and the shape) > 1 splits each
+    sequence's key tiles over that many blocks (grid z = batch * splits) writing partial (out, lse) to workspaces in
+    the accumulator type, then the combine kernel merges them (kernels/combine.cuh)."""
+    xp = problem.xp
+    b, sq, hq, d = problem.q.shape
+    spec = spec or specs.select("wfwd" if is_wide(problem) else "fwd", problem.element_type, d, max_smem,
+                                math=math_of(problem, cc))
+    if spec.dtype != problem.element_type or spec.head_dim < d:
+        raise ValueError(f"kernel {spec} cannot run a {problem.element_type} problem of head_dim {d}")
+    d8 = padded_head_dim(d)
+    st = _stats_dtype(problem)
+    out = xp.empty((b, sq, hq, d8), dtype=problem.q.dtype)
+    lse = xp.empty((b, hq, sq), dtype=st)
+    if b == 0 or sq == 0:
+        return KVCacheLaunch((), out, lse, d, 1)
+    lengths = np.asarray(problem.lengths_k, dtype=np.int64)
+    capacity = problem.capacity
+    if max(sq, capacity) > MAX_SEQLEN or hq > 65535:
+        raise ValueError(f"the CUDA kernels take sequence lengths below 2**30 and at most 65535 heads, got seqlen_q "
+                         f"{sq}, cache capacity {capacity}, {hq} heads")
+    m_tiles, key_tiles = _cdiv(sq, spec.block_m), _cdiv(int(lengths.max(initial=0)), spec.block_n)
+    splits = problem.num_splits or tiling.kv_splits(sm_count, m_tiles * hq * b, key_tiles)
+    if b * splits > 65535:
+        raise ValueError(f"the CUDA KV-cache forward launches one block per (tile, head, batch x split): batch ({b}) "
+                         f"x num_splits ({splits}) must be at most 65535")
+    k_cache, v_cache = problem.k_cache, problem.v_cache
+    gather = problem.paged and problem.element_type == "float64"
+    if gather:  # the float64 kernel has no paged K/V loads (kernels/flash_fwd_wide.cu): its pages gathered first
+        table = xp.asarray(problem.block_table)
+        k_cache, v_cache = (a[table].reshape((b, capacity) + a.shape[2:]) for a in (k_cache, v_cache))
+    q, k, v = (_prepare(xp, a, d8) for a in (problem.q, k_cache, v_cache))
+    seqlens_k = xp.asarray(lengths.astype(np.int32))  # host lengths (problem.py read them): no device sync here
+    keep = [q, k, v, out, lse, seqlens_k]
+    paged = (0, 0, 0)
+    if problem.paged and not gather:
+        table = xp.ascontiguousarray(problem.block_table, dtype=np.int32)
+        paged = (params.address(table), table.shape[1], problem.page_size)
+        keep.append(table)
+    (spec,), source, mods, mods_keep, _ = _with_mods(problem, (spec,))
+    values = dict(seqlens_k=seqlens_k, seqlen_q=sq, seqlen_k=capacity, head_dim=d8, heads_per_kv=problem.group,
+                  scale=problem.scale, scale_log2=np.float32(problem.scale * np.log2(np.e)),
+                  window_left=_window(problem.window_left), window_right=_window(problem.window_right),
+                  stats_batch_stride=hq * sq, stats_head_stride=sq, dropout=(0, 0, 0, 1.0), wide=(problem.scale, 1.0),
+                  q=q, k=k, v=v, o=out, lse=lse, paged=paged)
+    if mods is not None:
+        values["mods"] = mods
+    keep = tuple(keep) + tuple(mods_keep)
+    if splits == 1:
+        return KVCacheLaunch((_launch(spec, source, (m_tiles, hq, b), values, keep),), out, lse, d, 1)
+    # Split-KV: partials in the accumulator type (float32; float64 for float64), one slab per split laid out like
+    # out / lse, then the combine over (rows / 4, heads, batch) writes out and lse.
+    o_acc, lse_acc = xp.empty((splits, b, sq, hq, d8), dtype=st), xp.empty((splits, b, hq, sq), dtype=st)
+    values["split"] = (params.address(o_acc), params.address(lse_acc), b * sq * hq * d8, b * hq * sq, splits)
+    keep += (o_acc, lse_acc)
+    combine = specs.combine_name(problem.element_type)
+    module = (spec.name_expression, combine)
+    main = _launch(spec, source, (m_tiles, hq, b * splits), values, keep, module)
+    merge = LaunchSpec(source=source, name_expression=combine, grid=(_cdiv(sq, ROWS_PER_BLOCK), hq, b),
+                       block=(32 * ROWS_PER_BLOCK, 1, 1), shared_bytes=0, args=(params.pack(**values),),
+                       module=module, keep=keep)
+    return KVCacheLaunch((main, merge), out, lse, d, splits)

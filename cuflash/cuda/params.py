@@ -32,6 +32,11 @@ MODS = _struct([("arrays", MOD_ARRAY, (MOD_ARRAYS,)), ("scalars", _F32, (MOD_SCA
                "cuflash::ModArgs")
 #: the float64 kernels' scalars in float64 (scale, dropout's 1/(1-p)); zero for the others
 WIDE = _struct([("scale", np.float64), ("rescale", np.float64)], "cuflash::WideArg")
+#: a paged KV cache: block table (B, max_blocks) int32, its row stride, the page size (kernels/kv_tile.cuh)
+PAGED = _struct([("block_table", _PTR), ("table_stride", _I64), ("page_size", _I32)], "cuflash::PagedArg")
+#: split-KV workspaces (partial out, lse per split) and their per-split strides (kernels/combine.cuh)
+SPLIT = _struct([("o_accum", _PTR), ("lse_accum", _PTR), ("o_split_stride", _I64), ("lse_split_stride", _I64),
+                 ("num_splits", _I32)], "cuflash::SplitArg")
 TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "dq_accum")
 PARAMS = _struct([*((name, TENSOR) for name in TENSORS),
                   ("lse", _PTR), ("lse_log2", _PTR), ("dsum", _PTR),
@@ -39,7 +44,8 @@ PARAMS = _struct([*((name, TENSOR) for name in TENSORS),
                   ("seqlens_q", _PTR), ("seqlens_k", _PTR), ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR),
                   ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32), ("heads_per_kv", _I32),
                   ("scale", _F32), ("scale_log2", _F32), ("window_left", _I32), ("window_right", _I32),
-                  ("mask", BLOCK_MASK), ("dropout", DROPOUT), ("mods", MODS), ("wide", WIDE)],
+                  ("mask", BLOCK_MASK), ("dropout", DROPOUT), ("mods", MODS), ("wide", WIDE),
+                  ("paged", PAGED), ("split", SPLIT)],
                  "cuflash::Params")
 
 
