@@ -53,7 +53,8 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
         Cut each sequence's key range into this many parts of whole key tiles, computed independently and merged
         by log-sum-exp (:func:`cuflash.merge_attention_states`' formula, in float32/float64, rounded once): the
         CUDA split-KV kernel's semantics. ``None`` chooses: 1 on the NumPy backend (its parallelism is over
-        sequences and tiles; a split that depended on the thread count would change the bits with it).
+        sequences and tiles; a split that depended on the thread count would change the bits with it); on the CUDA
+        kernels :func:`cuflash.tiling.kv_splits` from the GPU's SM count and the shape (decode-shaped calls split).
     causal : bool, default False
         Bottom-right aligned over each sequence's ``L = cache_seqlens[b] + seqlen_new`` keys: query ``i`` sees key
         ``j`` iff ``j <= i + L - seqlen_q`` (the new queries are the last ``seqlen_q`` positions).
@@ -68,8 +69,9 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
     return_lse : bool, default False
         Also return the log-sum-exp.
     backend : {None, "numpy", "cuda", "emulate"}
-        ``None`` picks from the arrays. Only ``"numpy"`` computes KV-cache calls so far; the others raise
-        ``ValueError``.
+        ``None`` picks from the arrays. Every backend computes KV-cache calls; on ``"cuda"``/``"emulate"`` the
+        forward kernel reads a paged cache through ``block_table`` and the split-KV partials are merged by a
+        combine kernel (the append stays an array copy).
 
     Returns
     -------

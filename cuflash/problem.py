@@ -599,6 +599,10 @@ class VarlenProblem:
     """
 
     kind = "varlen"
+    #: what the kernels' launch code reads of a padded Problem: a varlen call has no BlockMask (refused by
+    #: make_varlen_problem) and float32 runs in IEEE arithmetic
+    block_mask = None
+    precision = "ieee"
 
     xp: Any
     q: Any
@@ -717,6 +721,12 @@ class KVCacheProblem:
     """
 
     kind = "kvcache"
+    #: what the kernels' launch code reads of a padded Problem: no BlockMask or dropout in a KV-cache call, and
+    #: float32 runs in IEEE arithmetic
+    block_mask = None
+    precision = "ieee"
+    dropout_p = 0.0
+    seed = None
 
     xp: Any
     q: Any

@@ -313,3 +313,21 @@ def band_grid(seqlen_q: int, seqlen_k: int, block_q: int, block_k: int, left=Non
     ``(left, right)`` band (all True without one). ``BlockMask.causal``/``sliding_window`` and the
     IO model use it."""
     return Schedule(seqlen_q, seqlen_k, block_q, block_k, left=left, right=right).kept_grid()
+
+
+#: most key-range splits of a split-KV forward (the combine reads every split's partial row)
+MAX_KV_SPLITS = 16
+
+
+def kv_splits(sm_count: int, blocks: int, key_tiles: int) -> int:
+    """``num_splits=None`` of the KV-cache forward on the CUDA kernels (flash-decoding), the one place it is chosen.
+
+    ``blocks``: thread blocks of the unsplit grid (query tiles x heads x batch); ``key_tiles``: key tiles of the
+    longest sequence. A grid that already gives every SM a block gains nothing from splitting, and a split's fixed
+    costs (its Q tile load, the partial written in float32 and read back by the combine) want at least 2 key tiles
+    to work on, so: enough splits to put about one block on each SM, at most one per 2 key tiles and at most
+    :data:`MAX_KV_SPLITS`; 1 when the grid is already that large.
+    """
+    if blocks >= sm_count or key_tiles < 4:
+        return 1
+    return max(1, min(cdiv(sm_count, blocks), key_tiles // 2, MAX_KV_SPLITS))

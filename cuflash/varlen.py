@@ -6,7 +6,9 @@ head_dim)`` and ``k``, ``v`` ``(total_k, heads_kv, head_dim)``, and located by i
 ``cu_seqlens_q = [0, len_0, len_0 + len_1, ..., total_q]`` (likewise ``cu_seqlens_k``). Sequence ``i`` attends
 only within itself, exactly as batch entry ``i`` of :func:`cuflash.attention` on the padded batch with
 ``seqlens_q``/``seqlens_k`` would, but memory and time follow the real tokens, never ``batch × max length``: the
-NumPy backend runs each sequence as its own problem over views of the packed arrays, all on one thread pool.
+NumPy backend runs each sequence as its own problem over views of the packed arrays, all on one thread pool; the
+CUDA kernels (``cuda``, and ``emulate`` on the CPU) read the offsets on the device, one launch per kernel over
+(tiles of the longest sequence, heads, sequences).
 """
 from __future__ import annotations
 
@@ -64,8 +66,8 @@ _VARLEN_DOC = """
     dtype : {None, "bfloat16"}
         ``"bfloat16"`` declares ``uint16`` arrays of bfloat16 bits (CuPy without ``ml_dtypes``).
     backend : {None, "numpy", "cuda", "emulate"}
-        ``None`` picks from the arrays. Only ``"numpy"`` computes ragged batches so far; the others raise
-        ``ValueError``."""
+        ``None`` picks from the arrays. Every backend computes ragged batches (``"cuda"``: CuPy arrays, with
+        ``cu_seqlens_*`` on the device)."""
 
 _OPTIONS = ("max_seqlen_q", "max_seqlen_k", "causal", "scale", "window", "bias", "alibi_slopes", "softcap",
             "score_mod", "mask_mod", "mod_arrays", "dropout_p", "seed", "block_mask", "dtype")

@@ -49,22 +49,70 @@ struct KeyTiles {
   }
 };
 
-template <class Traits>
-struct BlockInfo {
-  int batch, head, head_kv;
+// Where sequence `batch` lives and how long it is. Padded batch: rows [0, seqlen) of batch entry `batch`, its own
+// lengths from seqlens (rows past them are written as zeros / lse -inf). Packed batch (varlen, FA2's layout): rows
+// [cu[b], cu[b+1]) of the pack, nothing past them may be written (they are the next sequence's). Masks, modifiers and
+// dropout see (batch, row within the sequence) in both, so a packed sequence computes what entry b of the padded
+// batch computes.
+struct SeqSpan {
+  int len_q, len_k;    // the sequence's own lengths
+  int rows_q, rows_k;  // rows it owns in memory (written): padded seqlen_q/k, or len_q/k when packed
+  int q0, k0;          // its first row in memory (0 padded; cu_seqlens[b] packed)
+  long long stats;     // element offset of its (head 0, row 0) statistic (lse, L, D)
+
+  __device__ __forceinline__ SeqSpan(const Params& p, int batch) {
+    if (p.cu_seqlens_q != nullptr) {
+      q0 = p.cu_seqlens_q[batch];
+      k0 = p.cu_seqlens_k[batch];
+      len_q = rows_q = p.cu_seqlens_q[batch + 1] - q0;
+      len_k = rows_k = p.cu_seqlens_k[batch + 1] - k0;
+    } else {
+      q0 = k0 = 0;
+      rows_q = p.seqlen_q;
+      rows_k = p.seqlen_k;
+      len_q = p.seqlens_q ? min(p.seqlens_q[batch], p.seqlen_q) : p.seqlen_q;
+      len_k = p.seqlens_k ? min(p.seqlens_k[batch], p.seqlen_k) : p.seqlen_k;
+    }
+    stats = batch * p.stats_batch_stride + q0;  // stats_batch_stride is 0 when packed: (Hq, total_q)
+  }
+};
+
+// What a thread block keeps of its SeqSpan: the rows it writes and the statistics' offset are recomputed where used,
+// from values live anyway and the params bank (the backward's main loops have no register to spare for them).
+struct SeqRows {
+  int batch;
+  int len_q, len_k;  // this sequence's own lengths
+  int q0, k0;        // its first row in memory
+
+  __device__ __forceinline__ void set(const SeqSpan& seq, int batch_) {
+    batch = batch_;
+    len_q = seq.len_q;
+    len_k = seq.len_k;
+    q0 = seq.q0;
+    k0 = seq.k0;
+  }
+  __device__ __forceinline__ int rows_q(const Params& p) const { return p.cu_seqlens_q ? len_q : p.seqlen_q; }
+  __device__ __forceinline__ int rows_k(const Params& p) const { return p.cu_seqlens_k ? len_k : p.seqlen_k; }
+  __device__ __forceinline__ long long stats(const Params& p) const { return batch * p.stats_batch_stride + q0; }
+};
+
+// kSplitKV: the forward kernels, whose grid z may be batch * num_splits (params.cuh, SplitArg); the backward's dq
+// kernel has grid z = batch and no split code (its registers are spoken for).
+template <class Traits, bool kSplitKV = false>
+struct BlockInfo : SeqRows {
+  int head, head_kv;
   int m_block, row_begin;  // query tile index and its first row
-  int len_q, len_k;        // this sequence's own lengths
   Visibility vis;
   int n_begin, n_end;      // key tiles [n_begin, n_end) hold every key some row of this tile sees
 
   __device__ __forceinline__ explicit BlockInfo(const Params& p) {
     m_block = blockIdx.x;
     head = blockIdx.y;
-    batch = blockIdx.z;
     head_kv = head / p.heads_per_kv;  // GQA/MQA: query heads share a kv head, no K/V copies
     row_begin = m_block * Traits::kBlockM;
-    len_q = p.seqlens_q ? min(p.seqlens_q[batch], p.seqlen_q) : p.seqlen_q;
-    len_k = p.seqlens_k ? min(p.seqlens_k[batch], p.seqlen_k) : p.seqlen_k;
+    const int splits = kSplitKV && p.split.num_splits > 1 ? p.split.num_splits : 1;  // grid z = batch * splits
+    const int b = blockIdx.z / splits;
+    set(SeqSpan(p, b), b);
     vis = Visibility::make(len_q, len_k, p.window_left, p.window_right);
     const int key_begin = vis.key_begin(row_begin);
     const int key_end = vis.key_end(row_begin, row_begin + Traits::kBlockM);
@@ -73,6 +121,16 @@ struct BlockInfo {
       n_end = (key_end + Traits::kBlockN - 1) / Traits::kBlockN;
     } else {
       n_begin = n_end = 0;  // this tile sees nothing (past len_q, or outside the window): out = 0, lse = -inf
+    }
+    if (kSplitKV && splits > 1) {
+      // Split-KV (flash-decoding): split s takes key tiles [s * per, (s + 1) * per) of the sequence, per = the
+      // sequence's tiles / splits rounded up, intersected with the visible range; an empty share leaves out = 0,
+      // lse = -inf, which the combine weighs 0.
+      const int split = blockIdx.z - b * splits;
+      const int per = ((len_k + Traits::kBlockN - 1) / Traits::kBlockN + splits - 1) / splits;
+      n_begin = max(n_begin, split * per);
+      n_end = min(n_end, (split + 1) * per);
+      if (n_end <= n_begin) n_begin = n_end = 0;
     }
   }
 

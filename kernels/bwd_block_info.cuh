@@ -23,19 +23,16 @@ __device__ __forceinline__ void query_range(const Visibility& vis, int j0, int j
 }
 
 template <class Traits>
-struct BwdBlockInfo {
-  int batch, head_kv, n_block, key_begin;  // key tile index and its first key
-  int len_q, len_k;
+struct BwdBlockInfo : SeqRows {
+  int head_kv, n_block, key_begin;  // key tile index and its first key
   Visibility vis;
   int m_begin, m_end;  // query tiles [m_begin, m_end) hold every query row that sees a key of this tile
 
   __device__ __forceinline__ explicit BwdBlockInfo(const Params& p) {
     n_block = blockIdx.x;
     head_kv = blockIdx.y;
-    batch = blockIdx.z;
     key_begin = n_block * Traits::kBlockN;
-    len_q = p.seqlens_q ? min(p.seqlens_q[batch], p.seqlen_q) : p.seqlen_q;
-    len_k = p.seqlens_k ? min(p.seqlens_k[batch], p.seqlen_k) : p.seqlen_k;
+    set(SeqSpan(p, blockIdx.z), blockIdx.z);
     vis = Visibility::make(len_q, len_k, p.window_left, p.window_right);
     int qb, qe;
     query_range(vis, key_begin, key_begin + Traits::kBlockN, &qb, &qe);

@@ -54,16 +54,17 @@ __global__ void __launch_bounds__(128) flash_bwd_preprocess_kernel(const __grid_
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * 4 + threadIdx.x / 32;
   const int head = blockIdx.y, batch = blockIdx.z;
-  if (row >= p.seqlen_q) return;
-  const int len_q = p.seqlens_q ? min(p.seqlens_q[batch], p.seqlen_q) : p.seqlen_q;
-  const T* o_row = p.o.at<const T>(batch, head) + row * p.o.row_stride;
-  const T* do_row = p.dout.at<const T>(batch, head) + row * p.dout.row_stride;
+  const SeqSpan seq(p, batch);
+  if (row >= seq.rows_q) return;  // a packed sequence's blocks past its length touch nothing
+  const int len_q = seq.len_q;
+  const T* o_row = p.o.at<const T>(batch, head, seq.q0 + row);
+  const T* do_row = p.dout.at<const T>(batch, head, seq.q0 + row);
   float sum = 0.f;
   for (int c = lane; c < p.head_dim; c += 32) sum += to_float(o_row[c]) * to_float(do_row[c]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (lane == 0) {
-    const long long at = batch * p.stats_batch_stride + head * p.stats_head_stride + row;
+    const long long at = seq.stats + head * p.stats_head_stride + row;
     const float l = p.lse[at];
     p.dsum[at] = sum;
     // A row past its sequence's length, or one that sees no key (lse = -inf), has P = 0: exp2(S - +inf) = 0 for
@@ -71,7 +72,7 @@ __global__ void __launch_bounds__(128) flash_bwd_preprocess_kernel(const __grid_
     p.lse_log2[at] = (row < len_q && l != neg_inf()) ? l * kLog2e : pos_inf();
   }
   if (p.dq_accum.ptr != nullptr) {
-    float* acc_row = p.dq_accum.at<float>(batch, head) + row * p.dq_accum.row_stride;
+    float* acc_row = p.dq_accum.at<float>(batch, head, seq.q0 + row);
     for (int c = lane; c < p.head_dim; c += 32) acc_row[c] = 0.f;
   }
 }
@@ -84,9 +85,10 @@ __global__ void __launch_bounds__(128) flash_bwd_convert_dq_kernel(const __grid_
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * 4 + threadIdx.x / 32;
   const int head = blockIdx.y, batch = blockIdx.z;
-  if (row >= p.seqlen_q) return;
-  const float* src = p.dq_accum.at<const float>(batch, head) + row * p.dq_accum.row_stride;
-  T* dst = p.dq.at<T>(batch, head) + row * p.dq.row_stride;
+  const SeqSpan seq(p, batch);
+  if (row >= seq.rows_q) return;
+  const float* src = p.dq_accum.at<const float>(batch, head, seq.q0 + row);
+  T* dst = p.dq.at<T>(batch, head, seq.q0 + row);
   for (int c = lane; c < p.head_dim; c += 32) dst[c] = from_float<T>(src[c] * p.scale);
 }
 
@@ -125,8 +127,8 @@ __global__ void __launch_bounds__(kWarps * 32, (BwdTraits<T, kHeadDim, kBlockM, 
 
   const BwdBlockInfo<Tr> blk(p);
   const int head_dim = p.head_dim;
-  const T* k_j = p.k.at<const T>(blk.batch, blk.head_kv) + blk.key_begin * p.k.row_stride;
-  const T* v_j = p.v.at<const T>(blk.batch, blk.head_kv) + blk.key_begin * p.v.row_stride;
+  const T* k_j = p.k.at<const T>(blk.batch, blk.head_kv, blk.k0 + blk.key_begin);
+  const T* v_j = p.v.at<const T>(blk.batch, blk.head_kv, blk.k0 + blk.key_begin);
   const bool accum_dq = p.dq_accum.ptr != nullptr;
 
   const int head_begin = blk.head_kv * p.heads_per_kv;
@@ -138,14 +140,14 @@ __global__ void __launch_bounds__(kWarps * 32, (BwdTraits<T, kHeadDim, kBlockM, 
   // L_i and D_i by plain loads into smem (rows past the array: L = +inf, D = 0, hence P = dS = 0).
   auto load_query_tile = [&](int m, int head) {
     const int row0 = m * kBlockM;
-    load_tile<Load, kBlockM>(sQ, p.q.at<const T>(blk.batch, head) + row0 * p.q.row_stride, p.q.row_stride,
+    load_tile<Load, kBlockM>(sQ, p.q.at<const T>(blk.batch, head, blk.q0 + row0), p.q.row_stride,
                              blk.len_q - row0, head_dim, tid);
-    load_tile<Load, kBlockM>(sdO, p.dout.at<const T>(blk.batch, head) + row0 * p.dout.row_stride,
+    load_tile<Load, kBlockM>(sdO, p.dout.at<const T>(blk.batch, head, blk.q0 + row0),
                              p.dout.row_stride, blk.len_q - row0, head_dim, tid);
     arch::cp_async_commit();
-    const long long at = blk.batch * p.stats_batch_stride + head * p.stats_head_stride + row0;
+    const long long at = blk.stats(p) + head * p.stats_head_stride + row0;
     for (int r = tid; r < kBlockM; r += Tr::kThreads) {
-      const bool in = row0 + r < p.seqlen_q;
+      const bool in = row0 + r < blk.rows_q(p);
       sL[r] = in ? p.lse_log2[at + r] : pos_inf();
       sD[r] = in ? p.dsum[at + r] : 0.f;
     }
@@ -265,7 +267,7 @@ __global__ void __launch_bounds__(kWarps * 32, (BwdTraits<T, kHeadDim, kBlockM, 
 
     // Line 20: dQ_i += dS K_j, added to the fp32 workspace (scaled by the convert kernel).
     if (accum_dq) {
-      float* dq_tile = p.dq_accum.at<float>(blk.batch, head) + row0 * p.dq_accum.row_stride;
+      float* dq_tile = p.dq_accum.at<float>(blk.batch, head, blk.q0 + row0);
       dq_atomic<Tr>(dq_tile, p.dq_accum.row_stride, blk.len_q - row0, head_dim, sdS, sK, warp, lane);
     }
 
@@ -275,12 +277,13 @@ __global__ void __launch_bounds__(kWarps * 32, (BwdTraits<T, kHeadDim, kBlockM, 
   }
 
   // Line 24: dK_j = scale * sum dS^T Q, dV_j (times 1/(1-p)), written once (zeros for keys no query sees; rows <
-  // seqlen_k).
+  // rows_k: the padded seqlen_k, or a packed sequence's own length).
   const int key0 = blk.key_begin + 16 * key_group;
-  T* dk_w = p.dk.at<T>(blk.batch, blk.head_kv) + key0 * p.dk.row_stride + d_col0;
-  T* dv_w = p.dv.at<T>(blk.batch, blk.head_kv) + key0 * p.dv.row_stride + d_col0;
-  store_acc_tile<T, Tr::kDNTiles>(dk_w, p.dk.row_stride, p.seqlen_k - key0, head_dim - d_col0, acc_dk, p.scale, lane);
-  store_acc_tile<T, Tr::kDNTiles>(dv_w, p.dv.row_stride, p.seqlen_k - key0, head_dim - d_col0, acc_dv,
+  T* dk_w = p.dk.at<T>(blk.batch, blk.head_kv, blk.k0 + key0) + d_col0;
+  T* dv_w = p.dv.at<T>(blk.batch, blk.head_kv, blk.k0 + key0) + d_col0;
+  store_acc_tile<T, Tr::kDNTiles>(dk_w, p.dk.row_stride, blk.rows_k(p) - key0, head_dim - d_col0, acc_dk, p.scale,
+                                  lane);
+  store_acc_tile<T, Tr::kDNTiles>(dv_w, p.dv.row_stride, blk.rows_k(p) - key0, head_dim - d_col0, acc_dv,
                                   p.dropout.rescale, lane);
 }
 
@@ -311,10 +314,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) flash_bwd_dq_kernel(const __gr
   const ScorePos pos{blk.batch, blk.head, blk.len_q, blk.len_k};
   const int head_dim = p.head_dim;
   const long long k_row_stride = p.k.row_stride, v_row_stride = p.v.row_stride;
-  const T* q_i = p.q.at<const T>(blk.batch, blk.head) + blk.row_begin * p.q.row_stride;
-  const T* do_i = p.dout.at<const T>(blk.batch, blk.head) + blk.row_begin * p.dout.row_stride;
-  const T* k_bh = p.k.at<const T>(blk.batch, blk.head_kv);
-  const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv);
+  const T* q_i = p.q.at<const T>(blk.batch, blk.head, blk.q0 + blk.row_begin);
+  const T* do_i = p.dout.at<const T>(blk.batch, blk.head, blk.q0 + blk.row_begin);
+  const T* k_bh = p.k.at<const T>(blk.batch, blk.head_kv, blk.k0);
+  const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv, blk.k0);
 
   KeyTiles tiles;
   plan_key_tiles(tiles, blk, p.mask);
@@ -324,9 +327,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) flash_bwd_dq_kernel(const __gr
 #pragma unroll
   for (int r = 0; r < 2 * kMTiles; ++r) {
     const int row = blk.row_begin + warp_row + 16 * (r / 2) + (lane / 4) + 8 * (r % 2);
-    const long long at = blk.batch * p.stats_batch_stride + blk.head * p.stats_head_stride + row;
-    L[r] = row < p.seqlen_q ? p.lse_log2[at] : pos_inf();
-    Dr[r] = row < p.seqlen_q ? p.dsum[at] : 0.f;
+    const long long at = blk.stats(p) + blk.head * p.stats_head_stride + row;
+    L[r] = row < blk.rows_q(p) ? p.lse_log2[at] : pos_inf();
+    Dr[r] = row < blk.rows_q(p) ? p.dsum[at] : 0.f;
   }
 
   float acc[kMTiles][Tr::kNTilesO][4];
@@ -411,12 +414,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) flash_bwd_dq_kernel(const __gr
     partial = next_partial;
   }
 
-  T* dq_i = p.dq.at<T>(blk.batch, blk.head);
+  T* dq_i = p.dq.at<T>(blk.batch, blk.head, blk.q0);
   const float scale2[2] = {p.scale, p.scale};
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
     const int row0 = blk.row_begin + warp_row + 16 * mi;
-    store_o_tile<Tr>(dq_i + row0 * p.dq.row_stride, p.dq.row_stride, p.seqlen_q - row0, head_dim, acc[mi], scale2,
+    store_o_tile<Tr>(dq_i + row0 * p.dq.row_stride, p.dq.row_stride, blk.rows_q(p) - row0, head_dim, acc[mi], scale2,
                      lane);
   }
 }

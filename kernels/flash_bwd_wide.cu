@@ -41,22 +41,23 @@ __global__ void __launch_bounds__(128) flash_bwd_wide_preprocess_kernel(const __
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * 4 + threadIdx.x / 32;
   const int head = blockIdx.y, batch = blockIdx.z;
-  if (row >= p.seqlen_q) return;
-  const int len_q = p.seqlens_q ? min(p.seqlens_q[batch], p.seqlen_q) : p.seqlen_q;
-  const T* o_row = p.o.at<const T>(batch, head) + row * p.o.row_stride;
-  const T* do_row = p.dout.at<const T>(batch, head) + row * p.dout.row_stride;
+  const SeqSpan seq(p, batch);
+  if (row >= seq.rows_q) return;  // a packed sequence's blocks past its length touch nothing
+  const int len_q = seq.len_q;
+  const T* o_row = p.o.at<const T>(batch, head, seq.q0 + row);
+  const T* do_row = p.dout.at<const T>(batch, head, seq.q0 + row);
   T sum = T(0);
   for (int c = lane; c < p.head_dim; c += 32) sum = R::fma(o_row[c], do_row[c], sum);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (lane == 0) {
-    const long long at = batch * p.stats_batch_stride + head * p.stats_head_stride + row;
+    const long long at = seq.stats + head * p.stats_head_stride + row;
     const T l = wide::stats<T>(p.lse)[at];
     wide::stats<T>(p.dsum)[at] = sum;
     wide::stats<T>(p.lse_log2)[at] = (row < len_q && l != R::neg_inf()) ? R::lse_to_units(l) : R::pos_inf();
   }
   if (p.dq_accum.ptr != nullptr) {
-    T* acc_row = p.dq_accum.at<T>(batch, head) + row * p.dq_accum.row_stride;
+    T* acc_row = p.dq_accum.at<T>(batch, head, seq.q0 + row);
     for (int c = lane; c < p.head_dim; c += 32) acc_row[c] = T(0);
   }
 }
@@ -69,9 +70,10 @@ __global__ void __launch_bounds__(128) flash_bwd_wide_convert_dq_kernel(const __
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * 4 + threadIdx.x / 32;
   const int head = blockIdx.y, batch = blockIdx.z;
-  if (row >= p.seqlen_q) return;
-  const T* src = p.dq_accum.at<const T>(batch, head) + row * p.dq_accum.row_stride;
-  T* dst = p.dq.at<T>(batch, head) + row * p.dq.row_stride;
+  const SeqSpan seq(p, batch);
+  if (row >= seq.rows_q) return;
+  const T* src = p.dq_accum.at<const T>(batch, head, seq.q0 + row);
+  T* dst = p.dq.at<T>(batch, head, seq.q0 + row);
   const T scale = wide::Real<T>::scale(p);
   for (int c = lane; c < p.head_dim; c += 32) dst[c] = src[c] * scale;
 }
@@ -161,8 +163,8 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_kernel(const __g
 
   const BwdBlockInfo<Tr> blk(p);
   const int head_dim = p.head_dim;
-  const T* k_j = p.k.at<const T>(blk.batch, blk.head_kv) + blk.key_begin * p.k.row_stride;
-  const T* v_j = p.v.at<const T>(blk.batch, blk.head_kv) + blk.key_begin * p.v.row_stride;
+  const T* k_j = p.k.at<const T>(blk.batch, blk.head_kv, blk.k0 + blk.key_begin);
+  const T* v_j = p.v.at<const T>(blk.batch, blk.head_kv, blk.k0 + blk.key_begin);
   const bool accum_dq = p.dq_accum.ptr != nullptr;
   const T* lse_log2 = wide::stats<T>(p.lse_log2);
   const T* dsum = wide::stats<T>(p.dsum);
@@ -176,15 +178,15 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_kernel(const __g
   // (rows past the array: L = +inf, D = 0, hence P = dS = 0).
   auto load_query_tile = [&](int m, int head) {
     const int row0 = m * kBlockM;
-    wide::load_tile<T, kBlockM, kHeadDim, kLd, Tr::kThreads>(sQ, p.q.at<const T>(blk.batch, head) + row0 * p.q.row_stride,
+    wide::load_tile<T, kBlockM, kHeadDim, kLd, Tr::kThreads>(sQ, p.q.at<const T>(blk.batch, head, blk.q0 + row0),
                                                              p.q.row_stride, blk.len_q - row0, head_dim, tid);
     wide::load_tile<T, kBlockM, kHeadDim, kLd, Tr::kThreads>(
-        sdO, p.dout.at<const T>(blk.batch, head) + row0 * p.dout.row_stride, p.dout.row_stride, blk.len_q - row0,
+        sdO, p.dout.at<const T>(blk.batch, head, blk.q0 + row0), p.dout.row_stride, blk.len_q - row0,
         head_dim, tid);
     arch::cp_async_commit();
-    const long long at = blk.batch * p.stats_batch_stride + head * p.stats_head_stride + row0;
+    const long long at = blk.stats(p) + head * p.stats_head_stride + row0;
     for (int r = tid; r < kBlockM; r += Tr::kThreads) {
-      const bool in = row0 + r < p.seqlen_q;
+      const bool in = row0 + r < blk.rows_q(p);
       sL[r] = in ? lse_log2[at + r] : R::pos_inf();
       sD[r] = in ? dsum[at + r] : T(0);
     }
@@ -289,7 +291,7 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_kernel(const __g
 
     // Line 20: dQ_i += dS K_j into the workspace (scaled by the convert kernel).
     if (accum_dq) {
-      T* dq_tile = p.dq_accum.at<T>(blk.batch, head) + row0 * p.dq_accum.row_stride;
+      T* dq_tile = p.dq_accum.at<T>(blk.batch, head, blk.q0 + row0);
       wide::dq_atomic<Tr>(dq_tile, p.dq_accum.row_stride, blk.len_q - row0, head_dim, sdSt, sK, warp, lane);
     }
 
@@ -299,14 +301,14 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_kernel(const __g
   }
 
   // Line 24: dK_j = scale * sum dS^T Q, dV_j (times 1/(1-p)), written once (zeros for keys no query sees).
-  T* dk_w = p.dk.at<T>(blk.batch, blk.head_kv) + key_row0 * p.dk.row_stride + d_col0;
-  T* dv_w = p.dv.at<T>(blk.batch, blk.head_kv) + key_row0 * p.dv.row_stride + d_col0;
+  T* dk_w = p.dk.at<T>(blk.batch, blk.head_kv, blk.k0 + key_row0) + d_col0;
+  T* dv_w = p.dv.at<T>(blk.batch, blk.head_kv, blk.k0 + key_row0) + d_col0;
   T scale_k[kR / 2], scale_v[kR / 2];
 #pragma unroll
   for (int h = 0; h < kR / 2; ++h) scale_k[h] = R::scale(p), scale_v[h] = R::rescale(p);
-  wide::store_rows<T, kDNT, kR>(dk_w, p.dk.row_stride, p.seqlen_k - key_row0, head_dim - d_col0, acc_dk[0], scale_k,
+  wide::store_rows<T, kDNT, kR>(dk_w, p.dk.row_stride, blk.rows_k(p) - key_row0, head_dim - d_col0, acc_dk[0], scale_k,
                                 lane);
-  wide::store_rows<T, kDNT, kR>(dv_w, p.dv.row_stride, p.seqlen_k - key_row0, head_dim - d_col0, acc_dv[0], scale_v,
+  wide::store_rows<T, kDNT, kR>(dv_w, p.dv.row_stride, blk.rows_k(p) - key_row0, head_dim - d_col0, acc_dv[0], scale_v,
                                 lane);
 }
 
@@ -338,10 +340,10 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_dq_kernel(const 
   const ScorePos pos{blk.batch, blk.head, blk.len_q, blk.len_k};
   const int head_dim = p.head_dim;
   const long long k_row_stride = p.k.row_stride, v_row_stride = p.v.row_stride;
-  const T* q_i = p.q.at<const T>(blk.batch, blk.head) + blk.row_begin * p.q.row_stride;
-  const T* do_i = p.dout.at<const T>(blk.batch, blk.head) + blk.row_begin * p.dout.row_stride;
-  const T* k_bh = p.k.at<const T>(blk.batch, blk.head_kv);
-  const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv);
+  const T* q_i = p.q.at<const T>(blk.batch, blk.head, blk.q0 + blk.row_begin);
+  const T* do_i = p.dout.at<const T>(blk.batch, blk.head, blk.q0 + blk.row_begin);
+  const T* k_bh = p.k.at<const T>(blk.batch, blk.head_kv, blk.k0);
+  const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv, blk.k0);
   const int row0 = blk.row_begin + warp_row;
 
   KeyTiles tiles;
@@ -352,9 +354,9 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_dq_kernel(const 
 #pragma unroll
   for (int r = 0; r < kMT * kH; ++r) {
     const int row = row0 + kTM * (r / kH) + (lane / 4) + 8 * (r % kH);
-    const long long at = blk.batch * p.stats_batch_stride + blk.head * p.stats_head_stride + row;
-    L[r] = row < p.seqlen_q ? wide::stats<T>(p.lse_log2)[at] : R::pos_inf();
-    Dr[r] = row < p.seqlen_q ? wide::stats<T>(p.dsum)[at] : T(0);
+    const long long at = blk.stats(p) + blk.head * p.stats_head_stride + row;
+    L[r] = row < blk.rows_q(p) ? wide::stats<T>(p.lse_log2)[at] : R::pos_inf();
+    Dr[r] = row < blk.rows_q(p) ? wide::stats<T>(p.dsum)[at] : T(0);
   }
 
   T acc[kMT][kNTO][kR];
@@ -454,14 +456,14 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_dq_kernel(const 
     partial = next_partial;
   }
 
-  T* dq_i = p.dq.at<T>(blk.batch, blk.head);
+  T* dq_i = p.dq.at<T>(blk.batch, blk.head, blk.q0);
   T scale[kH];
 #pragma unroll
   for (int h = 0; h < kH; ++h) scale[h] = R::scale(p);
 #pragma unroll
   for (int mi = 0; mi < kMT; ++mi) {
     const int r0 = row0 + kTM * mi;
-    wide::store_rows<T, kNTO, kR>(dq_i + r0 * p.dq.row_stride, p.dq.row_stride, p.seqlen_q - r0, head_dim, acc[mi],
+    wide::store_rows<T, kNTO, kR>(dq_i + r0 * p.dq.row_stride, p.dq.row_stride, blk.rows_q(p) - r0, head_dim, acc[mi],
                                   scale, lane);
   }
 }

@@ -22,6 +22,8 @@
 #include "scores.cuh"
 #include "softmax.cuh"
 #include "dropout.cuh"
+#include "kv_tile.cuh"
+#include "combine.cuh"
 
 namespace cuflash {
 
@@ -44,13 +46,24 @@ __global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_con
   const int warp_row = (tid / 32) * Traits::kRowsPerWarp;  // first row of this warp inside the query tile
   const T* sQ_warp = sQ + warp_row * Traits::kSmemStride;
 
-  const BlockInfo<Traits> blk(p);
+  const BlockInfo<Traits, true> blk(p);
   const ScorePos pos{blk.batch, blk.head, blk.len_q, blk.len_k};
-  const long long q_row_stride = p.q.row_stride, k_row_stride = p.k.row_stride, v_row_stride = p.v.row_stride;
+  const long long q_row_stride = p.q.row_stride;
   const int head_dim = p.head_dim;
-  const T* q_i = p.q.at<const T>(blk.batch, blk.head) + blk.row_begin * q_row_stride;
-  const T* k_bh = p.k.at<const T>(blk.batch, blk.head_kv);
-  const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv);
+  const T* q_i = p.q.at<const T>(blk.batch, blk.head, blk.q0 + blk.row_begin);
+  // K/V rows of this (sequence, kv head): a batch entry or packed sequence, or the pages of a paged KV cache.
+  const int* pages = p.paged.block_table ? p.paged.block_table + blk.batch * p.paged.table_stride : nullptr;
+  const T* k_bh = pages ? p.k.at<const T>(0, blk.head_kv) : p.k.at<const T>(blk.batch, blk.head_kv, blk.k0);
+  const T* v_bh = pages ? p.v.at<const T>(0, blk.head_kv) : p.v.at<const T>(blk.batch, blk.head_kv, blk.k0);
+  // Issues the copy of keys [key0, key0 + kBlockN) of K or V (uniform branch: paged or strided rows).
+  auto load_kv = [&](T* smem, const T* base, const TensorArg& t, int key0) {
+    if (pages == nullptr) {
+      load_tile<Traits, kBlockN>(smem, base + key0 * t.row_stride, t.row_stride, blk.len_k - key0, head_dim, tid);
+    } else {
+      load_paged_tile<T, kBlockN, kHeadDim, Traits::kSmemStride, Traits::kThreads>(
+          smem, base, pages, t.batch_stride, t.row_stride, p.paged.page_size, key0, blk.len_k - key0, head_dim, tid);
+    }
+  };
 
   KeyTiles tiles;
   plan_key_tiles(tiles, blk, p.mask);
@@ -73,8 +86,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_con
     // Line 3: load Q_i (rows past the sequence's length are zero) and, in the same breath, the first K_j.
     load_tile<Traits, kBlockM>(sQ, q_i, q_row_stride, blk.len_q - blk.row_begin, head_dim, tid);
     arch::cp_async_commit();
-    load_tile<Traits, kBlockN>(sK, k_bh + (long long)n * kBlockN * k_row_stride, k_row_stride,
-                               blk.len_k - n * kBlockN, head_dim, tid);
+    load_kv(sK, k_bh, p.k, n * kBlockN);
     arch::cp_async_commit();
     if constexpr (Traits::kQInRegs) {
       arch::cp_async_wait<1>();  // Q only; K_j may still be in flight
@@ -96,7 +108,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_con
     }
     arch::cp_async_wait<0>();
     __syncthreads();  // K_j is in smem; every warp is done with V_{j-1}
-    load_tile<Traits, kBlockN>(sV, v_bh + key0 * v_row_stride, v_row_stride, blk.len_k - key0, head_dim, tid);
+    load_kv(sV, v_bh, p.v, key0);
     arch::cp_async_commit();
 
     // Line 8: S = Q_i K_j^T * scale * log2(e), the element mask on boundary tiles only (scores.cuh).
@@ -109,8 +121,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_con
     bool next_partial;
     const int n_next = tiles.next(&next_partial);
     if (n_next >= 0) {
-      load_tile<Traits, kBlockN>(sK, k_bh + (long long)n_next * kBlockN * k_row_stride, k_row_stride,
-                                 blk.len_k - n_next * kBlockN, head_dim, tid);
+      load_kv(sK, k_bh, p.k, n_next * kBlockN);
       arch::cp_async_commit();
     }
 
@@ -137,22 +148,33 @@ __global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_con
 #pragma unroll
   for (int r = 0; r < 2 * kMTiles; ++r) inv_l[r] *= p.dropout.rescale;  // exact (x * 1) without dropout
 
-  T* o_i = p.o.at<T>(blk.batch, blk.head);
-  float* lse_i = p.lse + blk.batch * p.stats_batch_stride + blk.head * p.stats_head_stride;
+  // Rows [len_q, rows_q) of a padded batch get out = 0, lse = -inf; a packed sequence writes only its own rows.
   const long long o_row_stride = p.o.row_stride;
-  const int seqlen_q = p.seqlen_q;
+  const int seqlen_q = blk.rows_q(p);
+  auto write = [&](auto* o_i, float* lse_i) {
 #pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi) {
-    const int row0 = blk.row_begin + warp_row + 16 * mi;
-    const float scale2[2] = {inv_l[2 * mi], inv_l[2 * mi + 1]};
-    store_o_tile<Traits>(o_i + row0 * o_row_stride, o_row_stride, seqlen_q - row0, head_dim, acc[mi], scale2, lane);
-    if (lane % 4 == 0) {
+    for (int mi = 0; mi < kMTiles; ++mi) {
+      const int row0 = blk.row_begin + warp_row + 16 * mi;
+      const float scale2[2] = {inv_l[2 * mi], inv_l[2 * mi + 1]};
+      store_o_tile<Traits>(o_i + row0 * o_row_stride, o_row_stride, seqlen_q - row0, head_dim, acc[mi], scale2,
+                           lane);
+      if (lane % 4 == 0) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = row0 + lane / 4 + 8 * half;
-        if (row < seqlen_q) lse_i[row] = lse_row[2 * mi + half];
+        for (int half = 0; half < 2; ++half) {
+          const int row = row0 + lane / 4 + 8 * half;
+          if (row < seqlen_q) lse_i[row] = lse_row[2 * mi + half];
+        }
       }
     }
+  };
+  const long long o_at = blk.batch * p.o.batch_stride + blk.head * p.o.head_stride + blk.q0 * o_row_stride;
+  const long long lse_at = blk.stats(p) + blk.head * p.stats_head_stride;
+  if (p.split.num_splits > 1) {  // split-KV: this split's normalized partial to the float32 workspaces (combine.cuh)
+    const int split = blockIdx.z - blk.batch * p.split.num_splits;
+    write(static_cast<float*>(p.split.o_accum) + split * p.split.o_split_stride + o_at,
+          static_cast<float*>(p.split.lse_accum) + split * p.split.lse_split_stride + lse_at);
+  } else {
+    write(static_cast<T*>(p.o.ptr) + o_at, p.lse + lse_at);
   }
 }
 

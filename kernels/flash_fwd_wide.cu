@@ -20,6 +20,8 @@
 #include "wide_tile.cuh"
 #include "wide_softmax.cuh"
 #include "wide_scores.cuh"
+#include "kv_tile.cuh"
+#include "combine.cuh"
 
 namespace cuflash {
 
@@ -46,13 +48,30 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_fwd_wide_kernel(const __g
   const int warp_row = (tid / 32) * Tr::kRowsPerWarp;
   T* sP_warp = sP + warp_row * kLdP;
 
-  const BlockInfo<Tr> blk(p);
+  const BlockInfo<Tr, true> blk(p);
   const ScorePos pos{blk.batch, blk.head, blk.len_q, blk.len_k};
-  const long long q_row_stride = p.q.row_stride, k_row_stride = p.k.row_stride, v_row_stride = p.v.row_stride;
+  const long long q_row_stride = p.q.row_stride;
   const int head_dim = p.head_dim;
-  const T* q_i = p.q.at<const T>(blk.batch, blk.head) + blk.row_begin * q_row_stride;
-  const T* k_bh = p.k.at<const T>(blk.batch, blk.head_kv);
-  const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv);
+  const T* q_i = p.q.at<const T>(blk.batch, blk.head, blk.q0 + blk.row_begin);
+  // K/V rows of this (sequence, kv head): a batch entry or packed sequence (k_bh, v_bh), or the pages of a paged
+  // KV cache, whose addresses load_kv derives from the params bank and blk where it needs them (nothing more stays
+  // live across the key loop).
+  const T* k_bh = p.k.at<const T>(blk.batch, blk.head_kv, blk.k0);
+  const T* v_bh = p.v.at<const T>(blk.batch, blk.head_kv, blk.k0);
+  // Issues the copy of keys [key0, key0 + kBlockN) of K (smem stride kL = kLd) or V (kLdV); uniform branch.
+  auto load_kv = [&](auto ld, T* smem, const T* base, const TensorArg& t, int key0) {
+    constexpr int kL = decltype(ld)::value;
+    // float64: no paged path (its key loop has no register to spare for it, measured: spills); the launch gathers
+    // a paged float64 cache's pages first (cuflash/cuda/launch.py, forward_kvcache_launch).
+    if (sizeof(T) == 8 || p.paged.block_table == nullptr) {
+      wide::load_tile<T, kBlockN, kHeadDim, kL, Tr::kThreads>(smem, base + key0 * t.row_stride, t.row_stride,
+                                                              blk.len_k - key0, head_dim, tid);
+    } else {
+      load_paged_tile<T, kBlockN, kHeadDim, kL, Tr::kThreads>(
+          smem, t.at<const T>(0, blk.head_kv), p.paged.block_table + blk.batch * p.paged.table_stride,
+          t.batch_stride, t.row_stride, p.paged.page_size, key0, blk.len_k - key0, head_dim, tid);
+    }
+  };
 
   KeyTiles tiles;
   plan_key_tiles(tiles, blk, p.mask);
@@ -72,8 +91,7 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_fwd_wide_kernel(const __g
   if (n >= 0) {
     wide::load_tile<T, kBlockM, kHeadDim, kLd, Tr::kThreads>(sQ, q_i, q_row_stride, blk.len_q - blk.row_begin,
                                                              head_dim, tid);
-    wide::load_tile<T, kBlockN, kHeadDim, kLd, Tr::kThreads>(sK, k_bh + (long long)n * kBlockN * k_row_stride,
-                                                             k_row_stride, blk.len_k - n * kBlockN, head_dim, tid);
+    load_kv(IntConstant<kLd>{}, sK, k_bh, p.k, n * kBlockN);
     arch::cp_async_commit();
   }
 
@@ -84,8 +102,7 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_fwd_wide_kernel(const __g
     const int key0 = n * kBlockN;
     arch::cp_async_wait<0>();
     __syncthreads();  // K_j (and Q) in smem; every warp is done with V_{j-1} and its staged P
-    wide::load_tile<T, kBlockN, kHeadDim, kLdV, Tr::kThreads>(sV, v_bh + key0 * v_row_stride, v_row_stride,
-                                                              blk.len_k - key0, head_dim, tid);
+    load_kv(IntConstant<kLdV>{}, sV, v_bh, p.v, key0);
     arch::cp_async_commit();
 
     // Line 8: S = Q_i K_j^T * scale * log2(e), the element mask on boundary tiles (and with a mask modifier).
@@ -108,9 +125,7 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_fwd_wide_kernel(const __g
     bool next_partial;
     const int n_next = tiles.next(&next_partial);
     if (n_next >= 0) {
-      wide::load_tile<T, kBlockN, kHeadDim, kLd, Tr::kThreads>(sK, k_bh + (long long)n_next * kBlockN * k_row_stride,
-                                                               k_row_stride, blk.len_k - n_next * kBlockN, head_dim,
-                                                               tid);
+      load_kv(IntConstant<kLd>{}, sK, k_bh, p.k, n_next * kBlockN);
       arch::cp_async_commit();
     }
 
@@ -139,10 +154,21 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_fwd_wide_kernel(const __g
 #pragma unroll
   for (int r = 0; r < kMT * kH; ++r) inv_l[r] *= rescale;  // exact (x * 1) without dropout
 
-  T* o_i = p.o.at<T>(blk.batch, blk.head);
-  T* lse_i = wide::stats<T>(p.lse) + blk.batch * p.stats_batch_stride + blk.head * p.stats_head_stride;
+  // Rows [len_q, rows_q) of a padded batch get out = 0, lse = -inf; a packed sequence writes only its own rows.
+  // Split-KV: this split's normalized partial goes to the workspaces (in T, combine.cuh) instead.
   const long long o_row_stride = p.o.row_stride;
-  const int seqlen_q = p.seqlen_q;
+  long long o_at = blk.batch * p.o.batch_stride + blk.head * p.o.head_stride + blk.q0 * o_row_stride;
+  long long lse_at = blk.stats(p) + blk.head * p.stats_head_stride;
+  T* o_i = static_cast<T*>(p.o.ptr);
+  T* lse_i = wide::stats<T>(p.lse);
+  if (p.split.num_splits > 1) {
+    const int split = blockIdx.z - blk.batch * p.split.num_splits;
+    o_i = static_cast<T*>(p.split.o_accum) + split * p.split.o_split_stride;
+    lse_i = static_cast<T*>(p.split.lse_accum) + split * p.split.lse_split_stride;
+  }
+  o_i += o_at;
+  lse_i += lse_at;
+  const int seqlen_q = blk.rows_q(p);
 #pragma unroll
   for (int mi = 0; mi < kMT; ++mi) {
     const int r0 = row0 + kTM * mi;

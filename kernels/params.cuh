@@ -21,6 +21,12 @@ struct TensorArg {
   __device__ __forceinline__ T* at(long long batch, long long head) const {
     return static_cast<T*>(ptr) + batch * batch_stride + head * head_stride;
   }
+  // Row `row` of (batch, head): in a packed (varlen) batch batch_stride is 0 and `row` counts from the first token
+  // of the pack (SeqSpan in block_info.cuh adds the sequence's offset).
+  template <typename T>
+  __device__ __forceinline__ T* at(long long batch, long long head, long long row) const {
+    return at<T>(batch, head) + row * row_stride;
+  }
 };
 
 // A BlockMask's schedule as a kernel reads it (cuflash/cuda/launch.py): per (batch|1, head|1, tile) the sorted list of
@@ -63,11 +69,33 @@ struct WideArg {
   double scale, rescale;  // softmax scale, dropout's 1/(1-p) (1 without dropout)
 };
 
+// A paged KV cache (the forward of attention_with_kvcache, kv_tile.cuh): k/v are (num_pages, page_size, Hkv, ld) with
+// batch_stride = the page stride, and sequence b's key position pos lives in page
+// block_table[b * table_stride + pos / page_size]. Null block_table: k/v are indexed by batch.
+struct PagedArg {
+  const int* block_table;
+  long long table_stride;
+  int page_size;
+};
+
+// Split-KV (flash-decoding, the forward of attention_with_kvcache): num_splits > 1 thread blocks per query tile
+// (grid z = batch * num_splits) each take a share of the key tiles and write their normalized partial out and lse
+// to workspaces in the accumulator type (float; double for float64), laid out like o and lse with one slab per
+// split; combine.cuh merges them. num_splits <= 1: no split, the forward writes o and lse itself.
+struct SplitArg {
+  void* o_accum;
+  void* lse_accum;
+  long long o_split_stride, lse_split_stride;
+  int num_splits;
+};
+
 struct Params {
   // q, dout, dq: (B, Sq, Hq, ld); k, v, dk, dv: (B, Sk, Hkv, ld); o: like q; dq_accum: fp32 like q, or null.
   TensorArg q, k, v, o, dout, dq, dk, dv, dq_accum;
-  // (B, Hq, Sq) fp32 rows of statistics with row stride 1: lse (natural log, the forward's output), and the
-  // backward's lse * log2(e) and D = rowsum(dO o O). (The float64 kernels read these, dq_accum and mods.dbias as
+  // In a packed (varlen) batch they are (total, H, ld) with batch_stride 0, and sequence b's rows start at
+  // cu_seqlens_q/k[b] (FA2's layout, see SeqSpan in block_info.cuh).
+  // (B, Hq, Sq) fp32 rows of statistics with row stride 1 (packed: (Hq, total_q), stats_batch_stride 0): lse
+  // (natural log, the forward's output), and the backward's lse * log2(e) and D = rowsum(dO o O). (The float64 kernels read these, dq_accum and mods.dbias as
   // float64 arrays: the pointer types here are the 16/32-bit kernels'.)
   float* lse;
   float* lse_log2;
@@ -75,6 +103,8 @@ struct Params {
   long long stats_batch_stride, stats_head_stride;
   const int* seqlens_q;  // int32 (B,) own lengths, or null for the full lengths
   const int* seqlens_k;
+  const int* cu_seqlens_q;  // int32 (B + 1,) offsets of a packed (varlen) batch, or null for a padded batch; then
+  const int* cu_seqlens_k;  // seqlen_q/k are the largest lengths (max_seqlen_q/k: the grid's extent)
   int seqlen_q, seqlen_k;
   int head_dim;      // columns read and written (a multiple of 8, <= the specialization's head dim)
   int heads_per_kv;  // GQA/MQA group size
@@ -85,6 +115,8 @@ struct Params {
   DropoutArg dropout;
   ModArgs mods;
   WideArg wide;
+  PagedArg paged;
+  SplitArg split;
 };
 
 }  // namespace cuflash

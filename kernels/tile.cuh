@@ -80,21 +80,31 @@ __device__ __forceinline__ void load_v_frags(uint32_t (&b)[4], const typename Tr
 // Writes one 16-row m-tile of O (accumulator layout: register pair (0,1) is row lane/4, pair (2,3) row lane/4 + 8,
 // columns 8*nd + 2*(lane%4) + {0,1}) scaled per row, to gmem rows [row0, row0 + 16) of a (row_stride) tile.
 // Rows >= rows_valid (past the array) and columns >= cols_valid are not written.
-template <class Traits>
-__device__ __forceinline__ void store_o_tile(typename Traits::T* gmem, long long row_stride, int rows_valid,
+// Out is T, or float for the float32 workspace of split-KV (params.cuh, SplitArg).
+__device__ __forceinline__ void store_pair(float* dst, float x, float y) {
+  float2 v;
+  v.x = x, v.y = y;
+  *reinterpret_cast<float2*>(dst) = v;
+}
+template <typename T>
+__device__ __forceinline__ void store_pair(T* dst, float x, float y) {
+  *reinterpret_cast<uint32_t*>(dst) = arch::pack2<T>(x, y);
+}
+
+template <class Traits, typename Out>
+__device__ __forceinline__ void store_o_tile(Out* gmem, long long row_stride, int rows_valid,
                                              int cols_valid, const float (&acc)[Traits::kNTilesO][4],
                                              const float (&row_scale)[2], int lane) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = (lane >> 2) + 8 * half;
     if (r < rows_valid) {
-      typename Traits::T* dst = gmem + r * row_stride;
+      Out* dst = gmem + r * row_stride;
 #pragma unroll
       for (int nd = 0; nd < Traits::kNTilesO; ++nd) {
         const int col = nd * 8 + 2 * (lane & 3);
         if (col < cols_valid) {  // cols_valid is a multiple of 8: both elements of the pair are in or out
-          *reinterpret_cast<uint32_t*>(dst + col) = arch::pack2<typename Traits::T>(
-              acc[nd][2 * half] * row_scale[half], acc[nd][2 * half + 1] * row_scale[half]);
+          store_pair(dst + col, acc[nd][2 * half] * row_scale[half], acc[nd][2 * half + 1] * row_scale[half]);
         }
       }
     }

@@ -123,8 +123,8 @@ def function(spec, module=None):
 
 def pointer(launch, field):
     """The device address a launch's params struct holds in ``field`` ("q", "mask.tile_lists", ...)."""
-    value = fake_cupy._field(launch.args[0], field if field in ("lse", "seqlens_q") or "." in field else
-                             field + ".ptr")
+    plain = ("lse", "seqlens_q", "cu_seqlens_q", "cu_seqlens_k")  # pointer fields, not TensorArgs
+    value = fake_cupy._field(launch.args[0], field if field in plain or "." in field else field + ".ptr")
     return int(value)
 
 
@@ -577,3 +577,92 @@ def test_warmup_backward_compiles_each_backward_family_once(cp):
     assert len(modules(cp)) == 4  # two forward specs, two backward families (each one RawModule of 4 kernels)
     assert cuda.warmup(dtypes=("float16",), head_dims=(59, 64, 128), backward=True, progress=False) == done
     assert len(modules(cp)) == 4  # the second call compiles nothing
+
+
+# ------------------------------------------------------------------------------------------------
+# Ragged batches (varlen): the kernels read cu_seqlens on the device
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_varlen_forward_and_backward(cp, deterministic):
+    """attention_varlen on device arrays: one launch per kernel with grid z = sequences and x = tiles of the longest
+    sequence, the offsets read from the caller's device arrays; bitwise what backend="emulate" computes (the same
+    launches), which tests/test_kernels_emulated_varlen.py holds to the float64 reference."""
+    from test_varlen import ragged
+
+    rng = np.random.default_rng(21)
+    q, k, v, dout, cq, ck = ragged(rng, [5, 0, 70, 1], [7, 3, 40, 0], 4, 2, 40, np.float16)
+    options = dict(causal=True, dropout_p=0.2, seed=5)
+    dev = [cp.asarray(a) for a in (q, k, v, dout, cq, ck)]
+    out, lse = cuflash.attention_varlen(*dev[:3], dev[4], dev[5], return_lse=True, **options)
+    launch = cp._launches[-1]
+    fwd = specs.select("fwd", "float16", 40, 227 * 1024)
+    assert launch.grid == (-(-70 // fwd.block_m), 4, 4)
+    assert inside(pointer(launch, "cu_seqlens_q"), dev[4]) and inside(pointer(launch, "cu_seqlens_k"), dev[5])
+    assert int(fake_cupy._field(launch.args[0], "q.batch_stride")) == 0
+    want_out, want_lse = cuflash.attention_varlen(q, k, v, cq, ck, return_lse=True, backend="emulate", **options)
+    assert np.array_equal(out.get(), want_out) and np.array_equal(lse.get(), want_lse)
+    n = len(cp._launches)
+    grads = cuflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, dev[4], dev[5], deterministic=deterministic,
+                                              **options)
+    assert names(cp._launches[n:]) == bwd_names("float16", 40, deterministic)
+    main = specs.select("bwd", "float16", 40, 227 * 1024)
+    assert cp._launches[n + 1].grid == (-(-40 // main.block_n), 2, 4)
+    want = cuflash.attention_varlen_backward(dout, q, k, v, want_out, want_lse, cq, ck, backend="emulate",
+                                             deterministic=True, **options)
+    for g, w in zip(grads, want):
+        assert isinstance(g, cp.ndarray)
+        if deterministic:
+            assert np.array_equal(g.get(), w)
+        else:  # dQ's last bits follow the atomics' order; dK, dV do not
+            np.testing.assert_allclose(g.get().astype(np.float32), w.astype(np.float32), rtol=2e-2, atol=2e-3)
+
+
+def test_varlen_wide_and_empty(cp):
+    """float32 through the wide kernels; only empty sequences launch nothing."""
+    from test_varlen import ragged
+
+    rng = np.random.default_rng(22)
+    q, k, v, dout, cq, ck = ragged(rng, [3, 9], [9, 2], 2, 1, 16, np.float32)
+    out = cuflash.attention_varlen(*(cp.asarray(a) for a in (q, k, v, cq, ck)), window=(2, 2))
+    assert np.array_equal(out.get(), cuflash.attention_varlen(q, k, v, cq, ck, window=(2, 2), backend="emulate"))
+    n = len(cp._launches)
+    empty = cp.zeros((0, 2, 16), cp.float16)
+    cu = cp.zeros(3, cp.int32)
+    out, lse = cuflash.attention_varlen(empty, empty, empty, cu, cu, return_lse=True)
+    grads = cuflash.attention_varlen_backward(out, empty, empty, empty, out, lse, cu, cu)
+    assert len(cp._launches) == n and out.shape == (0, 2, 16) and all(g.shape == (0, 2, 16) for g in grads)
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache: contiguous and paged caches, split-KV and its combine
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_forward_and_split_combine(cp, paged):
+    """attention_with_kvcache on device arrays: the append lands in the device cache; one forward launch (grid z =
+    batch x splits) and, split, the combine after it; bitwise what backend="emulate" computes (the same launches)."""
+    from test_kvcache import Cache
+
+    rng = np.random.default_rng(23)
+    cache = Cache(rng, 2, 200, 2, 40, np.float16, page_size=24 if paged else None)
+    q = rng.standard_normal((2, 1, 4, 40)).astype(np.float16)
+    k_new, v_new = (rng.standard_normal((2, 1, 2, 40)).astype(np.float16) for _ in range(2))
+    lens = np.array([150, 7], np.int32)
+    table = None if cache.block_table is None else cp.asarray(cache.block_table)
+    for splits in (1, 3):
+        k_dev, v_dev = cp.asarray(cache.k), cp.asarray(cache.v)
+        n = len(cp._launches)
+        out, lse = cuflash.attention_with_kvcache(cp.asarray(q), k_dev, v_dev, cache_seqlens=cp.asarray(lens),
+                                                  k_new=cp.asarray(k_new), v_new=cp.asarray(v_new),
+                                                  block_table=table, num_splits=splits, return_lse=True)
+        fwd = specs.select("fwd", "float16", 40, 227 * 1024)
+        assert [launch.grid for launch in cp._launches[n:]] == [(1, 4, 2 * splits)] + ([(1, 4, 2)] if splits > 1
+                                                                                       else [])
+        if paged:
+            assert inside(pointer(cp._launches[n], "paged.block_table"), table)
+        k_host, v_host = cache.k.copy(), cache.v.copy()
+        want = cuflash.attention_with_kvcache(q, k_host, v_host, cache_seqlens=lens, k_new=k_new, v_new=v_new,
+                                              block_table=cache.block_table, num_splits=splits, return_lse=True,
+                                              backend="emulate")
+        assert np.array_equal(k_dev.get(), k_host) and np.array_equal(v_dev.get(), v_host)
+        assert np.array_equal(out.get(), want[0]) and np.array_equal(lse.get(), want[1])
+        assert cp._launches[n].shared_mem == fwd.smem_bytes

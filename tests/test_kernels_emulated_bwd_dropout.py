@@ -2,7 +2,7 @@
 cuflash.emulate.
 
 - every dropout feature case, fp16 and bf16, both dQ modes (atomics; the deterministic dq kernel), against the float64
-  reference gradients given the explicit keep-mask (cuflash.testing.check_backward via bwd_cases); out and lse
+  reference gradients given the explicit keep-mask (cuflash.testing.check_backward via tests/cases.py); out and lse
   from the emulated forward kernel with the same dropout, as on the GPU;
 - each warp layout of the main kernel (split 1, 2, 4) and of the dq kernel (16 and 32 rows per warp), both modes;
   with the table rows of the feature cases, warps hold 2, 4 and 8 n-tiles of S^T (8, 16, 32 keep bits per lane);

@@ -296,8 +296,8 @@ ERRORS = [
     ("softcap", dict(softcap=0.0), ValueError, r"softcap"),
     ("scale", dict(scale=float("inf")), ValueError, r"scale"),
     ("return_lse", dict(return_lse="yes"), TypeError, r"return_lse must be a bool"),
-    ("backend", dict(backend="emulate"), ValueError, r"backend 'emulate' does not support kvcache yet; use "
-                                                     r"backend='numpy'"),
+    # backend="emulate" computes KV caches now (tests/test_kernels_emulated_kvcache.py); "cuda" takes CuPy arrays only
+    ("backend", dict(backend="cuda"), (TypeError, RuntimeError), r"backend 'cuda'"),
     # paged
     ("table-int64", dict(k_cache=PK, v_cache=PV, block_table=TABLE.astype(np.int64)), TypeError,
      r"block_table must be an int32 array"),

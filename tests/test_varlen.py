@@ -362,8 +362,9 @@ ERRORS = [
     ("bias-shape", dict(bias=np.ones((4, 5, 6), np.float32)), ValueError, r"bias must be"),
     ("mod-extent", dict(score_mod="score + w[q_idx]", mod_arrays={"w": np.ones(4, np.float32)}), ValueError,
      r"w"),
-    ("backend-emulate", dict(backend="emulate"), ValueError,
-     r"backend 'emulate' does not support varlen yet; use backend='numpy'"),
+    # backend="emulate" computes varlen now (tests/test_kernels_emulated_varlen.py); the "cuda" backend takes CuPy
+    # arrays only
+    ("backend-cuda-numpy", dict(backend="cuda"), (TypeError, RuntimeError), r"backend 'cuda'"),
     ("backend-name", dict(backend="tpu"), ValueError, r"unknown backend 'tpu'"),
     ("return_lse", dict(return_lse=1), TypeError, r"return_lse must be a bool"),
 ]

@@ -29,10 +29,11 @@ MAX_HEAD_DIM = specs.NATIVE_HEAD_DIMS[-1]
 BF16_BITS = True
 MODIFIERS = True  # score and mask modifiers compiled into the kernels (cuflash/cuda/modcode.py)
 ARRAYS = "cupy"
-#: ragged batches (cuflash.attention_varlen) and KV caches (cuflash.attention_with_kvcache): the kernels do not
-#: read cumulative offsets, page tables or split the key range yet, so select() refuses those problems here
-VARLEN = False
-KVCACHE = False
+#: ragged batches (cuflash.attention_varlen): the kernels read cu_seqlens themselves (forward_varlen,
+#: backward_varlen). KV caches (cuflash.attention_with_kvcache, forward_kvcache): contiguous or paged (the K/V loads
+#: go through the block table), split-KV with a combine kernel; the append of k_new/v_new is an array copy.
+VARLEN = True
+KVCACHE = True
 
 #: compiled by available(): both element types' headers, a template instantiation and a load on the device, the
 #: steps every kernel needs (a machine without the CUDA headers, or with an NVRTC newer than its driver, fails here).
@@ -156,6 +157,62 @@ def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=Fal
     for launch in bl.launches:
         run(launch)
     return bl.result()
+
+
+def forward_varlen(problem, *, spec=None):
+    """``(out (total_q, Hq, D), lse (Hq, total_q))`` of a :class:`~cuflash.problem.VarlenProblem` on the current
+    stream: the forward kernel over the packed arrays (:func:`cuflash.cuda.launch.forward_varlen_launch`)."""
+    _check_devices(problem, cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k)
+    _, cc, max_smem = _device()
+    fl = launches.forward_varlen_launch(problem, max_smem=max_smem, spec=spec, cc=cc)
+    if fl.launch is not None:
+        run(fl.launch)
+    return fl.result()
+
+
+def backward_varlen(problem, dout, out, lse, *, deterministic=False):
+    """``(dq, dk, dv)`` packed like ``q``, ``k``, ``v`` on the current stream
+    (:func:`cuflash.cuda.launch.backward_varlen_launch`)."""
+    _check_devices(problem, dout=dout, out=out, lse=lse)
+    _, cc, max_smem = _device()
+    bl = launches.backward_varlen_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=max_smem,
+                                         cc=cc)
+    for launch in bl.launches:
+        run(launch)
+    return bl.result()
+
+
+def forward_kvcache(problem, *, spec=None):
+    """Append ``k_new``/``v_new`` into the caches (an array copy on the current stream), then ``(out (B, Sq, Hq, D),
+    lse (B, Hq, Sq))`` from the KV-cache forward kernel (and the split-KV combine):
+    :func:`cuflash.cuda.launch.forward_kvcache_launch`, ``num_splits=None`` sized by this GPU's SM count."""
+    from .numpy import append_kvcache
+
+    more = {n: getattr(problem, n) for n in ("cache_seqlens", "k_new", "v_new", "block_table")
+            if getattr(problem, n) is not None}
+    _check_kvcache_devices(problem, more)
+    append_kvcache(problem)
+    _, cc, max_smem = _device()
+    kl = launches.forward_kvcache_launch(problem, max_smem=max_smem, sm_count=_sm_count(), spec=spec, cc=cc)
+    for launch in kl.launches:
+        run(launch)
+    return kl.result()
+
+
+def _check_kvcache_devices(problem, more):
+    dev = _device()[0]
+    for name, a in dict(q=problem.q, k_cache=problem.k_cache, v_cache=problem.v_cache, **more).items():
+        if a.device.id != dev:
+            raise ValueError(f"{name} is on GPU {a.device.id} but the current device is GPU {dev}: call cuflash "
+                             f"inside `with cupy.cuda.Device({a.device.id}):`")
+
+
+def _sm_count() -> int:
+    """Streaming multiprocessors of the current device (the split-KV heuristic's input); 108 if unknown."""
+    try:
+        return int(_cupy().cuda.Device().attributes.get("MultiProcessorCount") or 108)
+    except Exception:  # a device query CuPy cannot answer
+        return 108
 
 
 def warmup(dtypes=tuple(specs.CTYPES), head_dims=specs.NATIVE_HEAD_DIMS, *, backward=False, precision="ieee",

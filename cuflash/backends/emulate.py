@@ -18,10 +18,11 @@ MAX_HEAD_DIM = specs.NATIVE_HEAD_DIMS[-1]
 BF16_BITS = True
 MODIFIERS = True  # score and mask modifiers compiled into the kernels (cuflash/cuda/modcode.py)
 ARRAYS = "numpy"
-#: ragged batches (cuflash.attention_varlen) and KV caches (cuflash.attention_with_kvcache): the kernels do not
-#: read cumulative offsets, page tables or split the key range yet, so select() refuses those problems here
-VARLEN = False
-KVCACHE = False
+#: ragged batches (cuflash.attention_varlen): the kernels read cu_seqlens themselves (forward_varlen,
+#: backward_varlen). KV caches (cuflash.attention_with_kvcache, forward_kvcache): contiguous or paged (the K/V loads
+#: go through the block table), split-KV with a combine kernel; the append of k_new/v_new is an array copy.
+VARLEN = True
+KVCACHE = True
 
 
 def available():
@@ -68,3 +69,41 @@ def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=Fal
     for launch in bl.launches:
         emulate.launch(launch, schedule=schedule, seed=seed)
     return bl.result()
+
+
+def forward_varlen(problem, *, schedule=None, seed=None, spec=None):
+    """``(out (total_q, Hq, D), lse (Hq, total_q))`` of a :class:`~cuflash.problem.VarlenProblem` through the emulated
+    forward kernel (:func:`cuflash.cuda.launch.forward_varlen_launch`)."""
+    from .. import emulate
+
+    fl = launches.forward_varlen_launch(problem, max_smem=_max_smem(), spec=spec, cc=_cc())
+    if fl.launch is not None:
+        emulate.launch(fl.launch, schedule=schedule, seed=seed)
+    return fl.result()
+
+
+def backward_varlen(problem, dout, out, lse, *, deterministic=False, schedule=None, seed=None, spec=None,
+                    dq_spec=None):
+    """``(dq, dk, dv)`` packed like ``q``, ``k``, ``v`` through the emulated backward kernels."""
+    from .. import emulate
+
+    bl = launches.backward_varlen_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=_max_smem(),
+                                         spec=spec, dq_spec=dq_spec, cc=_cc())
+    for launch in bl.launches:
+        emulate.launch(launch, schedule=schedule, seed=seed)
+    return bl.result()
+
+
+def forward_kvcache(problem, *, num_splits_sm_count=108, schedule=None, seed=None, spec=None):
+    """Append ``k_new``/``v_new`` into the caches (an array copy), then ``(out (B, Sq, Hq, D), lse (B, Hq, Sq))``
+    through the emulated KV-cache forward (and split-KV combine) kernels. ``num_splits_sm_count``: the SM count the
+    ``num_splits=None`` heuristic assumes (108, an A100's)."""
+    from .. import emulate
+    from .numpy import append_kvcache
+
+    append_kvcache(problem)
+    kl = launches.forward_kvcache_launch(problem, max_smem=_max_smem(), sm_count=num_splits_sm_count, spec=spec,
+                                         cc=_cc())
+    for launch in kl.launches:
+        emulate.launch(launch, schedule=schedule, seed=seed)
+    return kl.result()

@@ -340,3 +340,208 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
     else:
         launches.append(helper(convert))
     return BackwardLaunch(tuple(launches), dq, dk, dv, d, dbias_acc)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ragged batches (varlen): the same kernels over packed arrays
+# ------------------------------------------------------------------------------------------------
+# FA2's varlen layout: q (total_q, Hq, D), k/v (total_k, Hkv, D) packed along the token axis, lse (Hq, total_q).
+# The kernels read the int32 offsets cu_seqlens_q/k themselves (SeqSpan in kernels/block_info.cuh): sequence b is
+# grid z = b, its rows start at cu_seqlens[b] (tensor batch stride 0, params.tensor), and grid x covers the longest
+# sequence (max_seqlen_q/k, known on the host from problem.py: no read-back of the offsets here); blocks past a
+# sequence's length write nothing. Masks, modifiers and dropout see (b, position within the sequence), so each
+# sequence computes what batch entry b of the padded problem computes.
+def check_varlen_limits(problem, what: str):
+    if max(problem.max_seqlen_q, problem.max_seqlen_k) > MAX_SEQLEN:
+        raise ValueError(f"sequence lengths must be below 2**30 on the CUDA kernels, got {problem.max_seqlen_q}, "
+                         f"{problem.max_seqlen_k}")
+    if max(problem.total_q, problem.total_k) >= 2 ** 31:
+        raise ValueError(f"the CUDA kernels index packed tokens with int32 offsets: at most 2**31 - 1 tokens, got "
+                         f"{problem.total_q}, {problem.total_k}")
+    if problem.heads_q > 65535 or problem.batch > 65535:
+        raise ValueError(f"the CUDA {what} launches one block per (tile, head, sequence): heads ({problem.heads_q}) "
+                         f"and sequences ({problem.batch}) must each be at most 65535; split the batch")
+
+
+def _varlen_common(problem, d8: int) -> tuple[dict, tuple]:
+    """The params fields every kernel of a varlen problem shares, and the offset arrays they point to."""
+    xp = problem.xp
+    cu_q, cu_k = (xp.ascontiguousarray(c, dtype=np.int32) for c in (problem.cu_seqlens_q, problem.cu_seqlens_k))
+    rescale64 = 1.0 / (1.0 - problem.dropout_p) if problem.dropout_p else 1.0
+    values = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqlen_q=problem.max_seqlen_q,
+                  seqlen_k=problem.max_seqlen_k, head_dim=d8, heads_per_kv=problem.group, scale=problem.scale,
+                  scale_log2=np.float32(problem.scale * np.log2(np.e)),
+                  window_left=_window(problem.window_left), window_right=_window(problem.window_right),
+                  stats_batch_stride=0, stats_head_stride=problem.total_q, dropout=_dropout_arg(problem),
+                  wide=(problem.scale, rescale64))
+    return values, (cu_q, cu_k)
+
+
+def forward_varlen_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], spec: Optional[specs.KernelSpec] = None,
+                          cc: int = 80) -> ForwardLaunch:
+    """The forward kernel's launch for a :class:`~cuflash.problem.VarlenProblem`: ``out (total_q, Hq, d8)``,
+    ``lse (Hq, total_q)``."""
+    xp = problem.xp
+    total_q, hq, d = problem.q.shape
+    spec = spec or specs.select("wfwd" if is_wide(problem) else "fwd", problem.element_type, d, max_smem,
+                                math=math_of(problem, cc))
+    if spec.dtype != problem.element_type or spec.head_dim < d:
+        raise ValueError(f"kernel {spec} cannot run a {problem.element_type} problem of head_dim {d}")
+    check_varlen_limits(problem, "forward")
+    d8 = padded_head_dim(d)
+    if problem.batch == 0 or problem.max_seqlen_q == 0:
+        out = xp.zeros((total_q, hq, d8), dtype=problem.q.dtype)
+        return ForwardLaunch(None, out, xp.full((hq, total_q), -np.inf, dtype=_stats_dtype(problem)), d)
+    out = xp.empty((total_q, hq, d8), dtype=problem.q.dtype)  # every row belongs to a sequence: all written
+    lse = xp.empty((hq, total_q), dtype=_stats_dtype(problem))
+    q, k, v = (_prepare(xp, a, d8) for a in (problem.q, problem.k, problem.v))
+    (spec,), source, mods, mods_keep, _ = _with_mods(problem, (spec,))
+    common, cu = _varlen_common(problem, d8)
+    values = dict(common, q=q, k=k, v=v, o=out, lse=lse)
+    if mods is not None:
+        values["mods"] = mods
+    grid = (_cdiv(problem.max_seqlen_q, spec.block_m), hq, problem.batch)
+    return ForwardLaunch(_launch(spec, source, grid, values, (q, k, v, out, lse, *cu, *mods_keep)), out, lse, d)
+
+
+def backward_varlen_launch(problem, dout, out, lse, *, deterministic: bool = False,
+                           max_smem: int = specs.SMEM_LIMIT[80], spec: Optional[specs.KernelSpec] = None,
+                           dq_spec: Optional[specs.KernelSpec] = None, cc: int = 80) -> BackwardLaunch:
+    """The backward's launches for a :class:`~cuflash.problem.VarlenProblem` (``dout``, ``out`` packed like ``q``,
+    ``lse (Hq, total_q)``): the padded backward's kernels and modes, over packed arrays."""
+    xp = problem.xp
+    total_q, hq, d = problem.q.shape
+    total_k, hkv = problem.total_k, problem.heads_kv
+    if spec is None or dq_spec is None:
+        chosen = backward_specs(problem, max_smem, cc)
+        spec, dq_spec = spec or chosen[0], dq_spec or chosen[1]
+    for s in (spec, dq_spec):
+        if s.dtype != problem.element_type or s.head_dim < d:
+            raise ValueError(f"kernel {s} cannot run a {problem.element_type} problem of head_dim {d}")
+    check_varlen_limits(problem, "backward")
+    d8 = padded_head_dim(d)
+    dt = problem.q.dtype
+    max_q, max_k, batch = problem.max_seqlen_q, problem.max_seqlen_k, problem.batch
+    nothing = batch == 0 or max_q == 0 or max_k == 0  # zero gradients, no launch
+    alloc = xp.zeros if nothing else xp.empty  # otherwise the kernels write every row of every sequence
+    dq, dk, dv = (alloc((total_q, hq, d8), dtype=dt), alloc((total_k, hkv, d8), dtype=dt),
+                  alloc((total_k, hkv, d8), dtype=dt))
+    (spec, dq_spec), source, mods, mods_keep, _ = _with_mods(problem, (spec, dq_spec))
+    if nothing:
+        return BackwardLaunch((), dq, dk, dv, d)
+
+    q, k, v, do, o = (_prepare(xp, a, d8) for a in (problem.q, problem.k, problem.v, dout, out))
+    st = _stats_dtype(problem)
+    lse = xp.ascontiguousarray(lse, dtype=st)
+    lse_log2, dsum = xp.empty((hq, total_q), dtype=st), xp.empty((hq, total_q), dtype=st)
+    acc = None if deterministic else xp.empty((total_q, hq, d8), dtype=st)
+    common, cu = _varlen_common(problem, d8)
+    common.update(q=q, k=k, v=v, o=o, dout=do, dq=dq, dk=dk, dv=dv, dq_accum=acc, lse=lse, lse_log2=lse_log2,
+                  dsum=dsum)
+    if mods is not None:
+        common["mods"] = mods
+    keep = (q, k, v, o, do, dq, dk, dv, acc, lse, lse_log2, dsum, *cu, *mods_keep)
+    module = (*specs.helper_names(problem.element_type), spec.name_expression, dq_spec.name_expression)
+    preprocess, convert = specs.helper_names(problem.element_type)
+    rows = (_cdiv(max_q, ROWS_PER_BLOCK), hq, batch)
+
+    def helper(name):
+        return LaunchSpec(source=source, name_expression=name, grid=rows, block=(32 * ROWS_PER_BLOCK, 1, 1),
+                          shared_bytes=0, args=(params.pack(**common),), module=module, keep=keep)
+
+    launches = [helper(preprocess), _launch(spec, source, (_cdiv(max_k, spec.block_n), hkv, batch), common, keep,
+                                            module)]
+    if deterministic:
+        launches.append(_launch(dq_spec, source, (_cdiv(max_q, dq_spec.block_m), hq, batch), common, keep, module))
+    else:
+        launches.append(helper(convert))
+    return BackwardLaunch(tuple(launches), dq, dk, dv, d)
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache (attention_with_kvcache): the forward over a contiguous or paged cache, split-KV and its combine
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVCacheLaunch:
+    """The launches of one KV-cache forward (the forward kernel; with split-KV the combine after it) and the arrays
+    they write; :meth:`result` gives ``(out (B, Sq, Hq, D), lse (B, Hq, Sq))``."""
+
+    launches: tuple
+    out: Any
+    lse: Any
+    head_dim: int
+    num_splits: int
+
+    def result(self):
+        return ForwardLaunch(None, self.out, self.lse, self.head_dim).result()
+
+
+def forward_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_count: int = 108,
+                           spec: Optional[specs.KernelSpec] = None, cc: int = 80) -> KVCacheLaunch:
+    """The KV-cache forward for a :class:`~cuflash.problem.KVCacheProblem` whose new tokens are already appended.
+
+    Sequence b's queries attend to its first ``cache_seqlens[b] + S_new`` cache positions: the padded forward with
+    those as seqlens_k over the cache (``seqlen_k`` = the capacity bounds them); a paged cache is read through
+    ``block_table`` by the kernel's K/V loads (kernels/kv_tile.cuh), with the page stride as k/v's batch stride
+    (float64: the pages are gathered into a contiguous copy first; that kernel has no registers for paged loads).
+    ``problem.num_splits`` (None: :func:`cuflash.tiling.kv_splits` from ``sm_count`` and the shape) > 1 splits each
+    sequence's key tiles over that many blocks (grid z = batch * splits) writing partial (out, lse) to workspaces in
+    the accumulator type, then the combine kernel merges them (kernels/combine.cuh)."""
+    xp = problem.xp
+    b, sq, hq, d = problem.q.shape
+    spec = spec or specs.select("wfwd" if is_wide(problem) else "fwd", problem.element_type, d, max_smem,
+                                math=math_of(problem, cc))
+    if spec.dtype != problem.element_type or spec.head_dim < d:
+        raise ValueError(f"kernel {spec} cannot run a {problem.element_type} problem of head_dim {d}")
+    d8 = padded_head_dim(d)
+    st = _stats_dtype(problem)
+    out = xp.empty((b, sq, hq, d8), dtype=problem.q.dtype)
+    lse = xp.empty((b, hq, sq), dtype=st)
+    if b == 0 or sq == 0:
+        return KVCacheLaunch((), out, lse, d, 1)
+    lengths = np.asarray(problem.lengths_k, dtype=np.int64)
+    capacity = problem.capacity
+    if max(sq, capacity) > MAX_SEQLEN or hq > 65535:
+        raise ValueError(f"the CUDA kernels take sequence lengths below 2**30 and at most 65535 heads, got seqlen_q "
+                         f"{sq}, cache capacity {capacity}, {hq} heads")
+    m_tiles, key_tiles = _cdiv(sq, spec.block_m), _cdiv(int(lengths.max(initial=0)), spec.block_n)
+    splits = problem.num_splits or tiling.kv_splits(sm_count, m_tiles * hq * b, key_tiles)
+    if b * splits > 65535:
+        raise ValueError(f"the CUDA KV-cache forward launches one block per (tile, head, batch x split): batch ({b}) "
+                         f"x num_splits ({splits}) must be at most 65535")
+    k_cache, v_cache = problem.k_cache, problem.v_cache
+    gather = problem.paged and problem.element_type == "float64"
+    if gather:  # the float64 kernel has no paged K/V loads (kernels/flash_fwd_wide.cu): its pages gathered first
+        table = xp.asarray(problem.block_table)
+        k_cache, v_cache = (a[table].reshape((b, capacity) + a.shape[2:]) for a in (k_cache, v_cache))
+    q, k, v = (_prepare(xp, a, d8) for a in (problem.q, k_cache, v_cache))
+    seqlens_k = xp.asarray(lengths.astype(np.int32))  # host lengths (problem.py read them): no device sync here
+    keep = [q, k, v, out, lse, seqlens_k]
+    paged = (0, 0, 0)
+    if problem.paged and not gather:
+        table = xp.ascontiguousarray(problem.block_table, dtype=np.int32)
+        paged = (params.address(table), table.shape[1], problem.page_size)
+        keep.append(table)
+    (spec,), source, mods, mods_keep, _ = _with_mods(problem, (spec,))
+    values = dict(seqlens_k=seqlens_k, seqlen_q=sq, seqlen_k=capacity, head_dim=d8, heads_per_kv=problem.group,
+                  scale=problem.scale, scale_log2=np.float32(problem.scale * np.log2(np.e)),
+                  window_left=_window(problem.window_left), window_right=_window(problem.window_right),
+                  stats_batch_stride=hq * sq, stats_head_stride=sq, dropout=(0, 0, 0, 1.0), wide=(problem.scale, 1.0),
+                  q=q, k=k, v=v, o=out, lse=lse, paged=paged)
+    if mods is not None:
+        values["mods"] = mods
+    keep = tuple(keep) + tuple(mods_keep)
+    if splits == 1:
+        return KVCacheLaunch((_launch(spec, source, (m_tiles, hq, b), values, keep),), out, lse, d, 1)
+    # Split-KV: partials in the accumulator type (float32; float64 for float64), one slab per split laid out like
+    # out / lse, then the combine over (rows / 4, heads, batch) writes out and lse.
+    o_acc, lse_acc = xp.empty((splits, b, sq, hq, d8), dtype=st), xp.empty((splits, b, hq, sq), dtype=st)
+    values["split"] = (params.address(o_acc), params.address(lse_acc), b * sq * hq * d8, b * hq * sq, splits)
+    keep += (o_acc, lse_acc)
+    combine = specs.combine_name(problem.element_type)
+    module = (spec.name_expression, combine)
+    main = _launch(spec, source, (m_tiles, hq, b * splits), values, keep, module)
+    merge = LaunchSpec(source=source, name_expression=combine, grid=(_cdiv(sq, ROWS_PER_BLOCK), hq, b),
+                       block=(32 * ROWS_PER_BLOCK, 1, 1), shared_bytes=0, args=(params.pack(**values),),
+                       module=module, keep=keep)
+    return KVCacheLaunch((main, merge), out, lse, d, splits)

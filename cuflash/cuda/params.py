@@ -32,14 +32,20 @@ MODS = _struct([("arrays", MOD_ARRAY, (MOD_ARRAYS,)), ("scalars", _F32, (MOD_SCA
                "cuflash::ModArgs")
 #: the float64 kernels' scalars in float64 (scale, dropout's 1/(1-p)); zero for the others
 WIDE = _struct([("scale", np.float64), ("rescale", np.float64)], "cuflash::WideArg")
+#: a paged KV cache: block table (B, max_blocks) int32, its row stride, the page size (kernels/kv_tile.cuh)
+PAGED = _struct([("block_table", _PTR), ("table_stride", _I64), ("page_size", _I32)], "cuflash::PagedArg")
+#: split-KV workspaces (partial out, lse per split) and their per-split strides (kernels/combine.cuh)
+SPLIT = _struct([("o_accum", _PTR), ("lse_accum", _PTR), ("o_split_stride", _I64), ("lse_split_stride", _I64),
+                 ("num_splits", _I32)], "cuflash::SplitArg")
 TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "dq_accum")
 PARAMS = _struct([*((name, TENSOR) for name in TENSORS),
                   ("lse", _PTR), ("lse_log2", _PTR), ("dsum", _PTR),
                   ("stats_batch_stride", _I64), ("stats_head_stride", _I64),
-                  ("seqlens_q", _PTR), ("seqlens_k", _PTR),
+                  ("seqlens_q", _PTR), ("seqlens_k", _PTR), ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR),
                   ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32), ("heads_per_kv", _I32),
                   ("scale", _F32), ("scale_log2", _F32), ("window_left", _I32), ("window_right", _I32),
-                  ("mask", BLOCK_MASK), ("dropout", DROPOUT), ("mods", MODS), ("wide", WIDE)],
+                  ("mask", BLOCK_MASK), ("dropout", DROPOUT), ("mods", MODS), ("wide", WIDE),
+                  ("paged", PAGED), ("split", SPLIT)],
                  "cuflash::Params")
 
 
@@ -51,11 +57,15 @@ def address(a) -> int:
 
 
 def tensor(a) -> tuple:
-    """A (batch, row, head, dim) array as a ``TensorArg`` value: address and element strides."""
+    """A (batch, row, head, dim) array as a ``TensorArg`` value: address and element strides. A packed (total, head,
+    dim) array of a ragged batch (varlen) has batch stride 0: the kernels add each sequence's first row instead."""
     if a is None:
         return (0, 0, 0, 0)
+    if a.ndim == 3:
+        return (address(a), 0, *(s // a.dtype.itemsize for s in a.strides[:2]))
     if a.ndim != 4:
-        raise ValueError(f"a kernel tensor is (batch, row, head, dim), got shape {a.shape}")
+        raise ValueError(f"a kernel tensor is (batch, row, head, dim) or packed (total, head, dim), got shape "
+                         f"{a.shape}")
     return (address(a), *(s // a.dtype.itemsize for s in a.strides[:3]))
 
 

@@ -59,6 +59,9 @@ SOURCES = {"fwd": "flash_fwd.cu", "bwd": "flash_bwd.cu", "dq": "flash_bwd.cu", "
 HELPERS = ("cuflash::flash_bwd_preprocess_kernel", "cuflash::flash_bwd_convert_dq_kernel")
 #: the same for the float32/float64 backward (wbwd/wdq).
 WIDE_HELPERS = ("cuflash::flash_bwd_wide_preprocess_kernel", "cuflash::flash_bwd_wide_convert_dq_kernel")
+#: the split-KV combine (kernels/combine.cuh), one per element type, compiled with the forward families:
+#: ``<T, accumulator type>``.
+COMBINE = "cuflash::flash_fwd_combine_kernel"
 #: element types of the float32/float64 families, by dtype name → CUDA type.
 WIDE_CTYPES = {"float32": "float", "float64": "double"}
 #: the wide families' arithmetic (kernels/wide_mma.cuh): name → (element type, C++ type, rows of its mma tile).
@@ -497,8 +500,19 @@ def helper_names(dtype: str) -> list[str]:
     return [f"{name}<{CTYPES[dtype]}>" for name in HELPERS]
 
 
+def combine_name(dtype: str) -> str:
+    """The split-KV combine kernel for ``dtype`` (workspaces in float32; float64 for float64)."""
+    acc = "double" if dtype == "float64" else "float"
+    return f"{COMBINE}<{WIDE_CTYPES.get(dtype) or CTYPES[dtype]}, {acc}>"
+
+
 def source_helpers(source: str) -> list[str]:
-    """The helper kernels compiled with every module of ``source`` (the backward files' preprocess/convert)."""
+    """The helper kernels compiled with every module of ``source`` (the backward files' preprocess/convert, the
+    forward files' split-KV combine)."""
+    if source == SOURCES["fwd"]:
+        return [combine_name(dt) for dt in CTYPES]
+    if source == SOURCES["wfwd"]:
+        return [combine_name(dt) for dt in WIDE_CTYPES]
     if source == SOURCES["bwd"]:
         return [n for dt in CTYPES for n in helper_names(dt)]
     if source == SOURCES["wbwd"]:

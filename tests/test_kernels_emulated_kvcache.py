@@ -1,0 +1,96 @@
+"""attention_with_kvcache in the CUDA kernels (the forward over a contiguous or paged cache, kernels/kv_tile.cuh; split-KV
+and its combine, kernels/combine.cuh), run on the CPU by cuflash.emulate.
+
+- contiguous and paged caches (shuffled pages, page sizes that divide neither the tile nor the capacity), 1 and 3
+  splits and the num_splits=None heuristic, fp16/bf16/float32 (the wide kernels) and float64, GQA, causal, window,
+  ALiBi, softcap, empty caches and a decode-shaped query: out and lse at the rule against the float64 reference (per
+  sequence and on the padded batch), the append written in place and nothing else (tests/test_kvcache.py's
+  check_call);
+- more splits than key tiles (empty splits merge with weight 0), and a sequence no split sees (out 0, lse -inf);
+- the split heuristic (cuflash.tiling.kv_splits) and that it splits decode-shaped calls;
+- a small hypothesis sweep over test_kvcache's cache strategy on backend="emulate".
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from cuflash import tiling
+from cuflash.cuda import launch as launches
+from cuflash.problem import make_kvcache_problem
+from cuflash.testing import _dtype
+
+from emulated_support import pytestmark  # noqa: F401  (marks the module)
+from test_kvcache import Cache, cache_cases, check_call
+
+EMU = {"backend": "emulate"}
+OPTIONS = {
+    "causal": {"causal": True},
+    "window_alibi": {"window": (9, 2), "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625], np.float32)},
+    "softcap": {"softcap": 5.0, "causal": True},
+}
+
+
+def _call(dtype, page, splits, name, seqlen_q=3, new=2, lens=(5, 0, 31), seed=31):
+    rng = np.random.default_rng(seed)
+    dt = _dtype(dtype)
+    cache = Cache(rng, len(lens), 45, 2, 24, dt, page)
+    q = rng.standard_normal((len(lens), seqlen_q, 4, 24)).astype(dt)
+    k_new = v_new = None
+    if new:
+        k_new, v_new = (rng.standard_normal((len(lens), new, 2, 24)).astype(dt) for _ in range(2))
+    return check_call(q, cache, np.array(lens, np.int32), k_new, v_new,
+                      dict(OPTIONS[name], num_splits=splits, **EMU))
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("page", [None, 7], ids=["contiguous", "paged7"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_kvcache_kernels_match_the_reference(dtype, page, splits):
+    _call(dtype, page, splits, "causal")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_kvcache_options(name):
+    _call("float16", 5, 2, name)
+
+
+def test_float64_paged_split():
+    _call("float64", 6, 3, "window_alibi", seqlen_q=1, new=1)
+
+
+def test_more_splits_than_key_tiles_and_empty_sequences():
+    """64 splits of a few key tiles: most splits see nothing (lse -inf, weight 0); an empty cache with no new
+    token is seen by no split: out 0, lse -inf (check_call asserts it against the reference)."""
+    out, lse = _call("float16", 7, 64, "causal", new=0, lens=(5, 0, 40))
+    assert np.isneginf(lse[1]).all() and not out[1].any()
+
+
+def test_long_paged_cache_split():
+    """A cache of several key tiles per split, pages (48) that straddle tiles, 5 splits."""
+    rng = np.random.default_rng(32)
+    cache = Cache(rng, 2, 300, 2, 32, np.float16, page_size=48)
+    q = rng.standard_normal((2, 1, 4, 32)).astype(np.float16)
+    check_call(q, cache, np.array([300, 129], np.int32), None, None, dict(num_splits=5, causal=True, **EMU))
+
+
+def test_split_heuristic():
+    assert tiling.kv_splits(108, 200, 64) == 1        # the grid fills the GPU already
+    assert tiling.kv_splits(108, 8, 2) == 1           # too few key tiles to share
+    assert tiling.kv_splits(108, 8, 64) == 14         # ~one block per SM
+    assert tiling.kv_splits(132, 1, 1000) == tiling.MAX_KV_SPLITS
+    assert tiling.kv_splits(108, 4, 10) == 5          # at least 2 key tiles per split
+    # a decode-shaped call (one query, few heads, a long cache) is split by default
+    rng = np.random.default_rng(33)
+    q = rng.standard_normal((1, 1, 2, 32)).astype(np.float16)
+    k = rng.standard_normal((1, 1024, 1, 32)).astype(np.float16)
+    problem = make_kvcache_problem(q, k, k, cache_seqlens=np.array([1000], np.int32))
+    assert launches.forward_kvcache_launch(problem).num_splits > 1
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cache_cases(dtypes=("float16", "float32")))
+def test_cache_cases_on_the_kernels(case):
+    q, cache, lens, k_new, v_new, opts = case
+    check_call(q, cache, lens, k_new, v_new, dict(opts, **EMU))
