@@ -348,7 +348,7 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
 # FA2's varlen layout: q (total_q, Hq, D), k/v (total_k, Hkv, D) packed along the token axis, lse (Hq, total_q).
 # The kernels read the int32 offsets cu_seqlens_q/k themselves (SeqSpan in kernels/block_info.cuh): sequence b is
 # grid z = b, its rows start at cu_seqlens[b] (tensor batch stride 0, params.tensor), and grid x covers the longest
-# sequence (max_seqlen_q/k, known on the host from problem.py: no read-back of the offsets here); blocks past a
+# sequence (max_seqlen_q/k, known on the host from cuflash.problem: no read-back of the offsets here); blocks past a
 # sequence's length write nothing. Masks, modifiers and dropout see (b, position within the sequence), so each
 # sequence computes what batch entry b of the padded problem computes.
 def check_varlen_limits(problem, what: str):
@@ -515,7 +515,7 @@ def forward_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_
         table = xp.asarray(problem.block_table)
         k_cache, v_cache = (a[table].reshape((b, capacity) + a.shape[2:]) for a in (k_cache, v_cache))
     q, k, v = (_prepare(xp, a, d8) for a in (problem.q, k_cache, v_cache))
-    seqlens_k = xp.asarray(lengths.astype(np.int32))  # host lengths (problem.py read them): no device sync here
+    seqlens_k = xp.asarray(lengths.astype(np.int32))  # host lengths (cuflash.problem read them): no device sync here
     keep = [q, k, v, out, lse, seqlens_k]
     paged = (0, 0, 0)
     if problem.paged and not gather:
