@@ -186,7 +186,7 @@ def forward_kvcache(problem, *, spec=None):
     """Append ``k_new``/``v_new`` into the caches (an array copy on the current stream), then ``(out (B, Sq, Hq, D),
     lse (B, Hq, Sq))`` from the KV-cache forward kernel (and the split-KV combine):
     :func:`cuflash.cuda.launch.forward_kvcache_launch`, ``num_splits=None`` sized by this GPU's SM count."""
-    from .numpy import append_kvcache
+    from .numpy_ragged import append_kvcache
 
     more = {n: getattr(problem, n) for n in ("cache_seqlens", "k_new", "v_new", "block_table")
             if getattr(problem, n) is not None}

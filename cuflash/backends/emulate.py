@@ -99,7 +99,7 @@ def forward_kvcache(problem, *, num_splits_sm_count=108, schedule=None, seed=Non
     through the emulated KV-cache forward (and split-KV combine) kernels. ``num_splits_sm_count``: the SM count the
     ``num_splits=None`` heuristic assumes (108, an A100's)."""
     from .. import emulate
-    from .numpy import append_kvcache
+    from .numpy_ragged import append_kvcache
 
     append_kvcache(problem)
     kl = launches.forward_kvcache_launch(problem, max_smem=_max_smem(), sm_count=num_splits_sm_count, spec=spec,
