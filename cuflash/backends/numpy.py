@@ -577,5 +577,21 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     return _Work([(0, (chunk, slot)) for chunk in lay.chunks for slot in range(slots)], item, finish, fold)
 
 
-# Ragged batches and KV caches (VARLEN, KVCACHE): cuflash/backends/numpy_ragged.py
-from .numpy_ragged import append_kvcache, backward_varlen, forward_kvcache, forward_varlen  # noqa: E402,F401
+# Ragged batches and KV caches (VARLEN, KVCACHE) live in cuflash/backends/numpy_ragged.py, which builds on this
+# module; these entry points of the backend contract import it when first called (no import cycle).
+def forward_varlen(problem):
+    from .numpy_ragged import forward_varlen
+
+    return forward_varlen(problem)
+
+
+def backward_varlen(problem, dout, out, lse, *, deterministic=False):
+    from .numpy_ragged import backward_varlen
+
+    return backward_varlen(problem, dout, out, lse, deterministic=deterministic)
+
+
+def forward_kvcache(problem):
+    from .numpy_ragged import forward_kvcache
+
+    return forward_kvcache(problem)

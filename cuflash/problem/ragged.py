@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import (FLOAT_DTYPES, Problem, _check_element_type, _check_modifiers, _check_qkv, _check_scale, _check_window,
-               _is_cupy, _overlap, array_module, check_dropout, dtype_name, native, stats_dtype)
+from .core import (FLOAT_DTYPES, Problem, _check_element_type, _check_modifiers, _check_qkv, _check_scale, _check_window,
+                   _is_cupy, _overlap, array_module, check_dropout, dtype_name, native, stats_dtype)
 
 
 def _host_ints(x):

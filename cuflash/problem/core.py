@@ -1,0 +1,535 @@
+"""Validation of one attention call into a :class:`Problem`, and the visibility rule.
+
+Every public entry point funnels its arguments through :func:`make_problem` once, before any
+backend runs: a bad argument raises ``TypeError``/``ValueError`` naming it and the expected form,
+and nothing is silently broadcast, truncated or cast.
+
+The visibility rule (:func:`visible`) is the single Python definition of which (query, key) pairs
+attend; ``kernels/mask.cuh`` is its only other copy, and a test holds the two together. The ragged calls
+(varlen, KV cache) are validated in :mod:`cuflash.problem.ragged` on top of this.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: ``precision=``: the arithmetic of float32 inputs on the CUDA kernels (cuflash.api documents them); "ieee" is the
+#: only one for the other dtypes, and the NumPy backend computes float32 in float32 whatever it says.
+PRECISIONS = ("ieee", "3xtf32", "tf32")
+
+
+# --------------------------------------------------------------------------------------------
+# The visibility rule
+# --------------------------------------------------------------------------------------------
+def visible(i, j, len_q, len_k, left: Optional[int], right: Optional[int]):
+    """Whether query row ``i`` sees key column ``j`` (NumPy broadcasting over all arguments).
+
+    ``len_q``/``len_k`` are the sequence's own valid lengths. The diagonal is aligned
+    bottom-right (``off = len_k - len_q``), so causal is ``right = 0`` and a window keeps
+    ``i + off - left <= j <= i + off + right``; ``None`` leaves a side unbounded.
+    """
+    i, j = np.asarray(i), np.asarray(j)
+    len_q, len_k = np.asarray(len_q), np.asarray(len_k)
+    diag = i + (len_k - len_q)
+    keep = (i < len_q) & (j < len_k)
+    if left is not None:
+        keep = keep & (j >= diag - left)
+    if right is not None:
+        keep = keep & (j <= diag + right)
+    return keep
+
+
+def key_range(q_lo: int, q_hi: int, len_q, len_k, left, right) -> tuple[int, int]:
+    """Half-open range of key columns that some row in ``[q_lo, q_hi)`` sees, in any sequence.
+
+    ``len_q``/``len_k`` are scalars or one length per sequence; the range is the union over
+    sequences, so a tile outside it can be skipped for the whole batch at once.
+    """
+    len_q, len_k = np.atleast_1d(len_q), np.atleast_1d(len_k)
+    rows_hi = np.minimum(q_hi, len_q)  # rows past a sequence's length see nothing
+    off = len_k - len_q
+    lo = np.zeros_like(len_k) if left is None else np.maximum(q_lo + off - left, 0)
+    hi = len_k if right is None else np.minimum(rows_hi - 1 + off + right + 1, len_k)
+    live = (rows_hi > q_lo) & (hi > lo)
+    if not live.any():
+        return 0, 0
+    return int(lo[live].min()), int(hi[live].max())
+
+
+# --------------------------------------------------------------------------------------------
+# Array modules and dtypes
+# --------------------------------------------------------------------------------------------
+def _is_cupy(x) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def array_module(*arrays, names):
+    """Return ``numpy`` or ``cupy`` for the arrays; reject non-arrays, masked and object arrays, mixtures of
+    NumPy and CuPy, and CuPy arrays on different devices.
+
+    This is the single check of the NumPy/CuPy arrays every entry point works on; arrays of other libraries are
+    converted to those before it, at the edge (:mod:`cuflash.interop`)."""
+    kinds = {}
+    devices = {}
+    for a, name in zip(arrays, names):
+        if isinstance(a, np.ma.MaskedArray):
+            raise TypeError(f"{name} is a numpy.ma.MaskedArray: its mask would be ignored; pass a plain array and "
+                            f"express the mask with causal/window/seqlens/block_mask/mask_mod")
+        if isinstance(a, np.ndarray):
+            kinds[name] = "numpy"
+        elif _is_cupy(a) and hasattr(a, "__cuda_array_interface__"):
+            kinds[name] = "cupy"
+            device = getattr(a, "device", None)
+            if device is not None and hasattr(device, "id"):
+                devices[name] = device.id
+        else:
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray (or an array of another library that "
+                            f"implements __dlpack__ or __cuda_array_interface__: torch, JAX, array-api-strict, "
+                            f"Numba, ...), got {type(a).__name__}")
+        if getattr(a, "dtype", None) is not None and np.dtype(a.dtype).kind == "O":
+            raise TypeError(f"{name} is an array of Python objects (dtype object): convert it to a floating-point "
+                            f"array first, e.g. {name}.astype(np.float32)")
+    if len(set(kinds.values())) > 1:
+        desc = ", ".join(f"{n} is {m}" for n, m in kinds.items())
+        raise TypeError(f"q, k, v (and dout/out/lse) must all be NumPy or all CuPy arrays ({desc})")
+    if len(set(devices.values())) > 1:
+        desc = ", ".join(f"{n} on GPU {d}" for n, d in devices.items())
+        raise ValueError(f"the arrays must all live on one GPU ({desc}): copy them to one device first, "
+                         f"e.g. with cupy.asarray under `with cupy.cuda.Device(i):`")
+    if "cupy" in kinds.values():
+        import cupy
+
+        return cupy
+    return np
+
+
+def check_buffer(name: str, buf: Any, shape: tuple, dtype: Any, xp: Any, inputs: dict) -> None:
+    """An output buffer (``out=``, ``dq=``, ...): an ``xp`` array of exactly ``shape`` and ``dtype``, writable, and
+    sharing no memory with any of ``inputs`` (name -> array) or with the other buffers passed in ``inputs``.
+
+    Results are written into the buffer after the computation, so no layout (contiguity) is required of it; an
+    overlap is refused all the same, so that a native path writing as it goes can come later without changing
+    what is accepted."""
+    if array_module(buf, names=(name,)) is not xp:
+        raise TypeError(f"{name} must be a {xp.__name__} array like q, k, v (the same library and device)")
+    if tuple(buf.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(buf.shape)}")
+    if buf.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype} (q's), got {buf.dtype}")
+    if isinstance(buf, np.ndarray) and not buf.flags.writeable:
+        raise ValueError(f"{name} is read-only: a buffer for the result must be writable")
+    for other, a in inputs.items():
+        if a is not None and hasattr(a, "shape") and _overlap(buf, a):
+            raise ValueError(f"{name} shares memory with {other}: a result buffer must not overlap the inputs "
+                             f"(or another result buffer)")
+
+
+_TOO_HARD = getattr(np, "exceptions", np).TooHardError  # numpy.exceptions from NumPy 1.25 on
+
+
+def _overlap(a, b) -> bool:
+    """Whether two arrays may share memory: exactly for NumPy (bounded work; too hard counts as overlapping),
+    by byte ranges for CuPy."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        if not np.may_share_memory(a, b):
+            return False
+        try:
+            return bool(np.shares_memory(a, b, max_work=100_000))
+        except _TOO_HARD:
+            return True
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return False  # host and device memory
+
+    def span(x):
+        if x.size == 0:
+            return 0, 0
+        lo = hi = int(x.data.ptr)
+        for n, s in zip(x.shape, x.strides):
+            (lo, hi) = (lo + (n - 1) * s, hi) if s < 0 else (lo, hi + (n - 1) * s)
+        return lo, hi + x.itemsize
+
+    (a_lo, a_hi), (b_lo, b_hi) = span(a), span(b)
+    return a_lo < b_hi and b_lo < a_hi
+
+
+def dtype_name(dtype) -> str:
+    """Canonical name of an array dtype (``ml_dtypes.bfloat16`` → ``"bfloat16"``)."""
+    return np.dtype(dtype).name
+
+
+def bf16_bits_to_float32(x):
+    """``uint16`` bfloat16 bit patterns → float32 (exact: bfloat16 is float32's top half)."""
+    return (x.astype(np.uint32) << 16).view(np.float32)
+
+
+def stats_dtype(dtype) -> np.dtype:
+    """Softmax statistics and ``lse`` are float32, float64 for float64 inputs."""
+    return np.dtype(np.float64) if dtype_name(dtype) == "float64" else np.dtype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Problem
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    """One validated attention call, batch dimensions flattened.
+
+    ``q``: ``(B, Sq, Hq, D)``, ``k``/``v``: ``(B, Sk, Hkv, D)`` (views of the caller's arrays
+    whenever the batch dimensions can be merged without a copy; only the last axis is assumed
+    contiguous by kernels). ``window_left``/``window_right`` already include ``causal``
+    (``right = min(right, 0)``); ``None`` is unbounded.
+    """
+
+    xp: Any
+    q: Any
+    k: Any
+    v: Any
+    batch_shape: tuple
+    scale: float
+    causal: bool
+    window_left: Optional[int]
+    window_right: Optional[int]
+    seqlens_q: Any  # int32 (B,) on xp, or None
+    seqlens_k: Any
+    block_mask: Any  # BlockMask or None
+    dropout_p: float = 0.0
+    seed: Optional[int] = None
+    #: "bfloat16" when uint16 arrays carry bfloat16 bits (``dtype="bfloat16"``), else the dtype's name.
+    element_type: str = ""
+    #: score and mask modifiers (:class:`cuflash.mods.Modifiers`), or None
+    mods: Any = None
+    #: the float32 arithmetic of the CUDA kernels (:data:`PRECISIONS`)
+    precision: str = "ieee"
+    #: the index, in a larger batch, of this problem's sequence 0: the ``b`` that modifiers and the dropout
+    #: counter see. Nonzero only for one sequence of a ragged batch (:meth:`VarlenProblem.sequence`,
+    #: :meth:`KVCacheProblem.sequence`), whose modifier operands keep the whole batch's extents.
+    batch_offset: int = 0
+
+    batch = property(lambda self: self.q.shape[0])
+    seqlen_q = property(lambda self: self.q.shape[1])
+    seqlen_k = property(lambda self: self.k.shape[1])
+    heads_q = property(lambda self: self.q.shape[2])
+    heads_kv = property(lambda self: self.k.shape[2])
+    head_dim = property(lambda self: self.q.shape[3])
+    dtype = property(lambda self: self.q.dtype)  # the arrays' dtype (uint16 for declared bfloat16 bits)
+    group = property(lambda self: self.q.shape[2] // self.k.shape[2])
+    #: uint16 arrays carrying bfloat16 bits (``dtype="bfloat16"``), not ml_dtypes.bfloat16 arrays
+    bf16_bits = property(lambda self: self.element_type == "bfloat16" and dtype_name(self.q.dtype) == "uint16")
+
+    def host_float(self, x, dtype):
+        """A q/k/v-like array as a host array of ``dtype`` (decoding declared bfloat16 bits)."""
+        x = np.asarray(x.get() if _is_cupy(x) else x)
+        if dtype_name(x.dtype) == "uint16" and self.element_type == "bfloat16":
+            x = bf16_bits_to_float32(x)
+        return x.astype(dtype)
+
+    @property
+    def lengths(self):
+        """Per-sequence valid lengths ``(len_q, len_k)`` as host int arrays of shape ``(B,)``."""
+        def host(x, full):
+            if x is None:
+                return np.full(self.batch, full, dtype=np.int64)
+            return np.asarray(x.get() if _is_cupy(x) else x, dtype=np.int64)
+
+        return host(self.seqlens_q, self.seqlen_q), host(self.seqlens_k, self.seqlen_k)
+
+    def visible_mask(self):
+        """Dense ``(B, Hq|1, Sq, Sk)`` boolean visibility (element rule and BlockMask): O(N²), for references."""
+        len_q, len_k = self.lengths
+        i = np.arange(self.seqlen_q)[None, None, :, None]
+        j = np.arange(self.seqlen_k)[None, None, None, :]
+        keep = visible(i, j, len_q[:, None, None, None], len_k[:, None, None, None],
+                       self.window_left, self.window_right)
+        if self.block_mask is not None:
+            keep = keep & self.block_mask.to_dense(self.seqlen_q, self.seqlen_k)
+        return keep
+
+    def unflatten(self, x, tail):
+        """Reshape a ``(B, *tail)`` result back to ``batch_shape + tail``."""
+        return x.reshape(self.batch_shape + tuple(tail))
+
+
+def _flatten(x, n_batch: int):
+    """Merge the leading batch dimensions into one (a view whenever the strides allow)."""
+    return x.reshape((math.prod(x.shape[:n_batch]),) + x.shape[n_batch:])
+
+
+def native(a):
+    """``a`` as a plain array in native byte order: a NumPy subclass is viewed as its ndarray (a masked array
+    was refused earlier), non-native byte order converted (a copy). Kernels and BLAS read raw native bytes, so
+    a big-endian array would otherwise be reinterpreted."""
+    if isinstance(a, np.ndarray):
+        a = a.view(np.ndarray) if type(a) is not np.ndarray else a
+        if not a.dtype.isnative:
+            a = a.astype(a.dtype.newbyteorder("="))
+    return a
+
+
+def _check_element_type(q, dtype):
+    """The element type of q, k, v: their dtype, or bfloat16 declared over uint16 bits."""
+    if dtype is None:
+        return dtype_name(q.dtype)
+    if dtype != "bfloat16":
+        raise ValueError(f"dtype must be None or 'bfloat16' (for uint16 arrays holding bfloat16 bits), got {dtype!r}")
+    if dtype_name(q.dtype) not in ("uint16", "bfloat16"):
+        raise TypeError(f"dtype='bfloat16' declares uint16 arrays of bfloat16 bits, but q is {q.dtype}")
+    return "bfloat16"
+
+
+def _check_qkv(q, k, v, element_type):
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim < 3:
+            raise ValueError(f"{name} must have shape (..., seqlen, heads, head_dim), got ndim={a.ndim}")
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(f"q, k, v must have the same number of dimensions, got {q.ndim}, {k.ndim}, {v.ndim}")
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
+        raise ValueError(
+            f"batch dimensions of q, k, v must be identical (no broadcasting), "
+            f"got {q.shape[:-3]}, {k.shape[:-3]}, {v.shape[:-3]}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (..., seqlen_k, heads_kv, head_dim), "
+                         f"got k {k.shape} and v {v.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head_dim of q ({q.shape[-1]}) and k/v ({k.shape[-1]}) must match")
+    if q.shape[-1] < 1 or q.shape[-2] < 1 or k.shape[-2] < 1:
+        raise ValueError(f"heads and head_dim must be >= 1, got q {q.shape}, k {k.shape}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"heads of q ({q.shape[-2]}) must be a multiple of heads of k/v ({k.shape[-2]})")
+    dts = {dtype_name(a.dtype) for a in (q, k, v)}
+    if len(dts) > 1:
+        raise TypeError(f"q, k, v must share one dtype, got {dtype_name(q.dtype)}, "
+                        f"{dtype_name(k.dtype)}, {dtype_name(v.dtype)}")
+    if element_type not in FLOAT_DTYPES:
+        raise TypeError(f"q, k, v must be floating point ({', '.join(FLOAT_DTYPES)}; uint16 bfloat16 bits "
+                        f"with dtype='bfloat16'), got {q.dtype}")
+
+
+def _check_scale(scale, head_dim):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _check_window(window, causal, span: int):
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    left = right = None
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+        for side, w in zip(("left", "right"), window):
+            if w is None:
+                continue
+            if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+                raise TypeError(f"window {side} must be an int >= 0 or None, got {w!r}")
+            if w < 0:
+                raise ValueError(f"window {side} must be >= 0 or None, got {w}")
+        # Any bound beyond seqlen_q + seqlen_k keeps every key of every row: it means "unbounded" exactly, and
+        # clamping keeps the index arithmetic of every backend far from integer overflow.
+        left, right = (None if w is None else min(int(w), span) for w in window)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _check_seqlens(x, name, batch_shape, full, xp):
+    if x is None:
+        return None
+    if not (isinstance(x, np.ndarray) or _is_cupy(x)):
+        raise TypeError(f"{name} must be an integer array of shape {batch_shape}, got {type(x).__name__}")
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array of shape {batch_shape}, got dtype {x.dtype}")
+    if tuple(x.shape) != tuple(batch_shape):
+        raise ValueError(f"{name} must have the batch shape {batch_shape}, got {tuple(x.shape)}")
+    host = np.asarray(x.get() if _is_cupy(x) else x).reshape(-1)
+    if host.size and (host.min() < 0 or host.max() > full):
+        raise ValueError(f"{name} values must lie in [0, {full}], got range [{host.min()}, {host.max()}]")
+    return xp.asarray(host.astype(np.int32))
+
+
+def check_dropout(dropout_p, seed, what="dropout_p"):
+    """``(p, seed)`` validated: ``p`` a real in [0, 1), ``seed`` None or an int in [0, 2**64)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"{what} must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:  # NaN fails this too
+        raise ValueError(f"{what} must lie in [0, 1), got {dropout_p}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
+    return float(dropout_p), (None if seed is None else int(seed))
+
+
+def _check_precision(precision, element_type: str) -> str:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+    if precision != "ieee" and element_type != "float32":
+        raise ValueError(f"precision={precision!r} selects float32 tensor-core arithmetic; {element_type} inputs "
+                         f"take only precision='ieee' (their arithmetic is fixed by the dtype)")
+    return precision
+
+
+def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
+                 seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, dtype=None, bias=None,
+                 alibi_slopes=None, softcap=None, score_mod=None, mask_mod=None, mod_arrays=None,
+                 precision="ieee") -> Problem:
+    """Validate the forward arguments and return the normalized :class:`Problem`."""
+    xp = array_module(q, k, v, names=("q", "k", "v"))
+    q, k, v = native(q), native(k), native(v)
+    element_type = _check_element_type(q, dtype)
+    _check_qkv(q, k, v, element_type)
+    precision = _check_precision(precision, element_type)
+    n_batch = q.ndim - 3
+    batch_shape = tuple(q.shape[:n_batch])
+    scale = _check_scale(scale, q.shape[-1])
+    left, right = _check_window(window, causal, q.shape[-3] + k.shape[-3])
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    sq = _check_seqlens(seqlens_q, "seqlens_q", batch_shape, q.shape[-3], xp)
+    sk = _check_seqlens(seqlens_k, "seqlens_k", batch_shape, k.shape[-3], xp)
+    qf, kf, vf = (_flatten(a, n_batch) for a in (q, k, v))
+    if block_mask is not None:
+        from ..blockmask import BlockMask
+
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a cuflash.BlockMask, got {type(block_mask).__name__}")
+        block_mask.check_fits(qf.shape[0], qf.shape[2], qf.shape[1], kf.shape[1])
+    extents = {"b": qf.shape[0], "h": qf.shape[2], "q_idx": qf.shape[1], "kv_idx": kf.shape[1]}
+    mods = _check_modifiers(xp, batch_shape, extents, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
+                            score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays)
+    return Problem(xp, qf, kf, vf, batch_shape, scale, bool(causal), left, right, sq, sk,
+                   block_mask, dropout_p, seed, element_type, mods, precision)
+
+
+# --------------------------------------------------------------------------------------------
+# Score and mask modifiers
+# --------------------------------------------------------------------------------------------
+def _float_array(x, name, xp, form):
+    if not (isinstance(x, np.ndarray) or _is_cupy(x)) or array_module(x, names=(name,)) is not xp:
+        raise TypeError(f"{name} must be a {xp.__name__} array {form}, got {type(x).__name__}")
+    x = native(x)
+    if x.dtype.kind != "f" and dtype_name(x.dtype) != "bfloat16":
+        raise TypeError(f"{name} must be a floating-point array {form}, got dtype {x.dtype}")
+    return x
+
+
+def _check_bias(bias, xp, batch_shape, extents):
+    """``bias`` as a (B, H, Sq, Sk) view (zero strides where it broadcasts) and the caller's shape.
+
+    Broadcasting over batch dimensions is all or nothing (every batch dim 1, or exactly the batch shape):
+    flattening a partly broadcast batch would need a copy of the size of the full score matrix."""
+    tail = (extents["h"], extents["q_idx"], extents["kv_idx"])
+    form = f"broadcastable to (*batch, heads, seqlen_q, seqlen_k) = {batch_shape + tail}"
+    bias = _float_array(bias, "bias", xp, form)
+    nb = len(batch_shape)
+    if bias.ndim > nb + 3:
+        raise ValueError(f"bias must be {form}, got shape {tuple(bias.shape)}")
+    full = (1,) * (nb + 3 - bias.ndim) + tuple(bias.shape)
+    if any(s not in (1, t) for s, t in zip(full, batch_shape + tail)):
+        raise ValueError(f"bias must be {form}, got shape {tuple(bias.shape)}")
+    if full[:nb] not in ((1,) * nb, batch_shape):
+        raise ValueError(f"bias batch dimensions must be all 1 or exactly {batch_shape} (a partly broadcast batch "
+                         f"cannot be flattened without copying), got {full[:nb]}")
+    b = 1 if full[:nb] == (1,) * nb else extents["b"]
+    view = bias.reshape((b,) + full[nb:])
+    return xp.broadcast_to(view, (extents["b"],) + tail), tuple(bias.shape)
+
+
+def _check_alibi(slopes, xp, batch_shape, extents):
+    form = f"of shape (heads,) = ({extents['h']},) or (*batch, heads) = {batch_shape + (extents['h'],)}"
+    slopes = _float_array(slopes, "alibi_slopes", xp, form)
+    if tuple(slopes.shape) == (extents["h"],):
+        return xp.broadcast_to(slopes[None], (extents["b"], extents["h"]))
+    if tuple(slopes.shape) == batch_shape + (extents["h"],):
+        return slopes.reshape(extents["b"], extents["h"])
+    raise ValueError(f"alibi_slopes must be {form}, got shape {tuple(slopes.shape)}")
+
+
+def _check_mod_arrays(mod_arrays, xp):
+    if mod_arrays is None:
+        return {}
+    if not isinstance(mod_arrays, dict):
+        raise TypeError(f"mod_arrays must be a dict of name -> array or number, got {type(mod_arrays).__name__}")
+    out = {}
+    for name, value in mod_arrays.items():
+        if isinstance(value, numbers.Number) and not isinstance(value, complex):
+            out[name] = value
+            continue
+        if not (isinstance(value, np.ndarray) or _is_cupy(value)):
+            raise TypeError(f"mod_arrays[{name!r}] must be an array or a number, got {type(value).__name__}")
+        if value.ndim and array_module(value, names=(f"mod_arrays[{name!r}]",)) is not xp:
+            raise TypeError(f"mod_arrays[{name!r}] must be a {xp.__name__} array like q, k, v")
+        out[name] = native(value)
+    return out
+
+
+def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, score_mod, mask_mod, mod_arrays):
+    """The :class:`cuflash.mods.Modifiers` of a call (None without any): built-ins composed in the order
+    softcap → bias → ALiBi → score_mod, every operand checked against the problem's extents."""
+    from .. import mods
+
+    if all(x is None for x in (bias, alibi_slopes, softcap, score_mod, mask_mod)):
+        if mod_arrays:
+            raise ValueError("mod_arrays given without score_mod or mask_mod to read them")
+        return None
+    values = _check_mod_arrays(mod_arrays, xp)
+    internal = {}
+    score = None
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < float(softcap) < math.inf:
+            raise ValueError(f"softcap must be a finite real > 0 or None, got {softcap!r}")
+        internal["cuflash_softcap"] = float(softcap)
+        score = mods.parse(mods.SOFTCAP, kind="score", arrays=internal, internal=True)
+    bias_shape = None
+    if bias is not None:
+        internal["cuflash_bias"], bias_shape = _check_bias(bias, xp, batch_shape, extents)
+        step = mods.parse(mods.BIAS, kind="score", arrays=internal, internal=True)
+        score = step if score is None else step.compose(score)
+    if alibi_slopes is not None:
+        internal["cuflash_alibi"] = _check_alibi(alibi_slopes, xp, batch_shape, extents)
+        step = mods.parse(mods.ALIBI, kind="score", arrays=internal, internal=True)
+        score = step if score is None else step.compose(score)
+    if score_mod is not None:
+        step = mods.parse(score_mod, kind="score", arrays=values, what="score_mod")
+        step.check_extents(values, extents, "score_mod")
+        score = step if score is None else step.compose(score)
+    mask = None
+    if mask_mod is not None:
+        mask = mods.parse(mask_mod, kind="mask", arrays=values, what="mask_mod")
+        mask.check_extents(values, extents, "mask_mod")
+    used = {o.name for e in (score, mask) if e is not None for o in e.operands}
+    unused = sorted(set(values) - used)
+    if unused:
+        raise ValueError(f"mod_arrays {unused} are read by neither score_mod nor mask_mod")
+    return mods.Modifiers(score, mask, {**values, **internal}, bias_shape)
+
+
+def check_backward(problem: Problem, dout, out, lse):
+    """Validate the backward's extra arrays against the forward problem; return them flattened."""
+    xp = array_module(dout, out, lse, names=("dout", "out", "lse"))
+    dout, out, lse = native(dout), native(out), native(lse)
+    if xp is not problem.xp:
+        raise TypeError("dout, out, lse must live on the same array module as q, k, v")
+    want = problem.batch_shape + problem.q.shape[1:]
+    for name, a in (("dout", dout), ("out", out)):
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name} must have q's shape {want}, got {tuple(a.shape)}")
+        if a.dtype != problem.dtype:
+            raise TypeError(f"{name} must have q's dtype {problem.dtype}, got {a.dtype}")
+    want_lse = problem.batch_shape + (problem.heads_q, problem.seqlen_q)
+    if tuple(lse.shape) != want_lse:
+        raise ValueError(f"lse must have shape (..., heads, seqlen_q) = {want_lse}, got {tuple(lse.shape)}")
+    want_dtype = stats_dtype(problem.dtype)
+    if lse.dtype != want_dtype:
+        raise TypeError(f"lse must be {want_dtype} for {problem.element_type} inputs (what the forward returns), "
+                        f"got {lse.dtype}")
+    flat = lambda a, tail: a.reshape((problem.batch,) + tail)  # noqa: E731
+    return (flat(dout, problem.q.shape[1:]), flat(out, problem.q.shape[1:]),
+            flat(lse, (problem.heads_q, problem.seqlen_q)))
