@@ -1,5 +1,5 @@
-"""attention_with_kvcache in the CUDA kernels (the forward over a contiguous or paged cache, kernels/kv_tile.cuh; split-KV
-and its combine, kernels/combine.cuh), run on the CPU by cuflash.emulate.
+"""attention_with_kvcache in the CUDA kernels (the forward over a contiguous or paged cache, kernels/kv_tile.cuh;
+split-KV and its combine, kernels/combine.cuh), run on the CPU by cuflash.emulate.
 
 - contiguous and paged caches (shuffled pages, page sizes that divide neither the tile nor the capacity), 1 and 3
   splits and the num_splits=None heuristic, fp16/bf16/float32 (the wide kernels) and float64, GQA, causal, window,

@@ -152,8 +152,10 @@ def small_ragged(draw):
     if draw(st.booleans()):
         side = st.one_of(st.none(), st.integers(0, 20))
         options["window"] = (draw(side), draw(side))
-    if draw(st.booleans()):
-        options["mask_mod"] = "kv_idx <= q_idx + b or kv_idx == 0"
+    if draw(st.booleans()):  # the fixed cases' modifier (one compiled variant for the whole module)
+        options["score_mod"] = FEATURES["score_mod_b_kv"]["score_mod"]
+        options["mod_arrays"] = {"w": rng.standard_normal(n).astype(np.float32),
+                                 "u": rng.standard_normal(max(max(len_k), 1)).astype(np.float32)}
     if draw(st.booleans()):
         options.update(dropout_p=0.25, seed=draw(st.integers(0, 2**64 - 1)))
     return ragged(rng, len_q, len_k, hq, hkv, d, dtype), options, draw(st.booleans())

@@ -94,16 +94,15 @@ def backward_varlen(problem, dout, out, lse, *, deterministic=False, schedule=No
     return bl.result()
 
 
-def forward_kvcache(problem, *, num_splits_sm_count=108, schedule=None, seed=None, spec=None):
+def forward_kvcache(problem, *, sm_count=108, schedule=None, seed=None, spec=None):
     """Append ``k_new``/``v_new`` into the caches (an array copy), then ``(out (B, Sq, Hq, D), lse (B, Hq, Sq))``
-    through the emulated KV-cache forward (and split-KV combine) kernels. ``num_splits_sm_count``: the SM count the
+    through the emulated KV-cache forward (and split-KV combine) kernels. ``sm_count``: the SM count the
     ``num_splits=None`` heuristic assumes (108, an A100's)."""
     from .. import emulate
     from .numpy_ragged import append_kvcache
 
     append_kvcache(problem)
-    kl = launches.forward_kvcache_launch(problem, max_smem=_max_smem(), sm_count=num_splits_sm_count, spec=spec,
-                                         cc=_cc())
+    kl = launches.forward_kvcache_launch(problem, max_smem=_max_smem(), sm_count=sm_count, spec=spec, cc=_cc())
     for launch in kl.launches:
         emulate.launch(launch, schedule=schedule, seed=seed)
     return kl.result()
