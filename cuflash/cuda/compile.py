@@ -206,12 +206,16 @@ def check(archs=(80, 90), out=sys.stdout, sources=None) -> int:
 
     with ThreadPoolExecutor(len(jobs)) as pool:  # NVRTC releases the GIL while it compiles
         results = list(pool.map(run, jobs))
-    rows = []
-    for (arch, _, chosen, _), (mapping, log) in zip(jobs, results):
+    rows, helpers = [], {}
+    for (arch, _, chosen, names), (mapping, log) in zip(jobs, results):
         report = parse_ptxas(log)
         for spec, limit in chosen.items():
             row = Row(spec, arch, limit, **report.get((mapping[spec.name_expression], arch), {}))
             rows.append(row.judge())
+        for name in names[len(chosen):]:  # the helper kernels (combine, preprocess, convert): held to no spills too
+            found = report.get((mapping[name], arch))
+            helpers[(name, arch)] = "not in the ptxas report" if found is None else \
+                (f"{found['spill']} bytes spilled" if found["spill"] else None)
     rows.sort(key=lambda r: (r.arch, r.spec.mods, r.spec.family, r.spec.dtype, r.spec.head_dim))
     head = f"{'kernel':<62} {'arch':>5} {'regs':>5} {'spill':>6} {'shared':>8} {'limit':>8}  status"
     print(head + "\n" + "-" * len(head), file=out)
@@ -219,6 +223,12 @@ def check(archs=(80, 90), out=sys.stdout, sources=None) -> int:
         name = r.spec.name_expression.replace(", cuflash::NoMods>", ">")
         print(f"{name:<62} {'sm_' + str(r.arch):>5} {r.registers:>5} {r.spill:>6} "
               f"{r.static_smem + r.spec.smem_bytes:>8} {r.smem_limit:>8}  {'; '.join(r.problems) or 'ok'}", file=out)
-    bad = sum(bool(r.problems) for r in rows) + (layout is not None)
+    for (name, arch), problem in sorted(helpers.items(), key=lambda x: (x[0][1], x[0][0])):
+        if problem:
+            print(f"{name} sm_{arch}: {problem}", file=out)
+    bad_helpers = sum(bool(p) for p in helpers.values())
+    bad = sum(bool(r.problems) for r in rows) + (layout is not None) + bad_helpers
+    print(f"{len(helpers)} helper kernels (split-KV combine, backward preprocess/convert): {bad_helpers} failing",
+          file=out)
     print(f"{len(rows)} specializations, {bad} failing, {time.time() - t0:.1f} s", file=out)
     return bad
