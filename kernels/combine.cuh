@@ -43,14 +43,27 @@ __global__ void __launch_bounds__(128) flash_fwd_combine_kernel(const __grid_con
   const Acc* o_s = static_cast<const Acc*>(p.split.o_accum) + batch * p.o.batch_stride + row * p.o.row_stride +
                    head * p.o.head_stride;
   T* o_row = p.o.at<T>(batch, head, row);
-  for (int c = lane; c < p.head_dim; c += 32) {
-    Acc x = 0;
-    if (seen) {
-      for (int s = 0; s < splits; ++s) {
-        x += combine_exp(lse_s[s * p.split.lse_split_stride] - lse) * o_s[s * p.split.o_split_stride + c];
+  // Each lane holds columns lane + 32 i (head_dim <= 256, the largest of specs.NATIVE_HEAD_DIMS: 8 of them), so each split's weight exp(lse_s - lse) is
+  // computed once, not once per column (the float64 exp per column made sm_90 spill around its call).
+  constexpr int kCols = 8;
+  Acc x[kCols];
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) x[i] = 0;
+  if (seen) {
+    for (int s = 0; s < splits; ++s) {
+      const Acc w = combine_exp(lse_s[s * p.split.lse_split_stride] - lse);
+      const Acc* o = o_s + s * p.split.o_split_stride;
+#pragma unroll
+      for (int i = 0; i < kCols; ++i) {
+        const int c = lane + 32 * i;
+        if (c < p.head_dim) x[i] += w * o[c];
       }
     }
-    combine_store(o_row + c, x);
+  }
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) {
+    const int c = lane + 32 * i;
+    if (c < p.head_dim) combine_store(o_row + c, x[i]);
   }
   if (lane == 0) static_cast<Acc*>(static_cast<void*>(p.lse))[at] = lse;
 }
