@@ -614,6 +614,11 @@ inline int run_grid(dim3 grid, dim3 block, size_t shared_bytes, int schedule, ui
   fflush(stdout);  // device printf output appears before Python's next print
   free(dyn);
   g_dyn_smem = nullptr, g_dyn_smem_bytes = 0;
+  // Every kernel library has its own runtime, so stacks kept between launches would stay mapped once per library
+  // ever loaded, each guard page splitting the mapping in two: a long test process loading a few hundred libraries
+  // ran out of the kernel's 65530 mappings per process (vm.max_map_count) and every later dlopen failed. Mapping
+  // them per launch costs one mmap and one mprotect per thread.
+  g.stacks.release();
   return launch_result();
 }
 

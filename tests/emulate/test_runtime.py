@@ -350,3 +350,23 @@ def test_device_intrinsics(capfd):
     np.testing.assert_allclose(out, np.array(expected, np.float32), rtol=1e-6)
     assert dsum[0] == sum(range(64)) and list(imax) == [63, 7]
     assert "emulated printf 42" in capfd.readouterr().out
+
+
+def _guard_mappings():
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.split()[1] == "---p")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_fiber_stacks_are_unmapped_after_each_launch():
+    """Each kernel library has its own runtime: stacks kept after a launch stayed mapped once per library, a guard
+    page per thread each, and a long test process ran out of mappings (vm.max_map_count) after a few hundred."""
+    import cuflash
+
+    rng = np.random.default_rng(0)
+    cuflash.attention(*(rng.standard_normal((1, 40, 2, 32)).astype(np.float16) for _ in range(3)), backend="emulate")
+    before = _guard_mappings()
+    for d in (64, 96, 128):  # three more kernel libraries, 128 threads or more per block each
+        cuflash.attention(*(rng.standard_normal((1, 40, 2, d)).astype(np.float16) for _ in range(3)),
+                          backend="emulate")
+    assert _guard_mappings() - before < 64
