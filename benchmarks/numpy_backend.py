@@ -130,6 +130,15 @@ def _meta(torch):
                 tiles=dict(block_q=nb.BLOCK_Q, block_k=nb.BLOCK_K, tile_elements=nb.TILE_ELEMENTS))
 
 
+def write_json(path, result):
+    """``result`` as indented JSON at ``path`` (folders made as needed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the results as JSON to this file")
@@ -165,11 +174,7 @@ def main(argv=None):
             print(f"{b:3d} {h:3d} {n:6d}  {rec['fwd_peak_bytes'] / 2**20:8.1f} {rec['bwd_peak_bytes'] / 2**20:8.1f} "
                   f"{rec['array_bytes'] / 2**20:9.1f} {rec['naive_scores_bytes'] / 2**20:9.1f}", flush=True)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
     return 0
 
 

@@ -18,8 +18,6 @@ cache (a least-squares line and its R² are reported), since decode reads each c
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -28,7 +26,7 @@ import numpy as np
 
 import cuflash
 
-from .numpy_backend import _meta, _peak
+from .numpy_backend import _meta, _peak, write_json
 
 
 def lengths(batch, rng, median=256, sigma=0.8, longest=2048):
@@ -122,11 +120,7 @@ def main(argv=None):
     result["decode_fit"] = dict(intercept_ms=a, ms_per_1k_tokens=1e3 * b, r2=r2)
     print(f"decode time = {a:.2f} ms + {1e3 * b:.3f} ms per 1k cached tokens, R² = {r2:.4f}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
     return 0
 
 

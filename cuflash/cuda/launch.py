@@ -294,12 +294,7 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
     xp = problem.xp
     b, sq, hq, d = problem.q.shape
     sk, hkv = problem.seqlen_k, problem.heads_kv
-    if spec is None or dq_spec is None:
-        chosen = backward_specs(problem, max_smem, cc)
-        spec, dq_spec = spec or chosen[0], dq_spec or chosen[1]
-    for s in (spec, dq_spec):
-        if s.dtype != problem.element_type or s.head_dim < d:
-            raise ValueError(f"kernel {s} cannot run a {problem.element_type} problem of head_dim {d}")
+    spec, dq_spec = _backward_pair(problem, spec, dq_spec, max_smem, cc)
     check_launch_limits(problem, "backward")
     d8 = padded_head_dim(d)
     dt = problem.q.dtype
@@ -404,6 +399,19 @@ def forward_varlen_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], spec
     return ForwardLaunch(_launch(spec, source, grid, values, (q, k, v, out, lse, *cu, *mods_keep)), out, lse, d)
 
 
+def _backward_pair(problem, spec, dq_spec, max_smem: int, cc: int):
+    """The backward's (main, dq) specializations: the given ones, or the table's for this GPU; each must run the
+    problem's dtype and head dim."""
+    if spec is None or dq_spec is None:
+        chosen = backward_specs(problem, max_smem, cc)
+        spec, dq_spec = spec or chosen[0], dq_spec or chosen[1]
+    d = problem.q.shape[-1]
+    for s in (spec, dq_spec):
+        if s.dtype != problem.element_type or s.head_dim < d:
+            raise ValueError(f"kernel {s} cannot run a {problem.element_type} problem of head_dim {d}")
+    return spec, dq_spec
+
+
 def backward_varlen_launch(problem, dout, out, lse, *, deterministic: bool = False,
                            max_smem: int = specs.SMEM_LIMIT[80], spec: Optional[specs.KernelSpec] = None,
                            dq_spec: Optional[specs.KernelSpec] = None, cc: int = 80) -> BackwardLaunch:
@@ -412,12 +420,7 @@ def backward_varlen_launch(problem, dout, out, lse, *, deterministic: bool = Fal
     xp = problem.xp
     total_q, hq, d = problem.q.shape
     total_k, hkv = problem.total_k, problem.heads_kv
-    if spec is None or dq_spec is None:
-        chosen = backward_specs(problem, max_smem, cc)
-        spec, dq_spec = spec or chosen[0], dq_spec or chosen[1]
-    for s in (spec, dq_spec):
-        if s.dtype != problem.element_type or s.head_dim < d:
-            raise ValueError(f"kernel {s} cannot run a {problem.element_type} problem of head_dim {d}")
+    spec, dq_spec = _backward_pair(problem, spec, dq_spec, max_smem, cc)
     check_varlen_limits(problem, "backward")
     d8 = padded_head_dim(d)
     dt = problem.q.dtype
