@@ -234,7 +234,7 @@ def suite(device: str, mode: str) -> list[Case]:
     cases += _memory_cases(s, device, impls)
     cases += _sparse_cases(s, device)
     cases += _tile_cases(s, device)
-    cases += _decode_cases(s, device, lean)
+    cases += _decode_cases(s, device, lean + ("cuflash-kvcache",))  # the split-KV decode path beside attention
     cases += _wide_cases(s, device)
     return cases
 

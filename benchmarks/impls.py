@@ -74,6 +74,16 @@ def _build_cuflash(case: Case, x: Inputs):
     return run, device_sync(case.device)
 
 
+def _build_cuflash_kvcache(case: Case, x: Inputs):
+    """The decode path: ``attention_with_kvcache`` over K, V as a full cache (split-KV chosen by num_splits=None)."""
+    import cuflash
+
+    xp = _module_of(x.q)
+    lengths = xp.full((case.batch,), case.seqlen_k, dtype=np.int32)
+    run = lambda: cuflash.attention_with_kvcache(x.q, x.k, x.v, cache_seqlens=lengths, causal=case.causal)  # noqa
+    return run, device_sync(case.device)
+
+
 def _tile_forward(case: Case, x: Inputs) -> Callable:
     """Forward with an explicit key-tile size: the NumPy backend's ``block_k``; on CUDA the tile
     table's specialization with ``block_n = block_k``, through the backend's own ``forward(spec=)``."""
@@ -355,6 +365,8 @@ def _standard(name: str, device: str, *, inplace: bool) -> Impl:
 IMPLS = {
     "cuflash": Impl("cuflash", ("cpu", "cuda"), OPS, _build_cuflash, _check_cuflash, "pool", "tiled",
                     block_mask=True, tile_choice=True),
+    "cuflash-kvcache": Impl("cuflash-kvcache", ("cpu", "cuda"), ("fwd",), _build_cuflash_kvcache, _check_cuflash,
+                            "pool", "tiled"),
     "numpy": _standard("numpy", "cpu", inplace=False),
     "numpy-inplace": _standard("numpy-inplace", "cpu", inplace=True),
     "cupy-standard": _standard("cupy-standard", "cuda", inplace=True),
