@@ -30,7 +30,9 @@ _OPTIONS_DOC = """
         Local attention ``(left, right)`` around the same diagonal: keeps
         ``i + off - left <= j <= i + off + right``; ``None`` leaves a side unbounded.
     block_mask : BlockMask, optional
-        Block-sparse grid ``(batch|1, heads|1, ceil(Sq/bq), ceil(Sk/bk))``; False blocks are skipped.
+        An element-exact mask with a block structure ``(batch|1, heads|1, ceil(Sq/bq), ceil(Sk/bk))``
+        (:class:`cuflash.BlockMask`): skipped blocks are never computed, partial ones are tested element by
+        element.
     seqlens_q, seqlens_k : integer array of the batch shape, optional
         Valid length of each sequence; rows past ``seqlens_q`` give ``out = 0``, ``lse = -inf``.
     bias : float array broadcastable to ``(..., heads, seqlen_q, seqlen_k)``, optional
