@@ -315,26 +315,36 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
     if mods is not None:
         common["mods"] = mods
     keep = (q, k, v, o, do, dq, dk, dv, acc, lse, lse_log2, dsum, *mods_keep)
+    launches = _backward_launches(problem, spec, dq_spec, source, common, keep, sq, sk, b, deterministic)
+    return BackwardLaunch(launches, dq, dk, dv, d, dbias_acc)
+
+
+def _backward_launches(problem, spec, dq_spec, source, common, keep, rows_q: int, rows_k: int, batch: int,
+                       deterministic: bool) -> tuple:
+    """FA2 Algorithm 2 as launches, for the padded and the packed (varlen) batch alike: the preprocess (D), the main
+    kernel over key tiles, then the convert of the fp32 dQ accumulator or the deterministic dQ pass. ``rows_q/k``:
+    the (longest) sequence's rows the grids cover."""
+    hq, hkv = problem.heads_q, problem.heads_kv
     # One RawModule per (bwd, dq) pair holds every backward kernel, so both modes share one compilation.
     module = (*specs.helper_names(problem.element_type), spec.name_expression, dq_spec.name_expression)
     preprocess, convert = specs.helper_names(problem.element_type)
-    rows = (_cdiv(sq, ROWS_PER_BLOCK), hq, b)
 
     def helper(name):
-        return LaunchSpec(source=source, name_expression=name, grid=rows, block=(32 * ROWS_PER_BLOCK, 1, 1),
-                          shared_bytes=0, args=(params.pack(**common),), module=module, keep=keep)
+        return LaunchSpec(source=source, name_expression=name, grid=(_cdiv(rows_q, ROWS_PER_BLOCK), hq, batch),
+                          block=(32 * ROWS_PER_BLOCK, 1, 1), shared_bytes=0, args=(params.pack(**common),),
+                          module=module, keep=keep)
 
-    mask, mask_keep = _mask_arg(xp, problem.block_mask, spec.block_m, spec.block_n, transposed=True)
+    mask, mask_keep = _mask_arg(problem.xp, problem.block_mask, spec.block_m, spec.block_n, transposed=True)
     launches = [helper(preprocess),
-                _launch(spec, source, (_cdiv(sk, spec.block_n), hkv, b), dict(common, mask=mask), keep + mask_keep,
-                        module)]
+                _launch(spec, source, (_cdiv(rows_k, spec.block_n), hkv, batch), dict(common, mask=mask),
+                        keep + mask_keep, module)]
     if deterministic:
-        mask, mask_keep = _mask_arg(xp, problem.block_mask, dq_spec.block_m, dq_spec.block_n, False)
-        launches.append(_launch(dq_spec, source, (_cdiv(sq, dq_spec.block_m), hq, b), dict(common, mask=mask),
+        mask, mask_keep = _mask_arg(problem.xp, problem.block_mask, dq_spec.block_m, dq_spec.block_n, False)
+        launches.append(_launch(dq_spec, source, (_cdiv(rows_q, dq_spec.block_m), hq, batch), dict(common, mask=mask),
                                 keep + mask_keep, module))
     else:
         launches.append(helper(convert))
-    return BackwardLaunch(tuple(launches), dq, dk, dv, d, dbias_acc)
+    return tuple(launches)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -444,21 +454,8 @@ def backward_varlen_launch(problem, dout, out, lse, *, deterministic: bool = Fal
     if mods is not None:
         common["mods"] = mods
     keep = (q, k, v, o, do, dq, dk, dv, acc, lse, lse_log2, dsum, *cu, *mods_keep)
-    module = (*specs.helper_names(problem.element_type), spec.name_expression, dq_spec.name_expression)
-    preprocess, convert = specs.helper_names(problem.element_type)
-    rows = (_cdiv(max_q, ROWS_PER_BLOCK), hq, batch)
-
-    def helper(name):
-        return LaunchSpec(source=source, name_expression=name, grid=rows, block=(32 * ROWS_PER_BLOCK, 1, 1),
-                          shared_bytes=0, args=(params.pack(**common),), module=module, keep=keep)
-
-    launches = [helper(preprocess), _launch(spec, source, (_cdiv(max_k, spec.block_n), hkv, batch), common, keep,
-                                            module)]
-    if deterministic:
-        launches.append(_launch(dq_spec, source, (_cdiv(max_q, dq_spec.block_m), hq, batch), common, keep, module))
-    else:
-        launches.append(helper(convert))
-    return BackwardLaunch(tuple(launches), dq, dk, dv, d)
+    launches = _backward_launches(problem, spec, dq_spec, source, common, keep, max_q, max_k, batch, deterministic)
+    return BackwardLaunch(launches, dq, dk, dv, d)
 
 
 # ------------------------------------------------------------------------------------------------
