@@ -587,4 +587,6 @@ def install(monkeypatch, fake: types.ModuleType) -> types.ModuleType:
     monkeypatch.setitem(sys.modules, "cupy.cuda.runtime", fake.cuda.runtime)
     monkeypatch.setitem(sys.modules, "cupy.cuda.nvrtc", fake.cuda.nvrtc)
     monkeypatch.setitem(sys.modules, "cupy.cuda.compiler", fake.cuda.compiler)
+    # cuflash's per-device arrays belong to the CuPy that made them: the fingerprint's weights start afresh
+    monkeypatch.setattr("cuflash.residual._WEIGHTS", {})
     return fake
