@@ -112,6 +112,72 @@ def test_vjp_rejects_return_lse():
         cuflash.attention_vjp(q, q, q, return_lse=True)
 
 
+# ----------------------------------------------------------------------------- fixed shift and exp clamp
+def _count_fixed(monkeypatch):
+    """Count the work items that leave the online max for shift 0 (nb._Bounds.fixed_shift)."""
+    seen = {"fixed": 0, "online": 0}
+    real = nb._Bounds.fixed_shift
+
+    def spy(self, u, chunk):
+        held = real(self, u, chunk)
+        seen["fixed" if held else "online"] += 1
+        return held
+
+    monkeypatch.setattr(nb._Bounds, "fixed_shift", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("options", [{}, dict(causal=True), dict(window=(70, 20)), dict(dropout_p=0.25, seed=3)],
+                         ids=["plain", "causal", "window", "dropout"])
+def test_fixed_shift_after_the_first_key_tile(monkeypatch, dtype, options):
+    """Scores bounded by |q||k| take shift 0 after each query tile's first key tile (no row max, masks applied
+    after exp; rows whose first tile is wholly masked included): within the rule of the float64 reference;
+    inputs whose bound allows overflow keep the online max."""
+    seen = _count_fixed(monkeypatch)
+    q, k, v, do = rng_arrays(5, (1, 300, 4, 32), (1, 260, 2, 32), (1, 260, 2, 32), (1, 300, 4, 32), dtype=dtype)
+    case = Case(q, k, v, do, options)
+    out, lse, *grads = _blocked(case, 64, 48)
+    if not options.get("dropout_p"):
+        check_forward(lambda *a, **o: (out, lse), case)
+        check_backward(lambda *a, **o: grads, case, out, lse)
+    assert seen["fixed"] > 0 and seen["online"] == 0
+    big = Case((q * 1e3).astype(dtype), k, v, do, options)  # |S| bound past the exponent range: online max
+    out, lse, *grads = _blocked(big, 64, 48)
+    if not options.get("dropout_p"):
+        check_forward(lambda *a, **o: (out, lse), big)
+    assert seen["online"] > 0 and np.isfinite(out).all()
+
+
+def test_fixed_shift_refuses_non_finite_inputs(monkeypatch):
+    """A NaN or infinity anywhere in K or V fails the bound, so non-finite values keep their online semantics."""
+    seen = _count_fixed(monkeypatch)
+    q, k, v = rng_arrays(6, (1, 200, 1, 16), (1, 200, 1, 16), (1, 200, 1, 16))
+    for x, value in ((k, np.inf), (v, np.nan), (v, np.inf)):
+        x[0, 150, 0, 3] = value
+        p = make_problem(q, k, v)
+        nb.forward(p, block_q=64, block_k=64)
+        x[0, 150, 0, 3] = 0.0
+    assert seen == {"fixed": 0, "online": 3 * 4}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exp_clamp_is_exact_where_it_matters(dtype):
+    """_exp: arguments at or below the smallest one with a normal result give exactly 0 (-inf included, NaN stays
+    NaN); the others are exp to the last bit where the smallest normal number is below their rounding, and off
+    by at most that number near it."""
+    p = make_problem(*rng_arrays(0, (1, 4, 1, 8), (1, 4, 1, 8), (1, 4, 1, 8), dtype=dtype))
+    rule = nb._exp_rule(p, np.dtype(dtype))
+    assert rule.floor is not None
+    x = np.array([-np.inf, -1e4, rule.floor, rule.floor + 1, -3.25, -1e-3, 0.0, np.nan], dtype=dtype)
+    want = rule.exp(x)
+    want[:3] = 0
+    got = nb._exp(x.copy(), rule)
+    np.testing.assert_array_equal(got[:3], 0)
+    np.testing.assert_array_equal(got[4:], want[4:])
+    assert 0 < got[3] < want[3] and want[3] - got[3] <= rule.exp(rule.floor) * (1 + 4 * np.finfo(dtype).eps)
+
+
 # ----------------------------------------------------------------------------- tile sizes
 TILES = [(16, 16), (16, 64), (64, 16), (32, 48), (7, 5), (1, 3), (256, 512)]
 

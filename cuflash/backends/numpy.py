@@ -218,11 +218,12 @@ class _Masks:
         return ~keep
 
 
-def _mask_scores(s, masks, tile, chunk):
-    """Set invisible scores of a partial tile to -inf (before the row max: a masked score must not raise m_i).
-    Set, not added: a NaN or infinite score that a row does not see must not reach it."""
+def _mask_scores(s, masks, tile, chunk, fill=-np.inf):
+    """Set invisible scores of a partial tile to -inf (before the row max: a masked score must not raise m_i),
+    or invisible probabilities to 0 (``fill=0``, after ``exp``). Set, not added: a NaN or infinite score that a
+    row does not see must not reach it."""
     if not tile.full:
-        np.copyto(s, -np.inf, where=masks.hidden(tile, chunk))
+        np.copyto(s, fill, where=masks.hidden(tile, chunk))
 
 
 class _Mods:
@@ -258,11 +259,12 @@ class _Mods:
         s[...] = self.mods.score.evaluate(self.env(tile, chunk, s), self.mods.values, self.wt)
         return s0
 
-    def mask(self, s, tile, chunk):
-        """The mask modifier: scores it removes become -inf (every tile, before the row max)."""
+    def mask(self, s, tile, chunk, fill=-np.inf):
+        """The mask modifier: scores it removes become -inf (every tile, before the row max), or their
+        probabilities 0 (``fill=0``, after ``exp``)."""
         if self.mods.mask is not None:
             keep = self.mods.mask.evaluate(self.env(tile, chunk), self.mods.values)
-            np.copyto(s, -np.inf, where=~np.broadcast_to(keep, s.shape))
+            np.copyto(s, fill, where=~np.broadcast_to(keep, s.shape))
 
     def factor(self, expr, s0, tile, chunk):
         return expr.evaluate(self.env(tile, chunk, s0), self.mods.values, self.wt)
@@ -318,14 +320,99 @@ class _Exp:
     exp: Callable
     log: Callable
     bits: float             # base-2 exponent per unit of score (1 for base 2, log2(e) for base e)
+    floor: Optional[float] = None  # the smallest argument of ``exp`` with a normal result (see _exp)
 
 
 def _exp_rule(problem, wt) -> _Exp:
     if wt == np.float32 and (problem.mods is None or problem.mods.score is None):
-        return _Exp(wt.type(problem.scale * LOG2E), None, np.exp2, np.log2, 1.0)
+        return _Exp(wt.type(problem.scale * LOG2E), None, np.exp2, np.log2, 1.0, wt.type(np.finfo(wt).minexp))
     exact = problem.scale != 0 and math.frexp(problem.scale)[0] in (0.5, -0.5)
     scale = wt.type(problem.scale)
-    return _Exp(scale if exact else None, None if exact else scale, np.exp, np.log, LOG2E)
+    floor = wt.type(math.ceil(np.finfo(wt).minexp * LN2)) if wt == np.float64 else None
+    return _Exp(scale if exact else None, None if exact else scale, np.exp, np.log, LOG2E, floor)
+
+
+def _exp(s, rule, clamp=True):
+    """``exp`` of shifted scores (all <= 0, or -inf) in place.
+
+    NumPy's SIMD float32 ``exp2`` and float64 ``exp`` leave the vector path for every element whose
+    result is 0 or subnormal: 3-30 ns each against 0.25 ns (measured: a causal diagonal tile, half
+    -inf, takes 6x the time of an unmasked one; a tile of far-below-max scores over 10x). So unless the
+    caller knows every argument is finite and has a normal result (``clamp=False``), the arguments are
+    clamped to the smallest one with a normal result (``floor``) and that result is subtracted after:
+    exactly 0 where the argument was at or below ``floor`` (masked scores included), and elsewhere a
+    change below ``exp(floor)``, the smallest normal number, far under the rounding of a sum whose
+    largest term is 1. Two passes, cheaper than the detour from a few per cent of such elements on.
+    """
+    if rule.floor is None or not clamp:  # float32 exp: no slow path
+        return rule.exp(s, out=s)
+    np.maximum(s, rule.floor, out=s)  # NaN stays NaN
+    rule.exp(s, out=s)
+    s -= rule.exp(rule.floor)
+    return s
+
+
+class _Bounds:
+    """Cauchy-Schwarz bounds on a work item's scores, ``|S_ij| <= U_i = |q_i| max_j |k_j|`` (times the score
+    scale), in base-2 exponents. They decide, without a pass over the scores, two things:
+
+    *Whether the online softmax may stop tracking the row max* (:meth:`fixed_shift`). FA2 Algorithm 1
+    subtracts the running max ``m_i`` before each ``exp`` (line 10) only to keep the exponentials in
+    range; ``acc / l`` does not depend on the shift. After a query tile's first key tile, the rest of its
+    keys take shift 0 (``P = exp(S)``: no row-max pass, no subtraction, no rescaling of ``l`` and ``acc``)
+    when, with ``p`` the dtype's precision and ``e_min``/``e_max`` its exponent range,
+
+    - ``U + log2(Sk) + log2(max|V|, 1) + log2(1/(1 - dropout)) <= e_max - 8``: ``exp(S)``, ``l`` and ``acc``
+      cannot overflow;
+    - ``U + log2(Sk) <= log2(max|V|) - 2p - e_tiny`` (``2^e_tiny`` the smallest subnormal, and ``U <= -e_min``):
+      every ``exp(S)``, a masked score's too, is a normal number (so ``exp`` stays on NumPy's vector path and
+      masks are applied after it, as zeros), and what products ``P V`` lose to underflow stays below
+      ``2^(-2p)`` of ``max|V|``, as with the shifted form.
+
+    *Whether a shifted tile can produce an argument of ``exp`` below ``e_min``* (:meth:`normal`): when no
+    argument can, and none is masked, the clamp of :func:`_exp` is skipped.
+
+    A NaN or infinity in Q, K or V fails both tests (comparisons with NaN are false). The decisions depend
+    only on the item's data, never on the thread count. The rounding differs from the shifted form's as
+    any other choice of shift would (the float64 reference shifts by the exact row max; both stay within
+    the tolerance of the naive computation).
+    """
+
+    def __init__(self, problem, rule, k, v, wt):
+        fi = np.finfo(wt)
+        kmax = np.sqrt(np.einsum("...d,...d->...", k, k, dtype=np.float64)).max(axis=-1, initial=0.0)
+        vmax = np.abs(v).max(axis=(-2, -1), initial=0.0).astype(np.float64)
+        drop = -math.log2(1.0 - problem.dropout_p) if problem.dropout_p else 0.0
+        with np.errstate(divide="ignore"):
+            vlog = np.log2(vmax)  # -inf for V = 0: no product to keep normal, but l still must not underflow
+        nk = math.log2(max(problem.seqlen_k, 1))
+        scale = abs(float(rule.tile)) if rule.tile is not None else 1.0
+        # per (batch, kv head): the Cauchy-Schwarz factor with room for its own rounding, and the limits on U
+        self.kbound = (kmax * scale * rule.bits * (1 + 2.0 ** -8))[..., None]
+        top = fi.maxexp - 8 - nk - drop - np.maximum(vlog, 0.0)
+        bottom = np.where(vmax > 0, vlog, 0.0) - 2 * (fi.nmant + 1) - (fi.minexp - fi.nmant) - nk
+        self.limit = np.minimum(np.minimum(top, bottom), -fi.minexp)[..., None]
+        self.normal_limit = -fi.minexp
+        self.bits = rule.bits
+
+    @staticmethod
+    def applies(problem):
+        """Worth their O(N d) norms when enough query rows share them; never with a score modifier (scores
+        not bounded by the inputs' norms)."""
+        return (problem.mods is None or problem.mods.score is None) and problem.seqlen_q * problem.group >= KT_COPY_ROWS
+
+    def rows(self, q_i, chunk):
+        """``U`` of the item's rows (``q_i`` scaled as it enters the product)."""
+        bs, hs = chunk
+        return np.sqrt(np.einsum("...d,...d->...", q_i, q_i, dtype=np.float64)) * self.kbound[bs, hs] + 1.0
+
+    def fixed_shift(self, u, chunk):
+        bs, hs = chunk
+        return bool(np.all(u <= self.limit[bs, hs]))
+
+    def normal(self, u, m_safe):
+        """Every argument ``S - m`` of the tile's ``exp`` is at least ``e_min`` (its result normal)."""
+        return bool(np.all(u + m_safe * self.bits <= self.normal_limit))
 
 
 def _scores(q_i, kt_j, rule, out):
@@ -397,14 +484,14 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     wt = _work_dtype(problem)
     lay, sched = _plan(problem, block_q, block_k, schedule)
     rule = _exp_rule(problem, wt)
-    q = _grouped(problem.q, problem, wt)
-    kt = _keys_transposed(problem, _grouped(problem.k, problem, wt))
-    v = _grouped(problem.v, problem, wt)
+    q, k, v = (_grouped(x, problem, wt) for x in (problem.q, problem.k, problem.v))
+    kt = _keys_transposed(problem, k)
     out = np.zeros(q.shape, dtype=wt)
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
     ones = np.ones(lay.block_k, dtype=wt)
     scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
+    bounds = _Bounds(problem, rule, k, v, wt) if _Bounds.applies(problem) else None
 
     def item(work):
         chunk, i = work
@@ -420,28 +507,41 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         l_i = np.zeros(q_i.shape[:-1], dtype=wt)
         acc = np.zeros(q_i.shape, dtype=wt)
         pv = scratch.get("pv", q_i.shape, wt)
-        for t in tiles:
+        u = bounds.rows(q_i, chunk) if bounds is not None else None
+        fixed = False
+        for n, t in enumerate(tiles):
             s = scratch.get("s", q_i.shape[:-1] + (t.k1 - t.k0,), wt)
             _scores(q_i, kt[bs, hs, :, :, t.k0:t.k1], rule, s)
-            if modifiers is not None:
-                modifiers.score(s, t, chunk)
-                modifiers.mask(s, t, chunk)
-            _mask_scores(s, masks, t, chunk)
-            m_new = np.maximum(m_i, s.max(axis=-1))
-            # A row that saw nothing yet (-inf) or an infinite or NaN score: shift by 0, as the float64 reference
-            # does, so that +inf gives lse = +inf (and NaN outputs), never -inf - -inf or inf - inf in lse.
-            m_safe = np.where(np.isfinite(m_new), m_new, 0)
-            s -= m_safe[..., None]
-            rule.exp(s, out=s)
-            alpha = rule.exp(m_i - m_safe)
-            l_i *= alpha
+            if fixed:  # line 10 with m_i = 0 (see _Bounds): every |S| is bounded, masked ones too
+                rule.exp(s, out=s)
+                if modifiers is not None:
+                    modifiers.mask(s, t, chunk, fill=0.0)
+                _mask_scores(s, masks, t, chunk, fill=0.0)
+            else:
+                if modifiers is not None:
+                    modifiers.score(s, t, chunk)
+                    modifiers.mask(s, t, chunk)
+                _mask_scores(s, masks, t, chunk)
+                m_new = np.maximum(m_i, s.max(axis=-1))
+                # A row that saw nothing yet (-inf) or an infinite or NaN score: shift by 0, as the float64
+                # reference does, so that +inf gives lse = +inf (and NaN outputs), never -inf - -inf or inf - inf.
+                m_safe = np.where(np.isfinite(m_new), m_new, 0)
+                s -= m_safe[..., None]
+                _exp(s, rule, clamp=not (t.full and modifiers is None and u is not None and bounds.normal(u, m_safe)))
+                alpha = rule.exp(m_i - m_safe)
+                l_i *= alpha
+                acc *= alpha[..., None]
+                m_i = m_new
             l_i += s @ ones[:t.k1 - t.k0]  # l is of the undropped P: lse stays dropout-free
             z = _dropout_scale(problem, t, chunk, wt)
             if z is not None:
                 s *= z
-            acc *= alpha[..., None]
             acc += np.matmul(s, v[bs, hs, :, t.k0:t.k1, :], out=pv)
-            m_i = m_new
+            if n == 0 and len(tiles) > 1 and u is not None and bounds.fixed_shift(u, chunk):
+                fixed, alpha = True, rule.exp(m_i)  # rescale l and acc from shift m_i to shift 0
+                l_i *= alpha
+                acc *= alpha[..., None]
+                m_i = np.zeros_like(m_i)
         seen = l_i != 0  # a NaN sum propagates; only rows that saw no key get 0 and -inf
         out[bs, hs, :, i0:i1, :] = acc / np.where(seen, l_i, 1)[..., None]
         with np.errstate(divide="ignore"):
