@@ -161,6 +161,39 @@ def test_fixed_shift_refuses_non_finite_inputs(monkeypatch):
     assert seen == {"fixed": 0, "online": 3 * 4}
 
 
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(30, 7)), dict(causal=True, seqlens="ragged"),
+                                     dict(block_mask="strided")], ids=["causal", "window", "lengths", "block_mask"])
+def test_strips_cover_every_visible_element(options):
+    """Schedule tiles cut into row strips (_Masks.strips): every visible element lies in exactly one strip, a strip
+    marked full sees all its elements, and a causal diagonal tile computes (n + 1) / 2n of its elements."""
+    q, k, v = rng_arrays(3, (2, 200, 2, 8), (2, 170, 1, 8), (2, 170, 1, 8))
+    if options.get("seqlens") == "ragged":
+        options = dict(causal=True, seqlens_q=np.array([200, 77]), seqlens_k=np.array([150, 170]))
+    if options.get("block_mask") == "strided":
+        options = dict(block_mask=BlockMask.strided(200, 170, stride=3, block=(8, 8)))
+    p = make_problem(q, k, v, **options)
+    sched = Schedule.for_problem(p, 64, 48)
+    masks, chunk = nb._Masks(sched, p), (slice(0, 2), slice(0, 1))
+    cut_any = False
+    for _, row in sched.rows():
+        for tile in row:
+            keep = sched.element_mask(tile).any(axis=(0, 1))
+            covered = np.zeros_like(keep, dtype=int)
+            for t in masks.strips(tile, chunk, rows=16):
+                part = (slice(t.i0 - tile.i0, t.i1 - tile.i0), slice(t.k0 - tile.k0, t.k1 - tile.k0))
+                covered[part] += 1
+                if t.full:
+                    assert sched.element_mask(t).all()
+            assert covered.max() <= 1 and (covered[keep] == 1).all()
+            cut_any |= covered.sum() < covered.size
+    assert cut_any
+    diag = Schedule(512, 512, 512, 512, right=0)
+    tile, = diag.row(0)
+    strips = nb._Masks(diag, make_problem(*rng_arrays(0, (1, 512, 1, 8), (1, 512, 1, 8), (1, 512, 1, 8)),
+                                          causal=True)).strips(tile, chunk, rows=128)
+    assert sum((t.i1 - t.i0) * (t.k1 - t.k0) for t in strips) == 512 * 512 * 5 // 8
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_exp_clamp_is_exact_where_it_matters(dtype):
     """_exp: arguments at or below the smallest one with a normal result give exactly 0 (-inf included, NaN stays
