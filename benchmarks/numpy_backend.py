@@ -8,7 +8,11 @@ Speed: forward, batch 1, 4 heads, head_dim 64 and 128, causal and not, float32 a
 round (cuflash, torch, naive), so that a machine whose speed drifts (other processes) slows all of
 them alike; the ratio cuflash / torch is taken round by round and its median reported, next to
 each implementation's median and best wall time. Every implementation uses all cores: cuflash its
-worker threads, PyTorch ``torch.set_num_threads``, naive NumPy its multithreaded BLAS.
+worker threads, PyTorch ``torch.set_num_threads``, naive NumPy its multithreaded BLAS. Each timed call
+follows an untimed call of the same implementation: OpenBLAS's and OpenMP's worker threads keep spinning
+for a while after a parallel call, and on 2 cores the threads of the implementation timed just before
+took a core from the next one (measured: cuflash 132 ms alone against torch, 166 ms right after the naive
+multithreaded GEMMs).
 
 Memory: tracemalloc's peak (NumPy registers its buffers) of the forward and the backward over a
 grid of B·H and N, next to the naive score matrix (B·H·N² floats) and one (B, N, H, d) array.
@@ -77,6 +81,7 @@ def time_case(torch, dtype, n, d, causal, rounds, heads=4):
         f()
     for _ in range(rounds):
         for name, f in impls.items():
+            f()  # settle: the previous implementation's thread pools may still spin (see the module docstring)
             t0 = time.perf_counter()
             f()
             samples[name].append(time.perf_counter() - t0)

@@ -226,6 +226,20 @@ class _Masks:
         return ~keep
 
 
+    def hidden_from(self, tile, chunk):
+        """``(c0, hidden[..., c0:])``: the mask from the tile's first column with a hidden element (a strip of a
+        causal diagonal tile hides only its last columns: the masking pass touches only those)."""
+        key = self._key(tile)
+        span = self.cache.get(("from",) + key) if key is not None else None
+        if span is None:
+            hidden = self.hidden(tile, chunk)
+            cols = np.flatnonzero(hidden.reshape(-1, hidden.shape[-1]).any(axis=0))
+            c0 = int(cols[0]) if cols.size else hidden.shape[-1]
+            span = (c0, hidden[..., c0:])
+            if key is not None:
+                self.cache[("from",) + key] = span
+        return span
+
     def strips(self, tile, chunk, rows=None):
         """A partial tile as strips of ``rows`` query rows (:data:`STRIP_ROWS`), each cut to the key columns that
         some of its elements see (strips that see nothing dropped): tile skipping at a finer grain than the tile,
@@ -257,7 +271,8 @@ def _mask_scores(s, masks, tile, chunk, fill=-np.inf):
     or invisible probabilities to 0 (``fill=0``, after ``exp``). Set, not added: a NaN or infinite score that a
     row does not see must not reach it."""
     if not tile.full:
-        np.copyto(s, fill, where=masks.hidden(tile, chunk))
+        c0, hidden = masks.hidden_from(tile, chunk)
+        np.copyto(s[..., c0:], fill, where=hidden)
 
 
 class _Mods:
@@ -394,7 +409,10 @@ class _Bounds:
     subtracts the running max ``m_i`` before each ``exp`` (line 10) only to keep the exponentials in
     range; ``acc / l`` does not depend on the shift. After a query tile's first key tile, the rest of its
     keys take shift 0 (``P = exp(S)``: no row-max pass, no subtraction, no rescaling of ``l`` and ``acc``)
-    when, with ``p`` the dtype's precision and ``e_min``/``e_max`` its exponent range,
+    when every row has seen a key in it (so that a row that sees one key only keeps the weight exp(0) = 1
+    for it and returns its value exactly; the decision rests on the scores, not on how a mask was asked
+    for, so a BlockMask and window= of the same elements keep the same bits) and, with ``p`` the dtype's
+    precision and ``e_min``/``e_max`` its exponent range,
 
     - ``U + log2(Sk) + log2(max|V|, 1) + log2(1/(1 - dropout)) <= e_max - 8``: ``exp(S)``, ``l`` and ``acc``
       cannot overflow;
@@ -537,12 +555,12 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         q_i = q[bs, hs, :, i0:i1, :]
         if rule.fold is not None:
             q_i = q_i * rule.fold  # the scale (in base 2 for float32) folded into Q once
+        u = bounds.rows(q_i, chunk) if bounds is not None else None
+        fixed = False
         m_i = np.full(q_i.shape[:-1], -np.inf, dtype=wt)
         l_i = np.zeros(q_i.shape[:-1], dtype=wt)
         acc = np.zeros(q_i.shape, dtype=wt)
         pv = scratch.get("pv", q_i.shape, wt)
-        u = bounds.rows(q_i, chunk) if bounds is not None else None
-        fixed = False
         for n, tile in enumerate(tiles):
             for t in masks.strips(tile, chunk):  # a partial tile: row strips cut to the keys they see
                 r = slice(t.i0 - i0, t.i1 - i0)
@@ -575,8 +593,8 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                 if z is not None:
                     s *= z
                 acc[..., r, :] += np.matmul(s, v[bs, hs, :, t.k0:t.k1, :], out=pv[..., r, :])  # line 11
-            if n == 0 and len(tiles) > 1 and u is not None and bounds.fixed_shift(u, chunk):
-                fixed, alpha = True, rule.exp(m_i)  # rescale l and acc from shift m_i to shift 0
+            if n == 0 and len(tiles) > 1 and u is not None and np.all(m_i > -np.inf) and bounds.fixed_shift(u, chunk):
+                fixed, alpha = True, rule.exp(m_i)  # from shift m_i to shift 0
                 l_i *= alpha
                 acc *= alpha[..., None]
                 m_i = np.zeros_like(m_i)
@@ -630,6 +648,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
     modified = modifiers is not None and problem.mods.score is not None
+    bounds = _Bounds(problem, rule, k, v, wt) if _Bounds.applies(problem) else None
     columns = [t for t in range(sched.n_k) if ((sched.lo <= t) & (t < sched.hi)).any()]
     slots = max(1, min(DQ_CHUNKS, len(columns)))
     bias = problem.mods.values["cuflash_bias"] if dbias else None
@@ -658,14 +677,18 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
             q_i, do_i = q[bs, hs, :, tl.i0:tl.i1, :], do[bs, hs, :, tl.i0:tl.i1, :]
             tile_shape = shape + (tl.i1 - tl.i0, k1 - k0)
             s = scratch.get("s", tile_shape, wt)
-            _scores(q_i if rule.fold is None else q_i * rule.fold, kt_j, rule, s)  # S as the forward's
+            qs_i = q_i if rule.fold is None else q_i * rule.fold
+            _scores(qs_i, kt_j, rule, s)  # S as the forward's
             s0 = None
             if modifiers is not None:
                 s0 = modifiers.score(s, tl, chunk, keep_s0=modified)
                 modifiers.mask(s, tl, chunk)
             _mask_scores(s, masks, tl, chunk)
-            s -= lse_r[bs, hs, :, tl.i0:tl.i1, None]
-            p = rule.exp(s, out=s)
+            shift = lse_r[bs, hs, :, tl.i0:tl.i1]
+            s -= shift[..., None]
+            normal = (tl.full and modifiers is None and bounds is not None
+                      and bounds.normal(bounds.rows(qs_i, chunk), shift))
+            p = _exp(s, rule, clamp=not normal)
             z = _dropout_scale(problem, tl, chunk, wt)
             dv_j += np.swapaxes(p if z is None else p * z, -1, -2) @ do_i
             dp = np.matmul(do_i, vt_j, out=scratch.get("dp", tile_shape, wt))
