@@ -432,14 +432,17 @@ class _Bounds:
 
     def __init__(self, problem, rule, k, v, wt):
         fi = np.finfo(wt)
-        kmax = np.sqrt(np.einsum("...d,...d->...", k, k, dtype=np.float64)).max(axis=-1, initial=0.0)
-        vmax = np.abs(v).max(axis=(-2, -1), initial=0.0).astype(np.float64)
+        # in the working dtype, no copy of K or V (an overflow gives inf, which fails the tests below)
+        with np.errstate(over="ignore"):
+            kmax = np.sqrt(np.einsum("...d,...d->...", k, k)).max(axis=-1, initial=0.0).astype(np.float64)
+        vmax = np.maximum(v.max(axis=(-2, -1), initial=0.0), -v.min(axis=(-2, -1), initial=0.0)).astype(np.float64)
         drop = -math.log2(1.0 - problem.dropout_p) if problem.dropout_p else 0.0
         with np.errstate(divide="ignore"):
             vlog = np.log2(vmax)  # -inf for V = 0: no product to keep normal, but l still must not underflow
         nk = math.log2(max(problem.seqlen_k, 1))
         scale = abs(float(rule.tile)) if rule.tile is not None else 1.0
-        # per (batch, kv head): the Cauchy-Schwarz factor with room for its own rounding, and the limits on U
+        # per (batch, kv head): the Cauchy-Schwarz factor with room for the rounding of the norms (d ulps), and the
+        # limits on U
         self.kbound = (kmax * scale * rule.bits * (1 + 2.0 ** -8))[..., None]
         top = fi.maxexp - 8 - nk - drop - np.maximum(vlog, 0.0)
         bottom = np.where(vmax > 0, vlog, 0.0) - 2 * (fi.nmant + 1) - (fi.minexp - fi.nmant) - nk
@@ -456,7 +459,8 @@ class _Bounds:
     def rows(self, q_i, chunk):
         """``U`` of the item's rows (``q_i`` scaled as it enters the product)."""
         bs, hs = chunk
-        return np.sqrt(np.einsum("...d,...d->...", q_i, q_i, dtype=np.float64)) * self.kbound[bs, hs] + 1.0
+        with np.errstate(over="ignore"):
+            return np.sqrt(np.einsum("...d,...d->...", q_i, q_i)) * self.kbound[bs, hs] + 1.0
 
     def fixed_shift(self, u, chunk):
         bs, hs = chunk
