@@ -2,6 +2,7 @@
 
     python -m benchmarks.numpy_backend --out benchmarks/results/cpu-amd-epyc-2c/numpy_backend.json
     python -m benchmarks.numpy_backend --quick          # N = 4096 only, fewer rounds
+    python -m benchmarks.numpy_backend --quick --threads 1 --no-memory --out .../numpy_backend_1thread.json
 
 Speed: forward, batch 1, 4 heads, head_dim 64 and 128, causal and not, float32 at N = 4096 and
 16384 and float64 at N = 4096. Each case is timed in rounds, the implementations in turn within a
@@ -13,6 +14,11 @@ follows an untimed call of the same implementation: OpenBLAS's and OpenMP's work
 for a while after a parallel call, and on 2 cores the threads of the implementation timed just before
 took a core from the next one (measured: cuflash 132 ms alone against torch, 166 ms right after the naive
 multithreaded GEMMs).
+
+With ``--threads 1`` every implementation runs on one core and a float32 ``floor`` loop joins them (the
+products, ``exp2`` and row sums of cuflash's tiles and nothing else: see :func:`floor_loop`), so that the
+distance of cuflash from what NumPy's separate passes must cost, and of that floor from PyTorch's fused
+kernel, are measured apart from the scheduling of two threads on a shared machine.
 
 Memory: tracemalloc's peak (NumPy registers its buffers) of the forward and the backward over a
 grid of B·H and N, next to the naive score matrix (B·H·N² floats) and one (B, N, H, d) array.
@@ -34,17 +40,22 @@ import time
 import tracemalloc
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 import cuflash
 from cuflash.backends import numpy as nb
 
 
-def _torch():
+def _cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _torch(threads):
     try:
         import torch
     except ImportError:
         return None
-    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    torch.set_num_threads(threads)
     return torch
 
 
@@ -60,8 +71,35 @@ def naive(q, k, v, causal):
     return (s @ vh).transpose(0, 2, 1, 3)
 
 
-def _impls(torch, q, k, v, causal, with_naive):
+def floor_loop(q, k, v, causal, block=512):
+    """What any NumPy implementation of the algorithm on cuflash's tiles must spend at least: the two products, the
+    ``exp2`` and the row sums of each tile (base 2, scale folded into Q), and nothing else: no row max, no
+    bookkeeping, a causal diagonal tile computed whole and its hidden part zeroed after ``exp2``. One thread;
+    float32; its output is attention only where no score overflows (a lower bound to time, not an
+    implementation)."""
+    n, heads, d = q.shape[1], q.shape[2], q.shape[3]
+    kt = np.ascontiguousarray(k.transpose(0, 2, 3, 1))  # (B, H, d, N)
+    ones = np.ones(block, dtype=q.dtype)
+    upper = np.triu(np.ones((block, block), dtype=bool), 1)
+    out = np.empty_like(q)
+    for h in range(heads):
+        for i0 in range(0, n, block):
+            q_i = q[0, i0:i0 + block, h] * q.dtype.type(1 / math.sqrt(d) / math.log(2))
+            l_i, acc = np.zeros(len(q_i), q.dtype), np.zeros((len(q_i), d), q.dtype)
+            for k0 in range(0, min(i0 + block, n) if causal else n, block):
+                s = np.exp2(q_i @ kt[0, h, :, k0:k0 + block])
+                if causal and k0 == i0:  # the diagonal tile: keys past the row are hidden
+                    np.copyto(s, 0, where=upper[:s.shape[0], :s.shape[1]])
+                l_i += s @ ones[:s.shape[1]]
+                acc += s @ v[0, k0:k0 + block, h]
+            out[0, i0:i0 + block, h] = acc / l_i[:, None]
+    return out
+
+
+def _impls(torch, q, k, v, causal, with_naive, threads):
     impls = {"cuflash": lambda: cuflash.attention(q, k, v, causal=causal)}
+    if threads == 1 and q.dtype == np.float32:
+        impls["floor"] = lambda: floor_loop(q, k, v, causal)
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(x).transpose(1, 2) for x in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -71,11 +109,11 @@ def _impls(torch, q, k, v, causal, with_naive):
     return impls
 
 
-def time_case(torch, dtype, n, d, causal, rounds, heads=4):
+def time_case(torch, dtype, n, d, causal, rounds, heads=4, threads=None):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, n, heads, d)).astype(dtype) for _ in range(3))
     with_naive = n <= 8192  # 16384: the naive S of 4 heads would be 4 GiB
-    impls = _impls(torch, q, k, v, causal, with_naive)
+    impls = _impls(torch, q, k, v, causal, with_naive, threads)
     samples = {name: [] for name in impls}
     for f in impls.values():  # warm-up: caches, thread pools, first-touch pages
         f()
@@ -88,7 +126,7 @@ def time_case(torch, dtype, n, d, causal, rounds, heads=4):
     rec = dict(dtype=np.dtype(dtype).name, seqlen=n, heads=heads, head_dim=d, causal=causal, rounds=rounds,
                ms={name: round(1e3 * statistics.median(s), 2) for name, s in samples.items()},
                ms_best={name: round(1e3 * min(s), 2) for name, s in samples.items()})
-    for other in ("torch", "naive"):
+    for other in ("torch", "naive", "floor"):
         if other in samples:
             rec[f"cuflash_over_{other}"] = round(statistics.median(
                 a / b for a, b in zip(samples["cuflash"], samples[other])), 3)
@@ -151,10 +189,14 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per case (default 5, quick 3)")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads for every implementation (default: all cores); 1 adds the float32 floor loop")
     args = ap.parse_args(argv)
-    torch = _torch()
+    threads = args.threads or _cores()
+    os.environ["CUFLASH_NUM_THREADS"] = str(threads)  # before cuflash's first call reads it
+    torch = _torch(threads)
     rounds = args.rounds or (3 if args.quick else 5)
-    result = dict(_meta(torch), speed=[], memory=[])
+    result = dict(_meta(torch), threads=threads, speed=[], memory=[])
     if not args.no_speed:
         cases = [(np.float32, n, d, c) for n in ((4096,) if args.quick else (4096, 16384))
                  for d in (64, 128) for c in (False, True)]
@@ -162,17 +204,22 @@ def main(argv=None):
         print(f"{'dtype':8s} {'N':>6s} {'d':>4s} {'causal':6s} {'cuflash':>9s} {'torch':>9s} {'naive':>9s} "
               f"{'cuflash/torch':>13s} {'cuflash/naive':>13s}   (median ms)", flush=True)
         for dtype, n, d, causal in cases:
-            rec = time_case(torch, dtype, n, d, causal, rounds if n <= 4096 else max(2, rounds - 2))
+            with threadpool_limits(threads):  # the naive computation's BLAS
+                rec = time_case(torch, dtype, n, d, causal, rounds if n <= 4096 else max(2, rounds - 2),
+                                threads=threads)
             result["speed"].append(rec)
-            ms = rec["ms"]
+            ms, nan = rec["ms"], float("nan")
+            floor = "" if "floor" not in ms else \
+                f"   floor {ms['floor']:.1f} (cuflash/floor {rec['cuflash_over_floor']:.2f})"
             print(f"{rec['dtype']:8s} {n:6d} {d:4d} {str(causal):6s} {ms['cuflash']:9.1f} "
-                  f"{ms.get('torch', float('nan')):9.1f} {ms.get('naive', float('nan')):9.1f} "
-                  f"{rec.get('cuflash_over_torch', float('nan')):13.2f} {rec.get('cuflash_over_naive', float('nan')):13.2f}",
+                  f"{ms.get('torch', nan):9.1f} {ms.get('naive', nan):9.1f} "
+                  f"{rec.get('cuflash_over_torch', nan):13.2f} {rec.get('cuflash_over_naive', nan):13.2f}{floor}",
                   flush=True)
     if not args.no_memory:
         grid = [(1, 4, 4096), (8, 32, 512), (64, 32, 256)] if args.quick else \
             [(1, 1, 16384), (1, 4, 4096), (1, 32, 2048), (8, 32, 512), (32, 32, 512), (64, 32, 256)]
-        print(f"\n{'B':>3s} {'H':>3s} {'N':>6s}  {'fwd MiB':>8s} {'bwd MiB':>8s} {'one array':>9s} {'naive S':>9s}  (peak extra, tracemalloc)")
+        print(f"\n{'B':>3s} {'H':>3s} {'N':>6s}  {'fwd MiB':>8s} {'bwd MiB':>8s} {'one array':>9s} {'naive S':>9s}  "
+              "(peak extra, tracemalloc)")
         for b, h, n in grid:
             rec = memory_case(b, h, n)
             result["memory"].append(rec)

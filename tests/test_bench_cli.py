@@ -390,3 +390,26 @@ def test_package_no_longer_benchmarks_and_never_imports_them():
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "python -m benchmarks.run" in lines[0]
     assert not (REPO / "cuflash" / "bench.py").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/numpy_backend.py: the floor loop computes attention, a case runs at toy size
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True])
+def test_numpy_floor_loop_is_attention_where_scores_are_bounded(causal):
+    """The floor that cuflash is measured against does the whole work: its output is attention (float32 rule)."""
+    from benchmarks.numpy_backend import floor_loop
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 100, 2, 16)).astype(np.float32) for _ in range(3))
+    out = floor_loop(q, k, v, causal, block=32)
+    ref = reference.attention(q, k, v, causal=causal)
+    naive = reference.attention(q, k, v, causal=causal, compute_dtype=np.float32)
+    assert np.abs(out - ref).max() <= 4 * np.abs(naive - ref).max() + 1e-6
+
+
+def test_numpy_benchmark_case_with_one_thread():
+    from benchmarks.numpy_backend import time_case
+
+    rec = time_case(None, np.float32, 64, 16, True, rounds=1, heads=1, threads=1)
+    assert set(rec["ms"]) == {"cuflash", "floor", "naive"} and rec["cuflash_over_floor"] > 0
