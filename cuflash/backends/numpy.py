@@ -226,6 +226,22 @@ class _Masks:
         return ~keep
 
 
+    def every_row_sees_two(self, tile, chunk):
+        """Whether every row of ``tile`` sees at least two of its keys (then no row of it can see one key only). From
+        the element mask, so that a BlockMask and window= of the same elements decide alike; False where a mask
+        modifier decides."""
+        if self.problem.mods is not None and self.problem.mods.mask is not None:
+            return False
+        if tile.full:
+            return tile.k1 - tile.k0 >= 2
+        key = self._key(tile)
+        two = self.cache.get(("two",) + key) if key is not None else None
+        if two is None:
+            two = bool(((~self.hidden(tile, chunk)).sum(axis=-1) >= 2).all())
+            if key is not None:
+                self.cache[("two",) + key] = two
+        return two
+
     def hidden_from(self, tile, chunk):
         """``(c0, hidden[..., c0:])``: the mask from the tile's first column with a hidden element (a strip of a
         causal diagonal tile hides only its last columns: the masking pass touches only those)."""
@@ -407,12 +423,12 @@ class _Bounds:
 
     *Whether the online softmax may stop tracking the row max* (:meth:`fixed_shift`). FA2 Algorithm 1
     subtracts the running max ``m_i`` before each ``exp`` (line 10) only to keep the exponentials in
-    range; ``acc / l`` does not depend on the shift. After a query tile's first key tile, the rest of its
-    keys take shift 0 (``P = exp(S)``: no row-max pass, no subtraction, no rescaling of ``l`` and ``acc``)
-    when every row has seen a key in it (so that a row that sees one key only keeps the weight exp(0) = 1
-    for it and returns its value exactly; the decision rests on the scores, not on how a mask was asked
-    for, so a BlockMask and window= of the same elements keep the same bits) and, with ``p`` the dtype's
-    precision and ``e_min``/``e_max`` its exponent range,
+    range; ``acc / l`` does not depend on the shift. A query tile takes shift 0 (``P = exp(S)``: no row-max
+    pass, no subtraction, no rescaling of ``l`` and ``acc``) from its first key tile when every row sees two
+    keys in that tile, else from its second once every row has seen a key (a row that sees one key only
+    must keep the weight exp(0) = 1 for it and return its value exactly; both tests rest on the elements,
+    not on how a mask was asked for, so a BlockMask and window= of the same elements keep the same bits),
+    and when, with ``p`` the dtype's precision and ``e_min``/``e_max`` its exponent range,
 
     - ``U + log2(Sk) + log2(max|V|, 1) + log2(1/(1 - dropout)) <= e_max - 8``: ``exp(S)``, ``l`` and ``acc``
       cannot overflow;
@@ -560,8 +576,9 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         if rule.fold is not None:
             q_i = q_i * rule.fold  # the scale (in base 2 for float32) folded into Q once
         u = bounds.rows(q_i, chunk) if bounds is not None else None
-        fixed = False
-        m_i = np.full(q_i.shape[:-1], -np.inf, dtype=wt)
+        # shift 0 from the first key tile where every row sees two keys in it (none can be a one-key row)
+        fixed = u is not None and bounds.fixed_shift(u, chunk) and masks.every_row_sees_two(tiles[0], chunk)
+        m_i = np.full(q_i.shape[:-1], 0 if fixed else -np.inf, dtype=wt)
         l_i = np.zeros(q_i.shape[:-1], dtype=wt)
         acc = np.zeros(q_i.shape, dtype=wt)
         pv = scratch.get("pv", q_i.shape, wt)
@@ -597,7 +614,8 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                 if z is not None:
                     s *= z
                 acc[..., r, :] += np.matmul(s, v[bs, hs, :, t.k0:t.k1, :], out=pv[..., r, :])  # line 11
-            if n == 0 and len(tiles) > 1 and u is not None and np.all(m_i > -np.inf) and bounds.fixed_shift(u, chunk):
+            if not fixed and n == 0 and len(tiles) > 1 and u is not None and np.all(m_i > -np.inf) \
+                    and bounds.fixed_shift(u, chunk):
                 fixed, alpha = True, rule.exp(m_i)  # from shift m_i to shift 0
                 l_i *= alpha
                 acc *= alpha[..., None]
