@@ -44,7 +44,7 @@ BLOCK_Q, BLOCK_K = 512, 512
 TILE_ELEMENTS = BLOCK_Q * BLOCK_K
 #: Query rows per key/value head from which K^T is copied contiguous (see _keys_transposed).
 KT_COPY_ROWS = 64
-#: Query rows per strip of a partial tile (Schedule.strips): a causal diagonal tile costs 5/8 of its products.
+#: Query rows per strip of a partial tile (_Masks.strips): a causal diagonal tile costs 5/8 of its products.
 STRIP_ROWS = 128
 #: dQ accumulators of the backward: a constant, so dQ's summation order never depends on threads.
 DQ_CHUNKS = 4
@@ -273,13 +273,15 @@ class _Masks:
             seen, every = keep.any(axis=0), keep.all(axis=0)
             cut = []
             for r0 in range(0, tile.i1 - tile.i0, rows):
-                cols = np.flatnonzero(seen[r0:r0 + rows].any(axis=0))
+                r1 = min(r0 + rows, tile.i1 - tile.i0)
+                cols = np.flatnonzero(seen[r0:r1].any(axis=0))
                 if cols.size:
                     c0, c1 = int(cols[0]), int(cols[-1]) + 1
-                    cut.append((r0, min(r0 + rows, tile.i1 - tile.i0), c0, c1, bool(every[r0:r0 + rows, c0:c1].all())))
+                    cut.append((r0, r1, c0, c1, bool(every[r0:r1, c0:c1].all())))
             if key is not None:
                 self.cache[("strips",) + key] = cut
-        return tuple(Tile(tile.i0 + r0, tile.i0 + r1, tile.k0 + c0, tile.k0 + c1, full) for r0, r1, c0, c1, full in cut)
+        i0, k0 = tile.i0, tile.k0
+        return tuple(Tile(i0 + r0, i0 + r1, k0 + c0, k0 + c1, full) for r0, r1, c0, c1, full in cut)
 
 
 def _mask_scores(s, masks, tile, chunk, fill=-np.inf):
@@ -565,6 +567,25 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
     bounds = _Bounds(problem, rule, k, v, wt) if _Bounds.applies(problem) else None
 
+    def online(s, t, chunk, m_i, l_i, acc, u):
+        """FA2 Algorithm 1 lines 9-10 on the rows of one (strip of a) tile, in place: the running max ``m_i``,
+        ``P = exp(S - m_i)`` into ``s``, ``l_i`` and ``acc`` rescaled to the new max."""
+        if modifiers is not None:
+            modifiers.score(s, t, chunk)
+            modifiers.mask(s, t, chunk)
+        _mask_scores(s, masks, t, chunk)
+        m_new = np.maximum(m_i, s.max(axis=-1))  # line 9
+        # A row that saw nothing yet (-inf) or an infinite or NaN score: shift by 0, as the float64 reference
+        # does, so that +inf gives lse = +inf (and NaN outputs), never -inf - -inf or inf - inf in lse.
+        m_safe = np.where(np.isfinite(m_new), m_new, 0)
+        s -= m_safe[..., None]
+        normal = t.full and modifiers is None and u is not None and bounds.normal(u, m_safe)
+        _exp(s, rule, clamp=not normal)  # line 10
+        alpha = rule.exp(m_i - m_safe)
+        l_i *= alpha
+        acc *= alpha[..., None]
+        m_i[...] = m_new
+
     def item(work):
         chunk, i = work
         bs, hs = chunk
@@ -593,22 +614,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                         modifiers.mask(s, t, chunk, fill=0.0)
                     _mask_scores(s, masks, t, chunk, fill=0.0)
                 else:
-                    if modifiers is not None:
-                        modifiers.score(s, t, chunk)
-                        modifiers.mask(s, t, chunk)
-                    _mask_scores(s, masks, t, chunk)
-                    m_old = m_i[..., r]
-                    m_new = np.maximum(m_old, s.max(axis=-1))  # line 9
-                    # A row that saw nothing yet (-inf) or an infinite or NaN score: shift by 0, as the float64
-                    # reference does, so that +inf gives lse = +inf (and NaN outputs), never -inf - -inf or inf - inf.
-                    m_safe = np.where(np.isfinite(m_new), m_new, 0)
-                    s -= m_safe[..., None]
-                    normal = t.full and modifiers is None and u is not None and bounds.normal(u[..., r], m_safe)
-                    _exp(s, rule, clamp=not normal)  # line 10
-                    alpha = rule.exp(m_old - m_safe)
-                    l_i[..., r] *= alpha
-                    acc[..., r, :] *= alpha[..., None]
-                    m_old[...] = m_new
+                    online(s, t, chunk, m_i[..., r], l_i[..., r], acc[..., r, :], None if u is None else u[..., r])
                 l_i[..., r] += s @ ones[:t.k1 - t.k0]  # l is of the undropped P: lse stays dropout-free
                 z = _dropout_scale(problem, t, chunk, wt)
                 if z is not None:
