@@ -131,8 +131,9 @@ def _count_fixed(monkeypatch):
 @pytest.mark.parametrize("options", [{}, dict(causal=True), dict(window=(70, 20)), dict(dropout_p=0.25, seed=3)],
                          ids=["plain", "causal", "window", "dropout"])
 def test_fixed_shift_where_scores_are_bounded(monkeypatch, dtype, options):
-    """Query tiles whose scores |q||k| bounds take shift 0 after their first key tile (no row max, masks applied
-    after exp): within the rule of the float64 reference; inputs whose bound allows overflow keep the online max."""
+    """Query tiles whose scores |q||k| bounds take shift 0 (no row max, masks applied after exp; from the first key
+    tile where every row sees two keys in it, else from the second): within the rule of the float64 reference;
+    inputs whose bound allows overflow keep the online max."""
     seen = _count_fixed(monkeypatch)
     q, k, v, do = rng_arrays(5, (1, 300, 4, 32), (1, 260, 2, 32), (1, 260, 2, 32), (1, 300, 4, 32), dtype=dtype)
     case = Case(q, k, v, do, options)
