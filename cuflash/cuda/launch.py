@@ -220,16 +220,24 @@ class ForwardLaunch:
         return out, self.lse
 
 
+def _forward_spec(problem, spec, max_smem: int, cc: int):
+    """The forward's specialization (padded, varlen, KV cache): the given one, or the table's for this GPU; it must
+    run the problem's dtype and head dim."""
+    d = problem.q.shape[-1]
+    spec = spec or specs.select("wfwd" if is_wide(problem) else "fwd", problem.element_type, d, max_smem,
+                                math=math_of(problem, cc))
+    if spec.dtype != problem.element_type or spec.head_dim < d:
+        raise ValueError(f"kernel {spec} cannot run a {problem.element_type} problem of head_dim {d}")
+    return spec
+
+
 def forward_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80],
                    spec: Optional[specs.KernelSpec] = None, cc: int = 80) -> ForwardLaunch:
     """The forward kernel's launch for ``problem`` (CuPy or NumPy arrays alike); allocates ``out``/``lse``.
     ``cc``: the GPU's compute capability (picks the float64 arithmetic, :func:`cuflash.cuda.specs.wide_math`)."""
     xp = problem.xp
     b, sq, hq, d = problem.q.shape
-    spec = spec or specs.select("wfwd" if is_wide(problem) else "fwd", problem.element_type, d, max_smem,
-                                math=math_of(problem, cc))
-    if spec.dtype != problem.element_type or spec.head_dim < d:
-        raise ValueError(f"kernel {spec} cannot run a {problem.element_type} problem of head_dim {d}")
+    spec = _forward_spec(problem, spec, max_smem, cc)
     check_launch_limits(problem, "forward")
     d8 = padded_head_dim(d)
     out = xp.empty((b, sq, hq, d8), dtype=problem.q.dtype)
@@ -388,10 +396,7 @@ def forward_varlen_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], spec
     ``lse (Hq, total_q)``."""
     xp = problem.xp
     total_q, hq, d = problem.q.shape
-    spec = spec or specs.select("wfwd" if is_wide(problem) else "fwd", problem.element_type, d, max_smem,
-                                math=math_of(problem, cc))
-    if spec.dtype != problem.element_type or spec.head_dim < d:
-        raise ValueError(f"kernel {spec} cannot run a {problem.element_type} problem of head_dim {d}")
+    spec = _forward_spec(problem, spec, max_smem, cc)
     check_varlen_limits(problem, "forward")
     d8 = padded_head_dim(d)
     if problem.batch == 0 or problem.max_seqlen_q == 0:
@@ -489,10 +494,7 @@ def forward_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_
     the accumulator type, then the combine kernel merges them (kernels/combine.cuh)."""
     xp = problem.xp
     b, sq, hq, d = problem.q.shape
-    spec = spec or specs.select("wfwd" if is_wide(problem) else "fwd", problem.element_type, d, max_smem,
-                                math=math_of(problem, cc))
-    if spec.dtype != problem.element_type or spec.head_dim < d:
-        raise ValueError(f"kernel {spec} cannot run a {problem.element_type} problem of head_dim {d}")
+    spec = _forward_spec(problem, spec, max_smem, cc)
     d8 = padded_head_dim(d)
     st = _stats_dtype(problem)
     out = xp.empty((b, sq, hq, d8), dtype=problem.q.dtype)
