@@ -195,6 +195,34 @@ def test_strips_cover_every_visible_element(options):
     assert sum((t.i1 - t.i0) * (t.k1 - t.k0) for t in strips) == 512 * 512 * 5 // 8
 
 
+def test_band_masks_kept_across_calls_are_each_tiles_own():
+    """_Masks keeps the masks of band tiles across calls, keyed by shape and offset from the diagonal (_band): for
+    problems of other lengths, alignments and windows in one process, every partial tile's mask is its element mask,
+    read-only; the diagonal tiles of two causal problems of other lengths share one kept object."""
+    chunk = (slice(0, 1), slice(0, 1))
+    partial = 0
+    for sq, sk, window in [(200, 170, (None, 0)), (170, 200, (None, 0)), (200, 200, (30, 7)), (137, 300, (5, None)),
+                           (200, 170, (None, 0))]:
+        p = make_problem(*rng_arrays(1, (1, sq, 1, 4), (1, sk, 1, 4), (1, sk, 1, 4)), window=window)
+        sched = Schedule.for_problem(p, 64, 48)
+        masks = nb._Masks(sched, p)
+        for _, row in sched.rows():
+            for tile in (t for t in row if not t.full):
+                mask = masks._mask(tile, chunk)
+                np.testing.assert_array_equal(mask.hidden.reshape(tile.i1 - tile.i0, tile.k1 - tile.k0),
+                                              ~sched.element_mask(tile)[0, 0])
+                assert not mask.hidden.flags.writeable
+                partial += 1
+    assert partial > 20
+    diagonal = []
+    for n in (256, 512):
+        p = make_problem(*rng_arrays(2, (1, n, 1, 4), (1, n, 1, 4), (1, n, 1, 4)), causal=True)
+        sched = Schedule.for_problem(p, 64, 64)
+        tile = list(sched.row(1))[-1]
+        diagonal.append(nb._Masks(sched, p)._mask(tile, chunk))
+    assert diagonal[0] is diagonal[1]
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_exp_clamp_is_exact_where_it_matters(dtype):
     """_exp: arguments at or below the smallest one with a normal result give exactly 0 (-inf included, NaN stays
