@@ -170,7 +170,8 @@ def _meta(torch):
                 cpu=cpu, cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                 versions=dict(python=platform.python_version(), numpy=np.__version__, cuflash=cuflash.__version__,
                               torch=None if torch is None else torch.__version__),
-                tiles=dict(block_q=nb.BLOCK_Q, block_k=nb.BLOCK_K, tile_elements=nb.TILE_ELEMENTS))
+                tiles=dict(block_q=nb.BLOCK_Q, block_k=nb.BLOCK_K, tile_elements=nb.TILE_ELEMENTS,
+                           backward_tile_elements=nb.BACKWARD_TILE_ELEMENTS))
 
 
 def write_json(path, result):

@@ -67,8 +67,9 @@ def test_peak_memory_forward_backward(inputs, causal, record_property, capsys):
 
 
 # ----------------------------------------------------------------------------- many heads
-#: The fixed part of the budget: per worker a score tile of TILE_ELEMENTS and a few buffers of that
-#: size (dropout's keep-mask hashing among them), for the default two workers, with room to spare.
+#: The fixed part of the budget: per worker a score tile of TILE_ELEMENTS (forward) or a few buffers of
+#: BACKWARD_TILE_ELEMENTS (backward; dropout's keep-mask hashing among them), for the default two
+#: workers, with room to spare.
 FIXED = 64 * 2**20
 
 

@@ -3,13 +3,13 @@
 The CPU product. Work is cut into items of (a block of (batch, head) pairs, one query tile) for
 the forward and (a block of pairs, one dQ accumulator) for the backward; each item streams the
 tiles of the schedule (:mod:`cuflash.tiling`) through one score buffer, so extra memory is a fixed
-budget per worker (:data:`TILE_ELEMENTS` scores, a few buffers of that size) plus O(B·H·N·d)
-for inputs upcast to the working dtype, outputs and statistics: S and P never exist beyond one
-tile, whatever B·H is. Items are spread over a thread pool (NumPy's ufuncs and BLAS release the
-GIL on large tiles) and every product runs on one BLAS thread (:mod:`._blas`): what an item
-computes depends only on the problem and the tile sizes, never on the thread count, so results
-are bitwise the same for any ``CUFLASH_NUM_THREADS``, any BLAS setting and any number of
-concurrent callers.
+budget per worker (:data:`TILE_ELEMENTS` scores in the forward; :data:`BACKWARD_TILE_ELEMENTS` and
+a few buffers of that size in the backward) plus O(B·H·N·d) for inputs upcast to the working
+dtype, outputs and statistics: S and P never exist beyond one tile, whatever B·H is. Items are
+spread over a thread pool (NumPy's ufuncs and BLAS release the GIL on large tiles) and every
+product runs on one BLAS thread (:mod:`._blas`): what an item computes depends only on the problem
+and the tile sizes, never on the thread count, so results are bitwise the same for any
+``CUFLASH_NUM_THREADS``, any BLAS setting and any number of concurrent callers.
 
 float32 softmax is computed in base 2 (see :class:`_Exp`); the log-sum-exp is returned in natural
 units and the backward converts it back once per row.
@@ -39,10 +39,16 @@ from ._blas import single_threaded, worker_single_threaded
 #: Default tile of one head, measured on 2 cores (fp32, N = 4096, 4 heads, d = 64 and 128):
 #: see ``benchmarks/numpy_backend.py``.
 BLOCK_Q, BLOCK_K = 512, 512
-#: Scores per work item over all its heads: the score buffer of one worker. Items of few heads
-#: hold one head's tile; many small heads are batched up to this size (fewer Python steps), and
-#: a grouped-query head group too wide for it gets shorter query tiles.
-TILE_ELEMENTS = BLOCK_Q * BLOCK_K
+#: Scores per work item of the forward over all its heads: the score buffer of one worker. Two heads'
+#: tiles: half the NumPy calls per score (each one releases and retakes the GIL, which the workers
+#: contend for between calls). Measured on 2 cores, fp32, 4 heads, against one head per item: 2-15%
+#: faster at N = 4096 with d = 64, within noise elsewhere; four heads, or one head's 512 x 1024 tiles,
+#: gain nothing more. Many small heads are batched up to this size, and a grouped-query head group
+#: too wide for it gets shorter query tiles.
+TILE_ELEMENTS = 2 * BLOCK_Q * BLOCK_K
+#: The same for the backward: one head's tile. It holds several buffers of this size per worker (P,
+#: dP, dropout's keep-mask), and two heads per item were within noise there.
+BACKWARD_TILE_ELEMENTS = BLOCK_Q * BLOCK_K
 #: Query rows per key/value head from which K^T is copied contiguous (see _keys_transposed).
 KT_COPY_ROWS = 64
 #: Query rows per strip of a partial tile (_Masks.strips): a causal diagonal tile costs 5/8 of its products.
@@ -128,16 +134,16 @@ class Layout:
     chunks: tuple  # ((batch slice, kv-head slice), ...): the pairs of one item, all query heads of each
 
 
-def layout(problem: Problem, block_q=None, block_k=None) -> Layout:
+def layout(problem: Problem, block_q=None, block_k=None, elements=TILE_ELEMENTS) -> Layout:
     """Tile sizes and pair blocks for a problem: a tile over all heads of an item stays within
-    :data:`TILE_ELEMENTS` scores (unless the caller fixes a larger tile)."""
+    ``elements`` scores (unless the caller fixes a larger tile)."""
     g = problem.group
     fixed = block_q is not None or block_k is not None
     bq = max(1, min(block_q or BLOCK_Q, max(problem.seqlen_q, 1)))
     bk = max(1, min(block_k or BLOCK_K, max(problem.seqlen_k, 1)))
-    if not fixed and g * bq * bk > TILE_ELEMENTS:  # a wide query-head group: shorter tiles
-        bk = max(1, min(bk, TILE_ELEMENTS // g))
-        bq = max(1, TILE_ELEMENTS // (g * bk))
+    if not fixed and g * bq * bk > elements:  # a wide query-head group: shorter tiles
+        bk = max(1, min(bk, elements // g))
+        bq = max(1, elements // (g * bk))
     bm = problem.block_mask
     if bm is not None:
         # Tiles that are whole multiples of the mask's blocks skip exactly the blocks it skips (any tile is exact: it
@@ -149,7 +155,7 @@ def layout(problem: Problem, block_q=None, block_k=None) -> Layout:
             bk = max(bm.block[1], bk // bm.block[1] * bm.block[1])
     per_pair = g * bq * bk
     b, hkv = problem.batch, problem.heads_kv
-    pairs = max(1, TILE_ELEMENTS // per_pair)
+    pairs = max(1, elements // per_pair)
     if pairs >= hkv:  # whole batches of heads per item
         nb = max(1, pairs // hkv)
         chunks = tuple((slice(b0, min(b0 + nb, b)), slice(0, hkv)) for b0 in range(0, b, nb))
@@ -213,7 +219,7 @@ class _Masks:
     def _mask(self, tile, chunk) -> "_TileMask":
         if self.uniform and tile.i1 <= self.len_q and tile.k1 <= self.len_k:
             shape = (tile.i1 - tile.i0, tile.k1 - tile.k0)
-            band = _band if shape[0] * shape[1] <= TILE_ELEMENTS else _band.__wrapped__  # larger ones: not kept
+            band = _band if shape[0] * shape[1] <= BLOCK_Q * BLOCK_K else _band.__wrapped__  # larger: not kept
             return band(tile.i0 - tile.k0 + self.len_k - self.len_q, *shape, self.sched.left, self.sched.right)
         problem = self.problem
         bs, hs = chunk
@@ -518,10 +524,11 @@ def _scores(q_i, kt_j, rule, out):
     return out
 
 
-def _plan(problem, block_q, block_k, schedule):
-    lay = layout(problem, block_q, block_k)
+def _plan(problem, block_q, block_k, schedule, elements=TILE_ELEMENTS):
+    lay = layout(problem, block_q, block_k, elements)
     if schedule is not None:
-        lay = Layout(schedule.block_q, schedule.block_k, layout(problem, schedule.block_q, schedule.block_k).chunks)
+        chunks = layout(problem, schedule.block_q, schedule.block_k, elements).chunks
+        lay = Layout(schedule.block_q, schedule.block_k, chunks)
     return lay, schedule or Schedule.for_problem(problem, lay.block_q, lay.block_k)
 
 
@@ -682,7 +689,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                   scratch=None):
     """The backward of one problem as :class:`_Work` (its dQ accumulators folded in item order)."""
     wt = _work_dtype(problem)
-    lay, sched = _plan(problem, block_q, block_k, schedule)
+    lay, sched = _plan(problem, block_q, block_k, schedule, BACKWARD_TILE_ELEMENTS)
     rule = _exp_rule(problem, wt)
     q = _grouped(problem.q, problem, wt)
     k = _grouped(problem.k, problem, wt)
