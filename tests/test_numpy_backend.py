@@ -118,8 +118,8 @@ def _count_fixed(monkeypatch):
     seen = {"fixed": 0, "online": 0}
     real = nb._Bounds.fixed_shift
 
-    def spy(self, u, chunk):
-        held = real(self, u, chunk)
+    def spy(self, u):
+        held = real(self, u)
         seen["fixed" if held else "online"] += 1
         return held
 
