@@ -167,7 +167,7 @@ def _meta(torch):
     except (OSError, StopIteration):
         pass
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
-                cpu=cpu, cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                cpu=cpu, cores=_cores(),
                 versions=dict(python=platform.python_version(), numpy=np.__version__, cuflash=cuflash.__version__,
                               torch=None if torch is None else torch.__version__),
                 tiles=dict(block_q=nb.BLOCK_Q, block_k=nb.BLOCK_K, tile_elements=nb.TILE_ELEMENTS,
