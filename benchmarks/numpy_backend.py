@@ -15,10 +15,11 @@ for a while after a parallel call, and on 2 cores the threads of the implementat
 took a core from the next one (measured: cuflash 132 ms alone against torch, 166 ms right after the naive
 multithreaded GEMMs).
 
-With ``--threads 1`` every implementation runs on one core and a float32 ``floor`` loop joins them (the
-products, ``exp2`` and row sums of cuflash's tiles and nothing else: see :func:`floor_loop`), so that the
-distance of cuflash from what NumPy's separate passes must cost, and of that floor from PyTorch's fused
-kernel, are measured apart from the scheduling of two threads on a shared machine.
+With ``--threads 1`` every implementation runs on one core and two float32 yardsticks join them: the ``floor``
+loop (the products, ``exp2`` and row sums of cuflash's tiles and nothing else: see :func:`floor_loop`) and
+``products`` (the two products of those tiles alone), so that the distance of cuflash from what NumPy's
+separate passes must cost, of that floor from PyTorch's fused kernel, and the share that BLAS alone takes,
+are measured apart from the scheduling of two threads on a shared machine.
 
 Memory: tracemalloc's peak (NumPy registers its buffers) of the forward and the backward over a
 grid of B·H and N, next to the naive score matrix (B·H·N² floats) and one (B, N, H, d) array.
@@ -71,12 +72,13 @@ def naive(q, k, v, causal):
     return (s @ vh).transpose(0, 2, 1, 3)
 
 
-def floor_loop(q, k, v, causal, block=512):
+def floor_loop(q, k, v, causal, block=512, softmax=True):
     """What any NumPy implementation of the algorithm on cuflash's tiles must spend at least: the two products, the
     ``exp2`` and the row sums of each tile (base 2, scale folded into Q), and nothing else: no row max, no
     bookkeeping, a causal diagonal tile computed whole and its hidden part zeroed after ``exp2`` (cuflash cuts
     that tile into row strips: 3/8 fewer products there). One thread; float32; its output is attention only
-    where no score overflows (a yardstick for time, not an implementation)."""
+    where no score overflows (a yardstick for time, not an implementation). ``softmax=False`` leaves out the
+    ``exp2``, the mask and the row sums: the two products alone, BLAS's share of any such implementation."""
     n, heads, d = q.shape[1], q.shape[2], q.shape[3]
     kt = np.ascontiguousarray(k.transpose(0, 2, 3, 1))  # (B, H, d, N)
     ones = np.ones(block, dtype=q.dtype)
@@ -87,12 +89,14 @@ def floor_loop(q, k, v, causal, block=512):
             q_i = q[0, i0:i0 + block, h] * q.dtype.type(1 / math.sqrt(d) / math.log(2))
             l_i, acc = np.zeros(len(q_i), q.dtype), np.zeros((len(q_i), d), q.dtype)
             for k0 in range(0, min(i0 + block, n) if causal else n, block):
-                s = np.exp2(q_i @ kt[0, h, :, k0:k0 + block])
-                if causal and k0 == i0:  # the diagonal tile: keys past the row are hidden
-                    np.copyto(s, 0, where=upper[:s.shape[0], :s.shape[1]])
-                l_i += s @ ones[:s.shape[1]]
+                s = q_i @ kt[0, h, :, k0:k0 + block]
+                if softmax:
+                    np.exp2(s, out=s)
+                    if causal and k0 == i0:  # the diagonal tile: keys past the row are hidden
+                        np.copyto(s, 0, where=upper[:s.shape[0], :s.shape[1]])
+                    l_i += s @ ones[:s.shape[1]]
                 acc += s @ v[0, k0:k0 + block, h]
-            out[0, i0:i0 + block, h] = acc / l_i[:, None]
+            out[0, i0:i0 + block, h] = acc / l_i[:, None] if softmax else acc
     return out
 
 
@@ -100,6 +104,7 @@ def _impls(torch, q, k, v, causal, with_naive, threads):
     impls = {"cuflash": lambda: cuflash.attention(q, k, v, causal=causal)}
     if threads == 1 and q.dtype == np.float32:
         impls["floor"] = lambda: floor_loop(q, k, v, causal)
+        impls["products"] = lambda: floor_loop(q, k, v, causal, softmax=False)
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(x).transpose(1, 2) for x in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -126,7 +131,7 @@ def time_case(torch, dtype, n, d, causal, rounds, heads=4, threads=None):
     rec = dict(dtype=np.dtype(dtype).name, seqlen=n, heads=heads, head_dim=d, causal=causal, rounds=rounds,
                ms={name: round(1e3 * statistics.median(s), 2) for name, s in samples.items()},
                ms_best={name: round(1e3 * min(s), 2) for name, s in samples.items()})
-    for other in ("torch", "naive", "floor"):
+    for other in ("torch", "naive", "floor", "products"):
         if other in samples:
             rec[f"cuflash_over_{other}"] = round(statistics.median(
                 a / b for a, b in zip(samples["cuflash"], samples[other])), 3)
@@ -191,7 +196,7 @@ def main(argv=None):
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--threads", type=int, default=None,
-                    help="threads for every implementation (default: all cores); 1 adds the float32 floor loop")
+                    help="threads for every implementation (default: all cores); 1 adds the float32 floor and products loops")
     args = ap.parse_args(argv)
     threads = args.threads or _cores()
     os.environ["CUFLASH_NUM_THREADS"] = str(threads)  # before cuflash's first call reads it
@@ -211,7 +216,8 @@ def main(argv=None):
             result["speed"].append(rec)
             ms, nan = rec["ms"], float("nan")
             floor = "" if "floor" not in ms else \
-                f"   floor {ms['floor']:.1f} (cuflash/floor {rec['cuflash_over_floor']:.2f})"
+                f"   floor {ms['floor']:.1f} (cuflash/floor {rec['cuflash_over_floor']:.2f})" \
+                f"   products {ms['products']:.1f} (cuflash/products {rec['cuflash_over_products']:.2f})"
             print(f"{rec['dtype']:8s} {n:6d} {d:4d} {str(causal):6s} {ms['cuflash']:9.1f} "
                   f"{ms.get('torch', nan):9.1f} {ms.get('naive', nan):9.1f} "
                   f"{rec.get('cuflash_over_torch', nan):13.2f} {rec.get('cuflash_over_naive', nan):13.2f}{floor}",

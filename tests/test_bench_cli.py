@@ -410,8 +410,32 @@ def test_numpy_floor_loop_is_attention_where_scores_are_bounded(causal):
     assert_attention_close(out, ref, naive, mult=2, name="out", magnitude=mags["out"])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_numpy_products_loop_is_the_two_products_of_the_visited_tiles(causal):
+    """The products yardstick does the products cuflash's tiles need, no fewer: sum over the visited key tiles of
+    (Q·scale·log2 e) K^T V, a causal diagonal tile whole (float32 against float64, twice the naive float32 error)."""
+    from benchmarks.numpy_backend import floor_loop
+
+    rng = np.random.default_rng(1)
+    n, d, block = 100, 16, 32
+    q, k, v = (rng.standard_normal((1, n, 2, d)).astype(np.float32) for _ in range(3))
+    out = floor_loop(q, k, v, causal, block=block, softmax=False)
+    i, j = np.arange(n)[:, None] // block, np.arange(n)[None, :] // block
+    seen = (j <= i) if causal else np.ones((n, n), dtype=bool)  # whole tiles up to the diagonal one
+    c = 1 / np.sqrt(d) / np.log(2)
+
+    def chain(dtype):
+        qh, kh, vh = (x[0].transpose(1, 0, 2).astype(dtype) for x in (q, k, v))
+        s = (qh * dtype(c)) @ kh.transpose(0, 2, 1)
+        return ((s * seen) @ vh).transpose(1, 0, 2)[None]
+
+    exact, naive = chain(np.float64), chain(np.float32)
+    assert_attention_close(out, exact, naive, mult=2, name="products", magnitude=np.abs(exact).max())
+
+
 def test_numpy_benchmark_case_with_one_thread():
     from benchmarks.numpy_backend import time_case
 
     rec = time_case(None, np.float32, 64, 16, True, rounds=1, heads=1, threads=1)
-    assert set(rec["ms"]) == {"cuflash", "floor", "naive"} and rec["cuflash_over_floor"] > 0
+    assert set(rec["ms"]) == {"cuflash", "floor", "products", "naive"}
+    assert rec["cuflash_over_floor"] > 0 and rec["cuflash_over_products"] > 0
