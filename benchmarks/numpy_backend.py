@@ -196,7 +196,8 @@ def main(argv=None):
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--threads", type=int, default=None,
-                    help="threads for every implementation (default: all cores); 1 adds the float32 floor and products loops")
+                    help="threads for every implementation (default: all cores); "
+                         "1 adds the float32 floor and products loops")
     args = ap.parse_args(argv)
     threads = args.threads or _cores()
     os.environ["CUFLASH_NUM_THREADS"] = str(threads)  # before cuflash's first call reads it
