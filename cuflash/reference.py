@@ -99,7 +99,8 @@ def _probabilities(p, q, k):
     with np.errstate(divide="ignore", invalid="ignore"):
         one = l.dtype.type(1)
         seen = l != 0  # not `l > 0`: a NaN sum must propagate, not pass for "sees no key"
-        prob = r(np.where(seen, e / np.where(seen, l, one), l.dtype.type(0)))
+        # keep: a row with a NaN sum (it sees a NaN score) still has P = 0 where it sees nothing
+        prob = r(np.where(seen & keep, e / np.where(seen, l, one), l.dtype.type(0)))
         lse = r(np.where(seen, m_safe + np.log(np.where(seen, l, one)), l.dtype.type(-np.inf))[..., 0])
     return prob, lse
 
@@ -114,6 +115,22 @@ def _mm(a, b):
     if a.dtype.itemsize == 2:
         return (a.astype(np.float32) @ b.astype(np.float32)).astype(a.dtype)
     return a @ b
+
+
+def _mm_seen(a, b):
+    """``a @ b`` (as :func:`_mm`) in which a zero of ``a`` contributes nothing, even against an infinity or NaN
+    in ``b``. ``a`` is P or dS, zero where an element is invisible, so a key that a row does not see, or a query
+    row past its sequence, cannot reach a result through IEEE's ``0 * inf = NaN``. Naively: the product of the
+    finite part, then each non-finite element of ``b`` added, times its factors, where its factor is nonzero.
+    ``a`` is (..., M, K) with every leading dimension full; ``b`` (..., K, D) may broadcast over some."""
+    finite = np.isfinite(b)
+    r = _mm(a, np.where(finite, b, b.dtype.type(0)))
+    for *lead, j, c in zip(*np.nonzero(~finite)):
+        at = tuple(slice(None) if n == 1 else slice(x, x + 1) for x, n in zip(lead, b.shape[:-2]))
+        f = a[at][..., j]
+        with np.errstate(invalid="ignore", over="ignore"):
+            r[at + (slice(None), c)] += np.where(f != 0, f * b[tuple(lead) + (j, c)], 0)
+    return r
 
 
 _TF32_MODE = [False]  # set while a naive TF32 computation runs (the reference is single-threaded NumPy code)
@@ -152,7 +169,7 @@ def attention(q, k, v, *, return_lse=False, dropout_mask=None, dropout_p=0.0, co
         qg, kg, vg = _grouped(p, _compute_dtype(compute_dtype))
         prob, lse = _probabilities(p, qg, kg)
         prob = _apply_dropout(prob, p, dropout_mask, dropout_p)
-        out = p.unflatten(_ungroup(_mm(prob, vg), p), p.q.shape[1:])
+        out = p.unflatten(_ungroup(_mm_seen(prob, vg), p), p.q.shape[1:])
     lse = p.unflatten(lse.reshape(p.batch, p.heads_q, p.seqlen_q), (p.heads_q, p.seqlen_q))
     return (out, lse) if return_lse else out
 
@@ -181,22 +198,24 @@ def _backward(p, dout, dropout_mask, dropout_p, compute_dtype, return_dbias):
     r = _rounder(qg.dtype)
     b, sq, hq, d = p.q.shape
     do = p.host_float(dout, qg.dtype).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
-    o = _mm(pd, vg)
-    dv = _mm(np.swapaxes(pd, -1, -2), do)
-    dpd = _mm(do, np.swapaxes(vg, -1, -2))
+    o = _mm_seen(pd, vg)
+    dv = _mm_seen(np.swapaxes(pd, -1, -2), do)
+    with np.errstate(invalid="ignore"):  # an unseen row or key may make dP NaN: it meets P = 0 below
+        dpd = _mm(do, np.swapaxes(vg, -1, -2))
     dprob = _apply_dropout(dpd, p, dropout_mask, dropout_p)  # d(P∘Z/(1-p))/dP
     big_d = r((do * o).sum(axis=-1, keepdims=True))
-    ds = r(prob * r(dprob - big_d))
+    with np.errstate(invalid="ignore"):  # dP - D of an unseen row or key may be inf or NaN; it meets P = 0
+        ds = r(np.where(prob != 0, prob * r(dprob - big_d), 0))
     ds0, dbias = ds, None
     if p.mods is not None and p.mods.score is not None:
         s0 = _scores(p, qg, kg)[0]
         values = _host_values(p)
-        ds0 = r(ds * p.mods.dscore.evaluate(_env(p, s0), values, qg.dtype))
+        ds0 = r(_times_seen(ds, p.mods.dscore.evaluate(_env(p, s0), values, qg.dtype)))
         if p.mods.dbias is not None:
-            dbias = _reduce_bias(p, r(ds * p.mods.dbias.evaluate(_env(p, s0), values, qg.dtype)))
+            dbias = _reduce_bias(p, r(_times_seen(ds, p.mods.dbias.evaluate(_env(p, s0), values, qg.dtype))))
     scale = qg.dtype.type(p.scale)
-    dq = r(scale * _mm(ds0, kg))
-    dk = r(scale * _mm(np.swapaxes(ds0, -1, -2), qg))
+    dq = r(scale * _mm_seen(ds0, kg))
+    dk = r(scale * _mm_seen(np.swapaxes(ds0, -1, -2), qg))
     shape_q, shape_k = p.q.shape[1:], p.k.shape[1:]
     grads = (p.unflatten(_ungroup(dq, p), shape_q),
              p.unflatten(_ungroup(dk.sum(axis=2, keepdims=True), p), shape_k),
@@ -206,6 +225,13 @@ def _backward(p, dout, dropout_mask, dropout_p, compute_dtype, return_dbias):
             raise ValueError("return_dbias needs bias=")
         grads += (dbias,)
     return grads
+
+
+def _times_seen(ds, factor):
+    """``ds * factor`` where ``ds`` is nonzero, else 0: a modifier's derivative at a score that a row does not see
+    (from a key it does not see, possibly NaN) must not reach dS."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.where(ds != 0, ds * factor, 0)
 
 
 def _reduce_bias(p, ds):

@@ -66,10 +66,12 @@ __global__ void __launch_bounds__(128) flash_bwd_preprocess_kernel(const __grid_
   if (lane == 0) {
     const long long at = seq.stats + head * p.stats_head_stride + row;
     const float l = p.lse[at];
-    p.dsum[at] = sum;
     // A row past its sequence's length, or one that sees no key (lse = -inf), has P = 0: exp2(S - +inf) = 0 for
-    // every finite or -inf score. (S - -inf would give +inf.)
-    p.lse_log2[at] = (row < len_q && l != neg_inf()) ? l * kLog2e : pos_inf();
+    // every finite or -inf score. (S - -inf would give +inf.) Its D is 0, not dO.O: an infinite dO there (padding,
+    // never read as such) would make dS = P * (dP - D) = 0 * NaN, and every key's dK NaN through dS^T Q.
+    const bool seen = row < len_q && l != neg_inf();
+    p.dsum[at] = seen ? sum : 0.f;
+    p.lse_log2[at] = seen ? l * kLog2e : pos_inf();
   }
   if (p.dq_accum.ptr != nullptr) {
     float* acc_row = p.dq_accum.at<float>(batch, head, seq.q0 + row);

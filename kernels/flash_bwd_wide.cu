@@ -53,8 +53,9 @@ __global__ void __launch_bounds__(128) flash_bwd_wide_preprocess_kernel(const __
   if (lane == 0) {
     const long long at = seq.stats + head * p.stats_head_stride + row;
     const T l = wide::stats<T>(p.lse)[at];
-    wide::stats<T>(p.dsum)[at] = sum;
-    wide::stats<T>(p.lse_log2)[at] = (row < len_q && l != R::neg_inf()) ? R::lse_to_units(l) : R::pos_inf();
+    const bool seen = row < len_q && l != R::neg_inf();  // else P = 0 and D = 0 (see flash_bwd.cu)
+    wide::stats<T>(p.dsum)[at] = seen ? sum : T(0);
+    wide::stats<T>(p.lse_log2)[at] = seen ? R::lse_to_units(l) : R::pos_inf();
   }
   if (p.dq_accum.ptr != nullptr) {
     T* acc_row = p.dq_accum.at<T>(batch, head, seq.q0 + row);

@@ -20,6 +20,7 @@ once, O(N·d).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 import os
@@ -389,7 +390,7 @@ class _Mods:
     def dbias(self, ds, s0, tile, chunk, part):
         """Add this tile's dbias (dS times d mod/d bias) into ``part``: the item's share of the bias's compact
         (B|1, H|1, Sq|1, Sk|1) shape, at the item's batch/head block and this tile's rows, keys (or summed)."""
-        g = ds * self.factor(self.mods.dbias, s0, tile, chunk)
+        g = np.multiply(ds, self.factor(self.mods.dbias, s0, tile, chunk), where=ds != 0, out=np.zeros_like(ds))
         g = g.reshape(g.shape[0], -1, *g.shape[3:])  # (nb, nh, rows, keys)
         bias = self.mods.values["cuflash_bias"]
         axes = tuple(i for i, st in enumerate(bias.strides) if st == 0 and bias.shape[i] > 1)
@@ -538,6 +539,37 @@ class _Bounds:
         return bool(np.all(u + m_safe * self.bits <= self.normal_limit))
 
 
+def _nonfinite(*arrays) -> bool:
+    """Whether any of ``arrays`` holds an infinity or NaN (one O(N·d) pass each, about 0.2 ms per million float32
+    elements here): only then do the products need :func:`_seen_product`."""
+    return any(not np.isfinite(x).all() for x in arrays)
+
+
+def _seen_product(a, b, guarded, out=None):
+    """``a @ b`` in which a zero of ``a`` contributes nothing, even against an infinity or NaN in ``b``.
+
+    ``a`` is P or dS, zero exactly where an element is invisible (or its probability underflowed), and ``b`` holds
+    rows of V, dO, K or Q. IEEE's ``0 * inf = NaN`` would let a key that a row does not see (a mask's, or padding
+    in the same tile) or a query row past its sequence poison results that do not depend on it. ``guarded`` (some
+    operand of the call is not finite) is false for finite inputs, where this is plain ``a @ b``. Otherwise the
+    finite part goes through BLAS with the non-finite elements of ``b`` as 0, and each result element that meets a
+    non-finite term with a nonzero factor is set to what that term makes of it: +inf or -inf, or NaN for a NaN
+    term or infinities of both signs (what any order of summation gives; a NaN in ``a`` propagates through BLAS).
+    """
+    if not guarded:
+        return np.matmul(a, b, out=out)
+    finite = np.isfinite(b)
+    r = np.matmul(a, np.where(finite, b, 0), out=out)
+    if finite.all():
+        return r
+    pos, neg = (a > 0).astype(r.dtype), (a < 0).astype(r.dtype)
+    up, down = (b == np.inf).astype(r.dtype), (b == -np.inf).astype(r.dtype)
+    plus, minus = pos @ up + neg @ down > 0, pos @ down + neg @ up > 0  # terms that are +inf, -inf
+    nan = ((a != 0).astype(r.dtype) @ np.isnan(b).astype(r.dtype) > 0) | (plus & minus)
+    r[...] = np.where(nan, np.nan, np.where(plus, np.inf, np.where(minus, -np.inf, r)))
+    return r
+
+
 def _scores(q_i, kt_j, rule, out):
     """S of a tile, in the rule's units, into ``out``."""
     np.matmul(q_i, kt_j, out=out)
@@ -615,6 +647,10 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     ones = np.ones(lay.block_k, dtype=wt)
     scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
+    guarded = _nonfinite(v)  # only V meets zeros of P in a product (Q, K: masked scores are set, not computed)
+    # non-finite inputs reach exactly the results that see them, without RuntimeWarnings on the way (as
+    # NumPy's own would come from the scores of rows and keys that are then masked)
+    quiet = guarded or _nonfinite(q, k)
 
     def online(s, t, chunk, m_i, l_i, acc, u, bounds):
         """FA2 Algorithm 1 lines 9-10 on the rows of one (strip of a) tile, in place: the running max ``m_i``,
@@ -636,6 +672,10 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         m_i[...] = m_new
 
     def item(work):
+        with np.errstate(invalid="ignore") if quiet else contextlib.nullcontext():
+            row_block(work)
+
+    def row_block(work):
         chunk, i = work
         bs, hs = chunk
         tiles = _in_range(list(sched.row(i)), key_tiles, lay.block_k)
@@ -670,7 +710,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                 z = _dropout_scale(problem, t, chunk, wt)
                 if z is not None:
                     s *= z
-                acc[..., r, :] += np.matmul(s, v[bs, hs, :, t.k0:t.k1, :], out=pv[..., r, :])  # line 11
+                acc[..., r, :] += _seen_product(s, v[bs, hs, :, t.k0:t.k1, :], guarded, out=pv[..., r, :])  # line 11
             if not fixed and n == 0 and len(tiles) > 1 and u is not None and np.all(m_i > -np.inf) \
                     and bounds.fixed_shift(u):
                 fixed, alpha = True, rule.exp(m_i)  # from shift m_i to shift 0
@@ -723,6 +763,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     lse_r = np.asarray(lse, dtype=np.float64).reshape(q.shape[:-1]) / (LN2 * rule.bits)  # in the rule's base
     lse_r = np.where(np.isneginf(lse_r), np.inf, lse_r).astype(wt)  # rows that saw nothing: P = exp(-inf) = 0
     big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
+    guarded = _nonfinite(q, k, v, do, big_d)  # see _seen_product: then also P = 0, dS = 0 where unseen
     dk = np.zeros(k.shape, dtype=wt)
     dv = np.zeros_like(dk)
     scale = wt.type(problem.scale)
@@ -754,35 +795,43 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
         dk_j = np.zeros(shape + (k1 - k0, q.shape[-1]), dtype=wt)
         dv_j = np.zeros_like(dk_j)
         part = dbias_part(chunk, k0, k1) if dbias else None
-        for tl in tiles:
-            q_i, do_i = q[bs, hs, :, tl.i0:tl.i1, :], do[bs, hs, :, tl.i0:tl.i1, :]
-            tile_shape = shape + (tl.i1 - tl.i0, k1 - k0)
-            s = scratch.get("s", tile_shape, wt)
-            qs_i = q_i if rule.fold is None else q_i * rule.fold
-            _scores(qs_i, kt_j, rule, s)  # S as the forward's
-            s0 = None
-            if modifiers is not None:
-                s0 = modifiers.score(s, tl, chunk, keep_s0=modified)
-                modifiers.mask(s, tl, chunk)
-            _mask_scores(s, masks, tl, chunk)
-            shift = lse_r[bs, hs, :, tl.i0:tl.i1]
-            s -= shift[..., None]
-            normal = (tl.full and modifiers is None and bounds is not None
-                      and bounds.normal(bounds.rows(qs_i), shift))
-            p = _exp(s, rule, clamp=not normal)
-            z = _dropout_scale(problem, tl, chunk, wt)
-            dv_j += np.swapaxes(p if z is None else p * z, -1, -2) @ do_i
-            dp = np.matmul(do_i, vt_j, out=scratch.get("dp", tile_shape, wt))
-            if z is not None:
-                dp *= z  # dP of the dropped P, back through the keep-mask
-            dp -= big_d[bs, hs, :, tl.i0:tl.i1, None]
-            ds = np.multiply(p, dp, out=dp)
-            if modified:  # the chain rule through the score modifier (and the bias's gradient before it)
-                if part is not None:
-                    modifiers.dbias(ds, s0, tl, chunk, part)
-                modifiers.backprop(ds, s0, tl, chunk)
-            dq_acc[..., tl.i0:tl.i1, :] += ds @ k_j
-            dk_j += np.swapaxes(ds, -1, -2) @ q_i
+        # guarded: dP and dS of unseen elements may be NaN (0 * inf, inf - inf) until set to 0 (silently, as above)
+        with np.errstate(invalid="ignore") if guarded else contextlib.nullcontext():
+            for tl in tiles:
+                q_i, do_i = q[bs, hs, :, tl.i0:tl.i1, :], do[bs, hs, :, tl.i0:tl.i1, :]
+                tile_shape = shape + (tl.i1 - tl.i0, k1 - k0)
+                s = scratch.get("s", tile_shape, wt)
+                qs_i = q_i if rule.fold is None else q_i * rule.fold
+                _scores(qs_i, kt_j, rule, s)  # S as the forward's
+                s0 = None
+                if modifiers is not None:
+                    s0 = modifiers.score(s, tl, chunk, keep_s0=modified)
+                    modifiers.mask(s, tl, chunk)
+                _mask_scores(s, masks, tl, chunk)
+                shift = lse_r[bs, hs, :, tl.i0:tl.i1]
+                s -= shift[..., None]
+                normal = (tl.full and modifiers is None and bounds is not None
+                          and bounds.normal(bounds.rows(qs_i), shift))
+                p = _exp(s, rule, clamp=not normal)
+                if guarded:  # a row whose lse is NaN (it sees a NaN score) still has P = 0 where it sees nothing
+                    if modifiers is not None:
+                        modifiers.mask(p, tl, chunk, fill=0.0)
+                    _mask_scores(p, masks, tl, chunk, fill=0.0)
+                z = _dropout_scale(problem, tl, chunk, wt)
+                dv_j += _seen_product(np.swapaxes(p if z is None else p * z, -1, -2), do_i, guarded)
+                dp = np.matmul(do_i, vt_j, out=scratch.get("dp", tile_shape, wt))
+                if z is not None:
+                    dp *= z  # dP of the dropped P, back through the keep-mask
+                dp -= big_d[bs, hs, :, tl.i0:tl.i1, None]
+                ds = np.multiply(p, dp, out=dp)
+                if guarded:  # dP - D of a row or key the element does not see may be inf or NaN; P = 0 there
+                    np.copyto(ds, 0, where=p == 0)
+                if modified:  # the chain rule through the score modifier (and the bias's gradient before it)
+                    if part is not None:
+                        modifiers.dbias(ds, s0, tl, chunk, part)
+                    modifiers.backprop(ds, s0, tl, chunk)
+                dq_acc[..., tl.i0:tl.i1, :] += _seen_product(ds, k_j, guarded)
+                dk_j += _seen_product(np.swapaxes(ds, -1, -2), q_i, guarded)
         dk[bs, hs, :, k0:k1, :] = dk_j.sum(axis=2, keepdims=True) * scale
         dv[bs, hs, :, k0:k1, :] = dv_j.sum(axis=2, keepdims=True)
         if part is not None:
