@@ -171,7 +171,9 @@ def test_hidden_keys_and_rows_do_not_leak_numpy(case, seed):
     mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **opts, **drop)
     names = ("out", "lse", "dq", "dk", "dv")
     for n, (name, x, r, c, b, free) in enumerate(zip(names, got, ref, clean, base, _independent(case, opts, i, j))):
-        assert np.array_equal(np.isfinite(x), np.isfinite(r)), f"{name}: non-finite elsewhere than the reference's"
+        bad = ~np.isfinite(r)
+        assert np.array_equal(~np.isfinite(x), bad), f"{name}: non-finite elsewhere than the reference's"
+        assert np.array_equal(x[bad], r[bad], equal_nan=True), f"{name}: other infinities or NaN than the reference's"
         assert np.array_equal(r[free], c[free]), f"reference {name}: the poison reached a result that does not see it"
         if free.any():
             assert_attention_close(x[free], c[free], b[free], mult=2 if n < 2 else 3, name=name, magnitude=mags[name])
