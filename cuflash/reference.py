@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .problem import check_backward, make_problem
+from .problem import check_backward, make_problem, stats_dtype
 
 
 #: ``compute_dtype`` of the naive TF32 computation
@@ -244,29 +244,34 @@ def _reduce_bias(p, ds):
 
 
 def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **options):
-    """Largest magnitude of the terms each result is summed from, in float64.
+    """Largest magnitude of the terms each result is summed from, in float64, times the condition of ``exp``.
 
     ``out = P V`` sums terms ``P_ij V_j``; the lse sums ``exp`` of scores ``S_ij``; ``dQ = scale·dS K``,
     ``dK = scale·dSᵀ Q``, ``dV = Pᵀ dO``. Rounding errors scale with these, not with the results,
-    which may cancel to ~0. Every term goes through ``P = exp(S - m)``, whose relative condition
-    number is ``|S - m|``: an input rounding grows by up to ``1 + max|S|`` on its way (S before and
-    after a score modifier), so each magnitude carries that factor; a score modifier's backward factor
-    ``|d(mod)/d(score)|`` multiplies the gradients' terms. :func:`cuflash.testing.assert_attention_close`
-    uses them for its floor. Dropout bounds the kept terms by ``1/(1 - dropout_p)`` (the mask itself
-    only removes terms). Returns a dict with keys ``out``, ``lse`` and, given ``dout``, ``dq``, ``dk``,
-    ``dv`` (and ``dbias`` with ``bias=``).
+    which may cancel to ~0. Every term also goes through ``P = exp(S - m)`` (or, in FlashAttention's backward,
+    ``exp(S - lse)`` from the saved lse), whose relative condition number is ``|S - m|``: a rounding of the
+    arithmetic grows by up to ``max|S| + max|lse|`` on its way (S before and after a score modifier). That
+    arithmetic runs in the statistics' dtype (float32 below float64: every backend upcasts 16-bit inputs), so
+    each magnitude carries ``cond = 1 + (max|S| + max|lse|) · eps(stats) / eps(input)``, in roundings of the
+    input's dtype: ``1 + max|S| + max|lse|`` for float32 and float64 inputs, about 1 for 16-bit ones. A score
+    modifier's backward factor ``|d(mod)/d(score)|`` multiplies the gradients' terms; dropout bounds the kept
+    terms by ``1/(1 - dropout_p)`` (the mask itself only removes terms). The lse's own terms are ``m`` and
+    ``log l``: its magnitude is ``1 + max|S| + max|lse|``. :func:`cuflash.testing.assert_attention_close` puts
+    its floor at two roundings of these. Returns a dict with keys ``out``, ``lse`` and, given ``dout``, ``dq``,
+    ``dk``, ``dv`` (and ``dbias`` with ``bias=``).
     """
     p = make_problem(q, k, v, **options)
     qg, kg, vg = _grouped(p, np.dtype(np.float64))
     prob, lse = _probabilities(p, qg, kg)
     s0, s1, _ = _scores(p, qg, kg)
     s = np.maximum(np.abs(s0), np.abs(s1)) * (prob > 0)
-    cond = 1.0 + s.max(initial=0) + np.abs(lse[np.isfinite(lse)]).max(initial=0)
+    exponent = s.max(initial=0) + np.abs(lse[np.isfinite(lse)]).max(initial=0)
+    cond = 1.0 + exponent * _eps(stats_dtype(p.dtype)) / _eps(p.dtype)
     slope = 1.0
     if p.mods is not None and p.mods.score is not None:
         dscore = np.broadcast_to(p.mods.dscore.evaluate(_env(p, s0), _host_values(p)), prob.shape)  # may be 0-d
         slope = float(np.abs(dscore[prob > 0]).max(initial=0))
-    mags = {"out": (prob @ np.abs(vg)).max(initial=0), "lse": cond}
+    mags = {"out": (prob @ np.abs(vg)).max(initial=0)}
     if dout is not None:
         b, sq, hq, d = p.q.shape
         do = p.host_float(dout, np.float64).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
@@ -282,8 +287,14 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
         mags["dq"] = abs(p.scale) * (ds @ np.abs(kg)).max(initial=0)
         mags["dk"] = abs(p.scale) * (np.swapaxes(ds, -1, -2) @ np.abs(qg)).sum(axis=2).max(initial=0)
         mags["dv"] = (np.swapaxes(prob, -1, -2) @ np.abs(do)).sum(axis=2).max(initial=0)
-    boost = cond / (1.0 - dropout_p)
-    return {name: float(x) * (1 if name == "lse" else boost) for name, x in mags.items()}
+    mags = {name: float(x) * cond / (1.0 - dropout_p) for name, x in mags.items()}
+    mags["lse"] = 1.0 + exponent
+    return mags
+
+
+def _eps(dtype):
+    """Machine epsilon of ``dtype`` (bfloat16 included: 2**-7)."""
+    return 2.0 ** -7 if np.dtype(dtype).name == "bfloat16" else float(np.finfo(dtype).eps)
 
 
 def _apply_dropout(x, p, mask, dropout_p):
