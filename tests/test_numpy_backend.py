@@ -83,11 +83,70 @@ def test_single_key_float64_gradients():
     assert not failures, f"{len(failures)} of 200 cases fail, e.g. {failures[0]}"
 
 
-@settings(max_examples=max(2, N_EXAMPLES // 5))
-@given(attention_cases(dtypes=("float32", "float16"), max_seqlen=700, head_dims=(8, 64), max_batch_dims=0,
-                       block_sizes=(64, 128)))
-def test_long_sequences_default_tiles(case):
-    """Past the default tile (256 x 512): several query and key tiles through the public API."""
+@st.composite
+def _past_default_tiles(draw, kind):
+    """A Case longer than the forward's default tile (nb.BLOCK_Q x nb.BLOCK_K) on both axes: 2-3 query tiles, each
+    taller than a strip (nb.STRIP_ROWS), and 2-3 key tiles (not 3 of both), the last one ragged; head_dim 8, a GQA
+    group of at most 2 (which keeps the default tile), at most 4 query heads over the batch. ``kind``: causal, a
+    window with a short right side, per-sequence lengths (the first sequence full, the others shorter) or a
+    BlockMask; each leaves partial tiles past the first key tile."""
+    dtype = np.dtype(draw(st.sampled_from(["float32", "float16"])))
+    whole_q, whole_k = draw(st.sampled_from([(1, 1), (1, 2), (2, 1)]))  # whole tiles before the ragged last ones
+    sq = whole_q * nb.BLOCK_Q + draw(st.integers(nb.STRIP_ROWS + 1, nb.BLOCK_Q - 1))
+    sk = whole_k * nb.BLOCK_K + draw(st.integers(1, nb.BLOCK_K - 1))
+    batch = 2 if kind == "seqlens" else draw(st.integers(1, 2))
+    hkv, group = draw(st.integers(1, 3 - batch)), draw(st.integers(1, 2))  # batch x query heads <= 4: CI's time
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    arrays = [rng.standard_normal((batch, n, h, 8)).astype(dtype)
+              for n, h in ((sq, hkv * group), (sk, hkv), (sk, hkv), (sq, hkv * group))]
+    opts = {}
+    left = draw(st.one_of(st.none(), st.integers(0, sq + sk)))
+    if kind == "causal":  # the last query tile holds the diagonal's end: partial in the last key tile
+        opts.update(causal=True, window=(left, None))
+    elif kind == "window":  # right < rows of the last query tile - 1: partial in the last key tile
+        opts["window"] = (left, draw(st.integers(0, nb.STRIP_ROWS - 2)))
+    elif kind == "block_mask":
+        mb = (draw(st.sampled_from([64, 128])), draw(st.sampled_from([64, 128])))
+        shape = ((draw(st.sampled_from([1, batch])), draw(st.sampled_from([1, hkv * group])))
+                 + (-(-sq // mb[0]), -(-sk // mb[1])))
+        mask = draw(st.sampled_from(["causal", "window", "strided", "blocks"]))
+        if mask == "causal":
+            bm = BlockMask.causal(sq, sk, block=mb)
+        elif mask == "window":
+            bm = BlockMask.sliding_window(sq, sk, window=(left, draw(st.integers(0, nb.STRIP_ROWS - 2))), block=mb)
+        elif mask == "strided":  # every tile past the first key tile mixes kept and skipped blocks
+            bm = BlockMask.strided(sq, sk, stride=draw(st.integers(2, 3)), block=mb)
+        else:  # random blocks; in the last key column the last query tile keeps its last block, drops its first
+            grid = rng.random(shape) < draw(st.floats(0.2, 1.0))
+            grid[..., -1, -1], grid[..., sq // nb.BLOCK_Q * nb.BLOCK_Q // mb[0], -1] = True, False
+            bm = BlockMask(grid, block=mb, seqlen_q=sq, seqlen_k=sk)
+        opts["block_mask"] = bm
+    if kind == "seqlens" or (batch > 1 and draw(st.booleans())):
+        # the first sequence full (the tiles the options above make partial stay partial), the others shorter keys
+        opts["seqlens_q"] = np.concatenate([[sq], rng.integers(0, sq + 1, batch - 1)]).astype(np.int32)
+        opts["seqlens_k"] = np.concatenate([[sk], rng.integers(0, sk, batch - 1)]).astype(np.int32)
+    if draw(st.booleans()):
+        opts["scale"] = draw(st.floats(0.05, 2.0))
+    return Case(*arrays, options=opts)
+
+
+LONG_KINDS = ("causal", "window", "seqlens", "block_mask")
+
+
+@pytest.mark.parametrize("kind", LONG_KINDS)
+@settings(max_examples=max(1, N_EXAMPLES // (5 * len(LONG_KINDS))))
+@given(data=st.data())
+def test_long_sequences_default_tiles(kind, data):
+    """Past the forward's default tile (nb.BLOCK_Q x nb.BLOCK_K) on both axes, through the public API: several query
+    and key tiles, the last ones ragged, and partial tiles past the first key tile cut into strips (_Masks.strips)."""
+    case = data.draw(_past_default_tiles(kind), label="case")
+    p = make_problem(case.q, case.k, case.v, **case.options)
+    lay = nb.layout(p)
+    assert (lay.block_q, lay.block_k) == (nb.BLOCK_Q, nb.BLOCK_K)
+    sched = Schedule.for_problem(p, lay.block_q, lay.block_k)
+    assert sched.n_q >= 2 and sched.n_k >= 2 and p.seqlen_q % lay.block_q and p.seqlen_k % lay.block_k
+    deep = [t for _, row in sched.rows() for t in row if not t.full and t.k0 > 0 and t.i1 - t.i0 > nb.STRIP_ROWS]
+    assert deep, "the case must have a partial tile past the first key tile, taller than a strip"
     out, lse = check_forward(forward, case)
     check_backward(backward, case, out, lse)
 

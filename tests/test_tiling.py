@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cuflash import BlockMask
@@ -142,6 +142,55 @@ def test_classify_grid_matches_brute_force():
                 np.testing.assert_array_equal(full[:, :, a, b], cell.all(axis=(-2, -1)))
 
 
-def test_band_grid_is_blockmask_rule():
-    np.testing.assert_array_equal(band_grid(64, 64, 16, 16, None, 0), np.tri(4, dtype=bool))
-    np.testing.assert_array_equal(BlockMask.causal(64, block=(16, 16)).grid[0, 0], band_grid(64, 64, 16, 16, None, 0))
+def _band_by_hand(sq, sk, bq, bk, left, right):
+    """The band written out from its definition, not from cuflash: query ``i`` sees key ``j`` iff
+    ``i + (sk - sq) - left <= j <= i + (sk - sq) + right`` (the diagonal aligned bottom-right, as FlashAttention-2
+    >= 2.1; causal is ``right = 0``; None leaves a side open). Returns the dense element mask and, per tile of
+    ``bq x bk`` (the last ones ragged), kept (some element visible) and full (every element visible)."""
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    seen = np.ones((sq, sk), dtype=bool)
+    if left is not None:
+        seen &= j >= i + (sk - sq) - left
+    if right is not None:
+        seen &= j <= i + (sk - sq) + right
+    rows, cols = np.arange(0, sq, bq), np.arange(0, sk, bk)
+    count = np.add.reduceat(np.add.reduceat(seen.astype(np.int64), rows, axis=0), cols, axis=1)
+    size = np.diff(np.append(rows, sq))[:, None] * np.diff(np.append(cols, sk))[None, :]
+    return seen, count > 0, count == size
+
+
+SIDES = st.one_of(st.none(), st.just(0), st.integers(0, 100))
+#: causal at one-element tiles, spelled out: Sq < Sk (row i sees keys <= i + 2), Sq > Sk (the first two rows see none)
+PINNED = {(2, 4, 1, 1, None, 0): [[1, 1, 1, 0], [1, 1, 1, 1]], (4, 2, 1, 1, None, 0): [[0, 0], [0, 0], [1, 0], [1, 1]]}
+
+
+@example(2, 4, 1, 1, None, 0)
+@example(4, 2, 1, 1, None, 0)
+@example(37, 90, 8, 16, None, 0)
+@example(90, 37, 16, 8, None, 0)
+@example(50, 70, 7, 9, 3, 0)  # a window: left edge and diagonal in tiles that do not divide the lengths
+@example(70, 50, 9, 7, 5, 2)
+@example(64, 64, 16, 16, 0, 0)  # the diagonal alone
+@settings(max_examples=max(50, N_EXAMPLES))
+@given(st.integers(1, 90), st.integers(1, 90), st.sampled_from([1, 3, 7, 16, 33]), st.sampled_from([1, 5, 8, 16, 40]),
+       SIDES, SIDES)
+def test_band_grid_is_the_element_rule(sq, sk, bq, bk, left, right):
+    """band_grid (the tiles a band keeps) and the schedule's full tiles against the element rule written out by hand
+    (_band_by_hand): a tile is kept iff one of its elements is visible, full iff all are; Sq < Sk and Sq > Sk,
+    causal and windows, tiles that do not divide the lengths. BlockMask.causal / sliding_window, built from the
+    schedule, are held to the same grids; PINNED checks the hand-written rule itself."""
+    seen, kept, full = _band_by_hand(sq, sk, bq, bk, left, right)
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    np.testing.assert_array_equal(visible(i, j, sq, sk, left, right), seen)  # cuflash's element rule is this one
+    np.testing.assert_array_equal(band_grid(sq, sk, bq, bk, left, right), kept)
+    sched = Schedule(sq, sk, bq, bk, left=left, right=right)
+    np.testing.assert_array_equal(sched.kept_grid(), kept)
+    np.testing.assert_array_equal(sched.full_grid(), full)
+    assert sched.counts() == (int(kept.sum()), int(full.sum()))
+    bm = BlockMask.sliding_window(sq, sk, window=(left, right), block=(bq, bk))
+    np.testing.assert_array_equal(bm.grid[0, 0], kept)
+    np.testing.assert_array_equal(bm.full[0, 0], full)
+    if left is None and right == 0:
+        np.testing.assert_array_equal(BlockMask.causal(sq, sk, block=(bq, bk)).grid[0, 0], kept)
+    if (sq, sk, bq, bk, left, right) in PINNED:
+        np.testing.assert_array_equal(kept, PINNED[sq, sk, bq, bk, left, right])
