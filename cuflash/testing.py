@@ -11,8 +11,10 @@ Users can fuzz their own attention code with them::
 
 The rule (:func:`assert_attention_close`): an implementation's error against the float64
 reference may be at most ``mult`` times the error of the naive computation in the input dtype
-(the reference run with ``compute_dtype`` = input dtype), plus a floor of about two roundings at
-the output's magnitude. ``mult`` is 2 for ``out``/``lse`` and 3 for gradients.
+(the reference run with ``compute_dtype`` = input dtype), plus a floor of two roundings at the magnitude
+of the terms summed, times the condition of ``exp`` in roundings of the arithmetic
+(:func:`cuflash.reference.term_magnitudes`). ``mult`` is 2 for ``out``/``lse`` and 3 for gradients. float64
+inputs are held against a long-double reference (:func:`check_forward`, :func:`check_backward`).
 """
 from __future__ import annotations
 
