@@ -68,6 +68,20 @@ def test_scores_past_the_exponent_range():
         assert np.isfinite(out).all() and np.isfinite(lse).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("scale", [1e8, 1e10, 1e20, 1e30])
+def test_backward_with_huge_scores(dtype, scale):
+    """Scores so large that the lse's rounding exceeds 1 (|S| >= 2^23 for float32, 2^52 for float64): the backward's
+    exp(S - lse) must not overflow (P <= 1), and the gradients stay finite and within the rule."""
+    rng = np.random.default_rng(4)
+    q, k, v, do = (rng.standard_normal((1, 160, 2, 16)).astype(dtype) for _ in range(4))
+    for causal in (False, True):
+        case = Case(q, k, v, do, dict(scale=scale, causal=causal))
+        out, lse = check_forward(forward, case)
+        grads = check_backward(backward, case, out, lse)
+        assert all(np.isfinite(g).all() for g in grads)
+
+
 def test_single_key_float64_gradients():
     """One key per row: dS = P(dP - D) is exactly 0, so dq, dk are pure rounding of dP - D."""
     failures = []

@@ -762,6 +762,11 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     o = _grouped(out, problem, wt)
     lse_r = np.asarray(lse, dtype=np.float64).reshape(q.shape[:-1]) / (LN2 * rule.bits)  # in the rule's base
     lse_r = np.where(np.isneginf(lse_r), np.inf, lse_r).astype(wt)  # rows that saw nothing: P = exp(-inf) = 0
+    # P = exp(S - lse) <= 1, but past 2^p (p: the dtype's mantissa bits) the lse's rounding exceeds 1 and S - lse
+    # may come out far above 0: exp overflows (float32 from |lse| ~ 2^30 in base 2), and inf * 0 makes gradients NaN.
+    # There the arguments are clamped at 0 (a pass per tile, only for such huge scores): finite gradients, as
+    # accurate as a float32 lse allows.
+    coarse = bool(np.abs(lse_r[np.isfinite(lse_r)]).max(initial=0) >= 2.0 ** np.finfo(wt).nmant)
     big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
     guarded = _nonfinite(q, k, v, do, big_d)  # see _seen_product: then also P = 0, dS = 0 where unseen
     dk = np.zeros(k.shape, dtype=wt)
@@ -810,6 +815,8 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                 _mask_scores(s, masks, tl, chunk)
                 shift = lse_r[bs, hs, :, tl.i0:tl.i1]
                 s -= shift[..., None]
+                if coarse:
+                    np.minimum(s, 0, out=s)
                 normal = (tl.full and modifiers is None and bounds is not None
                           and bounds.normal(bounds.rows(qs_i), shift))
                 p = _exp(s, rule, clamp=not normal)
