@@ -71,7 +71,12 @@ __global__ void __launch_bounds__(128) flash_bwd_preprocess_kernel(const __grid_
     // never read as such) would make dS = P * (dP - D) = 0 * NaN, and every key's dK NaN through dS^T Q.
     const bool seen = row < len_q && l != neg_inf();
     p.dsum[at] = seen ? sum : 0.f;
-    p.lse_log2[at] = seen ? l * kLog2e : pos_inf();
+    float l2 = seen ? l * kLog2e : pos_inf();
+    // P = exp2(S - lse) <= 1, but from |lse| = 2^22 the roundings of lse (about 5 ulps: in the forward and here)
+    // exceed 1, S - lse may come out far above 0 and exp2 overflow (every gradient then NaN). There lse is raised
+    // by 8 ulps, so that S - lse <= 0 for every key: finite gradients, as accurate as a float32 lse allows.
+    if (fabsf(l2) >= 4194304.f) l2 += fabsf(l2) * 9.5367431640625e-07f;  // 2^22; 8 * 2^-23
+    p.lse_log2[at] = l2;
   }
   if (p.dq_accum.ptr != nullptr) {
     float* acc_row = p.dq_accum.at<float>(batch, head, seq.q0 + row);

@@ -55,7 +55,12 @@ __global__ void __launch_bounds__(128) flash_bwd_wide_preprocess_kernel(const __
     const T l = wide::stats<T>(p.lse)[at];
     const bool seen = row < len_q && l != R::neg_inf();  // else P = 0 and D = 0 (see flash_bwd.cu)
     wide::stats<T>(p.dsum)[at] = seen ? sum : T(0);
-    wide::stats<T>(p.lse_log2)[at] = seen ? R::lse_to_units(l) : R::pos_inf();
+    T l2 = seen ? R::lse_to_units(l) : R::pos_inf();
+    // lse raised by 8 ulps where its roundings exceed 1 (see flash_bwd.cu): exp(S - lse) <= 1, no overflow
+    const bool is64 = sizeof(T) == 8;
+    if (T(fabs(l2)) >= (is64 ? T(2251799813685248.0) : T(4194304.f)))  // 2^51, 2^22
+      l2 += T(fabs(l2)) * (is64 ? T(1.7763568394002505e-15) : T(9.5367431640625e-07f));  // 8 * 2^-52, 8 * 2^-23
+    wide::stats<T>(p.lse_log2)[at] = l2;
   }
   if (p.dq_accum.ptr != nullptr) {
     T* acc_row = p.dq_accum.at<T>(batch, head, seq.q0 + row);
