@@ -173,7 +173,7 @@ def assert_attention_close(actual, ref64, baseline, *, mult=2.0, name="out", mag
     impossible. ``-inf`` entries (rows that see no key) must match exactly; NaN never passes.
     """
     floor_u = rounding(np.asarray(baseline).dtype)
-    wide = np.longdouble if np.asarray(ref64).dtype == np.longdouble else np.float64  # see _reference_dtype
+    wide = np.longdouble if np.asarray(ref64).dtype == np.longdouble else np.float64  # see reference_dtype
     actual = np.asarray(actual.get() if hasattr(actual, "get") else actual).astype(wide)
     baseline = np.asarray(baseline).astype(wide)
     ref64 = np.asarray(ref64, dtype=wide)
@@ -204,7 +204,7 @@ def _reference_options(case: Case):
     return opts, {}
 
 
-def _reference_dtype(dtype):
+def reference_dtype(dtype):
     """The reference's ``compute_dtype`` for inputs of ``dtype``: float64, or ``np.longdouble`` for float64 inputs
     (otherwise the naive float64 computation would be the reference itself, its error 0, and the floor the rule)."""
     return np.longdouble if np.dtype(dtype) == np.float64 else np.float64
@@ -215,7 +215,7 @@ def check_forward(fn, case: Case):
     float64 inputs)."""
     out, lse = fn(case.q, case.k, case.v, **case.options)
     opts, drop = _reference_options(case)
-    ref, ref_lse = reference.attention(case.q, case.k, case.v, return_lse=True, compute_dtype=_reference_dtype(
+    ref, ref_lse = reference.attention(case.q, case.k, case.v, return_lse=True, compute_dtype=reference_dtype(
         case.q.dtype), **opts, **drop)
     base, base_lse = reference.attention(case.q, case.k, case.v, return_lse=True,
                                          compute_dtype=case.q.dtype, **opts, **drop)
@@ -234,7 +234,7 @@ def check_backward(fn, case: Case, out, lse, *, dbias=None):
     extra = {"return_dbias": True} if dbias else {}
     grads = fn(case.dout, case.q, case.k, case.v, out, lse, **case.options, **extra)
     opts, drop = _reference_options(case)
-    refs = reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=_reference_dtype(
+    refs = reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=reference_dtype(
         case.q.dtype), **opts, **drop, **extra)
     bases = reference.attention_backward(case.dout, case.q, case.k, case.v,
                                          compute_dtype=case.q.dtype, **opts, **drop, **extra)

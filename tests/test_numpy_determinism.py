@@ -10,27 +10,41 @@ import threading
 
 import numpy as np
 import pytest
+import threadpoolctl  # a dependency of cuflash (setup.cfg): imported plainly, never skipped
 
 import cuflash
+from cuflash.backends import numpy as nb
 from cuflash.backends._blas import blas_threads, single_threaded
-
-threadpoolctl = pytest.importorskip("threadpoolctl")
 
 #: Ragged tiles on purpose: a product whose inner dimension is not a multiple of the BLAS's
 #: blocking is where OpenBLAS's result depends on its thread count (1000 x 1000 x 64 float32
 #: differs in ~48k elements between 1 and 2 threads).
 SHAPE_Q, SHAPE_K = (2, 1000, 4, 64), (2, 1000, 2, 64)
-CASES = {
-    "plain": {},
-    "causal": dict(causal=True),
-    "window_seqlens": dict(window=(300, 40), seqlens_q=np.array([1000, 700]), seqlens_k=np.array([900, 1000])),
-    "dropout": dict(causal=True, dropout_p=0.25, seed=1234),
-}
+#: For the worker threads: several tiles of the default 512 x 512 (nb.BLOCK_Q, nb.BLOCK_K; the backward's are
+#: 256 x 512 for this group of two query heads), the last ones ragged (neither length a multiple of 512 or 64).
+#: The forward has 4 query-tile items per block of heads; the backward's 5 key tiles fill all nb.DQ_CHUNKS = 4 dQ
+#: accumulators, one of them with two tiles, so dQ is a sum of more than two partials (a sum of two is the same
+#: in either order) and the split of the work between workers shows in the bits.
+TILED_Q, TILED_K = (2, 1900, 2, 64), (2, 2100, 1, 64)
 
 
-def _inputs(dtype=np.float32):
+def _cases(sq, sk, left):
+    return {
+        "plain": {},
+        "causal": dict(causal=True),
+        "window_seqlens": dict(window=(left, 40), seqlens_q=np.array([sq, sq * 7 // 10]),
+                               seqlens_k=np.array([sk * 9 // 10, sk])),
+        "dropout": dict(causal=True, dropout_p=0.25, seed=1234),
+    }
+
+
+CASES = _cases(SHAPE_Q[1], SHAPE_K[1], left=300)
+TILED_CASES = _cases(TILED_Q[1], TILED_K[1], left=1100)  # a window over 3-4 key tiles: dQ rows of 3-4 partials
+
+
+def _inputs(dtype=np.float32, shape_q=SHAPE_Q, shape_k=SHAPE_K):
     rng = np.random.default_rng(0)
-    return [rng.standard_normal(s).astype(dtype) for s in (SHAPE_Q, SHAPE_K, SHAPE_K, SHAPE_Q)]
+    return [rng.standard_normal(s).astype(dtype) for s in (shape_q, shape_k, shape_k, shape_q)]
 
 
 def _run(q, k, v, do, options):
@@ -50,13 +64,21 @@ def restore_blas():
         yield
 
 
-@pytest.mark.parametrize("name", CASES)
+def test_tiled_shapes_span_several_ragged_tiles():
+    """Guard: the shapes of test_bitwise_across_worker_threads still cut into several tiles, ragged ones among
+    them, and more key tiles than dQ accumulators (else it would check little of the split between workers)."""
+    (sq, sk), block_q, block_k = (TILED_Q[1], TILED_K[1]), nb.BLOCK_Q, nb.BLOCK_K
+    assert sq // block_q >= 3 and sq % block_q and sq % 64, (sq, block_q)
+    assert sk // block_k >= nb.DQ_CHUNKS and sk % block_k and sk % 64, (sk, block_k, nb.DQ_CHUNKS)
+
+
+@pytest.mark.parametrize("name", TILED_CASES)
 def test_bitwise_across_worker_threads(monkeypatch, name):
-    q, k, v, do = _inputs()
+    q, k, v, do = _inputs(shape_q=TILED_Q, shape_k=TILED_K)
     results = {}
     for threads in (1, 2, 3, 4):
         monkeypatch.setenv("CUFLASH_NUM_THREADS", str(threads))
-        results[threads] = _run(q, k, v, do, CASES[name])
+        results[threads] = _run(q, k, v, do, TILED_CASES[name])
     for threads in (2, 3, 4):
         _assert_same(results[1], results[threads], f"CUFLASH_NUM_THREADS=1 vs {threads}")
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import reference
 from cuflash.backends import numpy as nb
-from cuflash.testing import _dtype, assert_attention_close
+from cuflash.testing import _dtype, assert_attention_close, reference_dtype
 
 import test_api_conveniences as conveniences
 
@@ -67,7 +67,8 @@ class Padded:
         self.drop = dict(dropout_mask=cuflash.dropout_mask(shape, seed=seed, p=p), dropout_p=p) if p else {}
 
     def forward(self, dtype):
-        """``(out, lse)`` packed: float64 (``dtype=float64``) or the naive computation in ``dtype``."""
+        """``(out, lse)`` packed: the reference (``dtype`` = :func:`cuflash.testing.reference_dtype`) or the naive
+        computation in ``dtype``."""
         q, k, v, _ = self.arrays
         out, lse = reference.attention(q, k, v, return_lse=True, compute_dtype=dtype, **self.options, **self.drop)
         return pack(out, self.cq), pack(lse, self.cq, axis=2)
@@ -83,22 +84,27 @@ class Padded:
 
 
 def check_varlen(q, k, v, dout, cq, ck, options, *, backward=True):
-    """Forward (and backward) of attention_varlen held to the rule against the padded float64 reference."""
+    """Forward (and backward) of attention_varlen held to the rule against the padded float64 reference.
+
+    Returns ``(padded, out, lse, grads)``: the :class:`Padded` batch, the results it checked, and ``grads =
+    (dq, dk, dv)`` (None without ``backward``), so that a caller checks them further without computing them again."""
     padded = Padded(q, k, v, dout, cq, ck, options)
     mags = padded.magnitudes()
     out, lse = cuflash.attention_varlen(q, k, v, cq, ck, return_lse=True, **options)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == (np.float64 if q.dtype == np.float64 else np.float32)
-    refs, bases = padded.forward(np.float64), padded.forward(q.dtype)
+    refs, bases = padded.forward(reference_dtype(q.dtype)), padded.forward(q.dtype)
     for name, x, r, b in zip(("out", "lse"), (out, lse), refs, bases):
         assert_attention_close(x, r, b, mult=2, name=name, magnitude=mags[name])
+    grads = None
     if backward:
         grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, **options)
         for name, g, a in zip(("dq", "dk", "dv"), grads, (q, k, v)):
             assert g.shape == a.shape and g.dtype == a.dtype, name
-        for name, g, r, b in zip(("dq", "dk", "dv"), grads, padded.backward(np.float64), padded.backward(q.dtype)):
+        refs, bases = padded.backward(reference_dtype(q.dtype)), padded.backward(q.dtype)
+        for name, g, r, b in zip(("dq", "dk", "dv"), grads, refs, bases):
             assert_attention_close(g, r, b, mult=3, name=name, magnitude=mags[name])
-    return padded, out, lse
+    return padded, out, lse, grads
 
 
 # ============================================================================================ hypothesis
@@ -170,8 +176,7 @@ def test_each_sequence_matches_the_reference_on_its_slice(name, dtype):
     rng = np.random.default_rng(7)
     q, k, v, dout, cq, ck = ragged(rng, LEN_Q, LEN_K, 4, 2, 24, _dtype(dtype))
     options = PER_SEQUENCE[name]
-    padded, out, lse = check_varlen(q, k, v, dout, cq, ck, options, backward=True)
-    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, **options)
+    padded, out, lse, grads = check_varlen(q, k, v, dout, cq, ck, options, backward=True)
     assert all(g.dtype == x.dtype and g.shape == x.shape for g, x in zip(grads, (q, k, v)))
     for i in range(len(LEN_Q)):
         rows, keys = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
@@ -203,7 +208,7 @@ def test_dropout_is_the_padded_batch_mask():
     rng = np.random.default_rng(3)
     q, k, v, dout, cq, ck = ragged(rng, LEN_Q, LEN_K, 2, 1, 16, np.float64)
     options = {"dropout_p": 0.3, "seed": 12345, "causal": True}
-    padded, out, _ = check_varlen(q, k, v, dout, cq, ck, options)
+    padded, out, _, _ = check_varlen(q, k, v, dout, cq, ck, options)
     qp, kp, vp, _ = padded.arrays
     out_p = cuflash.attention(qp, kp, vp, **padded.cuflash_options)
     np.testing.assert_allclose(out, pack(out_p, cq), rtol=1e-12, atol=1e-12)
