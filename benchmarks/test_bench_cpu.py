@@ -48,3 +48,19 @@ def test_tile_sweep(benchmark, block_k):
 def test_decode(benchmark, impl, seqlen_q):
     benchmark.group = f"decode Sq={seqlen_q} Sk=16384"
     run_case(benchmark, Case("decode", "cpu", "fwd", "float32", 1, 8, seqlen_q, 16384, 64), impl, rounds=5)
+
+
+@pytest.mark.parametrize("path", ["per-element", "column-run"])
+def test_dropout_keep_mask(benchmark, path):
+    """The keep-mask of one forward tile (2 heads x 512 x 512): the per-element rule (each column computes the whole
+    Philox block of its four) against the column run the NumPy backend asks for (each block once)."""
+    import numpy as np
+
+    from cuflash.dropout import keep_mask
+
+    benchmark.group = "dropout keep-mask of a 2 x 512 x 512 tile"
+    b, h = np.zeros((1, 1, 1, 1), np.int64), np.arange(2).reshape(1, 2, 1, 1)
+    i, j = np.arange(512).reshape(1, 1, -1, 1), np.arange(512).reshape(1, 1, 1, -1)
+    if path == "per-element":  # the same columns, not recognisable as a run: the generic path
+        j = j + np.zeros((1, 1, 512, 1), np.int64)
+    benchmark.pedantic(keep_mask, args=(1234, 0.1, b, h, i, j), rounds=5, warmup_rounds=1)

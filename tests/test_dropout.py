@@ -47,6 +47,27 @@ def test_masks_differ_across_seeds_and_coordinates():
     assert 0.4 < (a[:, 0] != a[:, 1]).mean() < 0.6  # head enters the counter
 
 
+@settings(max_examples=50)
+@given(st.integers(0, 2**64 - 1), st.floats(0.0, 0.99), st.integers(0, 2000), st.integers(1, 70), st.integers(0, 2))
+def test_keep_mask_of_a_column_run_is_the_per_element_rule(seed, p, first, count, lead):
+    """A tile's run of consecutive columns (each Philox block computed once for its four columns) gives the bits of
+    the per-element rule: column j is word j & 3 of the block at counter (j >> 2, row, head, batch)."""
+    from cuflash.dropout import _column_run, keep_mask
+
+    rng = np.random.default_rng(first)
+    b = rng.integers(0, 5, (2, 1, 1, 1))
+    h = rng.integers(0, 9, (1, 3, 1, 1))
+    i = rng.integers(0, 10**6, (1, 1, 4, 1))
+    cols = np.arange(first, first + count).reshape((1,) * lead + (-1,))
+    assert _column_run(cols) is not None
+    fast = keep_mask(seed, p, b, h, i, cols)
+    key = (seed & 0xFFFFFFFF, seed >> 32)
+    bb, hh, ii, jj = np.broadcast_arrays(b, h, i, cols)
+    words = np.stack(philox4x32((jj >> 2, ii, hh, bb), key), axis=-1)
+    slow = np.take_along_axis(words, (jj & 3)[..., None], axis=-1)[..., 0] >= np.uint32(threshold(p))
+    assert fast.shape == slow.shape and np.array_equal(fast, slow)
+
+
 def test_seed_is_drawn_returned_and_reproduces():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 40, 2, 16)) for _ in range(3))
