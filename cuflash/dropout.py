@@ -43,7 +43,8 @@ def philox4x32(counter: Sequence[Any], key: Sequence[int]) -> tuple[Any, Any, An
             w1 = np.multiply(c2, _M1, dtype=np.uint64).view(np.uint32)
             c0, c1, c2, c3 = w1[_HIGH::2] ^ c1 ^ k0, w1[_LOW::2], w0[_HIGH::2] ^ c3 ^ k1, w0[_LOW::2]
             k0, k1 = k0 + _W0, k1 + _W1
-    return tuple(np.ascontiguousarray(c).reshape(shape) for c in (c0, c1, c2, c3))
+    c0, c1, c2, c3 = (np.ascontiguousarray(c).reshape(shape) for c in (c0, c1, c2, c3))
+    return c0, c1, c2, c3
 
 
 def threshold(p: float) -> int:
@@ -81,7 +82,8 @@ def _column_run(cols: Any) -> Optional[tuple[int, int, int]]:
     return int(flat[0]), int(flat.size), c.ndim
 
 
-def _keep_run(key, p, batch, head, rows, first, count, ndim):
+def _keep_run(key: tuple[int, int], p: float, batch: Any, head: Any, rows: Any, first: int, count: int,
+              ndim: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
     """:func:`keep_mask` for the columns ``first .. first + count - 1``: the Philox blocks that hold them, each
     once, their four words laid out side by side (column ``4g + lane`` is word ``lane`` of block ``g``), cut."""
     g0, g1 = first >> 2, (first + count - 1) >> 2

@@ -15,10 +15,15 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import BlockMask, reference
 from cuflash.problem import make_problem
-from cuflash.testing import assert_attention_close, attention_cases, rounding
+from cuflash.testing import assert_attention_close, attention_cases, reference_dtype, rounding
 
 N_EXAMPLES = settings.default.max_examples
 NO_MASKS = dict(causal=False, window=False, seqlens=False, block_mask=False)
+
+
+def REF(x):
+    """The reference's compute_dtype for inputs like ``x`` (long double for float64)."""
+    return reference_dtype(x.dtype)
 
 
 def forward(q, k, v, **options):
@@ -43,7 +48,7 @@ def test_permuting_keys_and_values_together(case, data):
     perm = np.asarray(data.draw(st.permutations(range(sk)), label="perm"))
     kp, vp = case.k[..., perm, :, :], case.v[..., perm, :, :]
     opts = case.options
-    ref, ref_lse = reference.attention(case.q, case.k, case.v, return_lse=True, **opts)
+    ref, ref_lse = reference.attention(case.q, case.k, case.v, return_lse=True, compute_dtype=REF(case.q), **opts)
     mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **opts)
     out, lse = forward(case.q, kp, vp, **opts)
     base, base_lse = naive(case.q, kp, vp, **opts)
@@ -51,7 +56,7 @@ def test_permuting_keys_and_values_together(case, data):
     assert_attention_close(lse, ref_lse, base_lse, name="lse", magnitude=mags["lse"])
     # gradients follow the permutation: dk of the permuted problem is dk[perm]
     dq, dk, dv = backward(case.dout, case.q, kp, vp, out, lse, **opts)
-    rdq, rdk, rdv = reference.attention_backward(case.dout, case.q, case.k, case.v, **opts)
+    rdq, rdk, rdv = reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=REF(case.q), **opts)
     bdq, bdk, bdv = naive(case.q, kp, vp, case.dout, **opts)
     assert_attention_close(dq, rdq, bdq, mult=3, name="dq", magnitude=mags["dq"])
     assert_attention_close(dk, rdk[..., perm, :, :], bdk, mult=3, name="dk", magnitude=mags["dk"])
@@ -90,7 +95,7 @@ def test_adding_a_constant_to_every_key_shifts_scores_rowwise(case, data):
     assert np.array_equal(k_shift.astype(np.float64) - c.astype(np.float64), k.astype(np.float64)), "not exact"
     opts = case.options
     p = make_problem(q, k, v, **opts)
-    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, compute_dtype=REF(q), **opts)
     group = q.shape[-2] // hkv
     shift = p.scale * np.einsum("...shd,hd->...hs", q.astype(np.float64), np.repeat(c.astype(np.float64), group, 0))
     mags = reference.term_magnitudes(q, k_shift, v, **opts)
@@ -160,8 +165,8 @@ def test_grouped_heads_equal_repeated_heads(kind, case):
     kr, vr = np.repeat(k, group, axis=-2), np.repeat(v, group, axis=-2)
     mags = reference.term_magnitudes(q, k, v, do, **opts)
     # the reference itself: head h reads kv head h // group
-    ref, ref_lse = reference.attention(q, kr, vr, return_lse=True, **opts)
-    ref_g, ref_g_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    ref, ref_lse = reference.attention(q, kr, vr, return_lse=True, compute_dtype=REF(q), **opts)
+    ref_g, ref_g_lse = reference.attention(q, k, v, return_lse=True, compute_dtype=REF(q), **opts)
     eps = np.finfo(np.float64).eps
     assert np.abs(ref_g - ref).max(initial=0) <= 2 * eps * mags["out"]
     # the backend on grouped heads against the reference on repeated heads
@@ -170,7 +175,7 @@ def test_grouped_heads_equal_repeated_heads(kind, case):
     assert_attention_close(out, ref, base, name="out", magnitude=mags["out"])
     assert_attention_close(lse, ref_lse, base_lse, name="lse", magnitude=mags["lse"])
     # dk, dv of a kv head are the sums over its query heads of the repeated problem's
-    rdq, rdk, rdv = reference.attention_backward(do, q, kr, vr, **opts)
+    rdq, rdk, rdv = reference.attention_backward(do, q, kr, vr, compute_dtype=REF(q), **opts)
     fold = lambda g: g.reshape(g.shape[:-2] + (k.shape[-2], group, g.shape[-1])).sum(axis=-2)  # noqa: E731
     grads = backward(do, q, k, v, out, lse, **opts)
     for name, g, r, b in zip(("dq", "dk", "dv"), grads, (rdq, fold(rdk), fold(rdv)), naive(q, k, v, do, **opts)):

@@ -19,7 +19,7 @@ import cuflash
 from cuflash import reference
 from cuflash.backends import numpy as nb
 from cuflash.backends import numpy_ragged
-from cuflash.testing import _dtype, assert_attention_close
+from cuflash.testing import _dtype, assert_attention_close, reference_dtype
 
 import test_api_conveniences as conveniences
 
@@ -100,7 +100,8 @@ def check_against_reference(q, keys, values, length, out, lse, options):
     opts = {n: options[n] for n in ("causal", "window", "alibi_slopes", "softcap", "scale") if n in options}
     padded = dict(seqlens_k=length.astype(np.int32), **opts)
     mags = reference.term_magnitudes(q, keys, values, **padded)
-    ref, ref_lse = reference.attention(q, keys, values, return_lse=True, **padded)
+    ref, ref_lse = reference.attention(q, keys, values, return_lse=True, compute_dtype=reference_dtype(q.dtype),
+                                       **padded)
     base, base_lse = reference.attention(q, keys, values, return_lse=True, compute_dtype=q.dtype, **padded)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_attention_close(out, ref, base, mult=2, name="out", magnitude=mags["out"])
@@ -111,7 +112,7 @@ def check_against_reference(q, keys, values, length, out, lse, options):
             one["alibi_slopes"] = opts["alibi_slopes"][b]
         qb, kb, vb = q[b:b + 1], keys[b:b + 1, :n], values[b:b + 1, :n]
         mags_b = reference.term_magnitudes(qb, kb, vb, **one)
-        ref_b = reference.attention(qb, kb, vb, **one)
+        ref_b = reference.attention(qb, kb, vb, compute_dtype=reference_dtype(q.dtype), **one)
         base_b = reference.attention(qb, kb, vb, compute_dtype=q.dtype, **one)
         assert_attention_close(out[b:b + 1], ref_b, base_b, mult=2, name=f"out[{b}]", magnitude=mags_b["out"])
 

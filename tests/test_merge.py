@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import reference
-from cuflash.testing import assert_attention_close
+from cuflash.testing import assert_attention_close, reference_dtype
 
 try:
     import ml_dtypes  # noqa: F401
@@ -56,7 +56,8 @@ def random_bounds(rng, lk, n_chunks):
 
 def check_against_whole(q, k, v, bounds, *, causal, scale=None):
     out, lse = chunked_attention(q, k, v, bounds, causal=causal, scale=scale)
-    ref, ref_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True,
+                                       compute_dtype=reference_dtype(q.dtype))
     base, base_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True, compute_dtype=q.dtype)
     mags = reference.term_magnitudes(q, k, v, causal=causal, scale=scale)
     assert out.dtype == q.dtype and out.shape == q.shape

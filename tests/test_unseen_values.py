@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import reference
 from cuflash.problem import make_problem
-from cuflash.testing import Case, assert_attention_close, attention_cases, check_backward, check_forward
+from cuflash.testing import (Case, assert_attention_close, attention_cases, check_backward, check_forward,
+                             reference_dtype)
 
 N_EXAMPLES = settings.default.max_examples
 POISONS = (np.nan, np.inf, -np.inf)
@@ -161,10 +162,11 @@ def test_hidden_keys_and_rows_do_not_leak_numpy(case, seed):
     out, lse = cuflash.attention(q, k, v, return_lse=True, backend="numpy", **case.options)
     got = (out, lse) + cuflash.attention_backward(do, q, k, v, out, lse, backend="numpy", **case.options)
     opts, drop = _reference_options(case)
-    ref = reference.attention(q, k, v, return_lse=True, **opts, **drop)
-    ref += reference.attention_backward(do, q, k, v, **opts, **drop)
-    clean = reference.attention(case.q, case.k, case.v, return_lse=True, **opts, **drop)
-    clean += reference.attention_backward(case.dout, case.q, case.k, case.v, **opts, **drop)
+    wide = reference_dtype(case.q.dtype)  # long double for float64 inputs
+    ref = reference.attention(q, k, v, return_lse=True, compute_dtype=wide, **opts, **drop)
+    ref += reference.attention_backward(do, q, k, v, compute_dtype=wide, **opts, **drop)
+    clean = reference.attention(case.q, case.k, case.v, return_lse=True, compute_dtype=wide, **opts, **drop)
+    clean += reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=wide, **opts, **drop)
     base = reference.attention(case.q, case.k, case.v, return_lse=True, compute_dtype=case.q.dtype, **opts, **drop)
     base += reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=case.q.dtype,
                                          **opts, **drop)

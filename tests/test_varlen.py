@@ -181,7 +181,8 @@ def test_each_sequence_matches_the_reference_on_its_slice(name, dtype):
     for i in range(len(LEN_Q)):
         rows, keys = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
         qi, ki, vi, doi = q[None, rows], k[None, keys], v[None, keys], dout[None, rows]
-        ref, ref_lse = reference.attention(qi, ki, vi, return_lse=True, **options)
+        ref, ref_lse = reference.attention(qi, ki, vi, return_lse=True, compute_dtype=reference_dtype(q.dtype),
+                                           **options)
         base, base_lse = reference.attention(qi, ki, vi, return_lse=True, compute_dtype=q.dtype, **options)
         mags = reference.term_magnitudes(qi, ki, vi, doi, **options)
         assert_attention_close(out[rows], ref[0], base[0], mult=2, name=f"out[{i}]", magnitude=mags["out"])
@@ -189,7 +190,7 @@ def test_each_sequence_matches_the_reference_on_its_slice(name, dtype):
                                magnitude=mags["lse"])
         if dtype == "bfloat16":  # gradients checked by check_varlen above, with the bfloat16 rule (tests/cases.py)
             continue
-        refs = reference.attention_backward(doi, qi, ki, vi, **options)
+        refs = reference.attention_backward(doi, qi, ki, vi, compute_dtype=reference_dtype(q.dtype), **options)
         bases = reference.attention_backward(doi, qi, ki, vi, compute_dtype=q.dtype, **options)
         for name_g, g, r, b, at in zip(("dq", "dk", "dv"), grads, refs, bases, (rows, keys, keys)):
             assert_attention_close(g[at], r[0], b[0], mult=3, name=f"{name_g}[{i}]", magnitude=mags[name_g])
@@ -197,7 +198,8 @@ def test_each_sequence_matches_the_reference_on_its_slice(name, dtype):
     qp, kp, vp, _ = padded.arrays
     out_p, lse_p = cuflash.attention(qp, kp, vp, return_lse=True, **padded.options)
     mags = padded.magnitudes()
-    for name_r, x, r, b in zip(("out", "lse"), (pack(out_p, cq), pack(lse_p, cq, axis=2)), padded.forward(np.float64),
+    for name_r, x, r, b in zip(("out", "lse"), (pack(out_p, cq), pack(lse_p, cq, axis=2)),
+                               padded.forward(reference_dtype(q.dtype)),
                                padded.forward(q.dtype)):
         assert_attention_close(x, r, b, mult=2, name=name_r, magnitude=mags[name_r])
 
