@@ -202,7 +202,8 @@ def _backward(p, dout, dropout_mask, dropout_p, compute_dtype, return_dbias):
     dv = _mm_seen(np.swapaxes(pd, -1, -2), do)
     with np.errstate(invalid="ignore"):  # an unseen row or key may make dP NaN: it meets P = 0 below
         dpd = _mm(do, np.swapaxes(vg, -1, -2))
-    dprob = _apply_dropout(dpd, p, dropout_mask, dropout_p)  # d(P∘Z/(1-p))/dP
+    # d(P∘Z/(1-p))/dP: a dropped element's dP contributes nothing, an infinite one (0 * inf) neither
+    dprob = _apply_dropout(dpd, p, dropout_mask, dropout_p, drop_nonfinite=True)
     big_d = r((do * o).sum(axis=-1, keepdims=True))
     with np.errstate(invalid="ignore"):  # dP - D of an unseen row or key may be inf or NaN; it meets P = 0
         ds = r(np.where(prob != 0, prob * r(dprob - big_d), 0))
@@ -297,11 +298,14 @@ def _eps(dtype):
     return 2.0 ** -7 if np.dtype(dtype).name == "bfloat16" else float(np.finfo(dtype).eps)
 
 
-def _apply_dropout(x, p, mask, dropout_p):
+def _apply_dropout(x, p, mask, dropout_p, drop_nonfinite=False):
     if mask is None:
         if dropout_p:
             raise ValueError("the reference needs an explicit dropout_mask when dropout_p > 0")
         return x
     m = np.broadcast_to(np.asarray(mask), p.batch_shape + (p.heads_q, p.seqlen_q, p.seqlen_k))
     m = m.reshape(p.batch, p.heads_kv, p.group, p.seqlen_q, p.seqlen_k)
-    return _rounder(x.dtype)(x * m / x.dtype.type(1.0 - dropout_p))
+    if not drop_nonfinite:  # P: a NaN probability (its row sees a NaN score) stays NaN, dropped or not
+        return _rounder(x.dtype)(x * m / x.dtype.type(1.0 - dropout_p))
+    with np.errstate(invalid="ignore"):
+        return _rounder(x.dtype)(np.where(m, x * m / x.dtype.type(1.0 - dropout_p), x.dtype.type(0)))

@@ -32,6 +32,7 @@
 #include "tile.cuh"
 #include "warp_gemm.cuh"
 #include "scores.cuh"
+#include "softmax.cuh"
 #include "bwd_traits.cuh"
 #include "bwd_block_info.cuh"
 #include "bwd_gemm.cuh"
@@ -71,12 +72,7 @@ __global__ void __launch_bounds__(128) flash_bwd_preprocess_kernel(const __grid_
     // never read as such) would make dS = P * (dP - D) = 0 * NaN, and every key's dK NaN through dS^T Q.
     const bool seen = row < len_q && l != neg_inf();
     p.dsum[at] = seen ? sum : 0.f;
-    float l2 = seen ? l * kLog2e : pos_inf();
-    // P = exp2(S - lse) <= 1, but from |lse| = 2^22 the roundings of lse (about 5 ulps: in the forward and here)
-    // exceed 1, S - lse may come out far above 0 and exp2 overflow (every gradient then NaN). There lse is raised
-    // by 8 ulps, so that S - lse <= 0 for every key: finite gradients, as accurate as a float32 lse allows.
-    if (fabsf(l2) >= 4194304.f) l2 += fabsf(l2) * 9.5367431640625e-07f;  // 2^22; 8 * 2^-23
-    p.lse_log2[at] = l2;
+    p.lse_log2[at] = seen ? l * kLog2e : pos_inf();
   }
   if (p.dq_accum.ptr != nullptr) {
     float* acc_row = p.dq_accum.at<float>(batch, head, seq.q0 + row);
@@ -214,10 +210,10 @@ __global__ void __launch_bounds__(kWarps * 32, (BwdTraits<T, kHeadDim, kBlockM, 
 #pragma unroll
       for (int nj = 0; nj < kNTilesS; ++nj) {
         const float2 L = *reinterpret_cast<const float2*>(sL + q_col0 + 8 * nj + 2 * (lane & 3));
-        S[0][nj][0] = exp2f(S[0][nj][0] - L.x);
-        S[0][nj][1] = exp2f(S[0][nj][1] - L.y);
-        S[0][nj][2] = exp2f(S[0][nj][2] - L.x);
-        S[0][nj][3] = exp2f(S[0][nj][3] - L.y);
+        S[0][nj][0] = prob_from_lse(S[0][nj][0] - L.x);
+        S[0][nj][1] = prob_from_lse(S[0][nj][1] - L.y);
+        S[0][nj][2] = prob_from_lse(S[0][nj][2] - L.x);
+        S[0][nj][3] = prob_from_lse(S[0][nj][3] - L.y);
       }
 
       // Lines 17-19: dP^T = V_j dO_i^T (with dropout: that of the dropped P, dP^T o Z^T / (1-p)),
@@ -379,7 +375,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) flash_bwd_dq_kernel(const __gr
 #pragma unroll
       for (int nj = 0; nj < Tr::kNTilesS; ++nj)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) S[mi][nj][r] = exp2f(S[mi][nj][r] - L[2 * mi + r / 2]);
+        for (int r = 0; r < 4; ++r) S[mi][nj][r] = prob_from_lse(S[mi][nj][r] - L[2 * mi + r / 2]);
 
     float dP[kMTiles][Tr::kNTilesS][4];
     gemm_qk<Tr>(dP, no_frags, sdO_warp, sV, lane);

@@ -55,12 +55,7 @@ __global__ void __launch_bounds__(128) flash_bwd_wide_preprocess_kernel(const __
     const T l = wide::stats<T>(p.lse)[at];
     const bool seen = row < len_q && l != R::neg_inf();  // else P = 0 and D = 0 (see flash_bwd.cu)
     wide::stats<T>(p.dsum)[at] = seen ? sum : T(0);
-    T l2 = seen ? R::lse_to_units(l) : R::pos_inf();
-    // lse raised by 8 ulps where its roundings exceed 1 (see flash_bwd.cu): exp(S - lse) <= 1, no overflow
-    const bool is64 = sizeof(T) == 8;
-    if (T(fabs(l2)) >= (is64 ? T(2251799813685248.0) : T(4194304.f)))  // 2^51, 2^22
-      l2 += T(fabs(l2)) * (is64 ? T(1.7763568394002505e-15) : T(9.5367431640625e-07f));  // 8 * 2^-52, 8 * 2^-23
-    wide::stats<T>(p.lse_log2)[at] = l2;
+    wide::stats<T>(p.lse_log2)[at] = seen ? R::lse_to_units(l) : R::pos_inf();
   }
   if (p.dq_accum.ptr != nullptr) {
     T* acc_row = p.dq_accum.at<T>(batch, head, seq.q0 + row);
@@ -245,7 +240,8 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_kernel(const __g
 #pragma unroll
       for (int nj = 0; nj < kNTS; ++nj)
 #pragma unroll
-        for (int r = 0; r < kR; ++r) S[0][nj][r] = R::ex(S[0][nj][r] - sL[q_col0 + 8 * nj + 2 * (lane & 3) + (r & 1)]);
+        for (int r = 0; r < kR; ++r)
+          S[0][nj][r] = R::prob(S[0][nj][r] - sL[q_col0 + 8 * nj + 2 * (lane & 3) + (r & 1)]);
 
       // Lines 17-19: dP^T = V_j dO_i^T (with dropout, of the dropped P: dP^T o Z^T / (1-p)), dS^T = P^T o (dP^T - D)
       // with the undropped P^T; then the modifier's chain rule (and dbias).
@@ -414,7 +410,7 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_dq_kernel(const 
 #pragma unroll
       for (int nj = 0; nj < kNTS; ++nj)
 #pragma unroll
-        for (int r = 0; r < kR; ++r) S[mi][nj][r] = R::ex(S[mi][nj][r] - L[mi * kH + r / 2]);
+        for (int r = 0; r < kR; ++r) S[mi][nj][r] = R::prob(S[mi][nj][r] - L[mi * kH + r / 2]);
 
     T dP[kMT][kNTS][kR];
 #pragma unroll

@@ -24,6 +24,15 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The backward's P = exp2(S - L) from the saved lse (FA2 Algorithm 2, line 13), capped at 1: exactly P <= 1, but
+// from |L| = 2^22 the lse's roundings (in the forward and in the preprocess) exceed 1, S - L may come out above 0
+// and exp2 overflow (float16 P from 2^16), making every gradient NaN. The cap keeps such rows finite and their
+// largest P right; below that it changes only P = 1 + a rounding. A NaN stays NaN (fminf would drop it).
+__device__ __forceinline__ float prob_from_lse(float s_minus_l) {
+  const float p = exp2f(s_minus_l);
+  return p > 1.f ? 1.f : p;
+}
+
 template <class Traits>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * Traits::kMTiles;  // rows per thread; row 2*mi + half

@@ -36,6 +36,11 @@ struct Real<float> {
   __device__ static __forceinline__ float softmax_scale(const Params& p) { return p.scale_log2; }  // raw -> units
   __device__ static __forceinline__ float to_units(float s) { return __fmul_rn(s, 1.4426950408889634f); }
   __device__ static __forceinline__ float ex(float x) { return exp2f(x); }
+  // the backward's P = ex(S - L), capped at 1 (see prob_from_lse in softmax.cuh; a NaN stays NaN)
+  __device__ static __forceinline__ float prob(float x) {
+    const float p = exp2f(x);
+    return p > 1.f ? 1.f : p;
+  }
   __device__ static __forceinline__ float lse(float m, float l) { return (m + log2f(l)) * 0.69314718055994531f; }
   __device__ static __forceinline__ float lse_to_units(float lse) { return __fmul_rn(lse, 1.4426950408889634f); }
 };
@@ -53,6 +58,10 @@ struct Real<double> {
   __device__ static __forceinline__ double softmax_scale(const Params& p) { return p.wide.scale; }
   __device__ static __forceinline__ double to_units(double s) { return s; }
   __device__ static __forceinline__ double ex(double x) { return exp(x); }
+  __device__ static __forceinline__ double prob(double x) {  // P = ex(S - L) capped at 1 (see Real<float>::prob)
+    const double p = exp(x);
+    return p > 1.0 ? 1.0 : p;
+  }
   __device__ static __forceinline__ double lse(double m, double l) { return m + log(l); }
   __device__ static __forceinline__ double lse_to_units(double lse) { return lse; }
 };

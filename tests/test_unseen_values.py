@@ -130,13 +130,13 @@ def test_reference_a_hidden_key_reaches_exactly_the_rows_that_see_it():
 
 
 def _independent(case, opts, i, j):
-    """Masks, shaped as ``out``, ``lse``, ``dq``, ``dk``, ``dv``, of the results that do not depend on query row
-    ``i`` (Q and dO) nor on key ``j`` (K and V): rows that see neither, keys that no such dependent row sees."""
+    """Masks, shaped as ``out``, ``lse``, ``dq``, ``dk``, ``dv``, of the results that do not depend on the query
+    rows ``i`` (a tuple; Q and dO) nor on key ``j`` (K and V): rows that see neither, keys no dependent row sees."""
     p = make_problem(case.q, case.k, case.v, **opts)
     b, hq, hkv, sq, sk = p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k
     vis = np.broadcast_to(p.visible_mask(), (b, hq, sq, sk))
     rows = vis[..., j].copy()
-    rows[..., i] = True  # (B, Hq, Sq)
+    rows[..., list(i)] = True  # (B, Hq, Sq)
     keys = (vis & rows[..., None]).any(axis=-2).reshape(b, hkv, hq // hkv, sk).any(axis=2)
     keys[..., j] = True  # (B, Hkv, Sk)
     row_major = ~rows.transpose(0, 2, 1)[..., None]
@@ -155,10 +155,10 @@ def test_hidden_keys_and_rows_do_not_leak_numpy(case, seed):
     from cuflash.testing import _reference_options
 
     rng = np.random.default_rng(seed)
-    i, j = rng.integers(case.q.shape[-3]), rng.integers(case.k.shape[-3])
+    i, i2, j = rng.integers(case.q.shape[-3], size=2).tolist() + [rng.integers(case.k.shape[-3])]
     q, k, v, do = (x.copy() for x in (case.q, case.k, case.v, case.dout))
     k[..., j, :, :], v[..., j, :, :] = rng.choice(POISONS), rng.choice(POISONS)
-    q[..., i, :, :], do[..., i, :, :] = rng.choice(POISONS), rng.choice(POISONS)
+    q[..., i, :, :], do[..., i2, :, :] = rng.choice(POISONS), rng.choice(POISONS)  # one row or two
     out, lse = cuflash.attention(q, k, v, return_lse=True, backend="numpy", **case.options)
     got = (out, lse) + cuflash.attention_backward(do, q, k, v, out, lse, backend="numpy", **case.options)
     opts, drop = _reference_options(case)
@@ -172,10 +172,41 @@ def test_hidden_keys_and_rows_do_not_leak_numpy(case, seed):
                                          **opts, **drop)
     mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **opts, **drop)
     names = ("out", "lse", "dq", "dk", "dv")
-    for n, (name, x, r, c, b, free) in enumerate(zip(names, got, ref, clean, base, _independent(case, opts, i, j))):
+    for n, (name, x, r, c, b, free) in enumerate(zip(names, got, ref, clean, base, _independent(case, opts, (i, i2), j))):
         bad = ~np.isfinite(r)
         assert np.array_equal(~np.isfinite(x), bad), f"{name}: non-finite elsewhere than the reference's"
         assert np.array_equal(x[bad], r[bad], equal_nan=True), f"{name}: other infinities or NaN than the reference's"
         assert np.array_equal(r[free], c[free]), f"reference {name}: the poison reached a result that does not see it"
         if free.any():
             assert_attention_close(x[free], c[free], b[free], mult=2 if n < 2 else 3, name=name, magnitude=mags[name])
+
+
+def test_a_dropped_infinite_value_reaches_nothing():
+    """Row i sees key j, but dropout drops (i, j): V_j = inf then reaches neither out_i nor dQ_i (dS_ij = -P_ij D_i:
+    the dropped dP_ij contributes nothing, not 0 * inf), in the NumPy backend and in the reference."""
+    from cuflash.dropout import dropout_mask
+
+    rng = np.random.default_rng(1)
+    q, k, v, do = (rng.standard_normal((1, 4, 1, 8)) for _ in range(4))
+    keep = dropout_mask((1, 1, 4, 4), seed=7, p=0.5)[0, 0]
+    i, j = 0, 2
+    assert not keep[i, j] and keep[1:, j].any()  # dropped for row 0, kept for some other row
+    v[0, j, 0, 0] = np.inf
+    out, lse = cuflash.attention(q, k, v, return_lse=True, backend="numpy", dropout_p=0.5, seed=7)
+    dq = cuflash.attention_backward(do, q, k, v, out, lse, backend="numpy", dropout_p=0.5, seed=7)[0]
+    rdq = reference.attention_backward(do, q, k, v, dropout_mask=keep[None, None], dropout_p=0.5)[0]
+    assert np.isfinite(out[0, i]).all() and np.isfinite(dq[0, i]).all() and np.isfinite(rdq[0, i]).all()
+    assert not np.isfinite(out[0, 1:]).all()  # the rows that keep it do see it
+
+
+def test_a_nan_factor_is_not_turned_into_an_infinity():
+    """A NaN in P (a row that sees a NaN query) against an infinite dO of another row: dV is NaN, as the reference
+    says, not the infinity of the other term (_seen_product keeps the NaN of BLAS's finite part)."""
+    for dtype in (np.float32, np.float64):
+        rng = np.random.default_rng(0)
+        q, k, v, do = (rng.standard_normal((1, 2, 1, 4)).astype(dtype) for _ in range(4))
+        q[0, 0, 0, 0], do[0, 1, 0, 0] = np.nan, np.inf
+        out, lse = cuflash.attention(q, k, v, return_lse=True, backend="numpy")
+        dv = cuflash.attention_backward(do, q, k, v, out, lse, backend="numpy")[2]
+        rdv = reference.attention_backward(do, q, k, v)[2]
+        assert np.isnan(rdv[0, :, 0, 0]).all() and np.isnan(dv[0, :, 0, 0]).all()

@@ -565,7 +565,7 @@ def _seen_product(a, b, guarded, out=None):
     pos, neg = (a > 0).astype(r.dtype), (a < 0).astype(r.dtype)
     up, down = (b == np.inf).astype(r.dtype), (b == -np.inf).astype(r.dtype)
     plus, minus = pos @ up + neg @ down > 0, pos @ down + neg @ up > 0  # terms that are +inf, -inf
-    nan = ((a != 0).astype(r.dtype) @ np.isnan(b).astype(r.dtype) > 0) | (plus & minus)
+    nan = ((a != 0).astype(r.dtype) @ np.isnan(b).astype(r.dtype) > 0) | (plus & minus) | np.isnan(r)  # a's NaN too
     r[...] = np.where(nan, np.nan, np.where(plus, np.inf, np.where(minus, -np.inf, r)))
     return r
 
@@ -829,6 +829,8 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                 dp = np.matmul(do_i, vt_j, out=scratch.get("dp", tile_shape, wt))
                 if z is not None:
                     dp *= z  # dP of the dropped P, back through the keep-mask
+                    if guarded:  # a dropped element contributes nothing, an infinite dP (0 * inf) neither
+                        np.copyto(dp, 0, where=z == 0)
                 dp -= big_d[bs, hs, :, tl.i0:tl.i1, None]
                 ds = np.multiply(p, dp, out=dp)
                 if guarded:  # dP - D of a row or key the element does not see may be inf or NaN; P = 0 there
