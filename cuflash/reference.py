@@ -267,7 +267,7 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     s0, s1, _ = _scores(p, qg, kg)
     s = np.maximum(np.abs(s0), np.abs(s1)) * (prob > 0)
     exponent = s.max(initial=0) + np.abs(lse[np.isfinite(lse)]).max(initial=0)
-    cond = 1.0 + exponent * _eps(stats_dtype(p.dtype)) / _eps(p.dtype)
+    cond = 1.0 + exponent * rounding(stats_dtype(p.dtype)) / rounding(p.dtype)
     slope = 1.0
     if p.mods is not None and p.mods.score is not None:
         dscore = np.broadcast_to(p.mods.dscore.evaluate(_env(p, s0), _host_values(p)), prob.shape)  # may be 0-d
@@ -293,8 +293,9 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     return mags
 
 
-def _eps(dtype):
-    """Machine epsilon of ``dtype`` (bfloat16 included: 2**-7)."""
+def rounding(dtype) -> float:
+    """One ulp at 1.0 (machine epsilon) of ``dtype``: the size of one rounding, relative (bfloat16: 2**-7).
+    Also :func:`cuflash.testing.rounding`, the unit of the tolerance rule."""
     return 2.0 ** -7 if np.dtype(dtype).name == "bfloat16" else float(np.finfo(dtype).eps)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import reference
 from .blockmask import BlockMask
+from .reference import rounding  # the rule's unit, public here too
 
 #: Sequence lengths that catch off-by-one tiles: 1, primes, one past and one short of a tile.
 AWKWARD_LENGTHS = (1, 2, 3, 17, 31, 33, 63, 64, 65, 100, 113, 127, 128, 129, 203, 255, 256, 257)
@@ -35,14 +36,6 @@ def _dtype(name):
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
-
-
-def rounding(dtype) -> float:
-    """One ulp at 1.0 (machine epsilon) of ``dtype``: the size of one rounding, relative."""
-    name = np.dtype(dtype).name
-    if name == "bfloat16":
-        return 2.0 ** -7
-    return float(np.finfo(dtype).eps)
 
 
 @dataclass

@@ -387,10 +387,13 @@ class _Mods:
         f = self.factor(self.mods.dscore, s0, tile, chunk)
         np.multiply(ds, f, out=ds, where=ds != 0)
 
-    def dbias(self, ds, s0, tile, chunk, part):
+    def dbias(self, ds, s0, tile, chunk, part, guarded=False):
         """Add this tile's dbias (dS times d mod/d bias) into ``part``: the item's share of the bias's compact
-        (B|1, H|1, Sq|1, Sk|1) shape, at the item's batch/head block and this tile's rows, keys (or summed)."""
-        g = np.multiply(ds, self.factor(self.mods.dbias, s0, tile, chunk), where=ds != 0, out=np.zeros_like(ds))
+        (B|1, H|1, Sq|1, Sk|1) shape, at the item's batch/head block and this tile's rows, keys (or summed).
+        ``guarded`` (non-finite inputs, see _seen_product): only where dS != 0, as the factor of an unseen score
+        may be NaN."""
+        f = self.factor(self.mods.dbias, s0, tile, chunk)
+        g = np.multiply(ds, f, where=ds != 0, out=np.zeros_like(ds)) if guarded else ds * f
         g = g.reshape(g.shape[0], -1, *g.shape[3:])  # (nb, nh, rows, keys)
         bias = self.mods.values["cuflash_bias"]
         axes = tuple(i for i, st in enumerate(bias.strides) if st == 0 and bias.shape[i] > 1)
@@ -837,7 +840,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                     np.copyto(ds, 0, where=p == 0)
                 if modified:  # the chain rule through the score modifier (and the bias's gradient before it)
                     if part is not None:
-                        modifiers.dbias(ds, s0, tl, chunk, part)
+                        modifiers.dbias(ds, s0, tl, chunk, part, guarded)
                     modifiers.backprop(ds, s0, tl, chunk)
                 dq_acc[..., tl.i0:tl.i1, :] += _seen_product(ds, k_j, guarded)
                 dk_j += _seen_product(np.swapaxes(ds, -1, -2), q_i, guarded)
