@@ -100,8 +100,32 @@ def floor_loop(q, k, v, causal, block=512, softmax=True):
     return out
 
 
+def _blas_choice(choice, fn):
+    """``fn`` run with ``CUFLASH_BLAS=choice`` (read by each backend call), the variable restored after."""
+    def run():
+        before = os.environ.get("CUFLASH_BLAS")
+        os.environ["CUFLASH_BLAS"] = choice
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["CUFLASH_BLAS"]
+            else:
+                os.environ["CUFLASH_BLAS"] = before
+    return run
+
+
+def _products():
+    """Which BLAS cuflash's tile products use here by default: "mkl" or "numpy" (NumPy's OpenBLAS)."""
+    from cuflash.backends import _blas
+
+    return "numpy" if _blas._mkl() is None else "mkl"
+
+
 def _impls(torch, q, k, v, causal, with_naive, threads):
     impls = {"cuflash": lambda: cuflash.attention(q, k, v, causal=causal)}
+    if _products() == "mkl":  # the same code with NumPy's OpenBLAS for the products, side by side
+        impls["cuflash_openblas"] = _blas_choice("numpy", impls["cuflash"])
     if threads == 1 and q.dtype == np.float32:
         impls["floor"] = lambda: floor_loop(q, k, v, causal)
         impls["products"] = lambda: floor_loop(q, k, v, causal, softmax=False)
@@ -131,7 +155,7 @@ def time_case(torch, dtype, n, d, causal, rounds, heads=4, threads=None):
     rec = dict(dtype=np.dtype(dtype).name, seqlen=n, heads=heads, head_dim=d, causal=causal, rounds=rounds,
                ms={name: round(1e3 * statistics.median(s), 2) for name, s in samples.items()},
                ms_best={name: round(1e3 * min(s), 2) for name, s in samples.items()})
-    for other in ("torch", "naive", "floor", "products"):
+    for other in ("torch", "naive", "floor", "products", "cuflash_openblas"):
         if other in samples:
             rec[f"cuflash_over_{other}"] = round(statistics.median(
                 a / b for a, b in zip(samples["cuflash"], samples[other])), 3)
@@ -174,9 +198,19 @@ def _meta(torch):
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
                 cpu=cpu, cores=_cores(),
                 versions=dict(python=platform.python_version(), numpy=np.__version__, cuflash=cuflash.__version__,
-                              torch=None if torch is None else torch.__version__),
+                              torch=None if torch is None else torch.__version__, mkl=_version("mkl")),
+                products=_products(),
                 tiles=dict(block_q=nb.BLOCK_Q, block_k=nb.BLOCK_K, tile_elements=nb.TILE_ELEMENTS,
                            backward_tile_elements=nb.BACKWARD_TILE_ELEMENTS))
+
+
+def _version(dist):
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def write_json(path, result):
@@ -216,12 +250,16 @@ def main(argv=None):
                                 threads=threads)
             result["speed"].append(rec)
             ms, nan = rec["ms"], float("nan")
+            openblas = "" if "cuflash_openblas" not in ms else \
+                f"   cuflash with OpenBLAS {ms['cuflash_openblas']:.1f} (MKL/OpenBLAS " \
+                f"{rec['cuflash_over_cuflash_openblas']:.2f})"
             floor = "" if "floor" not in ms else \
                 f"   floor {ms['floor']:.1f} (cuflash/floor {rec['cuflash_over_floor']:.2f})" \
                 f"   products {ms['products']:.1f} (cuflash/products {rec['cuflash_over_products']:.2f})"
             print(f"{rec['dtype']:8s} {n:6d} {d:4d} {str(causal):6s} {ms['cuflash']:9.1f} "
                   f"{ms.get('torch', nan):9.1f} {ms.get('naive', nan):9.1f} "
-                  f"{rec.get('cuflash_over_torch', nan):13.2f} {rec.get('cuflash_over_naive', nan):13.2f}{floor}",
+                  f"{rec.get('cuflash_over_torch', nan):13.2f} {rec.get('cuflash_over_naive', nan):13.2f}{floor}"
+                  f"{openblas}",
                   flush=True)
     if not args.no_memory:
         grid = [(1, 4, 4096), (8, 32, 512), (64, 32, 256)] if args.quick else \

@@ -62,6 +62,10 @@ VARIABLES: dict[str, Variable] = {
     "CUFLASH_NUM_THREADS": Variable(
         _integer(1, 1024), "an integer from 1 to 1024", None,
         "worker threads of the NumPy backend; default: the cores this process may use"),
+    "CUFLASH_BLAS": Variable(
+        _choice("auto", "numpy", "mkl"), "auto, numpy or mkl", "auto",
+        "the NumPy backend's tile products: mkl (Intel MKL from the mkl package: pip install 'cuflash[mkl]'), "
+        "numpy (NumPy's own BLAS), auto: mkl when installed"),
     "CUFLASH_EMULATE_ARCH": Variable(
         lambda raw: int(_choice("80", "86", "89", "90")(raw)), "80, 86, 89 or 90", 80,
         "the GPU whose shared-memory limit picks the tile table row under backend='emulate'"),

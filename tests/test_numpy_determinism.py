@@ -1,8 +1,9 @@
 """The NumPy backend is bitwise reproducible and leaves the process's BLAS as it found it.
 
 Bitwise the same for any ``CUFLASH_NUM_THREADS``, any BLAS thread count the user has set, and any
-number of threads calling it at once; forward and backward, with and without dropout. After every
-call the BLAS thread count is what it was before.
+number of threads calling it at once; forward and backward, with and without dropout; with either source of
+the tile products (``CUFLASH_BLAS``: NumPy's BLAS, or MKL where the ``mkl`` package is installed). After every
+call the BLAS thread count is what it was before, MKL's per-thread count included.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import threadpoolctl  # a dependency of cuflash (setup.cfg): imported plainly, n
 
 import cuflash
 from cuflash.backends import numpy as nb
+from cuflash.backends import _blas
 from cuflash.backends._blas import blas_threads, single_threaded
 
 #: Ragged tiles on purpose: a product whose inner dimension is not a multiple of the BLAS's
@@ -58,6 +60,15 @@ def _assert_same(a, b, what):
             f"{name} differs ({what}): {int((x != y).sum())} of {x.size} elements"
 
 
+@pytest.fixture(params=["numpy", "mkl"])
+def products(request, monkeypatch):
+    """The source of the tile products; MKL where the test extra installs it (Linux x86-64)."""
+    if request.param == "mkl" and _blas._load_mkl()[0] is None:
+        pytest.skip(f"MKL products: {_blas._load_mkl()[1]}")
+    monkeypatch.setenv("CUFLASH_BLAS", request.param)
+    return request.param
+
+
 @pytest.fixture
 def restore_blas():
     with threadpoolctl.threadpool_limits(limits=None):  # whatever a test sets is undone after it
@@ -73,7 +84,7 @@ def test_tiled_shapes_span_several_ragged_tiles():
 
 
 @pytest.mark.parametrize("name", TILED_CASES)
-def test_bitwise_across_worker_threads(monkeypatch, name):
+def test_bitwise_across_worker_threads(monkeypatch, products, name):
     q, k, v, do = _inputs(shape_q=TILED_Q, shape_k=TILED_K)
     results = {}
     for threads in (1, 2, 3, 4):
@@ -84,7 +95,7 @@ def test_bitwise_across_worker_threads(monkeypatch, name):
 
 
 @pytest.mark.parametrize("name", ["plain", "dropout"])
-def test_bitwise_across_user_blas_settings(monkeypatch, restore_blas, name):
+def test_bitwise_across_user_blas_settings(monkeypatch, restore_blas, products, name):
     q, k, v, do = _inputs()
     results = []
     for blas in (1, 2, 4):
@@ -97,7 +108,7 @@ def test_bitwise_across_user_blas_settings(monkeypatch, restore_blas, name):
 
 
 @pytest.mark.parametrize("name", ["causal", "dropout"])
-def test_bitwise_with_concurrent_callers(restore_blas, name):
+def test_bitwise_with_concurrent_callers(restore_blas, products, name):
     """Eight threads calling at once (through a barrier) get the single caller's bits, and the
     process's BLAS setting survives them."""
     threadpoolctl.threadpool_limits(limits=2, user_api="blas")
@@ -126,10 +137,11 @@ def test_bitwise_with_concurrent_callers(restore_blas, name):
 
 
 @pytest.mark.parametrize("setting", [1, 2, 3])
-def test_blas_setting_restored_after_every_call(restore_blas, setting):
+def test_blas_setting_restored_after_every_call(restore_blas, products, setting):
     threadpoolctl.threadpool_limits(limits=setting, user_api="blas")
-    before = blas_threads()
-    assert before and all(n == setting for n in before), "no BLAS found to control"
+    before = blas_threads()  # MKL's per-thread count too (0: it follows the process-wide one)
+    process = blas_threads(per_thread=False)
+    assert process and all(n == setting for n in process), "no BLAS found to control"
     q, k, v, do = _inputs()
     for options in CASES.values():
         out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
@@ -155,12 +167,13 @@ def test_single_threaded_nests_across_threads(restore_blas):
     t = threading.Thread(target=other)
     t.start()
     entered.wait()
+    process = lambda: blas_threads(per_thread=False)  # noqa: E731  (MKL's per-thread count is this thread's own)
     with single_threaded():
         assert blas_threads() == [1] * len(blas_threads())
-    assert blas_threads() == [1] * len(blas_threads())  # the other thread is still inside
+    assert process() == [1] * len(process())  # the other thread is still inside
     release.set()
     t.join()
-    assert blas_threads() == [2] * len(blas_threads())
+    assert process() == [2] * len(process())
 
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5", ""])
@@ -168,4 +181,20 @@ def test_bad_num_threads_names_the_variable(monkeypatch, raw):
     monkeypatch.setenv("CUFLASH_NUM_THREADS", raw)
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match="CUFLASH_NUM_THREADS"):
+        cuflash.attention(q[:, :10], k[:, :10], v[:, :10])
+
+
+@pytest.mark.parametrize("raw", ["openblas", "MKL ", ""])
+def test_bad_blas_choice_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("CUFLASH_BLAS", raw)
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="CUFLASH_BLAS=.*expected auto, numpy or mkl"):
+        cuflash.attention(q[:, :10], k[:, :10], v[:, :10])
+
+
+def test_mkl_asked_for_but_missing_says_why(monkeypatch):
+    monkeypatch.setenv("CUFLASH_BLAS", "mkl")
+    monkeypatch.setattr(_blas, "_load_mkl", lambda: (None, "the mkl package is not installed"))
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="CUFLASH_BLAS=mkl, but the mkl package is not installed"):
         cuflash.attention(q[:, :10], k[:, :10], v[:, :10])

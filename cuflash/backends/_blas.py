@@ -14,12 +14,30 @@ restore around each other leave the process at one thread. Here the count is sav
 by the first of any number of concurrent backend calls and restored by the last one, under a lock:
 after every call the BLAS configuration is exactly what it was before (tested). While a call runs,
 other threads' BLAS calls (the user's) also run on one thread.
+
+Which BLAS: :func:`products` gives the backend its tile products, NumPy's ``matmul`` or Intel MKL's
+``gemm`` (``CUFLASH_BLAS``; ``auto`` takes MKL when the ``mkl`` package is installed). Why MKL: on an
+Intel Xeon with AVX-512 (this project's machines since 2026-11-24) OpenBLAS's single-threaded ``sgemm``
+runs the tiles' products (inner dimension head_dim or 512, 512 rows) at 140-170 GFLOP/s where MKL's runs
+at 180-210, and ``dgemm`` at 66-80 against 87-101 (``benchmarks/numpy_backend.py``). No package on PyPI
+hands NumPy arrays to MKL's BLAS (NumPy and SciPy wheels bundle OpenBLAS), so :class:`_Mkl` calls
+``cblas_?gemm_64`` through ``ctypes`` (which releases the GIL for the call): a few lines, no build step.
+MKL runs on one thread inside every product (its per-thread count, set and restored around each
+backend call in every thread that computes). Its single-threaded ``gemm`` gave the same bits for every
+alignment of its operands tried (64-byte offsets of A, B and C), so results stay reproducible for
+any thread count; they may differ in the last bits between ``CUFLASH_BLAS=numpy`` and ``mkl``.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import itertools
 import threading
 from contextlib import contextmanager
+
+import numpy as np
+
+from .. import _env
 
 _lock = threading.Lock()
 _active = 0
@@ -50,25 +68,31 @@ def _openblas(lib) -> _Count:
     return _Count(lib.get_num_threads, lib.set_num_threads, False)
 
 
-@functools.lru_cache(maxsize=1)
 def _controllers():
-    """The loaded BLAS libraries (NumPy's among them: NumPy is imported before this runs)."""
-    import numpy  # noqa: F401  (its BLAS must be loaded to be found)
+    """The loaded BLAS libraries (NumPy's among them), and MKL's per-thread count when cuflash uses MKL."""
+    return _controllers_of(_mkl())
+
+
+@functools.lru_cache(maxsize=2)
+def _controllers_of(mkl):
     from threadpoolctl import ThreadpoolController
 
-    counts = []
+    counts = [mkl.local] if mkl is not None else []
     for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
         layer = getattr(lib, "threading_layer", None)
         if lib.internal_api == "openblas" and layer != "openmp":
             counts.append(_openblas(lib))
-        else:  # MKL, BLIS, ...: threadpoolctl's setter; an OpenMP layer's count is per thread
-            counts.append(_Count(lib.get_num_threads, lib.set_num_threads, layer == "openmp"))
+        else:  # MKL, BLIS, ...: threadpoolctl's setter; an OpenMP layer's count is per thread, and so is the count
+            # MKL reports (MKL_Get_Max_Threads answers with the calling thread's own count where one is set)
+            counts.append(_Count(lib.get_num_threads, lib.set_num_threads,
+                                 layer == "openmp" or lib.internal_api == "mkl"))
     return tuple(counts)
 
 
-def blas_threads() -> list[int]:
-    """The current thread count of every loaded BLAS library, as this thread sees it."""
-    return [c.get() for c in _controllers()]
+def blas_threads(per_thread=True) -> list[int]:
+    """The current thread count of every loaded BLAS library, as this thread sees it (with ``per_thread=False``
+    only the process-wide counts; MKL's per-thread count is 0 where it follows the process-wide one)."""
+    return [c.get() for c in _controllers() if per_thread or not c.per_thread]
 
 
 def _pin(counts):
@@ -80,7 +104,7 @@ def _pin(counts):
 
 
 def _unpin(saved):
-    for c, n in saved:
+    for c, n in reversed(saved):  # in reverse: MKL's two views of one count (see _controllers_of) unwind in turn
         if n is not None and c.get() != n:
             c.set(n)
 
@@ -119,3 +143,150 @@ def worker_single_threaded():
         yield
     finally:
         _unpin(local)
+
+
+# --------------------------------------------------------------------------------------------
+# The tile products: NumPy's matmul or MKL's gemm
+# --------------------------------------------------------------------------------------------
+#: Products of fewer multiply-adds (per matrix) go to NumPy: below, the ctypes call (~10 us, holding the GIL) and
+#: MKL's small-product speed (a 128 x 64 x 128 tile at 137 GFLOP/s against OpenBLAS's 144) do not pay.
+MKL_MIN_MACS = 1 << 21
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+
+
+def _mkl_library():
+    """The path of ``libmkl_rt`` from the installed ``mkl`` distribution, or None."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.files("mkl") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    paths = sorted(str(f.locate()) for f in files if f.name.startswith("libmkl_rt.so"))
+    return paths[-1] if paths else None
+
+
+class _Mkl:
+    """``cblas_sgemm_batch_strided_64``/``cblas_dgemm_batch_strided_64`` of ``libmkl_rt`` (the ILP64 names: right
+    whatever ``MKL_INTERFACE_LAYER`` says; one call for a tile's heads) and MKL's per-thread thread count."""
+
+    def __init__(self, path):
+        lib = ctypes.CDLL(path)
+        i, p = ctypes.c_int64, ctypes.c_void_p
+        self.gemm = {}
+        for dtype, name, real in ((np.float32, "cblas_sgemm_batch_strided_64", ctypes.c_float),
+                                  (np.float64, "cblas_dgemm_batch_strided_64", ctypes.c_double)):
+            fn = getattr(lib, name)
+            # layout, trans a, trans b, m, n, k, alpha, a, lda, stride a, b, ldb, stride b, beta, c, ldc, stride c, count
+            fn.argtypes = [i, i, i, i, i, i, real, p, i, i, p, i, i, real, p, i, i, i]
+            fn.restype = None
+            self.gemm[np.dtype(dtype)] = fn
+        local = lib.MKL_Set_Num_Threads_Local  # returns the previous value; 0: follow the global count
+        local.argtypes, local.restype = [ctypes.c_int], ctypes.c_int
+
+        def get():
+            n = local(0)
+            local(n)
+            return n
+
+        self.local = _Count(get, local, True)
+        self.path = path
+
+
+@functools.lru_cache(maxsize=1)
+def _load_mkl():
+    path = _mkl_library()
+    if path is None:
+        return None, "the mkl package is not installed (pip install 'cuflash[mkl]')"
+    try:
+        return _Mkl(path), None
+    except (OSError, AttributeError) as exc:
+        return None, f"{path} does not load or lacks cblas_?gemm_64 ({exc})"
+
+
+def _mkl():
+    """MKL when ``CUFLASH_BLAS`` selects it (``auto``: when it loads), else None."""
+    choice = _env.get("CUFLASH_BLAS")
+    if choice == "numpy":
+        return None
+    mkl, why = _load_mkl()
+    if mkl is None and choice == "mkl":
+        raise ValueError(f"environment variable CUFLASH_BLAS=mkl, but {why}; expected auto, numpy or mkl")
+    return mkl
+
+
+def products():
+    """The backend's ``matmul(a, b, out=None)`` for one call: NumPy's, or MKL's gemm (:func:`_mkl_matmul`)."""
+    mkl = _mkl()
+    return np.matmul if mkl is None else functools.partial(_mkl_matmul, mkl)
+
+
+def _operand(x):
+    """``(transpose flag, leading dimension)`` of the matrices in ``x``'s last two axes as row-major BLAS reads
+    them in place, or None when neither axis is contiguous."""
+    rows, cols = x.shape[-2:]
+    s0, s1 = x.strides[-2:]
+    size = x.itemsize
+    if (s1 == size or cols == 1) and s0 % size == 0:
+        ld = s0 // size if rows > 1 else cols
+        if ld >= max(1, cols):
+            return _NO_TRANS, ld
+    if (s0 == size or rows == 1) and s1 % size == 0:
+        ld = s1 // size if cols > 1 else rows
+        if ld >= max(1, rows):
+            return _TRANS, ld
+    return None
+
+
+def _batch(lead, arrays):
+    """The leading axes ``lead`` of the result as ``(count, strides, outer)``: the innermost axes that merge into one
+    strided batch for every array (``count`` matrices, ``strides`` in elements, 0 where an array is broadcast) and
+    the ``outer`` ones, ``(size, byte strides)`` each, looped over; None for a stride that is negative or no whole
+    element."""
+    count, strides, outer = 1, [0] * len(arrays), []
+    for axis in range(-1, -len(lead) - 1, -1):
+        size = lead[axis]
+        if size == 1:
+            continue
+        step = []
+        for x in arrays:
+            st = x.strides[axis - 2] if x.ndim - 2 >= -axis and x.shape[axis - 2] > 1 else 0
+            if st % x.itemsize or st < 0:  # MKL takes no negative batch stride
+                return None
+            step.append(st // x.itemsize)
+        if count == 1 and not outer:
+            count, strides = size, step
+        elif not outer and all(s == c * count for s, c in zip(step, strides)):  # merges with the axes inside it
+            count *= size
+        else:
+            outer.append((size, [st * x.itemsize for st, x in zip(step, arrays)]))
+    return count, strides, outer
+
+
+def _mkl_matmul(mkl, a, b, out=None):
+    """``np.matmul(a, b, out=out)`` through MKL's strided batch gemm (one call for the tiles of an item's heads) for
+    float32/float64 operands that BLAS reads in place (one contiguous axis per matrix); anything else, and small
+    products, go to NumPy. Lean on purpose: the Python here holds the GIL that the worker threads share."""
+    gemm = mkl.gemm.get(a.dtype)
+    if gemm is None or b.dtype != a.dtype or a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
+        return np.matmul(a, b, out=out)
+    (m, k), n = a.shape[-2:], b.shape[-1]
+    lead = a.shape[:-2] if a.shape[:-2] == b.shape[:-2] else np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if out is None:
+        out = np.empty(lead + (m, n), dtype=a.dtype)
+    if m * n * k < MKL_MIN_MACS or out.shape != lead + (m, n) or out.dtype != a.dtype:
+        return np.matmul(a, b, out=out)
+    ta, tb, tc = _operand(a), _operand(b), _operand(out)
+    batch = _batch(lead, (a, b, out))
+    if (ta is None or tb is None or tc is None or tc[0] != _NO_TRANS or batch is None
+            or np.may_share_memory(out, a) or np.may_share_memory(out, b)):
+        return np.matmul(a, b, out=out)
+    count, (sa, sb, sc), outer = batch
+    if count == 1:
+        sc = m * tc[1]  # MKL checks stride_c >= ldc * m even for one matrix
+    pa, pb, pc = a.ctypes.data, b.ctypes.data, out.ctypes.data
+    for index in itertools.product(*(range(size) for size, _ in outer)):  # one empty index without outer axes
+        oa, ob, oc = (sum(i * st[j] for i, (_, st) in zip(index, outer)) for j in range(3))
+        gemm(_ROW_MAJOR, ta[0], tb[0], m, n, k, 1.0, pa + oa, ta[1], sa, pb + ob, tb[1], sb, 0.0,
+             pc + oc, tc[1], sc, count)
+    return out

@@ -35,7 +35,7 @@ from .. import _env
 from ..dropout import keep_mask
 from ..problem import Problem, stats_dtype, visible
 from ..tiling import Schedule, Tile
-from ._blas import single_threaded, worker_single_threaded
+from ._blas import products, single_threaded, worker_single_threaded
 
 #: Default tile of one head, measured on 2 cores (fp32, N = 4096, 4 heads, d = 64 and 128):
 #: see ``benchmarks/numpy_backend.py``.
@@ -548,7 +548,7 @@ def _nonfinite(*arrays) -> bool:
     return any(not np.isfinite(x).all() for x in arrays)
 
 
-def _seen_product(a, b, guarded, out=None):
+def _seen_product(a, b, guarded, out=None, matmul=np.matmul):
     """``a @ b`` in which a zero of ``a`` contributes nothing, even against an infinity or NaN in ``b``.
 
     ``a`` is P or dS, zero exactly where an element is invisible (or its probability underflowed), and ``b`` holds
@@ -560,9 +560,9 @@ def _seen_product(a, b, guarded, out=None):
     term or infinities of both signs (what any order of summation gives; a NaN in ``a`` propagates through BLAS).
     """
     if not guarded:
-        return np.matmul(a, b, out=out)
+        return matmul(a, b, out=out)
     finite = np.isfinite(b)
-    r = np.matmul(a, np.where(finite, b, 0), out=out)
+    r = matmul(a, np.where(finite, b, 0), out=out)
     if finite.all():
         return r
     pos, neg = (a > 0).astype(r.dtype), (a < 0).astype(r.dtype)
@@ -573,9 +573,9 @@ def _seen_product(a, b, guarded, out=None):
     return r
 
 
-def _scores(q_i, kt_j, rule, out):
+def _scores(q_i, kt_j, rule, out, matmul=np.matmul):
     """S of a tile, in the rule's units, into ``out``."""
-    np.matmul(q_i, kt_j, out=out)
+    matmul(q_i, kt_j, out=out)
     if rule.tile is not None:
         out *= rule.tile
     return out
@@ -650,6 +650,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     ones = np.ones(lay.block_k, dtype=wt)
     scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
+    matmul = products()  # NumPy's or MKL's (CUFLASH_BLAS), one choice for the whole call
     guarded = _nonfinite(v)  # only V meets zeros of P in a product (Q, K: masked scores are set, not computed)
     # non-finite inputs reach exactly the results that see them, without RuntimeWarnings on the way (as
     # NumPy's own would come from the scores of rows and keys that are then masked)
@@ -700,7 +701,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
             for t in masks.strips(tile, chunk):  # a partial tile: row strips cut to the keys they see
                 r = slice(t.i0 - i0, t.i1 - i0)
                 s = scratch.get("s", q_i.shape[:-2] + (t.i1 - t.i0, t.k1 - t.k0), wt)
-                _scores(q_i[..., r, :], kt[..., t.k0:t.k1], rule, s)
+                _scores(q_i[..., r, :], kt[..., t.k0:t.k1], rule, s, matmul)
                 if fixed:  # line 10 with m_i = 0 (see _Bounds): every |S| is bounded, masked ones too
                     rule.exp(s, out=s)
                     if modifiers is not None:
@@ -713,7 +714,8 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                 z = _dropout_scale(problem, t, chunk, wt)
                 if z is not None:
                     s *= z
-                acc[..., r, :] += _seen_product(s, v[bs, hs, :, t.k0:t.k1, :], guarded, out=pv[..., r, :])  # line 11
+                pv_r = _seen_product(s, v[bs, hs, :, t.k0:t.k1, :], guarded, pv[..., r, :], matmul)  # line 11
+                acc[..., r, :] += pv_r
             if not fixed and n == 0 and len(tiles) > 1 and u is not None and np.all(m_i > -np.inf) \
                     and bounds.fixed_shift(u):
                 fixed, alpha = True, rule.exp(m_i)  # from shift m_i to shift 0
@@ -772,6 +774,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     coarse = bool(np.abs(lse_r[np.isfinite(lse_r)]).max(initial=0) >= 2.0 ** np.finfo(wt).nmant)
     big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
     guarded = _nonfinite(q, k, v, do, big_d)  # see _seen_product: then also P = 0, dS = 0 where unseen
+    matmul = products()
     dk = np.zeros(k.shape, dtype=wt)
     dv = np.zeros_like(dk)
     scale = wt.type(problem.scale)
@@ -810,7 +813,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                 tile_shape = shape + (tl.i1 - tl.i0, k1 - k0)
                 s = scratch.get("s", tile_shape, wt)
                 qs_i = q_i if rule.fold is None else q_i * rule.fold
-                _scores(qs_i, kt_j, rule, s)  # S as the forward's
+                _scores(qs_i, kt_j, rule, s, matmul)  # S as the forward's
                 s0 = None
                 if modifiers is not None:
                     s0 = modifiers.score(s, tl, chunk, keep_s0=modified)
@@ -828,8 +831,8 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                         modifiers.mask(p, tl, chunk, fill=0.0)
                     _mask_scores(p, masks, tl, chunk, fill=0.0)
                 z = _dropout_scale(problem, tl, chunk, wt)
-                dv_j += _seen_product(np.swapaxes(p if z is None else p * z, -1, -2), do_i, guarded)
-                dp = np.matmul(do_i, vt_j, out=scratch.get("dp", tile_shape, wt))
+                dv_j += _seen_product(np.swapaxes(p if z is None else p * z, -1, -2), do_i, guarded, matmul=matmul)
+                dp = matmul(do_i, vt_j, out=scratch.get("dp", tile_shape, wt))
                 if z is not None:
                     dp *= z  # dP of the dropped P, back through the keep-mask
                     if guarded:  # a dropped element contributes nothing, an infinite dP (0 * inf) neither
@@ -842,8 +845,8 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                     if part is not None:
                         modifiers.dbias(ds, s0, tl, chunk, part, guarded)
                     modifiers.backprop(ds, s0, tl, chunk)
-                dq_acc[..., tl.i0:tl.i1, :] += _seen_product(ds, k_j, guarded)
-                dk_j += _seen_product(np.swapaxes(ds, -1, -2), q_i, guarded)
+                dq_acc[..., tl.i0:tl.i1, :] += _seen_product(ds, k_j, guarded, matmul=matmul)
+                dk_j += _seen_product(np.swapaxes(ds, -1, -2), q_i, guarded, matmul=matmul)
         dk[bs, hs, :, k0:k1, :] = dk_j.sum(axis=2, keepdims=True) * scale
         dv[bs, hs, :, k0:k1, :] = dv_j.sum(axis=2, keepdims=True)
         if part is not None:

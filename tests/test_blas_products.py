@@ -1,0 +1,115 @@
+"""The NumPy backend's tile products through MKL (``CUFLASH_BLAS``, ``cuflash.backends._blas``).
+
+``_mkl_matmul`` must compute ``np.matmul`` for every layout the backend hands it (row strides, transposed views,
+broadcast and merged leading axes), send to MKL what BLAS can read in place, and fall back to NumPy for the rest;
+the backend must actually use it when MKL is selected.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.backends import _blas
+
+
+@pytest.fixture
+def mkl(monkeypatch):
+    lib, why = _blas._load_mkl()
+    if lib is None:  # the test extra installs mkl on Linux x86-64
+        pytest.skip(f"MKL products: {why}")
+    calls = []
+
+    class Counting:
+        def __init__(self, gemm):
+            self.gemm = gemm
+
+        def get(self, dtype):
+            fn = self.gemm.get(dtype)
+            if fn is None:
+                return None
+            return lambda *args: (calls.append(args[-1]), fn(*args))[1]
+
+    counted = type("CountedMkl", (), {"gemm": Counting(lib.gemm), "local": lib.local})()
+    monkeypatch.setattr(_blas, "_load_mkl", lambda: (counted, None))
+    return counted, calls
+
+
+def _transposed_storage(x):
+    """The same values with the last two axes stored column-major (a transposed view)."""
+    return np.swapaxes(np.ascontiguousarray(np.swapaxes(x, -1, -2)), -1, -2)
+
+
+def _layouts(dtype):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 3, 1, 130, 70)).astype(dtype)
+    b = rng.standard_normal((2, 3, 1, 70, 90)).astype(dtype)
+    left = {"plain": a, "transposed": _transposed_storage(a), "every other row": a[..., ::2, :],
+            "one head": a[:, :1], "2-D": a[1, 2, 0], "heads that do not merge": a[:, :, :, 2:, :]}
+    right = {"plain": b, "transposed": _transposed_storage(b), "column slice": b[..., 5:75],
+             "one head": b[:, :1], "2-D": b[0, 1, 0], "every other head": b[:, ::2]}
+    for (na, x) in left.items():
+        for (nb, y) in right.items():
+            try:
+                np.broadcast_shapes(x.shape[:-2], y.shape[:-2])
+            except ValueError:
+                continue
+            if x.shape[-1] == y.shape[-2]:
+                yield f"{na} @ {nb}", x, y
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_mkl_matmul_is_matmul_for_every_layout(mkl, monkeypatch, dtype):
+    lib, calls = mkl
+    monkeypatch.setattr(_blas, "MKL_MIN_MACS", 0)
+    cases = list(_layouts(dtype))
+    assert len(cases) >= 20
+    for name, a, b in cases:
+        exact = np.matmul(a.astype(np.longdouble), b.astype(np.longdouble))  # above float64's precision (x86)
+        naive = np.abs(np.matmul(a, b) - exact).max()
+        calls.clear()
+        got = _blas._mkl_matmul(lib, a, b)
+        assert got.shape == exact.shape and got.dtype == dtype, name
+        assert np.abs(got - exact).max() <= 2 * naive + np.finfo(dtype).tiny, name
+        assert sum(calls) == got[..., 0, 0].size, f"{name}: MKL computed {sum(calls)} matrices"
+        out = np.full(exact.shape, np.nan, dtype=dtype)
+        assert _blas._mkl_matmul(lib, a, b, out=out) is out
+        assert np.array_equal(out, got), name
+
+
+def test_mkl_matmul_hands_numpy_what_blas_cannot_read(mkl, monkeypatch):
+    lib, calls = mkl
+    monkeypatch.setattr(_blas, "MKL_MIN_MACS", 0)
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((4, 40, 30)).astype(np.float32)
+    b = rng.standard_normal((4, 30, 20)).astype(np.float32)
+    cases = {
+        "no contiguous axis": (a[:, ::2, ::2], b[:, ::2, :]),
+        "mixed dtypes": (a, b.astype(np.float64)),
+        "float16": (a.astype(np.float16), b.astype(np.float16)),
+        "out overlaps a": (a, b),
+        "heads in reverse": (a, b[::-1]),
+    }
+    for name, (x, y) in cases.items():
+        calls.clear()
+        out = None
+        if name == "out overlaps a":
+            x = np.zeros((4, 40, 40), np.float32)
+            x[..., :30] = a
+            out, x = x[..., 20:40], x[..., :30]
+            y = rng.standard_normal((4, 30, 20)).astype(np.float32)
+        expect = np.matmul(x.copy(), y.copy())
+        got = _blas._mkl_matmul(lib, x, y, out=out)
+        assert not calls, name
+        assert np.array_equal(got, expect), name
+
+
+@pytest.mark.parametrize("choice, used", [("mkl", True), ("numpy", False), ("auto", True)])
+def test_backend_products_follow_cuflash_blas(mkl, monkeypatch, choice, used):
+    lib, calls = mkl
+    monkeypatch.setenv("CUFLASH_BLAS", choice)
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((1, 700, 2, 64)).astype(np.float32) for _ in range(4))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, backend="numpy")
+    cuflash.attention_backward(do, q, k, v, out, lse, causal=True, backend="numpy")
+    assert bool(calls) == used
