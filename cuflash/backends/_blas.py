@@ -148,9 +148,10 @@ def worker_single_threaded():
 # --------------------------------------------------------------------------------------------
 # The tile products: NumPy's matmul or MKL's gemm
 # --------------------------------------------------------------------------------------------
-#: Products of fewer multiply-adds (per matrix) go to NumPy: below, the ctypes call (~10 us, holding the GIL) and
-#: MKL's small-product speed (a 128 x 64 x 128 tile at 137 GFLOP/s against OpenBLAS's 144) do not pay.
-MKL_MIN_MACS = 1 << 21
+#: Products of fewer multiply-adds (per matrix) go to NumPy: there the call's ~7 us of Python, which holds the GIL
+#: that the workers share, and MKL's small-product speed do not pay (two threads of 2 x 128 x 64 x 256 products:
+#: MKL 225 GFLOP/s, OpenBLAS 272; of 2 x 128 x 64 x 512: 353 against 280).
+MKL_MIN_MACS = 1 << 22
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 
@@ -263,30 +264,56 @@ def _batch(lead, arrays):
     return count, strides, outer
 
 
-def _mkl_matmul(mkl, a, b, out=None):
-    """``np.matmul(a, b, out=out)`` through MKL's strided batch gemm (one call for the tiles of an item's heads) for
-    float32/float64 operands that BLAS reads in place (one contiguous axis per matrix); anything else, and small
-    products, go to NumPy. Lean on purpose: the Python here holds the GIL that the worker threads share."""
-    gemm = mkl.gemm.get(a.dtype)
-    if gemm is None or b.dtype != a.dtype or a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
-        return np.matmul(a, b, out=out)
+def _gemm_plan(a, b, out):
+    """The arguments of MKL's strided batch gemm for ``out = a @ b`` other than the pointers, as ``(fixed, offsets)``
+    (``offsets``: byte offsets of a, b and out per call, one call per index of the outer axes), or None for NumPy."""
     (m, k), n = a.shape[-2:], b.shape[-1]
-    lead = a.shape[:-2] if a.shape[:-2] == b.shape[:-2] else np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    if out is None:
-        out = np.empty(lead + (m, n), dtype=a.dtype)
-    if m * n * k < MKL_MIN_MACS or out.shape != lead + (m, n) or out.dtype != a.dtype:
-        return np.matmul(a, b, out=out)
+    lead = out.shape[:-2]
+    if m * n * k < MKL_MIN_MACS or out.dtype != a.dtype:
+        return None
+    try:
+        if np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) != lead:  # NumPy's error for a wrong out, not a broadcast
+            return None
+        a, b = np.broadcast_to(a, lead + (m, k)), np.broadcast_to(b, lead + (k, n))
+    except ValueError:
+        return None
     ta, tb, tc = _operand(a), _operand(b), _operand(out)
     batch = _batch(lead, (a, b, out))
-    if (ta is None or tb is None or tc is None or tc[0] != _NO_TRANS or batch is None
-            or np.may_share_memory(out, a) or np.may_share_memory(out, b)):
-        return np.matmul(a, b, out=out)
+    if ta is None or tb is None or tc is None or tc[0] != _NO_TRANS or batch is None:
+        return None
     count, (sa, sb, sc), outer = batch
     if count == 1:
         sc = m * tc[1]  # MKL checks stride_c >= ldc * m even for one matrix
+    offsets = [tuple(sum(i * st[j] for i, (_, st) in zip(index, outer)) for j in range(3))
+               for index in itertools.product(*(range(size) for size, _ in outer))]  # [(0, 0, 0)] without outer axes
+    return (ta[0], tb[0], m, n, k, ta[1], sa, tb[1], sb, tc[1], sc, count), offsets
+
+
+_plans: dict = {}
+
+
+def _mkl_matmul(mkl, a, b, out=None):
+    """``np.matmul(a, b, out=out)`` through MKL's strided batch gemm (one call for the tiles of an item's heads) for
+    float32/float64 operands that BLAS reads in place (one contiguous axis per matrix); anything else, and small
+    products, go to NumPy. Lean on purpose: the Python here holds the GIL that the worker threads share, so the
+    arguments other than the pointers are worked out once per layout (:func:`_gemm_plan`; 5 us a call then, not 12).
+    """
+    gemm = mkl.gemm.get(a.dtype)
+    if gemm is None or b.dtype != a.dtype or a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
+        return np.matmul(a, b, out=out)
+    if out is None:
+        lead = a.shape[:-2] if a.shape[:-2] == b.shape[:-2] else np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        out = np.empty(lead + (a.shape[-2], b.shape[-1]), dtype=a.dtype)
+    key = (a.dtype, a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, out.dtype)
+    plan = _plans.get(key, False)
+    if plan is False:
+        if len(_plans) > 1024:  # layouts are few per problem; bound the table across many problems
+            _plans.clear()
+        plan = _plans[key] = _gemm_plan(a, b, out) if out.shape[-2:] == (a.shape[-2], b.shape[-1]) else None
+    if plan is None or np.may_share_memory(out, a) or np.may_share_memory(out, b):
+        return np.matmul(a, b, out=out)
+    (ta, tb, m, n, k, lda, sa, ldb, sb, ldc, sc, count), offsets = plan
     pa, pb, pc = a.ctypes.data, b.ctypes.data, out.ctypes.data
-    for index in itertools.product(*(range(size) for size, _ in outer)):  # one empty index without outer axes
-        oa, ob, oc = (sum(i * st[j] for i, (_, st) in zip(index, outer)) for j in range(3))
-        gemm(_ROW_MAJOR, ta[0], tb[0], m, n, k, 1.0, pa + oa, ta[1], sa, pb + ob, tb[1], sb, 0.0,
-             pc + oc, tc[1], sc, count)
+    for oa, ob, oc in offsets:
+        gemm(_ROW_MAJOR, ta, tb, m, n, k, 1.0, pa + oa, lda, sa, pb + ob, ldb, sb, 0.0, pc + oc, ldc, sc, count)
     return out
