@@ -45,7 +45,7 @@ def _layouts(dtype):
     a = rng.standard_normal((2, 3, 1, 130, 70)).astype(dtype)
     b = rng.standard_normal((2, 3, 1, 70, 90)).astype(dtype)
     left = {"plain": a, "transposed": _transposed_storage(a), "every other row": a[..., ::2, :],
-            "one head": a[:, :1], "2-D": a[1, 2, 0], "heads that do not merge": a[:, :, :, 2:, :]}
+            "one head": a[:, :1], "2-D": a[1, 2, 0], "rows from the third": a[:, :, :, 2:, :]}
     right = {"plain": b, "transposed": _transposed_storage(b), "column slice": b[..., 5:75],
              "one head": b[:, :1], "2-D": b[0, 1, 0], "every other head": b[:, ::2]}
     for (na, x) in left.items():
@@ -64,6 +64,7 @@ def test_mkl_matmul_is_matmul_for_every_layout(mkl, monkeypatch, dtype):
     monkeypatch.setattr(_blas, "MKL_MIN_MACS", 0)
     cases = list(_layouts(dtype))
     assert len(cases) >= 20
+    calls_per_case = []
     for name, a, b in cases:
         exact = np.matmul(a.astype(np.longdouble), b.astype(np.longdouble))  # above float64's precision (x86)
         naive = np.abs(np.matmul(a, b) - exact).max()
@@ -72,9 +73,12 @@ def test_mkl_matmul_is_matmul_for_every_layout(mkl, monkeypatch, dtype):
         assert got.shape == exact.shape and got.dtype == dtype, name
         assert np.abs(got - exact).max() <= 2 * naive + np.finfo(dtype).tiny, name
         assert sum(calls) == got[..., 0, 0].size, f"{name}: MKL computed {sum(calls)} matrices"
+        calls_per_case.append(len(calls))
         out = np.full(exact.shape, np.nan, dtype=dtype)
         assert _blas._mkl_matmul(lib, a, b, out=out) is out
         assert np.array_equal(out, got), name
+    # one batch call where the heads merge into one stride, a loop of them where they do not (a broadcast operand)
+    assert min(calls_per_case) == 1 and max(calls_per_case) > 1, calls_per_case
 
 
 def test_mkl_matmul_hands_numpy_what_blas_cannot_read(mkl, monkeypatch):

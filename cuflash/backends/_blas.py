@@ -21,7 +21,7 @@ Intel Xeon with AVX-512 (this project's machines since 2026-11-24) OpenBLAS's si
 runs the tiles' products (inner dimension head_dim or 512, 512 rows) at 140-170 GFLOP/s where MKL's runs
 at 180-210, and ``dgemm`` at 66-80 against 87-101 (``benchmarks/numpy_backend.py``). No package on PyPI
 hands NumPy arrays to MKL's BLAS (NumPy and SciPy wheels bundle OpenBLAS), so :class:`_Mkl` calls
-``cblas_?gemm_64`` through ``ctypes`` (which releases the GIL for the call): a few lines, no build step.
+``cblas_?gemm_batch_strided_64`` through ``ctypes`` (which releases the GIL for the call): a few lines, no build step.
 MKL runs on one thread inside every product (its per-thread count, set and restored around each
 backend call in every thread that computes). Its single-threaded ``gemm`` gave the same bits for every
 alignment of its operands tried (64-byte offsets of A, B and C), so results stay reproducible for
@@ -202,7 +202,7 @@ def _load_mkl():
     try:
         return _Mkl(path), None
     except (OSError, AttributeError) as exc:
-        return None, f"{path} does not load or lacks cblas_?gemm_64 ({exc})"
+        return None, f"{path} does not load or lacks cblas_?gemm_batch_strided_64 ({exc})"
 
 
 def _mkl():
