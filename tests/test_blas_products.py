@@ -32,6 +32,8 @@ def mkl(monkeypatch):
 
     counted = type("CountedMkl", (), {"gemm": Counting(lib.gemm), "local": lib.local})()
     monkeypatch.setattr(_blas, "_load_mkl", lambda: (counted, None))
+    # a plan decides MKL or NumPy once per layout: plans made under a test's MKL_MIN_MACS stay with the test
+    monkeypatch.setattr(_blas, "_plans", {})
     return counted, calls
 
 

@@ -191,7 +191,6 @@ class _Mkl:
             return n
 
         self.local = _Count(get, local, True)
-        self.path = path
 
 
 @functools.lru_cache(maxsize=1)
