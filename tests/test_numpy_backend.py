@@ -591,3 +591,74 @@ def test_non_contiguous_inputs():
 def test_default_backend_is_numpy():
     q, k, v = rng_arrays(9, (2, 5, 2, 8), (2, 6, 1, 8), (2, 6, 1, 8))
     np.testing.assert_array_equal(cuflash.attention(q, k, v), cuflash.attention(q, k, v, backend="numpy"))
+
+
+def test_together_runs_each_part_once_on_every_worker_that_asks():
+    """A block's preparation (nb._Together): the workers that ask at once share its parts, each part runs once, and
+    every one of them gets the same finished value."""
+    import threading
+
+    ran, barrier = [], threading.Barrier(4)
+
+    def part(n):
+        ran.append((n, threading.get_ident()))
+        return n * n
+
+    together = nb._Together([lambda n=n: part(n) for n in range(16)], lambda results: sum(results))
+    got = []
+
+    def worker():
+        barrier.wait()
+        got.append(together())
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(n for n, _ in ran) == list(range(16))
+    assert got == [sum(n * n for n in range(16))] * 4
+
+
+def test_together_raises_a_part_error_in_every_worker():
+    import threading
+
+    def bad():
+        raise ValueError("part failed")
+
+    together = nb._Together([lambda: 1, bad, lambda: 2], lambda results: results)
+    errors = []
+
+    def worker():
+        try:
+            together()
+        except ValueError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == ["part failed"] * 3
+
+
+def test_a_nonfinite_value_leaves_other_blocks_of_heads_bitwise_unchanged():
+    """Whether an input holds an infinity is decided per block of heads (the guarded products of _seen_product): the
+    heads of the other blocks keep the bits, forward and backward, that they have when every input is finite."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 1024, 4, 64)).astype(np.float32) for _ in range(3))
+    chunks = nb.layout(make_problem(q, k, v)).chunks
+    assert len(chunks) > 1, chunks
+    hs = chunks[0][1]
+    bad = v.copy()
+    bad[0, 7, hs.start, 3] = np.inf
+    (out, lse), (bad_out, bad_lse) = forward(q, k, v), forward(q, k, bad)
+    others = [h for h in range(4) if not hs.start <= h < hs.stop]
+    np.testing.assert_array_equal(bad_out[:, :, others], out[:, :, others])
+    assert not np.isfinite(bad_out[:, :, hs.start]).all()
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    grads, bad_grads = backward(dout, q, k, v, out, lse), backward(dout, q, k, bad, bad_out, bad_lse)
+    for g, bad_g in zip(grads, bad_grads):
+        np.testing.assert_array_equal(bad_g[:, :, others], g[:, :, others])

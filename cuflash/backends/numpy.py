@@ -52,6 +52,8 @@ TILE_ELEMENTS = 2 * BLOCK_Q * BLOCK_K
 BACKWARD_TILE_ELEMENTS = BLOCK_Q * BLOCK_K
 #: Query rows per key/value head from which K^T is copied contiguous (see _keys_transposed).
 KT_COPY_ROWS = 64
+#: Parts of the copy of K^T that the workers share (:class:`_Together`).
+KT_COPY_PARTS = 4
 #: Query rows per strip of a partial tile (_Masks.strips): a causal diagonal tile costs 5/8 of its products.
 STRIP_ROWS = 128
 #: dQ accumulators of the backward: a constant, so dQ's summation order never depends on threads.
@@ -181,44 +183,114 @@ def _grouped(x, problem, dtype):
 
 
 def _keys_transposed(problem, k):
-    """K^T as (B, Hkv, 1, D, Sk). A contiguous copy when enough query rows share it: the product
-    Q K^T then runs as a plain (non-transposed) GEMM, about 8% faster in OpenBLAS for head_dim 64
-    (and 3% for 128) than through the transposed view; decode-shaped calls (a few query rows
-    against long keys) keep the view, where copying K would cost more than the products."""
+    """K^T as (B, Hkv, 1, D, Sk), and the parts that fill it (see :class:`_Together`), or no parts for a view.
+    A contiguous copy when enough query rows share it: the product Q K^T then runs as a plain (non-transposed)
+    GEMM, about 8% faster in OpenBLAS for head_dim 64 (and 3% for 128) than through the transposed view;
+    decode-shaped calls (a few query rows against long keys) keep the view, where copying K would cost more than
+    the products."""
     kt = np.swapaxes(k, -1, -2)
     if problem.seqlen_q * problem.group < KT_COPY_ROWS:
-        return kt
-    # In blocks of keys: NumPy copies a transposed array in the destination's order, reading K with a stride of
-    # H·d elements, which misses the cache at every element; a block of 256 keys stays in L1 (2.3 -> 1.0 ms for
-    # 4 heads of 4096 x 64 float32 on this machine).
+        return kt, []
     out = np.empty(kt.shape, dtype=kt.dtype)
-    for s0 in range(0, kt.shape[-1], 256):
-        out[..., s0:s0 + 256] = kt[..., s0:s0 + 256]
-    return out
+    n = kt.shape[-1]
+    step = 256 * max(1, -(-n // (256 * KT_COPY_PARTS)))  # whole blocks of 256 keys per part
+
+    def part(s0):
+        # In blocks of keys: NumPy copies a transposed array in the destination's order, reading K with a stride
+        # of H·d elements, which misses the cache at every element; a block of 256 keys stays in L1 (2.3 -> 1.0 ms
+        # for 4 heads of 4096 x 64 float32 on this machine).
+        for b0 in range(s0, min(s0 + step, n), 256):
+            out[..., b0:b0 + 256] = kt[..., b0:b0 + 256]
+
+    return out, [functools.partial(part, s0) for s0 in range(0, n, step)]
+
+
+class _Together:
+    """Work that several workers need at once, split into parts: every worker that asks before it is done takes
+    parts until none is left, then waits for the others' and for ``finish(results)``. A block's preparation
+    (:class:`_PerChunk`) is needed by the first items of every worker together (items run one block of heads after
+    another); done by one worker while the others waited, it cost 2 x 2.5 ms of idle time in a 92 ms forward on
+    2 cores (fp32, N = 4096, 4 heads, d = 64). An error in a part is raised in every waiting worker."""
+
+    def __init__(self, parts, finish):
+        self._todo = collections.deque(enumerate(parts))  # popleft is atomic: each part runs once
+        self._results = [None] * len(parts)
+        self._left, self._finish = len(parts), finish
+        self._done = threading.Condition()
+        self._value = self._error = None
+        if not parts:
+            self._value = finish([])
+
+    def __call__(self):
+        while True:
+            try:
+                n, part = self._todo.popleft()
+            except IndexError:
+                break
+            try:
+                result, error = part(), None
+            except BaseException as exc:  # noqa: BLE001 (raised below, in every worker)
+                result, error = None, exc
+            with self._done:
+                self._results[n], self._left = result, self._left - 1
+                self._error = self._error or error
+                if self._left == 0:
+                    if self._error is None:
+                        try:
+                            self._value = self._finish(self._results)
+                        except BaseException as exc:  # noqa: BLE001
+                            self._error = exc
+                    self._done.notify_all()
+        with self._done:
+            self._done.wait_for(lambda: self._left == 0)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What the items of one block of (batch, kv head) pairs share."""
+
+    kt: np.ndarray                # K^T (see _keys_transposed)
+    bounds: Optional["_Bounds"]  # None where they do not apply
+    guarded: bool                 # some element of V is not finite (the forward's _seen_product)
+    quiet: bool                   # some element of Q, K, V or ``also`` is not finite (the backward's _seen_product;
+                                  # no RuntimeWarnings on the way)
 
 
 class _PerChunk:
-    """What a block of (batch, kv head) pairs needs before its first tile, made by the first worker that asks for
-    it (another one asking meanwhile waits): K^T (:func:`_keys_transposed`) and the block's :class:`_Bounds` (None
-    where they do not apply). So this O(N·d) preparation runs on the workers, one block beside another, instead
-    of on one core before the pool starts (3.7 ms of a 70 ms causal forward at N = 4096 on 2 cores)."""
+    """What a block of (batch, kv head) pairs needs before its first tile, made by the workers that first ask for it
+    (:class:`_Together`): K^T (:func:`_keys_transposed`), the block's :class:`_Bounds` and whether its inputs (and
+    ``also``, arrays of the same leading axes) are finite: one block's infinity never slows or changes another's
+    products. So this O(N·d) preparation runs on the workers, one block beside another, instead of on one core before
+    the pool starts (3.7 ms of a 70 ms causal forward at N = 4096 on 2 cores)."""
 
-    def __init__(self, problem, rule, k, v, wt):
-        self.problem, self.rule, self.k, self.v, self.wt = problem, rule, k, v, wt
+    def __init__(self, problem, rule, q, k, v, wt, also=()):
+        self.problem, self.rule, self.q, self.k, self.v, self.wt, self.also = problem, rule, q, k, v, wt, also
         self.bounded = _Bounds.applies(problem)
         self._lock, self._made = threading.Lock(), {}
 
-    def __call__(self, chunk):
-        """``(kt, bounds)`` of the pairs ``chunk = (batch slice, kv-head slice)``."""
+    def __call__(self, chunk) -> _Prepared:
         key = tuple((x.start, x.stop) for x in chunk)
         with self._lock:
-            entry = self._made.setdefault(key, [threading.Lock(), None])
-        with entry[0]:
-            if entry[1] is None:
-                k, v = self.k[chunk], self.v[chunk]
-                bounds = _Bounds(self.problem, self.rule, k, v, self.wt) if self.bounded else None
-                entry[1] = (_keys_transposed(self.problem, k), bounds)
-        return entry[1]
+            together = self._made.get(key)
+            if together is None:
+                together = self._made[key] = self._together(chunk)
+        return together()
+
+    def _together(self, chunk):
+        q, k, v = self.q[chunk], self.k[chunk], self.v[chunk]
+        kt, copy = _keys_transposed(self.problem, k)
+        norms = [functools.partial(_Bounds.largest_norm, x) for x in (k, v)] if self.bounded else []
+        checks = [functools.partial(_nonfinite, x) for x in (v, q, k) + tuple(x[chunk] for x in self.also)]
+
+        def finish(results):
+            kv, bad = results[len(copy):len(copy) + len(norms)], results[len(copy) + len(norms):]
+            bounds = _Bounds(self.problem, self.rule, *kv, self.wt) if kv else None
+            return _Prepared(kt, bounds, bad[0], any(bad))
+
+        return _Together(copy + norms + checks, finish)
 
 
 def _ungroup(x):
@@ -500,18 +572,22 @@ class _Bounds:
     the tolerance of the naive computation).
     """
 
-    def __init__(self, problem, rule, k, v, wt):
+    @staticmethod
+    def largest_norm(x):
+        """The largest row norm of each (batch, kv head) pair's K or V, (nb, nh, 1) float64: computed in the working
+        dtype, with no copy (an overflow gives inf, which fails the tests). For V, max|V| lies between this norm r
+        and r / sqrt(d): one pass of einsum, 5x faster than a max and a min over the strided V (below, the upper end
+        bounds overflow, the lower one underflow)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.sqrt(np.einsum("...d,...d->...", x, x)).max(axis=-1, initial=0.0).astype(np.float64)
+
+    def __init__(self, problem, rule, kmax, vnorm, wt):
+        """``kmax``, ``vnorm``: :meth:`largest_norm` of the block's K and V."""
         fi = np.finfo(wt)
-        # in the working dtype, no copy of K or V (an overflow gives inf, which fails the tests below)
-        with np.errstate(over="ignore"):
-            kmax = np.sqrt(np.einsum("...d,...d->...", k, k)).max(axis=-1, initial=0.0).astype(np.float64)
-            # max|V| lies between the largest row norm r and r / sqrt(d): one pass of einsum, 5x faster than a max
-            # and a min over the strided V (below, the upper end bounds overflow, the lower one underflow)
-            vnorm = np.sqrt(np.einsum("...d,...d->...", v, v)).max(axis=-1, initial=0.0).astype(np.float64)
         drop = -math.log2(1.0 - problem.dropout_p) if problem.dropout_p else 0.0
         with np.errstate(divide="ignore"):
             vlog = np.log2(vnorm) + 2.0 ** -6  # -inf for V = 0: no product to keep normal; l still must not underflow
-        vlog_low = vlog - 0.5 * math.log2(max(v.shape[-1], 1)) - 2.0 ** -5
+        vlog_low = vlog - 0.5 * math.log2(max(problem.v.shape[-1], 1)) - 2.0 ** -5
         nk = math.log2(max(problem.seqlen_k, 1))
         scale = abs(float(rule.tile)) if rule.tile is not None else 1.0
         # per (batch, kv head): the Cauchy-Schwarz factor with room for the rounding of the norms (d ulps), and the
@@ -644,17 +720,13 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     lay, sched = _plan(problem, block_q, block_k, schedule)
     rule = _exp_rule(problem, wt)
     q, k, v = (_grouped(x, problem, wt) for x in (problem.q, problem.k, problem.v))
-    prepared = _PerChunk(problem, rule, k, v, wt)
+    prepared = _PerChunk(problem, rule, q, k, v, wt)
     out = np.zeros(q.shape, dtype=wt)
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
     ones = np.ones(lay.block_k, dtype=wt)
     scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
     matmul = products()  # NumPy's or MKL's (CUFLASH_BLAS), one choice for the whole call
-    guarded = _nonfinite(v)  # only V meets zeros of P in a product (Q, K: masked scores are set, not computed)
-    # non-finite inputs reach exactly the results that see them, without RuntimeWarnings on the way (as
-    # NumPy's own would come from the scores of rows and keys that are then masked)
-    quiet = guarded or _nonfinite(q, k)
 
     def online(s, t, chunk, m_i, l_i, acc, u, bounds):
         """FA2 Algorithm 1 lines 9-10 on the rows of one (strip of a) tile, in place: the running max ``m_i``,
@@ -676,20 +748,24 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         m_i[...] = m_new
 
     def item(work):
-        with np.errstate(invalid="ignore") if quiet else contextlib.nullcontext():
-            row_block(work)
-
-    def row_block(work):
         chunk, i = work
-        bs, hs = chunk
         tiles = _in_range(list(sched.row(i)), key_tiles, lay.block_k)
         if not tiles:
             return
+        prep = prepared(chunk)
+        # non-finite inputs reach exactly the results that see them, without RuntimeWarnings on the way (as
+        # NumPy's own would come from the scores of rows and keys that are then masked)
+        with np.errstate(invalid="ignore") if prep.quiet else contextlib.nullcontext():
+            row_block(chunk, tiles, prep)
+
+    def row_block(chunk, tiles, prep):
+        bs, hs = chunk
         i0, i1 = tiles[0].i0, tiles[0].i1
         q_i = q[bs, hs, :, i0:i1, :]
         if rule.fold is not None:
             q_i = q_i * rule.fold  # the scale (in base 2 for float32) folded into Q once
-        kt, bounds = prepared(chunk)
+        # only V meets zeros of P in a product (Q, K: masked scores are set, not computed)
+        kt, bounds, guarded = prep.kt, prep.bounds, prep.guarded
         u = bounds.rows(q_i) if bounds is not None else None
         # shift 0 from the first key tile where every row sees two keys in it (none can be a one-key row)
         fixed = u is not None and bounds.fixed_shift(u) and masks.every_row_sees_two(tiles[0], chunk)
@@ -762,7 +838,6 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     q = _grouped(problem.q, problem, wt)
     k = _grouped(problem.k, problem, wt)
     v = _grouped(problem.v, problem, wt)
-    prepared = _PerChunk(problem, rule, k, v, wt)
     do = _grouped(dout, problem, wt)
     o = _grouped(out, problem, wt)
     lse_r = np.asarray(lse, dtype=np.float64).reshape(q.shape[:-1]) / (LN2 * rule.bits)  # in the rule's base
@@ -773,7 +848,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     # accurate as a float32 lse allows.
     coarse = bool(np.abs(lse_r[np.isfinite(lse_r)]).max(initial=0) >= 2.0 ** np.finfo(wt).nmant)
     big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
-    guarded = _nonfinite(q, k, v, do, big_d)  # see _seen_product: then also P = 0, dS = 0 where unseen
+    prepared = _PerChunk(problem, rule, q, k, v, wt, also=(do, big_d))
     matmul = products()
     dk = np.zeros(k.shape, dtype=wt)
     dv = np.zeros_like(dk)
@@ -799,7 +874,9 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
         if not tiles:
             return
         k0, k1 = tiles[0].k0, tiles[0].k1
-        kt, bounds = prepared(chunk)
+        prep = prepared(chunk)
+        # guarded (see _seen_product): some input of the block is not finite; then also P = 0, dS = 0 where unseen
+        kt, bounds, guarded = prep.kt, prep.bounds, prep.quiet
         k_j, kt_j, v_j = k[bs, hs, :, k0:k1, :], kt[..., k0:k1], v[bs, hs, :, k0:k1, :]
         vt_j = np.swapaxes(v_j, -1, -2)
         shape = q[bs, hs].shape[:3]
