@@ -10,10 +10,12 @@ round (cuflash, torch, naive), so that a machine whose speed drifts (other proce
 them alike; the ratio cuflash / torch is taken round by round and its median reported, next to
 each implementation's median and best wall time. Every implementation uses all cores: cuflash its
 worker threads, PyTorch ``torch.set_num_threads``, naive NumPy its multithreaded BLAS. Each timed call
-follows an untimed call of the same implementation: OpenBLAS's and OpenMP's worker threads keep spinning
-for a while after a parallel call, and on 2 cores the threads of the implementation timed just before
-took a core from the next one (measured: cuflash 132 ms alone against torch, 166 ms right after the naive
-multithreaded GEMMs).
+follows a pause of :data:`IDLE_S` and an untimed call of the same implementation: OpenBLAS's and OpenMP's
+worker threads keep spinning for a while after a parallel call (OpenBLAS's for about 2^28 cycles), and on 2
+cores the threads of the implementation timed just before took a core from the next one (measured: cuflash
+132 ms alone against torch, 166 ms right after the naive multithreaded GEMMs; with an untimed call between
+them still 60.4 ms alone against 67.1 ms for a causal float32 forward at N = 4096, d = 64, and 57.4 ms after
+a pause of 0.3 s).
 
 With ``--threads 1`` every implementation runs on one core and two float32 yardsticks join them: the ``floor``
 loop (the products, ``exp2`` and row sums of cuflash's tiles and nothing else: see :func:`floor_loop`) and
@@ -45,6 +47,10 @@ from threadpoolctl import threadpool_limits
 
 import cuflash
 from cuflash.backends import numpy as nb
+
+
+#: Seconds of idle time before each implementation's calls in a round (see the module docstring).
+IDLE_S = 0.3
 
 
 def _cores():
@@ -148,7 +154,8 @@ def time_case(torch, dtype, n, d, causal, rounds, heads=4, threads=None):
         f()
     for _ in range(rounds):
         for name, f in impls.items():
-            f()  # settle: the previous implementation's thread pools may still spin (see the module docstring)
+            time.sleep(IDLE_S)  # the previous implementation's BLAS threads stop spinning (see the module docstring)
+            f()  # settle: caches, and this implementation's own thread pools
             t0 = time.perf_counter()
             f()
             samples[name].append(time.perf_counter() - t0)

@@ -433,9 +433,11 @@ def test_numpy_products_loop_is_the_two_products_of_the_visited_tiles(causal):
     assert_attention_close(out, exact, naive, mult=2, name="products", magnitude=np.abs(exact).max())
 
 
-def test_numpy_benchmark_case_with_one_thread():
+def test_numpy_benchmark_case_with_one_thread(monkeypatch):
+    import benchmarks.numpy_backend as bench
     from benchmarks.numpy_backend import _products, time_case
 
+    monkeypatch.setattr(bench, "IDLE_S", 0.0)  # no BLAS threads to wait for at this size
     rec = time_case(None, np.float32, 64, 16, True, rounds=1, heads=1, threads=1)
     # with MKL for cuflash's products, the same code on NumPy's OpenBLAS is timed beside it
     openblas = {"cuflash_openblas"} if _products() == "mkl" else set()
