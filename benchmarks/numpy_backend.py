@@ -3,6 +3,7 @@
     python -m benchmarks.numpy_backend --out benchmarks/results/cpu-amd-epyc-2c/numpy_backend.json
     python -m benchmarks.numpy_backend --quick          # N = 4096 only, fewer rounds
     python -m benchmarks.numpy_backend --quick --threads 1 --no-memory --out .../numpy_backend_1thread.json
+    python -m benchmarks.numpy_backend --quick --backward --no-memory --out .../numpy_backend_fwd_bwd.json
 
 Speed: forward, batch 1, 4 heads, head_dim 64 and 128, causal and not, float32 at N = 4096 and
 16384 and float64 at N = 4096. Each case is timed in rounds, the implementations in turn within a
@@ -128,6 +129,26 @@ def _products():
     return "numpy" if _blas._mkl() is None else "mkl"
 
 
+def _fwd_bwd_impls(torch, q, k, v, causal):
+    """Forward and backward: cuflash's attention (with the lse) then attention_backward, PyTorch's SDPA then
+    ``torch.autograd.grad`` of the same output gradient (PyTorch has no backward alone to call)."""
+    dout = np.random.default_rng(1).standard_normal(q.shape).astype(q.dtype)
+
+    def ours():
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+
+    impls = {"cuflash": ours}
+    if _products() == "mkl":
+        impls["cuflash_openblas"] = _blas_choice("numpy", ours)
+    if torch is not None:
+        tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
+        tdo = torch.from_numpy(dout).transpose(1, 2)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        impls["torch"] = lambda: torch.autograd.grad(sdpa(tq, tk, tv, is_causal=causal), (tq, tk, tv), tdo)
+    return impls
+
+
 def _impls(torch, q, k, v, causal, with_naive, threads):
     impls = {"cuflash": lambda: cuflash.attention(q, k, v, causal=causal)}
     if _products() == "mkl":  # the same code with NumPy's OpenBLAS for the products, side by side
@@ -144,11 +165,12 @@ def _impls(torch, q, k, v, causal, with_naive, threads):
     return impls
 
 
-def time_case(torch, dtype, n, d, causal, rounds, heads=4, threads=None):
+def time_case(torch, dtype, n, d, causal, rounds, heads=4, threads=None, backward=False):
+    """One case's timings; ``backward``: forward and backward (:func:`_fwd_bwd_impls`), else the forward."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, n, heads, d)).astype(dtype) for _ in range(3))
-    with_naive = n <= 8192  # 16384: the naive S of 4 heads would be 4 GiB
-    impls = _impls(torch, q, k, v, causal, with_naive, threads)
+    with_naive = n <= 8192 and not backward  # 16384: the naive S of 4 heads would be 4 GiB
+    impls = _fwd_bwd_impls(torch, q, k, v, causal) if backward else _impls(torch, q, k, v, causal, with_naive, threads)
     samples = {name: [] for name in impls}
     for f in impls.values():  # warm-up: caches, thread pools, first-touch pages
         f()
@@ -160,6 +182,7 @@ def time_case(torch, dtype, n, d, causal, rounds, heads=4, threads=None):
             f()
             samples[name].append(time.perf_counter() - t0)
     rec = dict(dtype=np.dtype(dtype).name, seqlen=n, heads=heads, head_dim=d, causal=causal, rounds=rounds,
+               passes="forward+backward" if backward else "forward",
                ms={name: round(1e3 * statistics.median(s), 2) for name, s in samples.items()},
                ms_best={name: round(1e3 * min(s), 2) for name, s in samples.items()})
     for other in ("torch", "naive", "floor", "products", "cuflash_openblas"):
@@ -167,7 +190,7 @@ def time_case(torch, dtype, n, d, causal, rounds, heads=4, threads=None):
             rec[f"cuflash_over_{other}"] = round(statistics.median(
                 a / b for a, b in zip(samples["cuflash"], samples[other])), 3)
     if not with_naive:
-        rec["skipped"] = {"naive": "its score matrix would need 4 GiB"}
+        rec["skipped"] = {"naive": "no backward" if backward else "its score matrix would need 4 GiB"}
     return rec
 
 
@@ -239,6 +262,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None,
                     help="threads for every implementation (default: all cores); "
                          "1 adds the float32 floor and products loops")
+    ap.add_argument("--backward", action="store_true",
+                    help="time forward + backward (cuflash against PyTorch's SDPA with autograd; no naive, no floor)")
     args = ap.parse_args(argv)
     threads = args.threads or _cores()
     os.environ["CUFLASH_NUM_THREADS"] = str(threads)  # before cuflash's first call reads it
@@ -254,7 +279,7 @@ def main(argv=None):
         for dtype, n, d, causal in cases:
             with threadpool_limits(threads):  # the naive computation's BLAS
                 rec = time_case(torch, dtype, n, d, causal, rounds if n <= 4096 else max(2, rounds - 2),
-                                threads=threads)
+                                threads=threads, backward=args.backward)
             result["speed"].append(rec)
             ms, nan = rec["ms"], float("nan")
             openblas = "" if "cuflash_openblas" not in ms else \

@@ -444,3 +444,14 @@ def test_numpy_benchmark_case_with_one_thread(monkeypatch):
     assert set(rec["ms"]) == {"cuflash", "floor", "products", "naive"} | openblas
     assert rec["cuflash_over_floor"] > 0 and rec["cuflash_over_products"] > 0
     assert all(rec[f"cuflash_over_{name}"] > 0 for name in openblas)
+
+
+def test_numpy_benchmark_case_forward_and_backward(monkeypatch):
+    import benchmarks.numpy_backend as bench
+
+    monkeypatch.setattr(bench, "IDLE_S", 0.0)
+    rec = bench.time_case(None, np.float32, 64, 16, True, rounds=1, heads=1, threads=1, backward=True)
+    openblas = {"cuflash_openblas"} if bench._products() == "mkl" else set()
+    assert rec["passes"] == "forward+backward"
+    assert set(rec["ms"]) == {"cuflash"} | openblas  # no naive backward, no floor
+    assert rec["skipped"] == {"naive": "no backward"}
