@@ -662,3 +662,23 @@ def test_a_nonfinite_value_leaves_other_blocks_of_heads_bitwise_unchanged():
     grads, bad_grads = backward(dout, q, k, v, out, lse), backward(dout, q, k, bad, bad_out, bad_lse)
     for g, bad_g in zip(grads, bad_grads):
         np.testing.assert_array_equal(bad_g[:, :, others], g[:, :, others])
+
+
+def test_a_call_leaves_nothing_for_the_cycle_collector():
+    """What a call allocates is freed when it returns, by reference counting alone: a reference cycle (a block's
+    preparation reaching back to the cache that holds it) kept each call's copies of K^T alive until the cycle
+    collector ran, so that ring attention's peak grew with its number of steps."""
+    import gc
+
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((1, 1024, 4, 64)).astype(np.float32) for _ in range(4))
+    out, lse = forward(q, k, v, causal=True)
+    gc.collect()
+    gc.disable()
+    try:
+        out, lse = forward(q, k, v, causal=True)
+        assert gc.collect() == 0
+        backward(dout, q, k, v, out, lse, causal=True)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

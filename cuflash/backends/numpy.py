@@ -122,6 +122,9 @@ class _Scratch(threading.local):
         n = math.prod(shape)
         buf = getattr(self, name, None)
         if buf is None or buf.size < n or buf.dtype != dtype:
+            # the old buffer goes first: the peak is then the largest buffer, not the order of the sizes asked for
+            buf = None
+            setattr(self, name, None)
             buf = np.empty(max(n, 1), dtype=dtype)
             setattr(self, name, buf)
         return buf[:n].reshape(shape)
@@ -240,6 +243,7 @@ class _Together:
                             self._value = self._finish(self._results)
                         except BaseException as exc:  # noqa: BLE001
                             self._error = exc
+                    self._finish = self._results = None  # what the parts made lives on in the value only
                     self._done.notify_all()
         with self._done:
             self._done.wait_for(lambda: self._left == 0)
@@ -280,14 +284,15 @@ class _PerChunk:
         return together()
 
     def _together(self, chunk):
+        problem, rule, wt = self.problem, self.rule, self.wt  # not self in finish: no cycle through self._made
         q, k, v = self.q[chunk], self.k[chunk], self.v[chunk]
-        kt, copy = _keys_transposed(self.problem, k)
+        kt, copy = _keys_transposed(problem, k)
         norms = [functools.partial(_Bounds.largest_norm, x) for x in (k, v)] if self.bounded else []
         checks = [functools.partial(_nonfinite, x) for x in (v, q, k) + tuple(x[chunk] for x in self.also)]
 
         def finish(results):
             kv, bad = results[len(copy):len(copy) + len(norms)], results[len(copy) + len(norms):]
-            bounds = _Bounds(self.problem, self.rule, *kv, self.wt) if kv else None
+            bounds = _Bounds(problem, rule, *kv, wt) if kv else None
             return _Prepared(kt, bounds, bad[0], any(bad))
 
         return _Together(copy + norms + checks, finish)
