@@ -185,14 +185,16 @@ def _grouped(x, problem, dtype):
     return x.transpose(0, 2, 1, 3).astype(dtype, copy=False).reshape(b, problem.heads_kv, h // problem.heads_kv, s, d)
 
 
-def _keys_transposed(problem, k):
+def _keys_transposed(problem, k, matmul):
     """K^T as (B, Hkv, 1, D, Sk), and the parts that fill it (see :class:`_Together`), or no parts for a view.
-    A contiguous copy when enough query rows share it: the product Q K^T then runs as a plain (non-transposed)
-    GEMM, about 8% faster in OpenBLAS for head_dim 64 (and 3% for 128) than through the transposed view;
-    decode-shaped calls (a few query rows against long keys) keep the view, where copying K would cost more than
-    the products."""
+    A contiguous copy when NumPy's matmul (OpenBLAS) runs the products and enough query rows share it: the product
+    Q K^T then runs as a plain (non-transposed) GEMM, about 8% faster in OpenBLAS for head_dim 64 (and 3% for 128)
+    than through the transposed view; decode-shaped calls (a few query rows against long keys) keep the view, where
+    copying K would cost more than the products. MKL's gemm reads the view within 2% of the copy's speed, less than
+    the copy costs (forward 1.5% faster without it at N = 4096, equal at 16384; A/B in one process, 2 cores), and
+    the copy's O(N·d) per block of heads is saved."""
     kt = np.swapaxes(k, -1, -2)
-    if problem.seqlen_q * problem.group < KT_COPY_ROWS:
+    if matmul is not np.matmul or problem.seqlen_q * problem.group < KT_COPY_ROWS:
         return kt, []
     out = np.empty(kt.shape, dtype=kt.dtype)
     n = kt.shape[-1]
@@ -270,8 +272,9 @@ class _PerChunk:
     products. So this O(N·d) preparation runs on the workers, one block beside another, instead of on one core before
     the pool starts (3.7 ms of a 70 ms causal forward at N = 4096 on 2 cores)."""
 
-    def __init__(self, problem, rule, q, k, v, wt, also=()):
+    def __init__(self, problem, rule, q, k, v, wt, matmul, also=()):
         self.problem, self.rule, self.q, self.k, self.v, self.wt, self.also = problem, rule, q, k, v, wt, also
+        self.matmul = matmul
         self.bounded = _Bounds.applies(problem)
         self._lock, self._made = threading.Lock(), {}
 
@@ -286,7 +289,7 @@ class _PerChunk:
     def _together(self, chunk):
         problem, rule, wt = self.problem, self.rule, self.wt  # not self in finish: no cycle through self._made
         q, k, v = self.q[chunk], self.k[chunk], self.v[chunk]
-        kt, copy = _keys_transposed(problem, k)
+        kt, copy = _keys_transposed(problem, k, self.matmul)
         norms = [functools.partial(_Bounds.largest_norm, x) for x in (k, v)] if self.bounded else []
         checks = [functools.partial(_nonfinite, x) for x in (v, q, k) + tuple(x[chunk] for x in self.also)]
 
@@ -741,13 +744,13 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     lay, sched = _plan(problem, block_q, block_k, schedule)
     rule = _exp_rule(problem, wt)
     q, k, v = (_grouped(x, problem, wt) for x in (problem.q, problem.k, problem.v))
-    prepared = _PerChunk(problem, rule, q, k, v, wt)
+    matmul = products()  # NumPy's or MKL's (CUFLASH_BLAS), one choice for the whole call
+    prepared = _PerChunk(problem, rule, q, k, v, wt, matmul)
     out = np.zeros(q.shape, dtype=wt)
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
     ones = np.ones(lay.block_k, dtype=wt)
     scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
-    matmul = products()  # NumPy's or MKL's (CUFLASH_BLAS), one choice for the whole call
 
     def online(s, t, chunk, m_i, l_i, acc, u, bounds):
         """FA2 Algorithm 1 lines 9-10 on the rows of one (strip of a) tile, in place: the running max ``m_i``,
@@ -869,8 +872,8 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     # accurate as a float32 lse allows.
     coarse = bool(np.abs(lse_r[np.isfinite(lse_r)]).max(initial=0) >= 2.0 ** np.finfo(wt).nmant)
     big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
-    prepared = _PerChunk(problem, rule, q, k, v, wt, also=(do, big_d))
     matmul = products()
+    prepared = _PerChunk(problem, rule, q, k, v, wt, matmul, also=(do, big_d))
     dk = np.zeros(k.shape, dtype=wt)
     dv = np.zeros_like(dk)
     scale = wt.type(problem.scale)
