@@ -97,8 +97,8 @@ def test_bitwise_deterministic():
 
 
 def test_unsupported_dtype_is_a_clear_error():
-    x = cp.zeros((1, 8, 1, 32), cp.float32)
-    with pytest.raises(TypeError, match="backend 'cuda' computes float16, bfloat16 .* got float32"):
+    x = cp.zeros((1, 8, 1, 32), cp.int32)  # float32 and float64 have kernels of their own (flash_*_wide.cu)
+    with pytest.raises(TypeError, match="int32"):
         cuflash.attention(x, x, x)
 
 

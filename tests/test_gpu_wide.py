@@ -31,8 +31,18 @@ IDS = ["f32-ieee", "f32-3xtf32", "f32-tf32", "f64"]
 
 
 def _device(options):
-    return {k: (cp.asarray(v) if k.startswith("seqlens") or isinstance(v, np.ndarray) and k in ("bias",
-            "alibi_slopes") else v) for k, v in options.items()}
+    """The case's options with its arrays on the GPU, as the CUDA path requires (mod_arrays' values too)."""
+    def on(x):
+        return cp.asarray(x) if isinstance(x, np.ndarray) else x
+
+    def moved(key, value):
+        if key.startswith("seqlens"):
+            return cp.asarray(value)
+        if key == "mod_arrays":
+            return {name: on(a) for name, a in value.items()}
+        return on(value) if key in ("bias", "alibi_slopes") else value
+
+    return {k: moved(k, v) for k, v in options.items()}
 
 
 def on_gpu(q, k, v, **options):
