@@ -260,9 +260,8 @@ class _Prepared:
 
     kt: np.ndarray                # K^T (see _keys_transposed)
     bounds: Optional["_Bounds"]  # None where they do not apply
-    guarded: bool                 # some element of V is not finite (the forward's _seen_product)
-    quiet: bool                   # some element of Q, K, V or ``also`` is not finite (the backward's _seen_product;
-                                  # no RuntimeWarnings on the way)
+    v_nonfinite: bool             # some element of V is not finite (the forward's _seen_product)
+    any_nonfinite: bool           # some element of Q, K, V or ``also`` is (the backward's _seen_product; no warnings)
 
 
 class _PerChunk:
@@ -779,7 +778,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         prep = prepared(chunk)
         # non-finite inputs reach exactly the results that see them, without RuntimeWarnings on the way (as
         # NumPy's own would come from the scores of rows and keys that are then masked)
-        with np.errstate(invalid="ignore") if prep.quiet else contextlib.nullcontext():
+        with np.errstate(invalid="ignore") if prep.any_nonfinite else contextlib.nullcontext():
             row_block(chunk, tiles, prep)
 
     def row_block(chunk, tiles, prep):
@@ -789,7 +788,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         if rule.fold is not None:
             q_i = q_i * rule.fold  # the scale (in base 2 for float32) folded into Q once
         # only V meets zeros of P in a product (Q, K: masked scores are set, not computed)
-        kt, bounds, guarded = prep.kt, prep.bounds, prep.guarded
+        kt, bounds, guarded = prep.kt, prep.bounds, prep.v_nonfinite
         u = bounds.rows(q_i) if bounds is not None else None
         # shift 0 from the first key tile where every row sees two keys in it (none can be a one-key row)
         fixed = u is not None and bounds.fixed_shift(u) and masks.every_row_sees_two(tiles[0], chunk)
@@ -900,7 +899,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
         k0, k1 = tiles[0].k0, tiles[0].k1
         prep = prepared(chunk)
         # guarded (see _seen_product): some input of the block is not finite; then also P = 0, dS = 0 where unseen
-        kt, bounds, guarded = prep.kt, prep.bounds, prep.quiet
+        kt, bounds, guarded = prep.kt, prep.bounds, prep.any_nonfinite
         k_j, kt_j, v_j = k[bs, hs, :, k0:k1, :], kt[..., k0:k1], v[bs, hs, :, k0:k1, :]
         vt_j = np.swapaxes(v_j, -1, -2)
         # Finite inputs without a score modifier: the shift by lse (line 11, S - L) and D (line 14, dP - D) ride in
@@ -908,8 +907,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
         # over each score tile (65 terms cost MKL 2% more than 64; a pass over the tile, 33%).
         fold_lse = not guarded and not modified and rule.tile is None
         fold_d = not guarded and problem.dropout_p == 0  # with dropout, dP is scaled before D is subtracted
-        if fold_lse:
-            kt_j = _stacked(kt_j, 1, -2, scratch, "kt1")
+        kt1_j = _stacked(kt_j, 1, -2, scratch, "kt1") if fold_lse else None
         if fold_d:
             vt_j = _stacked(vt_j, 1, -2, scratch, "vt1")
         shape = q[bs, hs].shape[:3]
@@ -927,8 +925,8 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                 # S as the forward's (line 11), or S - L where every L is finite (a row that saw nothing has L = inf:
                 # there S - L is left to the pass, as IEEE gives it; in BLAS an infinity meets the zeros of its padding)
                 folded = fold_lse and bool(np.isfinite(shift).all())
-                _scores(_stacked(qs_i, -shift, -1, scratch, "q1") if folded else qs_i,
-                        kt_j if folded or not fold_lse else kt_j[..., :-1, :], rule, s, matmul)
+                operands = (_stacked(qs_i, -shift, -1, scratch, "q1"), kt1_j) if folded else (qs_i, kt_j)
+                _scores(*operands, rule, s, matmul)
                 s0 = None
                 if modifiers is not None:
                     s0 = modifiers.score(s, tl, chunk, keep_s0=modified)
