@@ -149,13 +149,43 @@ inline float tf32_operand(uint32_t bits) {
 // SM80_16x8x8_F32TF32TF32F32_TN traits say the same): a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4],
 // a3 = A[g+8][t+4]; b0 = B[k = t][n = g], b1 = B[t+4][g]; C/D as m16n8k16: c0,c1 = row g, c2,c3 = row g+8, columns
 // 2t, 2t+1. Products of two 11-bit significands are exact in fp32; the ISA leaves the accumulation order and
-// rounding unspecified ("at least single precision"), and this emulation adds the 8 products to C in k order,
-// rounding to fp32 after each addition (no FMA: x86-64 g++ does not contract without -mfma).
+// rounding unspecified ("at least single precision"). By default this emulation adds the 8 products to C in k
+// order, rounding to fp32 after each addition (no FMA: x86-64 g++ does not contract without -mfma). Under hw_math
+// it models the tensor core instead (tc_sum_rz): the first H100 run showed that 3xTF32, which accumulates many
+// small corrections into one C, loses 20x the accuracy of naive fp32 there and not in the round-to-nearest
+// emulation.
 struct MmaTf32In {
   const uint32_t* a;
   const uint32_t* b;
   const float* c;
 };
+
+// One tensor-core dot product c + sum p[k] as Fasi, Higham, Mikaitis and Pranesh measured it on the A100 ("Numerical
+// behavior of NVIDIA tensor cores", PeerJ CS 2021): the products are exact, every term is aligned to the largest
+// one and truncated to its 24-bit grid (no guard bits), and the sum is normalized with round-toward-zero. The
+// terms are multiples of that grid below 2^(e+4), so their sum is exact in double; only the last step rounds.
+// Non-finite terms take the plain sum (NaN and infinities propagate as IEEE).
+inline float tc_sum_rz(float c, const float* p, int n) {
+  double t[16];
+  t[0] = c;
+  int e = INT32_MIN;
+  for (int k = 0; k <= n; ++k) {
+    if (k) t[k] = p[k - 1];
+    if (!std::isfinite(t[k])) {
+      double s = c;
+      for (int j = 0; j < n; ++j) s += p[j];
+      return float(s);
+    }
+    int ek;
+    if (t[k] != 0) std::frexp(t[k], &ek), e = ek > e ? ek : e;
+  }
+  if (e == INT32_MIN) return c;  // all zero (keeps the sign of c)
+  double s = 0;
+  for (int k = 0; k <= n; ++k) s += std::ldexp(std::trunc(std::ldexp(t[k], 24 - e)), e - 24);
+  float f = float(s);
+  if (std::fabs(double(f)) > std::fabs(s)) f = std::nextafter(f, 0.0f);
+  return f;
+}
 
 __attribute__((optimize("O3"))) inline void mma_tf32_fn(Fiber* const* lanes, uint32_t) {
   float A[16][8], B[8][8], C[16][8];
@@ -170,9 +200,18 @@ __attribute__((optimize("O3"))) inline void mma_tf32_fn(Fiber* const* lanes, uin
     B[t + 4][g] = tf32_operand(in->b[1]);
     for (int r = 0; r < 4; ++r) C[g + 8 * (r >> 1)][2 * t + (r & 1)] = in->c[r];
   }
-  for (int i = 0; i < 16; ++i)
-    for (int k = 0; k < 8; ++k)
-      for (int j = 0; j < 8; ++j) C[i][j] += A[i][k] * B[k][j];
+  if (::cuflash_emu::g.hw_math) {
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 8; ++j) {
+        float p[8];
+        for (int k = 0; k < 8; ++k) p[k] = A[i][k] * B[k][j];
+        C[i][j] = tc_sum_rz(C[i][j], p, 8);
+      }
+  } else {
+    for (int i = 0; i < 16; ++i)
+      for (int k = 0; k < 8; ++k)
+        for (int j = 0; j < 8; ++j) C[i][j] += A[i][k] * B[k][j];
+  }
   for (int l = 0; l < 32; ++l) {
     float* d = static_cast<float*>(lanes[l]->wout);
     int g = l >> 2, t = l & 3;

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import cuflash.emulate as emu
+import tensor_core_model
 from emu_helpers import from_bf16_bits, spec, to_bf16_bits
 
 DTYPES = {"__half": (lambda x: x.astype(np.float16).view(np.uint16), lambda b: b.view(np.float16)),
@@ -114,11 +115,19 @@ def test_mma_tf32_matches_tf32_products_summed_in_k_order(seed):
     c = rng.standard_normal((16, 8)).astype(np.float32)
     d = np.full((16, 8), np.nan, np.float32)
     emu.launch(spec("arch_tests.cu", "mma_tf32_from_global", (a, b, c, d)))
-    ta, tb = _tf32_rna(a).astype(np.float64), _tf32_rna(b).astype(np.float64)
-    acc = c.copy()
-    for k in range(8):
-        acc = (acc + np.outer(ta[:, k], tb[k]).astype(np.float32)).astype(np.float32)  # the products are exact
-    np.testing.assert_array_equal(d, acc)
+    np.testing.assert_array_equal(d, tensor_core_model.rn(a, b, c))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_mma_tf32_in_hw_math_sums_as_the_tensor_core(seed):
+    """hw_math: the 8 exact products and C truncated to the largest term's grid, the sum rounded toward zero
+    (tests/tensor_core_model.py; the last two rows tell it from round to nearest)."""
+    a, b, c = tensor_core_model.operands(seed)
+    d = np.full((16, 8), np.nan, np.float32)
+    emu.launch(spec("arch_tests.cu", "mma_tf32_from_global", (a, b, c, d)), hw_math=True)
+    np.testing.assert_array_equal(d, tensor_core_model.rz(a, b, c))
+    np.testing.assert_array_equal(d[14:], [[1] * 8, [-1] * 8])
+    assert not np.array_equal(d, tensor_core_model.rn(a, b, c))
 
 
 def test_mma_tf32_distinguishes_every_fragment_position():

@@ -1,0 +1,58 @@
+"""Models of one TF32 tensor-core product ``D = A B + C`` (``mma.m16n8k8 .tf32``; A 16x8, B 8x8, C 16x8 float32), shared
+by the emulator's test (tests/emulate/test_arch.py: its hw_math mode implements :func:`rz`) and the GPU's
+(tests/test_gpu_arch.py: which model the hardware follows, bit for bit).
+
+- :func:`rn`: the products (exact: two 11-bit significands) added to C one by one in k order, each sum rounded to
+  nearest float32: the PTX ISA's reading, and the emulator's default.
+- :func:`rz`: the tensor core as Fasi, Higham, Mikaitis and Pranesh measured it ("Numerical behavior of NVIDIA tensor
+  cores", 2021): all terms (C and the 8 products) aligned to the largest, truncated to a grid of ``bits`` significant
+  bits of it (24: no guard bit; later GPUs were reported with 25), summed exactly, and the sum rounded toward zero.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuflash.reference import round_tf32
+
+
+def _terms(a, b, c):
+    ta, tb = round_tf32(a).astype(np.float64), round_tf32(b).astype(np.float64)
+    return ta, tb, np.asarray(c, np.float32)
+
+
+def rn(a, b, c):
+    ta, tb, acc = _terms(a, b, c)
+    acc = acc.copy()
+    for k in range(ta.shape[1]):
+        acc = (acc + np.outer(ta[:, k], tb[k]).astype(np.float32)).astype(np.float32)  # the products are exact
+    return acc
+
+
+def dot_rz(c, products, bits=24):
+    """One element: ``c + sum(products)`` with every term truncated to ``bits`` bits of the largest, the exact sum
+    of those rounded toward zero to float32 (the sum of at most 9 such terms fits a float64 exactly)."""
+    terms = [float(c)] + [float(p) for p in products]
+    nonzero = [t for t in terms if t]
+    if not nonzero:
+        return np.float32(c)
+    e = max(np.frexp(t)[1] for t in nonzero)
+    s = np.ldexp(sum(np.trunc(np.ldexp(t, bits - e)) for t in terms), e - bits)
+    f = np.float32(s)
+    return np.nextafter(f, np.float32(0)) if abs(float(f)) > abs(s) else f
+
+
+def rz(a, b, c, bits=24):
+    ta, tb, c = _terms(a, b, c)
+    return np.array([[dot_rz(c[i, j], ta[i] * tb[:, j], bits) for j in range(tb.shape[1])]
+                     for i in range(ta.shape[0])], np.float32)
+
+
+def operands(seed):
+    """Random A, B, C, and in the last two rows C = +-1 plus one product of 0.75 ulp(1): round to nearest gives
+    +-(1 + 2^-23) there, round toward zero +-1."""
+    rng = np.random.default_rng(seed)
+    a, b = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((8, 8)).astype(np.float32)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    a[14:], b[0], c[14] = 0, 1, 1
+    a[14, 0], c[15], a[15, 0] = 0.75 * 2.0 ** -23, -1, -0.75 * 2.0 ** -23
+    return a, b, c
