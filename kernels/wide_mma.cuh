@@ -16,7 +16,8 @@
 //             for mma.m16n8k8", .tf32; CUTLASS SM80_16x8x8_F32TF32TF32F32_TN, ALayout strides (16,1),(8,64)).
 //   F32Tf32x3 the same instruction three times per product, CUTLASS's 3xTF32 (OpMultiplyAddFastF32): x = big + small
 //             with big = tf32(x), small = tf32(x - big) (x - big is exact in fp32); A B ~ As Bb + Ab Bs + Ab Bb, the
-//             small terms first, As Bs (~2^-22 relative) dropped. Near-float32 accuracy (measured: README, Precision).
+//             small terms first, As Bs (~2^-22 relative) dropped; the products sum apart (kSumApart: warp_gemm).
+//             Near-float32 accuracy (measured: README, Precision).
 //   F32Fma /  float32 / float64 FFMA/DFMA, no tensor core: each lane computes its own C elements, k-steps of one
 //   F64Fma    16-byte vector of A's row and B's column (4 floats; float64: one double, see below), fma in k order.
 //             Their kTM is 16 / 8 (the layouts of the tensor-core paths of the same element type).
@@ -88,7 +89,7 @@ struct ColMajor {
 struct F64Dmma {
   using T = double;
   static constexpr int kTM = 8, kR = 2, kK = 4;
-  static constexpr bool kRegA = true;
+  static constexpr bool kRegA = true, kSumApart = false;
   static constexpr int kRegSteps = 2;
   struct A {
     double x;
@@ -118,7 +119,7 @@ template <bool kThree>
 struct F32Tf32Base {
   using T = float;
   static constexpr int kTM = 16, kR = 4, kK = 8;
-  static constexpr bool kRegA = true;
+  static constexpr bool kRegA = true, kSumApart = kThree;
   static constexpr int kRegSteps = 1;
   struct A {
     uint32_t big[4], small[kThree ? 4 : 1];
@@ -144,6 +145,7 @@ struct F32Tf32Base {
     split(m(k0 + t, n0 + g), b.big[0], &b.small[0]);
     split(m(k0 + t + 4, n0 + g), b.big[1], &b.small[kThree ? 1 : 0]);
   }
+  // c += a b, inside the tensor core (3xTF32: the small terms first; warp_gemm on summing apart)
   __device__ static __forceinline__ void mma(float (&c)[kR], const A& a, const B& b) {
     if constexpr (kThree) {
       const uint32_t as[4] = {a.small[0], a.small[1], a.small[2], a.small[3]};
@@ -174,7 +176,7 @@ template <typename T_, int kTM_, int kK_>
 struct FmaAtom {
   using T = T_;
   static constexpr int kTM = kTM_, kR = kTM_ / 4, kK = kK_;
-  static constexpr bool kRegA = false;
+  static constexpr bool kRegA = false, kSumApart = false;
   static constexpr int kRegSteps = 1;
   struct A {
     T x[kR / 2][kK];  // rows g + 8h, k0 .. k0 + kK - 1
@@ -230,9 +232,28 @@ using F64Fma = FmaAtom<double, 8, 1>;
 
 // ---- warp products ----
 
+// Sums apart (M::kSumApart, 3xTF32): the tensor core rounds its sum toward zero (Fasi, Higham, Mikaitis and Pranesh,
+// "Numerical behavior of NVIDIA tensor cores", 2021), losing up to an ulp of C per mma when C is its addend. Over a
+// long accumulation (O over every key, dK/dV over every query, S over head_dim) that bias grows with the length:
+// 3xTF32's forward RMS error was 20x naive float32's at N = 2048 on an H100. So warp_gemm sums each k-step's three
+// products from zero and adds them to C with a round-to-nearest FADD, as Ootomo and Yokota ("Recovering single
+// precision accuracy from Tensor Cores while surpassing the FP32 theoretical peak performance", 2022) accumulate
+// outside the tensor core: the bias is then an ulp of one step's sum. Its k loop is not unrolled, so that one step's
+// partial sums are in flight at a time (unrolled, ptxas overlapped them and spilled). P V (warp_gemm_regs_a) sums a
+// tile's keys inside the tensor core and adds each tile apart (per step it spilled). Accumulators of kApartRegs
+// registers or more (O and dQ at head_dim 192 and 256) still sum inside the mma: apart, they spilled 8-56 bytes.
+constexpr int kApartRegs = 96;
+
+// c += s, round to nearest (an IEEE FADD, never fused into a tensor-core addend)
+template <class M>
+__device__ __forceinline__ void add_rn(float (&c)[M::kR], const float (&s)[M::kR]) {
+#pragma unroll
+  for (int r = 0; r < M::kR; ++r) c[r] = __fadd_rn(c[r], s[r]);
+}
+
 // C[kMT][kNT] += A B over k in [0, kKTotal): A rows 0 .. kMT * kTM - 1 (the warp's), B columns 0 .. 8 * kNT - 1.
-// Each C element sums its products in k order, whatever the loop order. Two orders, picked by the size of C
-// (measured with the compile check):
+// Each C element sums its products in k order, whatever the loop order. Summing apart (above) has its own loop; else
+// two orders, picked by the size of C (measured with the compile check):
 //   k outer (two k-steps per iteration): each B fragment loaded once per k-step and used for every m-tile; the
 //     accumulators are indexed by (mi, nj) only, so k need not be unrolled (a head_dim of 256 in k-steps of 4 would
 //     be 64 copies of the body);
@@ -243,7 +264,25 @@ template <class M, int kMT, int kNT, int kKTotal, class XA, class XB>
 __device__ __forceinline__ void warp_gemm(typename M::T (&C)[kMT][kNT][M::kR], const XA& A, const XB& B, int lane) {
   static_assert(kKTotal % M::kK == 0, "k must be a multiple of the arithmetic's k-step");
   constexpr bool kBigC = kMT * kNT * M::kR * int(sizeof(typename M::T)) / 4 >= 128;
-  if constexpr (!kBigC) {
+  if constexpr (M::kSumApart && kMT * kNT * M::kR < kApartRegs) {
+    // column blocks outer, k inner and not unrolled: one step's partial sums in flight at a time
+#pragma unroll
+    for (int nj = 0; nj < kNT; ++nj) {
+#pragma unroll 1
+      for (int k0 = 0; k0 < kKTotal; k0 += M::kK) {
+        typename M::B b;
+        M::load_b(b, B, k0, 8 * nj, lane);
+#pragma unroll
+        for (int mi = 0; mi < kMT; ++mi) {
+          typename M::A a;
+          M::load_a(a, A, mi * M::kTM, k0, lane);
+          float step[M::kR] = {};
+          M::mma(step, a, b);
+          add_rn<M>(C[mi][nj], step);
+        }
+      }
+    }
+  } else if constexpr (!kBigC) {
 #pragma unroll 2
     for (int k0 = 0; k0 < kKTotal; k0 += M::kK) {
       typename M::A a[kMT];
@@ -297,7 +336,23 @@ __device__ __forceinline__ void warp_gemm_regs_a(typename M::T (&C)[kMT][kNTC][M
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi) M::mma(C[mi][nd], a[nj][s][mi], b);
   };
-  if constexpr (M::kTM == 16 && kNTC >= 32) {
+  if constexpr (M::kSumApart && kMT * kNTC * M::kR < kApartRegs) {
+    // output columns outer; the tile's keys summed inside the tensor core from zero, then added to C round-to-nearest
+    // (per key step, as warp_gemm does, the unrolled steps' partial sums overlapped and spilled)
+#pragma unroll
+    for (int nd = 0; nd < kNTC; ++nd) {
+      float sum[kMT][M::kR] = {};
+#pragma unroll
+      for (int nj = 0; nj < kNTP; ++nj) {
+        typename M::B b;
+        M::load_b_perm(b, V, 8 * nj, 0, 8 * nd, lane);
+#pragma unroll
+        for (int mi = 0; mi < kMT; ++mi) M::mma(sum[mi], a[nj][0][mi], b);
+      }
+#pragma unroll
+      for (int mi = 0; mi < kMT; ++mi) add_rn<M>(C[mi][nd], sum[mi]);
+    }
+  } else if constexpr (M::kTM == 16 && kNTC >= 32) {
 #pragma unroll
     for (int nd = 0; nd < kNTC; ++nd)
 #pragma unroll

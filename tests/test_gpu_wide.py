@@ -5,7 +5,7 @@ Each arithmetic the GPU runs (float32 with precision "ieee", "3xtf32", "tf32"; f
 without float64 tensor cores), forward and backward, held to its mode's rules (tests/wide_support.py): hypothesis
 over the shared strategies (head dims up to 256, awkward lengths, masks, GQA, seqlens, dropout), every table row,
 every feature of the emulated tests, the RMS rule at seqlens of a few thousand, and bitwise determinism of repeated
-runs (deterministic backward included). None has run yet: no GPU has been lent to this work.
+runs (deterministic backward included). First run on an H100 on 2026-11-26 (README, "First GPU run").
 
 The float64 checks compare against a long-double reference, which NumPy computes without BLAS: their sizes are kept
 to a few hundred rows so that one device call holds them (the float32 ones go to thousands).

@@ -279,7 +279,8 @@ MODIFIED_TILES: dict[tuple[str, int], Tile] = {
 # forward acc = rows/warp * head_dim / 32 elements and S = rows/warp * block_n / 32 (a float64 element is two
 # registers); backward dK and dV = r * (head_dim / split) / 32 each; dq pass dQ = rows/warp * head_dim / 32 plus S
 # and dP. The register counts are `python -m cuflash build --check`'s (NVRTC 12.9, plain specialization; the wide
-# kernels' budget is 240, wide_traits.cuh), which every row passes on sm_80 and sm_90 with 0 spills, plain and with
+# kernels' budget is 240, wide_traits.cuh; the 3xTF32 rows since its products sum apart, kernels/wide_mma.cuh),
+# which every row passes on sm_80 and sm_90 with 0 spills, plain and with
 # the representative modifier; "(16 spilled ...)" records the 16-key row a row replaced.
 # ------------------------------------------------------------------------------------------------
 def _rows(table: dict) -> dict:
@@ -305,12 +306,12 @@ WIDE_TILES: dict[str, dict[str, dict[int, tuple[Tile, Optional[Tile]]]]] = {
             256: (32, 16, 2, "acc 128 regs at 16 rows/warp; 2 warps; 65 KB smem; 215/215 regs (sm_80/90)"),
         }),
         "3xtf32": _rows({
-            32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 regs; 27 KB smem; 208/234 regs (sm_80/90)"),
-            64: (64, 64, 4, "16 rows/warp: acc 32 + S 32 regs; 51 KB smem; 208/234 regs (sm_80/90)"),
-            96: (64, 64, 4, "16 rows/warp: acc 48 + S 32 regs; 75 KB smem; 212/236 regs (sm_80/90)"),
-            128: (64, 32, 4, "16 rows/warp: acc 64 + S 16 regs; 66 KB smem; 190/180 regs (sm_80/90)"),
-            192: (64, 32, 4, "16 rows/warp: acc 96 + S 16 regs; 98 KB smem; 211/227 regs (sm_80/90)"),
-            256: (32, 16, 2, "acc 128 regs at 16 rows/warp; 2 warps; 65 KB smem; 239/239 regs (sm_80/90)"),
+            32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 regs; 27 KB smem; 212/238 regs (sm_80/90)"),
+            64: (64, 64, 4, "16 rows/warp: acc 32 + S 32 regs; 51 KB smem; 240/238 regs (sm_80/90)"),
+            96: (64, 64, 4, "16 rows/warp: acc 48 + S 32 regs; 75 KB smem; 240/240 regs (sm_80/90)"),
+            128: (64, 16, 4, "16 rows/warp: acc 64 + S 8 regs; 50 KB smem; 237/232 regs (sm_80/90); (64, 32, 4) spilled 12 B with a modifier"),
+            192: (64, 32, 4, "16 rows/warp: acc 96 + S 16 regs; 98 KB smem; 214/230 regs (sm_80/90)"),
+            256: (32, 16, 2, "acc 128 regs at 16 rows/warp; 2 warps; 65 KB smem; 239/240 regs (sm_80/90)"),
         }),
         "dmma": _rows({
             32: (64, 64, 4, "16 rows/warp: acc 16 + S 32 doubles; 53 KB smem; 228/234 regs (sm_80/90)"),
@@ -347,12 +348,12 @@ WIDE_TILES: dict[str, dict[str, dict[int, tuple[Tile, Optional[Tile]]]]] = {
             256: (16, 16, 4, "1 key group(s) of 16 x split 4: dK, dV 32 regs each; 68 KB smem; 171/172 regs (sm_80/90)"),
         }),
         "3xtf32": _rows({
-            32: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 8 regs each; 27 KB smem; 144/144 regs (sm_80/90)"),
-            64: (32, 64, 8, "4 key group(s) of 16 x split 2: dK, dV 16 regs each; 69 KB smem; 152/147 regs (sm_80/90)"),
-            96: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 24 regs each; 59 KB smem; 166/162 regs (sm_80/90)"),
-            128: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 32 regs each; 75 KB smem; 181/176 regs (sm_80/90)"),
-            192: (16, 32, 8, "2 key group(s) of 16 x split 4: dK, dV 24 regs each; 79 KB smem; 154/152 regs (sm_80/90)"),
-            256: (16, 16, 4, "1 key group(s) of 16 x split 4: dK, dV 32 regs each; 68 KB smem; 179/180 regs (sm_80/90)"),
+            32: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 8 regs each; 27 KB smem; 150/150 regs (sm_80/90)"),
+            64: (32, 64, 8, "4 key group(s) of 16 x split 2: dK, dV 16 regs each; 69 KB smem; 174/170 regs (sm_80/90)"),
+            96: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 24 regs each; 59 KB smem; 174/170 regs (sm_80/90)"),
+            128: (32, 32, 4, "2 key group(s) of 16 x split 2: dK, dV 32 regs each; 75 KB smem; 192/192 regs (sm_80/90)"),
+            192: (16, 32, 8, "2 key group(s) of 16 x split 4: dK, dV 24 regs each; 79 KB smem; 150/152 regs (sm_80/90)"),
+            256: (16, 16, 4, "1 key group(s) of 16 x split 4: dK, dV 32 regs each; 68 KB smem; 151/149 regs (sm_80/90)"),
         }),
         "dmma": _rows({
             32: (32, 32, 8, "4 key group(s) of 8 x split 2: dK, dV 4 doubles each; 54 KB smem; 132/132 regs (sm_80/90)"),
@@ -389,11 +390,11 @@ WIDE_TILES: dict[str, dict[str, dict[int, tuple[Tile, Optional[Tile]]]]] = {
             256: (32, 8, 2, "dQ 128 regs; 8-key tiles (16 spilled 24 B at 3xTF32 on sm_90); 81 KB smem; 202/202 regs (sm_80/90)"),
         }),
         "3xtf32": _rows({
-            32: (64, 32, 4, "16 rows/warp: dQ 16 + S, dP 16 regs each; 27 KB smem; 144/146 regs (sm_80/90)"),
-            64: (64, 32, 4, "16 rows/warp: dQ 32 + S, dP 16 regs each; 51 KB smem; 158/182 regs (sm_80/90)"),
-            96: (64, 32, 4, "16 rows/warp: dQ 48 + S, dP 16 regs each; 75 KB smem; 192/202 regs (sm_80/90)"),
-            128: (32, 32, 2, "16 rows/warp: dQ 64 + S, dP 16 regs each; 66 KB smem; 192/198 regs (sm_80/90)"),
-            192: (32, 32, 2, "16 rows/warp: dQ 96 + S, dP 16 regs each; 98 KB smem; 228/224 regs (sm_80/90)"),
+            32: (64, 32, 4, "16 rows/warp: dQ 16 + S, dP 16 regs each; 27 KB smem; 138/146 regs (sm_80/90)"),
+            64: (64, 32, 4, "16 rows/warp: dQ 32 + S, dP 16 regs each; 51 KB smem; 165/188 regs (sm_80/90)"),
+            96: (64, 32, 4, "16 rows/warp: dQ 48 + S, dP 16 regs each; 75 KB smem; 192/197 regs (sm_80/90)"),
+            128: (32, 32, 2, "16 rows/warp: dQ 64 + S, dP 16 regs each; 66 KB smem; 225/227 regs (sm_80/90)"),
+            192: (32, 32, 2, "16 rows/warp: dQ 96 + S, dP 16 regs each; 98 KB smem; 230/236 regs (sm_80/90)"),
             256: (32, 8, 2, "dQ 128 regs; 8-key tiles (16 spilled 24 B at 3xTF32 on sm_90); 81 KB smem; 226/240 regs (sm_80/90)"),
         }),
         "dmma": _rows({
