@@ -113,6 +113,9 @@ run_tests() {
     [ "$dry" != 1 ] || select=(tests/test_golden.py -k covers_the_semantics)
     if "$py" -c "import xdist" 2> /dev/null; then
         workers=(-n "${GPU_SESSION_WORKERS:-auto}")
+        # one BLAS thread per worker: the first H100 run's 16 workers each ran a 16-thread BLAS for the CPU-side
+        # references (256 threads on 16 cores); its tests summed 1911 s in 240 s of wall time, 8 at a time
+        export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
     else
         say "note: pytest-xdist is not importable: the tests run serially"
     fi
