@@ -3,11 +3,15 @@
 #   bash benchmarks/gpu_session.sh tests    # the whole GPU test suite (-m gpu), at most 470 s, xdist on every core
 #   bash benchmarks/gpu_session.sh bench    # the full benchmark, CUDA backend only, at most 540 s
 #   bash benchmarks/gpu_session.sh [all]    # both, about half the time each; no benchmark if a test failed
+#   bash benchmarks/gpu_session.sh sanitize # compute-sanitizer memcheck, racecheck, synccheck, initcheck on every
+#                                           # kernel family at small shapes (benchmarks/kernel_cases.py)
+#   bash benchmarks/gpu_session.sh profile  # ncu on the main kernels at the benchmark's shapes
 # Before the call, where ../shared/golden exists (the copy of the tree sent to the GPU has no ../shared):
 #   mkdir -p .golden && cp ../shared/golden/*.npz .golden/      then name ".golden" in the device tool's carry,
 #   and write the commit into the command (the copy has no .git):  GPU_SESSION_COMMIT=<sha> bash benchmarks/...
 # $OUT gets at most 8 files: session.json (commit, date, device, driver, NVRTC, CuPy, every step's outcome),
-# session.txt (this log), gpu_tests.txt + gpu_tests.xml, bench.txt, results.tar.gz (the benchmark's JSON/PNG).
+# session.txt (this log), gpu_tests.txt + gpu_tests.xml, bench.txt, results.tar.gz (the benchmark's JSON/PNG);
+# sanitize: sanitize.txt (every tool's report); profile: ncu.txt (the report as text) and profile.ncu-rep.
 # Then here: tar -xzf <files_at>/results.tar.gz -C benchmarks/results/<device>/ && git add benchmarks/results
 #
 # GPU_SESSION_DRY_RUN=1: the same steps at toy size on a fake GPU (tests/fake_gpu: CuPy is tests/fake_cupy.py's
@@ -18,8 +22,8 @@ set -euo pipefail
 
 what="${1:-all}"
 case "$what" in
-    tests | bench | all) ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh [tests|bench|all]" >&2; exit 2 ;;
+    tests | bench | all | sanitize | profile) ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh [tests|bench|all|sanitize|profile]" >&2; exit 2 ;;
 esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root="$PWD"
@@ -35,14 +39,18 @@ if [ "$dry" = 1 ]; then
     export PATH="$root/tests/fake_gpu/bin:$PATH"
     export PYTHONPATH="$root/tests/fake_gpu:$root/tests:$PYTHONPATH"
     t_tests=120; t_bench=120; bench_args=(--smoke --only tiles,decode --impl cuflash --time-limit 20)
+    t_tool=120; cases_args=(--only f16-d64-causal,float32-3xtf32-d64); profile_args=("${cases_args[@]}")
 elif [ "$what" = all ]; then
     t_tests=240; t_bench=270; bench_args=(--full --time-limit 230)
 else
     t_tests=470; t_bench=540; bench_args=(--full --time-limit 500)
 fi
+if [ "$dry" != 1 ]; then
+    t_tool=110; cases_args=(); profile_args=(--profile)  # sanitize: a warm-up and four tools in 540 s
+fi
 commit="${GPU_SESSION_COMMIT:-$(git rev-parse HEAD 2> /dev/null || echo unknown)}"
 date_utc="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-failure="" golden="" n_golden=0 smi="" tests_rc=null bench_rc=null
+failure="" golden="" n_golden=0 smi="" tests_rc=null bench_rc=null sanitize_rc=null profile_rc=null
 
 say() { echo "$*" | tee -a "$log"; }
 fail() {
@@ -61,7 +69,7 @@ finish() {  # on every exit: pack the benchmark's files and write session.json, 
     "$py" -m benchmarks.session finish --out "$OUT/session.json" --probe "$work/probe.json" \
         --junit "$OUT/gpu_tests.xml" --set "what=$what" "dry_run=$dry" "commit=$commit" "date=$date_utc" \
         "nvidia_smi=$smi" "golden_dir=$golden" "golden_files=$n_golden" "tests_rc=$tests_rc" "bench_rc=$bench_rc" \
-        "status=$status" "${extra[@]}" >> "$log" 2>&1 ||
+        "sanitize=$sanitize_rc" "profile_rc=$profile_rc" "status=$status" "${extra[@]}" >> "$log" 2>&1 ||
         printf '{"status": %d, "failed": "session.json could not be written (see session.txt)"}\n' "$status" \
             > "$OUT/session.json"
     rm -rf "$work"
@@ -79,7 +87,7 @@ probe() {
         fail "no GPU visible to nvidia-smi: $smi"
     say "nvidia-smi: $smi"
     local need=()
-    [ "$what" = bench ] || need=(--need-pytest)
+    [ "$what" != tests ] && [ "$what" != all ] || need=(--need-pytest)
     # the probe prints its own FAIL line and stores it in probe.json, which session.json takes up
     "$py" -m benchmarks.session probe --json "$work/probe.json" "${need[@]}" 2>&1 | tee -a "$log"
 }
@@ -144,7 +152,53 @@ run_bench() {
     say "bench rc=$bench_rc"
 }
 
+run_sanitize() {  # every tool over every case; the kernels compiled once first, into CuPy's cache
+    local tool rc results=()
+    command -v compute-sanitizer > /dev/null || fail "compute-sanitizer not found"
+    say "sanitize: warm-up, benchmarks.kernel_cases ${cases_args[*]} (every case once, without a tool)"
+    timeout -s INT -k 20 "$t_tool" "$py" -m benchmarks.kernel_cases "${cases_args[@]}" > "$OUT/sanitize.txt" 2>&1 ||
+        { sanitize_rc="warm-up=$?"; fail "the kernel cases fail without a sanitizer (see sanitize.txt)"; }
+    for tool in memcheck racecheck synccheck initcheck; do
+        rc=0
+        echo "==== compute-sanitizer --tool $tool" >> "$OUT/sanitize.txt"
+        # --no-pool: each array its own allocation, so memcheck sees its bounds rather than a pool block's
+        timeout -s INT -k 20 "$t_tool" compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 \
+            "$py" -m benchmarks.kernel_cases "${cases_args[@]}" --no-pool > "$work/$tool.txt" 2>&1 || rc=$?
+        cat "$work/$tool.txt" >> "$OUT/sanitize.txt"
+        results+=("$tool:$rc")
+        say "sanitize: $tool rc=$rc, $(grep 'ERROR SUMMARY' "$work/$tool.txt" | tail -1 || echo 'no ERROR SUMMARY line')"
+    done
+    sanitize_rc="$(IFS=,; echo "${results[*]}")"
+}
+
+run_profile() {  # ncu: throughput, occupancy, shared-memory bank conflicts and stall reasons of the main kernels
+    profile_rc=0
+    command -v ncu > /dev/null || fail "ncu not found"
+    say "profile: ncu over benchmarks.kernel_cases ${profile_args[*]}"
+    timeout -s INT -k 20 540 ncu --target-processes all --kernel-name regex:flash_ --launch-count 24 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+        --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \
+        -o "$work/profile" -f "$py" -m benchmarks.kernel_cases "${profile_args[@]}" > "$OUT/ncu.txt" 2>&1 ||
+        profile_rc=$?
+    if [ -f "$work/profile.ncu-rep" ]; then
+        ncu --import "$work/profile.ncu-rep" --page details >> "$OUT/ncu.txt" 2>&1 || true
+        # the report itself only where it is small enough to come back from a device call
+        [ "$(stat -c %s "$work/profile.ncu-rep")" -gt 40000000 ] || cp "$work/profile.ncu-rep" "$OUT/"
+    fi
+    tail -5 "$OUT/ncu.txt" | tee -a "$log"
+    say "profile rc=$profile_rc"
+}
+
 probe
+if [ "$what" = sanitize ] || [ "$what" = profile ]; then
+    "run_$what"
+    [ "$sanitize_rc" = null ] || [[ "$sanitize_rc" =~ ^(memcheck:0,racecheck:0,synccheck:0,initcheck:0)$ ]] ||
+        fail "compute-sanitizer found errors or did not finish ($sanitize_rc; see sanitize.txt)"
+    [ "$profile_rc" = null ] || [ "$profile_rc" = 0 ] || fail "ncu failed (rc $profile_rc; see ncu.txt)"
+    say "gpu_session: $what done"
+    exit 0
+fi
 if [ "$what" != bench ]; then
     find_golden
     run_tests

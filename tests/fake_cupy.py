@@ -397,6 +397,11 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
         return s[-1] if s else Stream.null
 
     cuda.Device, cuda.Stream, cuda.get_current_stream = Device, Stream, get_current_stream
+
+    def set_allocator(allocator=None):  # the fake allocates with NumPy: no pool to switch off
+        cupy._allocator = allocator
+
+    cuda.set_allocator = cuda.set_pinned_memory_allocator = set_allocator
     cuda.get_device_id = current_device
 
     # ------------------------------------------------------------------ RawModule / RawKernel

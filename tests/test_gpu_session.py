@@ -136,3 +136,59 @@ def test_cuda_tile_sweep_launches_the_swept_kernel(monkeypatch, request):
     record = run.measure(case, impls.IMPLS["cuflash"], inputs.make_inputs(case), timing=timing.TIMINGS["smoke"])
     assert record.block_k == 32 and record.ms > 0
     assert {launch.name for launch in cp._launches} == {replace(table, block_n=32).name_expression}
+
+
+# ------------------------------------------------------------------------------------------------ sanitize, profile
+@needs_emulator
+def test_dry_run_sanitize_runs_every_tool_over_the_kernel_cases(tmp_path):
+    done, out = session(tmp_path, "sanitize")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {p.name for p in out.iterdir()} == {"session.json", "session.txt", "sanitize.txt"}
+    facts = session_json(out)
+    assert facts["sanitize"] == "memcheck:0,racecheck:0,synccheck:0,initcheck:0" and facts["status"] == 0
+    report = (out / "sanitize.txt").read_text()
+    for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
+        assert f"==== compute-sanitizer --tool {tool}" in report
+    assert report.count("f16-d64-causal: ok") == 5  # the warm-up and each tool ran the cases
+
+
+@needs_emulator
+def test_sanitizer_errors_fail_the_session(tmp_path):
+    done, out = session(tmp_path, "sanitize", FAKE_SANITIZER_ERRORS="racecheck")
+    assert done.returncode == 1
+    facts = session_json(out)
+    assert facts["sanitize"] == "memcheck:0,racecheck:86,synccheck:0,initcheck:0"
+    assert "compute-sanitizer found errors" in facts["failed"] and "racecheck:86" in facts["failed"]
+
+
+@needs_emulator
+def test_dry_run_profile_brings_back_the_ncu_report(tmp_path):
+    done, out = session(tmp_path, "profile")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {p.name for p in out.iterdir()} == {"session.json", "session.txt", "ncu.txt", "profile.ncu-rep"}
+    assert session_json(out)["profile_rc"] == 0
+    assert "f16-d64-causal: ok" in (out / "ncu.txt").read_text()
+
+
+@needs_emulator
+def test_kernel_cases_launch_every_kernel_family(monkeypatch, request):
+    """What the sanitizer runs covers every kernel cuflash launches: the six families, the split-KV combine and the
+    backward's helpers, each run once on the (fake, emulated) cuda backend."""
+    import fake_cupy_bench
+    from benchmarks import kernel_cases
+    from cuflash.backends import cuda
+    from cuflash.cuda import specs
+
+    cp = fake_cupy_bench.make()
+    for name, module in fake_cupy_bench.modules(cp).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    cuda._memoized.cache_clear()
+    request.addfinalizer(cuda._memoized.cache_clear)
+    for case in kernel_cases.small_cases().values():
+        case(cp, "cuda")
+    launched = {launch.name.split("<")[0] for launch in cp._launches}
+    kernels = set(specs.KERNEL_NAMES.values()) | set(specs.HELPERS) | set(specs.WIDE_HELPERS) | {specs.COMBINE}
+    assert kernels <= launched, f"never launched: {sorted(kernels - launched)}"
+    dims = {int(launch.name.split("<")[1].split(",")[1]) for launch in cp._launches
+            if launch.name.startswith(specs.KERNEL_NAMES["fwd"] + "<")}
+    assert dims == set(kernel_cases.HEAD_DIMS)

@@ -1,0 +1,150 @@
+"""Every CUDA kernel family, run once, for compute-sanitizer and ncu (``benchmarks/gpu_session.sh sanitize|profile``).
+
+    python -m benchmarks.kernel_cases              # small shapes, every family (what the sanitizer tools run)
+    python -m benchmarks.kernel_cases --profile    # the main kernels at the benchmark's shapes (what ncu profiles)
+    python -m benchmarks.kernel_cases --list       # the case names
+    options: --only NAME[,NAME...]   --no-pool (CuPy allocates each array apart: memcheck then sees the bounds of
+             every allocation, not of the memory pool's blocks)   --backend emulate (the CPU emulator; slow)
+
+Small shapes have lengths that are not multiples of any tile (partial tiles, masked rows), and each family's every
+native head dim where the family has a table row per head dim, so each specialization the tables select for these
+shapes runs at least once. Each case prints one line; an exception ends the run non-zero (so the sanitizer's exit
+status and the script's say the same).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+
+def _inputs(xp, b, sq, sk, h, hkv, d, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def arr(s, heads):
+        return xp.asarray(rng.standard_normal((b, s, heads, d)).astype(np.float32).astype(dtype))
+
+    return arr(sq, h), arr(sk, hkv), arr(sk, hkv), arr(sq, h)
+
+
+def _fwd_bwd(xp, backend, *, b=1, sq=100, sk=100, h=2, hkv=1, d=64, dtype="float16", deterministic=False,
+             **options):
+    """Forward with the lse, then the backward (``deterministic``: its dQ pass instead of atomic adds)."""
+    import cuflash
+
+    q, k, v, do = _inputs(xp, b, sq, sk, h, hkv, d, _np_dtype(dtype))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, backend=backend, **options)
+    cuflash.attention_backward(do, q, k, v, out, lse, backend=backend, deterministic=deterministic, **options)
+
+
+def _np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _decode(xp, backend):
+    import cuflash
+
+    q, _, _, _ = _inputs(xp, 2, 1, 1, 4, 2, 64, np.float16)
+    _, k, v, _ = _inputs(xp, 2, 1, 1000, 4, 2, 64, np.float16, seed=1)
+    lens = xp.asarray(np.array([1000, 517], np.int32))
+    cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, backend=backend)
+
+
+def _varlen(xp, backend):
+    import cuflash
+
+    rng = np.random.default_rng(2)
+    cu = np.array([0, 37, 137, 140], np.int32)
+    q, k, v = (xp.asarray(rng.standard_normal((140, 2, 64)).astype(np.float16)) for _ in range(3))
+    cu = xp.asarray(cu)
+    cuflash.attention_varlen(q, k, v, cu, cu, causal=True, backend=backend)
+
+
+def _block_mask(xp, backend):
+    from cuflash import BlockMask
+
+    # whole blocks skipped, partial ones with an element rule (document x causal, as the compile check's modifier)
+    mask = BlockMask.document(np.arange(200) // 70, block=(64, 64)) & BlockMask.causal(200, block=(64, 64))
+    _fwd_bwd(xp, backend, sq=200, sk=200, block_mask=mask)
+
+
+def small_cases() -> dict[str, Callable]:
+    """name -> case(xp, backend): every kernel family at small shapes."""
+    cases: dict[str, Callable] = {}
+    for d in HEAD_DIMS:  # the 16-bit forward, backward and dq kernels: one table row per head dim
+        cases[f"f16-d{d}-causal"] = lambda xp, be, d=d: _fwd_bwd(xp, be, d=d, causal=True)
+    cases["bf16-d64-gqa-window"] = lambda xp, be: _fwd_bwd(xp, be, sq=90, sk=130, h=4, hkv=2, dtype="bfloat16",
+                                                           window=(40, 7))
+    cases["f16-d64-deterministic"] = lambda xp, be: _fwd_bwd(xp, be, causal=True, deterministic=True)
+    cases["f16-d64-dropout"] = lambda xp, be: _fwd_bwd(xp, be, dropout_p=0.1, seed=3)
+    cases["f16-d64-mods"] = lambda xp, be: _fwd_bwd(xp, be, softcap=30.0, mask_mod="keep[kv_idx]",
+                                                    mod_arrays={"keep": xp.asarray(np.arange(100) % 3 != 1)})
+    cases["f16-d64-blockmask"] = _block_mask
+    cases["f16-d64-seqlens"] = lambda xp, be: _fwd_bwd(xp, be, b=2, seqlens_q=xp.asarray(np.array([100, 31], np.int32)),
+                                                       seqlens_k=xp.asarray(np.array([57, 100], np.int32)))
+    cases["f16-varlen"] = _varlen
+    cases["f16-decode-split-kv"] = _decode
+    for dtype, precision in (("float32", "ieee"), ("float32", "3xtf32"), ("float32", "tf32"), ("float64", "ieee")):
+        for d in (64, 128):  # the float32/float64 kernels; head_dim 128 with the deterministic backward
+            cases[f"{dtype}-{precision}-d{d}"] = lambda xp, be, dt=dtype, p=precision, d=d: _fwd_bwd(
+                xp, be, d=d, dtype=dt, precision=p, causal=True, deterministic=d == 128)
+    return cases
+
+
+def profile_cases() -> dict[str, Callable]:
+    """The main kernels at the FlashAttention papers' benchmark shape (16k tokens: batch 4 x 4096, 16 heads),
+    float16: forward and backward, head_dim 64 and 128, causal and not (ncu takes the launches it is told to)."""
+    cases: dict[str, Callable] = {}
+    for d in (64, 128):
+        for causal in (False, True):
+            cases[f"f16-d{d}-n4096{'-causal' if causal else ''}"] = lambda xp, be, d=d, c=causal: _fwd_bwd(
+                xp, be, b=4, sq=4096, sk=4096, h=2048 // d, hkv=2048 // d, d=d, causal=c)
+    return cases
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", action="store_true", help="the main kernels at the benchmark's shapes")
+    p.add_argument("--list", action="store_true", help="print the case names and stop")
+    p.add_argument("--only", default="", help="comma-separated case names")
+    p.add_argument("--no-pool", action="store_true", help="no CuPy memory pool")
+    p.add_argument("--backend", choices=("cuda", "emulate"), default="cuda")
+    args = p.parse_args(argv)
+    cases = profile_cases() if args.profile else small_cases()
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - set(cases))
+        if unknown:
+            p.error(f"--only: unknown case(s) {', '.join(unknown)}; the cases are {', '.join(cases)}")
+        cases = {name: cases[name] for name in wanted}
+    if args.list:
+        print("\n".join(cases))
+        return 0
+    if args.backend == "cuda":
+        import cupy as xp
+
+        if args.no_pool:
+            xp.cuda.set_allocator(None)
+            xp.cuda.set_pinned_memory_allocator(None)
+    else:
+        xp = np
+    for name, case in cases.items():
+        t0 = time.perf_counter()
+        case(xp, args.backend)
+        if xp is not np:
+            xp.cuda.Device().synchronize()
+        print(f"{name}: ok ({time.perf_counter() - t0:.2f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
