@@ -127,6 +127,12 @@ run_tests() {
     else
         say "note: pytest-xdist is not importable: the tests run serially"
     fi
+    # every kernel compiled first, on every core, out of the tests' time (what is left uncompiled, the tests compile)
+    local t0=$SECONDS warm=()
+    [ "$dry" != 1 ] || warm=(--quick)
+    timeout -s INT -k 10 150 "$py" -m benchmarks.session warm "${warm[@]}" 2>&1 | tee -a "$log" ||
+        say "note: the kernel warm-up failed or ran out of time; the tests compile what is left"
+    t_tests=$((t_tests - (SECONDS - t0)))
     say "tests: pytest ${select[*]} ${workers[*]} (SIGINT after ${t_tests}s, so that the XML is written)"
     tests_rc=0
     # Up to 10 failures, not 1: a device call is scarce, so one call should show every broken feature (the

@@ -568,6 +568,19 @@ def test_warmup_compiles_once(cp):
     assert cp._launches[0].name == want[1].name_expression
 
 
+def test_warmup_on_threads_compiles_the_same_modules_once(cp):
+    done = cuda.warmup(dtypes=("float16", "bfloat16"), head_dims=(64, 96, 128), backward=True, progress=False,
+                       workers=4)
+    compiled = [m.name_expressions for m in modules(cp)]
+    assert len(compiled) == len(done) == 12 and len(set(compiled)) == 12  # each module compiled once
+    assert cuda.warmup(dtypes=("float16", "bfloat16"), head_dims=(64, 96, 128), backward=True, progress=False,
+                       workers=4) == done
+    assert len(modules(cp)) == 12
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="workers must be a positive int"):
+            cuda.warmup(workers=bad)
+
+
 def test_warmup_backward_compiles_each_backward_family_once(cp):
     done = cuda.warmup(dtypes=("float16",), head_dims=(59, 64, 128), backward=True, progress=False)
     fwd = [specs.select("fwd", "float16", d, 227 * 1024) for d in (64, 128)]
