@@ -55,6 +55,9 @@ class Case:
         BlockMask block ``(rows, cols)`` when ``density`` is set.
     block_k : int or None, keyword-only
         Key-tile size (the tile sweep only).
+    tile : tuple of int or None, keyword-only
+        ``(block_m, block_n, warps)`` of the forward kernel (the CUDA tile sweep only; ``block_k`` is its
+        ``block_n``): a candidate row for the tile table, measured against the table's own.
     impls : tuple of str, keyword-only
         The implementations a suite runs on this case.
     precision : str, keyword-only
@@ -76,6 +79,7 @@ class Case:
     density: Optional[float] = None
     mask_block: Optional[tuple] = None
     block_k: Optional[int] = None
+    tile: Optional[tuple] = None
     impls: tuple = ()
     precision: str = "ieee"
 
@@ -86,6 +90,9 @@ class Case:
             raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
         if self.density is not None and self.mask_block is None:
             raise ValueError("mask_block must be given with density")
+        if self.tile is not None and (len(self.tile) != 3 or self.block_k != self.tile[1]):
+            raise ValueError(f"tile must be (block_m, block_n, warps) with block_n == block_k, got {self.tile!r} "
+                             f"and block_k {self.block_k!r}")
 
     @property
     def inputs_key(self) -> tuple:
@@ -170,6 +177,18 @@ class SuiteSpec:
     wide_seqlens: tuple = ()        # the float32/float64 figure (GPU only): seqlens, ops, head_dim
     wide_ops: tuple = ("fwd",)
     wide_head_dim: int = 64
+    # the CUDA tile sweep: per head_dim, the forward tiles (block_m, block_n, warps) to time, the table's row first
+    # (each passes the compile check: no spill, register headroom); empty: sweep block_ks over the table's row
+    tile_candidates: tuple = ()
+
+
+#: float16 forward tiles to time beside the table's row (first), head_dim 64 and 128: the first H100 run measured
+#: the table's rows at 0.58-0.81 (d64) and 0.36-0.71 (d128) of FlashAttention-2's speed. Each passes the compile
+#: check on sm_80 and sm_90 (registers of 255, no spill): d64 (128, 128, 8) 178/183, (64, 128, 4) 178/177,
+#: (64, 64, 4) 156/154; d128 (128, 32, 4) 242/243 (32 rows per warp, as FA2: each K/V fragment feeds two m-tiles),
+#: (128, 128, 8) 219/222, (64, 128, 4) 222/225, (64, 64, 4) 168/172. (128, 64, 4) at d128 spilled 348/32 bytes.
+TILE_CANDIDATES = ((64, ((128, 64, 4), (128, 128, 8), (64, 128, 4), (64, 64, 4))),
+                   (128, ((128, 64, 8), (128, 32, 4), (128, 128, 8), (64, 128, 4), (64, 64, 4))))
 
 
 def _cuda_spec(mode: str) -> SuiteSpec:
@@ -179,11 +198,12 @@ def _cuda_spec(mode: str) -> SuiteSpec:
                          4096, (1.0, 0.5, 0.25, 0.125, 0.0625), (128, 128), 4096, (64, 128),
                          (32, 64, 128), (16384, 65536), (1, 2, 4, 8, 16), 4, 32, 128,
                          sparse_ops=("fwd", "bwd"), wide_seqlens=(1024, 2048, 4096, 8192, 16384),
-                         wide_ops=("fwd", "bwd"))
+                         wide_ops=("fwd", "bwd"), tile_candidates=TILE_CANDIDATES)
     if mode == "smoke":
         return SuiteSpec(256, 64, "float16", (128,), (32,), (False, True), OPS, (128, 256), 32,
                          256, (1.0, 0.5), (64, 64), 256, (32,), (32, 64), (512,), (1, 4), 1, 2, 32,
-                         wide_seqlens=(128,), wide_ops=("fwd", "bwd"), wide_head_dim=32)
+                         wide_seqlens=(128,), wide_ops=("fwd", "bwd"), wide_head_dim=32,
+                         tile_candidates=((32, ((128, 64, 4), (64, 32, 4))),))
     return SuiteSpec(16384, 2048, "float16", (1024, 4096), (128,), (False, True), ("fwd", "fwd_bwd"),
                      (1024, 4096, 16384), 64, 4096, (1.0, 0.5, 0.25), (128, 128), 4096, (128,),
                      (32, 64, 128), (16384,), (1, 16), 4, 32, 128, wide_seqlens=(1024, 4096))
@@ -274,6 +294,12 @@ def _sparse_cases(s: SuiteSpec, device: str) -> list[Case]:
 
 def _tile_cases(s: SuiteSpec, device: str) -> list[Case]:
     out = []
+    if device == "cuda" and s.tile_candidates:
+        for d, tiles in s.tile_candidates:
+            b, h = fa_config(s.tile_seqlen, d, tokens=s.tokens, hidden=s.hidden)
+            out += [Case("tiles", device, "fwd", s.dtype, b, h, s.tile_seqlen, s.tile_seqlen, d, block_k=t[1],
+                         tile=tuple(t), impls=("cuflash",)) for t in tiles]
+        return out
     for d in s.tile_head_dims:
         b, h = fa_config(s.tile_seqlen, d, tokens=s.tokens, hidden=s.hidden)
         out += [Case("tiles", device, "fwd", s.dtype, b, h, s.tile_seqlen, s.tile_seqlen, d, block_k=bk,

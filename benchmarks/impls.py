@@ -86,7 +86,8 @@ def _build_cuflash_kvcache(case: Case, x: Inputs):
 
 def _tile_forward(case: Case, x: Inputs) -> Callable:
     """Forward with an explicit key-tile size: the NumPy backend's ``block_k``; on CUDA the tile
-    table's specialization with ``block_n = block_k``, through the backend's own ``forward(spec=)``."""
+    table's specialization with ``block_n = block_k`` (or the whole ``case.tile``), through the backend's
+    own ``forward(spec=)``."""
     from cuflash.problem import make_problem
 
     problem = make_problem(x.q, x.k, x.v, causal=case.causal)
@@ -97,7 +98,11 @@ def _tile_forward(case: Case, x: Inputs) -> Callable:
     from cuflash.backends import cuda as backend
     from cuflash.cuda import specs
 
-    spec = replace(specs.select("fwd", case.dtype, case.head_dim), block_n=case.block_k)  # KernelSpec validates
+    table = specs.select("fwd", case.dtype, case.head_dim)
+    if case.tile is not None:
+        spec = replace(table, block_m=case.tile[0], block_n=case.tile[1], warps=case.tile[2])  # KernelSpec validates
+    else:
+        spec = replace(table, block_n=case.block_k)
     return lambda: backend.forward(problem, spec=spec)
 
 

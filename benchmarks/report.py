@@ -31,6 +31,7 @@ class Record:
     gbps: Optional[float] = None
     io_bytes: Optional[int] = None
     block_k: Optional[int] = None
+    tile: Optional[list] = None
     device: str = "cpu"
     repeats: int = 0
     calls_per_sample: int = 1
@@ -46,11 +47,14 @@ class Record:
                    seqlen_k=case.seqlen_k, batch=case.batch, heads=case.heads, causal=case.causal,
                    density=case.density, ms=round(ms, 6), tflops=round(case.flops / (ms * 1e-3) / 1e12, 4),
                    peak_bytes=peak, gbps=round(case.bytes / (ms * 1e-3) / 1e9, 3), io_bytes=io_bytes,
-                   block_k=case.block_k, device=case.device, repeats=len(timer.samples),
+                   block_k=case.block_k, tile=list(case.tile) if case.tile else None, device=case.device,
+                   repeats=len(timer.samples),
                    calls_per_sample=timer.calls)
 
 
 RECORD_FIELDS = tuple(f.name for f in fields(Record))
+#: fields added after results were first committed, with the value an older record means (2026-11-26: tile)
+LATER_FIELDS = {"tile": None}
 
 
 @dataclass
@@ -98,6 +102,8 @@ def load_results(folder: Path) -> dict:
             continue
         payload = json.loads(path.read_text())
         for rec in payload.get("records", []):
+            for name in set(LATER_FIELDS) - set(rec):  # a record written before the field existed
+                rec[name] = LATER_FIELDS[name]
             if set(rec) != set(RECORD_FIELDS):
                 raise ValueError(f"{path}: a record's fields {sorted(set(rec) ^ set(RECORD_FIELDS))} do not fit "
                                  f"the schema")

@@ -150,7 +150,8 @@ def skip_entry(case: Case, impl: str, reason: str) -> dict:
     dtype = case.dtype if case.precision == "ieee" else f"{case.dtype}:{case.precision}"  # as Record.of
     return {"impl": impl, "op": case.op, "dtype": dtype, "head_dim": case.head_dim,
             "seqlen_q": case.seqlen_q, "seqlen_k": case.seqlen_k, "batch": case.batch, "heads": case.heads,
-            "causal": case.causal, "density": case.density, "block_k": case.block_k, "device": case.device,
+            "causal": case.causal, "density": case.density, "block_k": case.block_k,
+            "tile": list(case.tile) if case.tile else None, "device": case.device,
             "reason": reason}
 
 

@@ -331,6 +331,7 @@ def test_committed_results_fit_the_schema():
     """The JSON under benchmarks/results/ is data the current code must still read (and replot)."""
     loaded = report.load_results(COMMITTED)
     assert set(loaded) == set(cases.FIGURES) - {"wide"}  # the float32/float64 figure is GPU-only
+    assert all(r["tile"] is None for p in loaded.values() for r in p["records"])  # written before tile existed
     result = report.RunResult(records=[(fig, report.Record(**r)) for fig, p in loaded.items() for r in p["records"]])
     text = report.table(result)
     assert "== product" in text and "product targets (this run):" in text

@@ -150,3 +150,26 @@ def test_check_reports_missing_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy._core", None)
     out = io.StringIO()
     assert cc.check(out=out) == -1 and "compile check not run: CuPy with NVRTC is needed" in out.getvalue()
+
+
+def test_benchmark_tile_candidates_pass_the_compile_check():
+    """benchmarks/cases.py's TILE_CANDIDATES (the CUDA tile sweep times them beside the table's rows): each compiles
+    for sm_80 and sm_90 as the table's rows must, so that a GPU run spends its minutes timing, not failing."""
+    _need_cupy()
+    from dataclasses import replace
+
+    from benchmarks.cases import TILE_CANDIDATES
+
+    chosen = {}
+    for d, tiles in TILE_CANDIDATES:
+        table = specs.select("fwd", "float16", d)
+        assert tuple(tiles[0]) == (table.block_m, table.block_n, table.warps)  # the table's row first
+        for bm, bn, w in tiles:
+            chosen[replace(table, block_m=bm, block_n=bn, warps=w)] = specs.SMEM_LIMIT[90]
+    source = cc.translation_unit(kernel_source("flash_fwd.cu"), chosen)
+    for arch in (80, 90):
+        mapping, log = cc.compile_names(source, [s.name_expression for s in chosen], arch)
+        report = cc.parse_ptxas(log)
+        for spec in chosen:
+            row = cc.Row(spec, arch, specs.SMEM_LIMIT[arch], **report.get((mapping[spec.name_expression], arch), {}))
+            assert row.judge().problems == [], (spec.name_expression, arch, row.problems)

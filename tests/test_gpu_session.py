@@ -73,6 +73,7 @@ def test_dry_run_packs_what_a_gpu_session_would(tmp_path, golden_copy):
     recs = payload["records"]
     assert {r["block_k"] for r in recs} == {32, 64} and all(r["impl"] == "cuflash" and r["device"] == "cuda"
                                                             for r in recs)
+    assert [r["tile"] for r in recs] == [[128, 64, 4], [64, 32, 4]]  # the smoke suite's whole tiles, table's first
 
 
 def test_missing_golden_vectors_fail_the_session(tmp_path):
@@ -168,6 +169,30 @@ def test_dry_run_profile_brings_back_the_ncu_report(tmp_path):
     assert {p.name for p in out.iterdir()} == {"session.json", "session.txt", "ncu.txt", "profile.ncu-rep"}
     assert session_json(out)["profile_rc"] == 0
     assert "f16-d64-causal: ok" in (out / "ncu.txt").read_text()
+
+
+@needs_emulator
+def test_cuda_tile_candidate_launches_that_whole_tile(monkeypatch, request):
+    """A case with ``tile=(block_m, block_n, warps)`` runs exactly that specialization of the forward kernel."""
+    from dataclasses import replace
+
+    import fake_cupy_bench
+    from benchmarks import cases, impls, inputs, run, timing
+    from cuflash.backends import cuda
+    from cuflash.cuda import specs
+
+    cp = fake_cupy_bench.make()
+    for name, module in fake_cupy_bench.modules(cp).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    cuda._memoized.cache_clear()
+    request.addfinalizer(cuda._memoized.cache_clear)
+    case = cases.Case("tiles", "cuda", "fwd", "float16", 1, 2, 128, 128, 32, block_k=32, tile=(64, 32, 4))
+    record = run.measure(case, impls.IMPLS["cuflash"], inputs.make_inputs(case), timing=timing.TIMINGS["smoke"])
+    assert record.tile == [64, 32, 4] and record.block_k == 32
+    want = replace(specs.select("fwd", "float16", 32), block_m=64, block_n=32, warps=4)
+    assert {launch.name for launch in cp._launches} == {want.name_expression}
+    with pytest.raises(ValueError, match="block_n == block_k"):
+        cases.Case("tiles", "cuda", "fwd", "float16", 1, 2, 128, 128, 32, block_k=64, tile=(64, 32, 4))
 
 
 @needs_emulator
