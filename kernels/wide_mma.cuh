@@ -252,37 +252,20 @@ __device__ __forceinline__ void add_rn(float (&c)[M::kR], const float (&s)[M::kR
 }
 
 // C[kMT][kNT] += A B over k in [0, kKTotal): A rows 0 .. kMT * kTM - 1 (the warp's), B columns 0 .. 8 * kNT - 1.
-// Each C element sums its products in k order, whatever the loop order. Summing apart (above) has its own loop; else
-// two orders, picked by the size of C (measured with the compile check):
+// Each C element sums its products in k order, whatever the loop order. Two orders, picked by the size of C
+// (measured with the compile check) and by summing apart (above):
 //   k outer (two k-steps per iteration): each B fragment loaded once per k-step and used for every m-tile; the
 //     accumulators are indexed by (mi, nj) only, so k need not be unrolled (a head_dim of 256 in k-steps of 4 would
 //     be 64 copies of the body);
-//   when C alone takes 128 registers or more (head_dim 256, and 192 on the FMA paths): columns outer, k inner, A
-//     reloaded per column block. With k outer, ptxas hoisted the B loads of all 32 column blocks of a k-step and
-//     spilled under the 240-register budget.
+//   when C alone takes 128 registers or more (head_dim 256, and 192 on the FMA paths), or the products sum apart:
+//     columns outer, k inner, A reloaded per column block. With k outer, ptxas hoisted the B loads of all 32 column
+//     blocks of a k-step and spilled under the 240-register budget.
 template <class M, int kMT, int kNT, int kKTotal, class XA, class XB>
 __device__ __forceinline__ void warp_gemm(typename M::T (&C)[kMT][kNT][M::kR], const XA& A, const XB& B, int lane) {
   static_assert(kKTotal % M::kK == 0, "k must be a multiple of the arithmetic's k-step");
   constexpr bool kBigC = kMT * kNT * M::kR * int(sizeof(typename M::T)) / 4 >= 128;
-  if constexpr (M::kSumApart && kMT * kNT * M::kR < kApartRegs) {
-    // column blocks outer, k inner and not unrolled: one step's partial sums in flight at a time
-#pragma unroll
-    for (int nj = 0; nj < kNT; ++nj) {
-#pragma unroll 1
-      for (int k0 = 0; k0 < kKTotal; k0 += M::kK) {
-        typename M::B b;
-        M::load_b(b, B, k0, 8 * nj, lane);
-#pragma unroll
-        for (int mi = 0; mi < kMT; ++mi) {
-          typename M::A a;
-          M::load_a(a, A, mi * M::kTM, k0, lane);
-          float step[M::kR] = {};
-          M::mma(step, a, b);
-          add_rn<M>(C[mi][nj], step);
-        }
-      }
-    }
-  } else if constexpr (!kBigC) {
+  constexpr bool kApart = M::kSumApart && kMT * kNT * M::kR < kApartRegs;
+  if constexpr (!kBigC && !kApart) {
 #pragma unroll 2
     for (int k0 = 0; k0 < kKTotal; k0 += M::kK) {
       typename M::A a[kMT];
@@ -296,7 +279,7 @@ __device__ __forceinline__ void warp_gemm(typename M::T (&C)[kMT][kNT][M::kR], c
         for (int mi = 0; mi < kMT; ++mi) M::mma(C[mi][nj], a[mi], b);
       }
     }
-  } else {
+  } else {  // big C, or summing apart: columns outer, k inner and not unrolled (one step in flight at a time)
 #pragma unroll
     for (int nj = 0; nj < kNT; ++nj) {
 #pragma unroll 1
@@ -307,7 +290,13 @@ __device__ __forceinline__ void warp_gemm(typename M::T (&C)[kMT][kNT][M::kR], c
         for (int mi = 0; mi < kMT; ++mi) {
           typename M::A a;
           M::load_a(a, A, mi * M::kTM, k0, lane);
-          M::mma(C[mi][nj], a, b);
+          if constexpr (kApart) {
+            float step[M::kR] = {};
+            M::mma(step, a, b);
+            add_rn<M>(C[mi][nj], step);
+          } else {
+            M::mma(C[mi][nj], a, b);
+          }
         }
       }
     }

@@ -7,7 +7,8 @@ trend (4.3x at 2048 keys), and the 3xTF32 products now sum apart (kernels/wide_m
 the model is the hardware's: on a mismatch it reports how many elements each model (round to nearest; truncation to
 24 or 25 bits of the largest term) gets right, so the next model is chosen from data.
 """
-import numpy as np
+from pathlib import Path
+
 import pytest
 
 from cuflash.cuda.compile import KERNEL_OPTIONS
@@ -18,32 +19,16 @@ import tensor_core_model as model
 
 cp, pytestmark, _ = gpu_support.setup()
 
-# D = A B + C for mma.m16n8k8 .tf32 with A 16x8, B 8x8 (k, n), C and D 16x8 row-major; the fragment positions of the
-# PTX ISA ("Matrix Fragments for mma.m16n8k8", .tf32), as tests/emulate/kernels/arch_tests.cu builds them.
-KERNEL = r"""
-extern "C" __global__ void mma_tf32(const float* A, const float* B, const float* C, float* D) {
-  using cuflash::arch::to_tf32;
-  int l = threadIdx.x, g = l / 4, t = l % 4;
-  uint32_t a[4] = {to_tf32(A[g * 8 + t]), to_tf32(A[(g + 8) * 8 + t]), to_tf32(A[g * 8 + t + 4]),
-                   to_tf32(A[(g + 8) * 8 + t + 4])};
-  uint32_t b[2] = {to_tf32(B[t * 8 + g]), to_tf32(B[(t + 4) * 8 + g])};
-  float c[4] = {C[g * 8 + 2 * t], C[g * 8 + 2 * t + 1], C[(g + 8) * 8 + 2 * t], C[(g + 8) * 8 + 2 * t + 1]};
-  float d[4];
-  cuflash::arch::mma_1688_tf32(d, a, b, c);
-  D[g * 8 + 2 * t] = d[0];
-  D[g * 8 + 2 * t + 1] = d[1];
-  D[(g + 8) * 8 + 2 * t] = d[2];
-  D[(g + 8) * 8 + 2 * t + 1] = d[3];
-}
-"""
-SOURCE = inline_includes(KERNELS_DIR / "arch.cuh") + KERNEL
+# the emulator test's kernel (mma.m16n8k8 .tf32 from global memory), after the header it needs
+SOURCE = inline_includes(KERNELS_DIR / "arch.cuh") + \
+    (Path(__file__).parent / "emulate" / "kernels" / "mma_tf32.cuh").read_text()
 
 
 def _mma_on_gpu(a, b, c):
-    major = cp.cuda.Device().compute_capability
-    if int(major) < 80:
-        pytest.skip(f"TF32 mma needs sm_80 or later; this GPU is sm_{major}")
-    fn = cp.RawModule(code=SOURCE, options=KERNEL_OPTIONS).get_function("mma_tf32")
+    cc = cp.cuda.Device().compute_capability
+    if int(cc) < 80:
+        pytest.skip(f"TF32 mma needs sm_80 or later; this GPU is sm_{cc}")
+    fn = cp.RawModule(code=SOURCE, options=KERNEL_OPTIONS).get_function("mma_tf32_from_global")
     d = cp.full((16, 8), cp.nan, cp.float32)
     fn((1,), (32,), tuple(cp.asarray(x) for x in (a, b, c)) + (d,))
     return d.get()

@@ -1,4 +1,5 @@
 """Helpers of the emulator's own tests (a unique module name: tests/conftest.py exists too)."""
+import re
 from pathlib import Path
 
 import numpy as np
@@ -8,9 +9,19 @@ from cuflash.cuda.launch import LaunchSpec
 KERNELS = Path(__file__).parent / "kernels"
 
 
+def _local_includes(text: str) -> str:
+    """``#include "x"`` of a file beside the test kernels replaced by its text (the emulator compiles a copy of the
+    source elsewhere); the others (arch.cuh, ...) resolve to kernels/."""
+    def repl(m):
+        path = KERNELS / m.group(1)
+        return path.read_text() if path.is_file() else m.group(0)
+
+    return re.sub(r'^#include "([^"]+)".*$', repl, text, flags=re.M)
+
+
 def spec(file: str, name: str, args, grid=(1, 1, 1), block=(32, 1, 1), shared_bytes=0, options=()):
     """A LaunchSpec for a test kernel in tests/emulate/kernels/ (its `#include "arch.cuh"` resolves to kernels/)."""
-    source = f'#line 1 "tests/emulate/kernels/{file}"\n' + (KERNELS / file).read_text()  # names in error messages
+    source = f'#line 1 "tests/emulate/kernels/{file}"\n' + _local_includes((KERNELS / file).read_text())
     return LaunchSpec(source, name, tuple(grid), tuple(block), shared_bytes, tuple(args),
                       tuple(options))
 
