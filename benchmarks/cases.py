@@ -125,6 +125,7 @@ class Case:
         """One line naming the case (progress bar, logs)."""
         extra = "" if self.density is None else f" density={self.density:g}"
         extra += "" if self.block_k is None else f" block_k={self.block_k}"
+        extra += "" if self.tile is None else f" tile={'x'.join(map(str, self.tile))}"
         extra += "" if self.precision == "ieee" else f" precision={self.precision}"
         return (f"{self.figure} {self.op} {self.dtype} B={self.batch} H={self.heads} Sq={self.seqlen_q} "
                 f"Sk={self.seqlen_k} d={self.head_dim}{' causal' if self.causal else ''}{extra}")

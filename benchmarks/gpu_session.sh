@@ -46,11 +46,12 @@ else
     t_tests=470; t_bench=540; bench_args=(--full --time-limit 500)
 fi
 if [ "$dry" != 1 ]; then
-    t_tool=110; cases_args=(); profile_args=(--profile)  # sanitize: a warm-up and four tools in 540 s
+    # sanitize: a warm-up and four tools, 5 x (95 s + 5 s grace) = 500 s; profile: 480 s; a device call has 600 s
+    t_tool=95; cases_args=(); profile_args=(--profile)
 fi
 commit="${GPU_SESSION_COMMIT:-$(git rev-parse HEAD 2> /dev/null || echo unknown)}"
 date_utc="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-failure="" golden="" n_golden=0 smi="" tests_rc=null bench_rc=null sanitize_rc=null profile_rc=null
+failure="" golden="" n_golden=0 smi="" tests_rc=null bench_rc=null sanitize_rc=null profile_rc=null tool_path=""
 
 say() { echo "$*" | tee -a "$log"; }
 fail() {
@@ -117,27 +118,28 @@ find_golden() {  # the same order as tests/conftest.py: $CUFLASH_GOLDEN_DIR alon
 }
 
 run_tests() {
-    local select=(-m gpu tests/) workers=()
+    local select=(-m gpu tests/) workers=() blas=()
     [ "$dry" != 1 ] || select=(tests/test_golden.py -k covers_the_semantics)
     if "$py" -c "import xdist" 2> /dev/null; then
         workers=(-n "${GPU_SESSION_WORKERS:-auto}")
-        # one BLAS thread per worker: the first H100 run's 16 workers each ran a 16-thread BLAS for the CPU-side
-        # references (256 threads on 16 cores); its tests summed 1911 s in 240 s of wall time, 8 at a time
-        export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+        # one BLAS thread per worker (the pytest command only): the first H100 run's 16 workers each ran a
+        # 16-thread BLAS for the CPU-side references (256 threads on 16 cores); its tests summed 1911 s in 240 s
+        # of wall time, 8 at a time
+        blas=(env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1)
     else
         say "note: pytest-xdist is not importable: the tests run serially"
     fi
     # every kernel compiled first, on every core, out of the tests' time (what is left uncompiled, the tests compile)
     local t0=$SECONDS warm=()
     [ "$dry" != 1 ] || warm=(--quick)
-    timeout -s INT -k 10 150 "$py" -m benchmarks.session warm "${warm[@]}" 2>&1 | tee -a "$log" ||
+    timeout -s INT -k 5 60 "$py" -m benchmarks.session warm "${warm[@]}" 2>&1 | tee -a "$log" ||
         say "note: the kernel warm-up failed or ran out of time; the tests compile what is left"
     t_tests=$((t_tests - (SECONDS - t0)))
     say "tests: pytest ${select[*]} ${workers[*]} (SIGINT after ${t_tests}s, so that the XML is written)"
     tests_rc=0
     # Up to 10 failures, not 1: a device call is scarce, so one call should show every broken feature (the
     # derandomized ci profile, so a failure reproduces; the XML lists every test's outcome).
-    HYPOTHESIS_PROFILE=ci timeout -s INT -k 30 "$t_tests" "$py" -m pytest -q -rf "${select[@]}" "${workers[@]}" \
+    HYPOTHESIS_PROFILE=ci "${blas[@]}" timeout -s INT -k 30 "$t_tests" "$py" -m pytest -q -rf "${select[@]}" "${workers[@]}" \
         --maxfail=10 -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1 || tests_rc=$?
     tail -5 "$OUT/gpu_tests.txt" | tee -a "$log"
     [ "$tests_rc" != 124 ] || say "tests: time limit reached"
@@ -158,17 +160,30 @@ run_bench() {
     say "bench rc=$bench_rc"
 }
 
+find_tool() {  # $1 on PATH, else where CUDA toolkits and Nsight Compute install it; fails the session when absent
+    local found
+    found="$(command -v "$1" || true)"
+    if [ -z "$found" ]; then
+        found="$(ls -d "${CUDA_HOME:-/usr/local/cuda}/bin/$1" /usr/local/cuda*/bin/"$1" \
+            /opt/nvidia/nsight-compute/*/"$1" /usr/local/cuda*/nsight-compute*/"$1" 2> /dev/null | head -1 || true)"
+    fi
+    [ -n "$found" ] || fail "$1 not found (on PATH, in \$CUDA_HOME/bin, /usr/local/cuda*/bin or Nsight Compute's folder)"
+    say "$1: $found"
+    tool_path="$found"
+}
+
 run_sanitize() {  # every tool over every case; the kernels compiled once first, into CuPy's cache
-    local tool rc results=()
-    command -v compute-sanitizer > /dev/null || fail "compute-sanitizer not found"
+    local tool rc results=() sanitizer
+    find_tool compute-sanitizer
+    sanitizer="$tool_path"
     say "sanitize: warm-up, benchmarks.kernel_cases ${cases_args[*]} (every case once, without a tool)"
-    timeout -s INT -k 20 "$t_tool" "$py" -m benchmarks.kernel_cases "${cases_args[@]}" > "$OUT/sanitize.txt" 2>&1 ||
+    timeout -s INT -k 5 "$t_tool" "$py" -m benchmarks.kernel_cases "${cases_args[@]}" > "$OUT/sanitize.txt" 2>&1 ||
         { sanitize_rc="warm-up=$?"; fail "the kernel cases fail without a sanitizer (see sanitize.txt)"; }
     for tool in memcheck racecheck synccheck initcheck; do
         rc=0
         echo "==== compute-sanitizer --tool $tool" >> "$OUT/sanitize.txt"
         # --no-pool: each array its own allocation, so memcheck sees its bounds rather than a pool block's
-        timeout -s INT -k 20 "$t_tool" compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 \
+        timeout -s INT -k 5 "$t_tool" "$sanitizer" --tool "$tool" --error-exitcode 86 --print-limit 20 \
             "$py" -m benchmarks.kernel_cases "${cases_args[@]}" --no-pool > "$work/$tool.txt" 2>&1 || rc=$?
         cat "$work/$tool.txt" >> "$OUT/sanitize.txt"
         results+=("$tool:$rc")
@@ -178,17 +193,23 @@ run_sanitize() {  # every tool over every case; the kernels compiled once first,
 }
 
 run_profile() {  # ncu: throughput, occupancy, shared-memory bank conflicts and stall reasons of the main kernels
+    local ncu
     profile_rc=0
-    command -v ncu > /dev/null || fail "ncu not found"
+    find_tool ncu
+    ncu="$tool_path"
     say "profile: ncu over benchmarks.kernel_cases ${profile_args[*]}"
-    timeout -s INT -k 20 540 ncu --target-processes all --kernel-name regex:flash_ --launch-count 24 \
+    timeout -s INT -k 10 480 "$ncu" --target-processes all --kernel-name regex:flash_ --launch-count 24 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
         --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \
         -o "$work/profile" -f "$py" -m benchmarks.kernel_cases "${profile_args[@]}" > "$OUT/ncu.txt" 2>&1 ||
         profile_rc=$?
-    if [ -f "$work/profile.ncu-rep" ]; then
-        ncu --import "$work/profile.ncu-rep" --page details >> "$OUT/ncu.txt" 2>&1 || true
+    # ncu can end 0 having profiled nothing (no access to the counters: ERR_NVGPUCTRPERM): no report is a failure
+    if [ ! -f "$work/profile.ncu-rep" ] || grep -q '^==ERROR==' "$OUT/ncu.txt"; then
+        [ "$profile_rc" != 0 ] || profile_rc=1
+        say "profile: no report, or ncu printed an error (see ncu.txt)"
+    else
+        "$ncu" --import "$work/profile.ncu-rep" --page details >> "$OUT/ncu.txt" 2>&1 || true
         # the report itself only where it is small enough to come back from a device call
         [ "$(stat -c %s "$work/profile.ncu-rep")" -gt 40000000 ] || cp "$work/profile.ncu-rep" "$OUT/"
     fi

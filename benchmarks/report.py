@@ -113,7 +113,7 @@ def load_results(folder: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------ table
 _COLUMNS = (("impl", 15, "{}"), ("op", 7, "{}"), ("dtype", 7, "{}"), ("B", 3, "{}"), ("H", 3, "{}"),
-            ("Sq", 6, "{}"), ("Sk", 6, "{}"), ("d", 4, "{}"), ("causal", 6, "{}"), ("mask/bk", 7, "{}"),
+            ("Sq", 6, "{}"), ("Sk", 6, "{}"), ("d", 4, "{}"), ("causal", 6, "{}"), ("mask/bk", 9, "{}"),
             ("ms", 10, "{:.3f}"), ("TFLOP/s", 8, "{:.3g}"), ("GB/s", 8, "{:.3g}"), ("peak MB", 9, "{:.1f}"),
             ("x cuflash", 9, "{:.2f}"))
 
@@ -140,8 +140,9 @@ def table(result: RunResult) -> str:
 
 def _row(r: Record, cuflash_ms: Optional[float]) -> str:
     mask = r.density if r.density is not None else r.block_k
+    mask = "x".join(map(str, r.tile)) if r.tile else ("-" if mask is None else f"{mask:g}")  # a whole tile: bm x bn x w
     vals = (r.impl, r.op, r.dtype, r.batch, r.heads, r.seqlen_q, r.seqlen_k, r.head_dim,
-            "yes" if r.causal else "no", "-" if mask is None else f"{mask:g}", r.ms, r.tflops, r.gbps,
+            "yes" if r.causal else "no", mask, r.ms, r.tflops, r.gbps,
             None if r.peak_bytes is None else r.peak_bytes / 2**20, r.ms / cuflash_ms if cuflash_ms else None)
     return " ".join(f"{'-' if v is None else fmt.format(v):>{w}}" for (_, w, fmt), v in zip(_COLUMNS, vals))
 
@@ -193,4 +194,4 @@ def wide_targets(result: RunResult) -> list[str]:
 
 def _rkey(fig: str, r: Record) -> tuple:
     return (fig, r.device, r.op, r.dtype, r.batch, r.heads, r.seqlen_q, r.seqlen_k, r.head_dim, r.causal,
-            r.density, r.block_k)
+            r.density, r.block_k, tuple(r.tile) if r.tile else None)

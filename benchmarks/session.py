@@ -9,9 +9,9 @@
     Summarize a pytest JUnit XML; exit 1 when no test ran, or (``--require-golden``) no golden case ran.
 ``python3 -m benchmarks.session warm [--quick]``
     Compile every kernel specialization the current GPU selects (cuflash.warmup: float16, bfloat16, float32 in
-    each precision, float64; forward and backward), one thread per core, before the tests: the first H100 run's
-    16 pytest workers each compiled what its tests met first, the same kernel on several workers at once (a
-    300-row test of head_dim 256 took 42 s). ``--quick``: float16 at head_dim 64 only (the dry run).
+    each precision, float64; forward and backward), one thread per core, before the tests, so that 16 pytest
+    workers do not each compile what their tests meet first, several the same module at once (a module takes
+    0.5-1 s of NVRTC: the compile check). ``--quick``: float16 at head_dim 64 only (the dry run).
 ``python3 -m benchmarks.session finish --out FILE [--probe FILE] [--junit XML] [--set KEY=VALUE ...]``
     Write ``session.json``: the probe's facts, the JUnit summary, every ``KEY=VALUE`` (VALUE read as JSON
     when it parses, else kept as text) and the files of FILE's folder.

@@ -326,6 +326,7 @@ __device__ __forceinline__ void warp_gemm_regs_a(typename M::T (&C)[kMT][kNTC][M
     for (int mi = 0; mi < kMT; ++mi) M::mma(C[mi][nd], a[nj][s][mi], b);
   };
   if constexpr (M::kSumApart && kMT * kNTC * M::kR < kApartRegs) {
+    static_assert(M::kRegSteps == 1, "summing apart takes one k-step per C block (the tf32 layouts)");
     // output columns outer; the tile's keys summed inside the tensor core from zero, then added to C round-to-nearest
     // (per key step, as warp_gemm does, the unrolled steps' partial sums overlapped and spilled)
 #pragma unroll

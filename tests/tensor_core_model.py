@@ -7,6 +7,9 @@ by the emulator's test (tests/emulate/test_arch.py: its hw_math mode implements 
 - :func:`rz`: the tensor core as Fasi, Higham, Mikaitis and Pranesh measured it ("Numerical behavior of NVIDIA tensor
   cores", 2021): all terms (C and the 8 products) aligned to the largest, truncated to a grid of ``bits`` significant
   bits of it (24: no guard bit; later GPUs were reported with 25), summed exactly, and the sum rounded toward zero.
+  The emulator's hw_math implements ``rz(bits=24, block=8)``. ``block=4``: the 8 products in two chained groups of
+  4, each group's sum (with the running C) rounded so; ``floor=True``: terms truncated toward minus infinity (a
+  two's-complement alignment) instead of toward zero. The GPU test reports which of these the hardware follows.
 """
 from __future__ import annotations
 
@@ -28,23 +31,39 @@ def rn(a, b, c):
     return acc
 
 
-def dot_rz(c, products, bits=24):
-    """One element: ``c + sum(products)`` with every term truncated to ``bits`` bits of the largest, the exact sum
-    of those rounded toward zero to float32 (the sum of at most 9 such terms fits a float64 exactly)."""
+def dot_rz(c, products, bits=24, floor=False):
+    """One element: ``c + sum(products)`` with every term truncated to ``bits`` bits of the largest (toward zero, or
+    toward minus infinity with ``floor``), the exact sum of those rounded toward zero to float32 (at most 9 terms
+    below 2^bits grid units each: the sum fits a float64 exactly for bits <= 48)."""
     terms = [float(c)] + [float(p) for p in products]
     nonzero = [t for t in terms if t]
     if not nonzero:
         return np.float32(c)
     e = max(np.frexp(t)[1] for t in nonzero)
-    s = np.ldexp(sum(np.trunc(np.ldexp(t, bits - e)) for t in terms), e - bits)
+    cut = np.floor if floor else np.trunc
+    s = np.ldexp(sum(cut(np.ldexp(t, bits - e)) for t in terms), e - bits)
     f = np.float32(s)
     return np.nextafter(f, np.float32(0)) if abs(float(f)) > abs(s) else f
 
 
-def rz(a, b, c, bits=24):
+def rz(a, b, c, bits=24, block=8, floor=False):
     ta, tb, c = _terms(a, b, c)
-    return np.array([[dot_rz(c[i, j], ta[i] * tb[:, j], bits) for j in range(tb.shape[1])]
-                     for i in range(ta.shape[0])], np.float32)
+
+    def dot(i, j):
+        acc, p = c[i, j], ta[i] * tb[:, j]
+        for k0 in range(0, len(p), block):
+            acc = dot_rz(acc, p[k0:k0 + block], bits, floor)
+        return acc
+
+    return np.array([[dot(i, j) for j in range(tb.shape[1])] for i in range(ta.shape[0])], np.float32)
+
+
+#: the models the GPU test compares the hardware with: name -> D = model(A, B, C)
+MODELS = {"round to nearest": rn, "emulator (24 bits, 8 products)": rz,
+          **{f"{bits} bits, {block} products{', floor' if floor else ''}":
+             (lambda a, b, c, bits=bits, block=block, floor=floor: rz(a, b, c, bits, block, floor))
+             for bits in (24, 25, 26, 27) for block in (8, 4) for floor in (False, True)
+             if (bits, block, floor) != (24, 8, False)}}
 
 
 def operands(seed):

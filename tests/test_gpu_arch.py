@@ -4,8 +4,9 @@
 Why: on the first H100 run float32 ``precision="3xtf32"`` was 20x less accurate than naive float32 while the
 emulator, then adding each product round-to-nearest, saw 1.2x. With the truncating model the emulator reproduced the
 trend (4.3x at 2048 keys), and the 3xTF32 products now sum apart (kernels/wide_mma.cuh). This test says whether
-the model is the hardware's: on a mismatch it reports how many elements each model (round to nearest; truncation to
-24 or 25 bits of the largest term) gets right, so the next model is chosen from data.
+the model is the hardware's: on a mismatch it reports how many elements each model of tests/tensor_core_model.py
+gets right (round to nearest; truncation to 24-27 bits of the largest term, toward zero or minus infinity, over the
+8 products at once or in two groups of 4), so that the next model is chosen from data.
 """
 from pathlib import Path
 
@@ -38,11 +39,10 @@ def _mma_on_gpu(a, b, c):
 def test_tf32_mma_rounds_as_the_emulators_tensor_core_model(seed):
     a, b, c = model.operands(seed)
     d = _mma_on_gpu(a, b, c)
-    matches = {"round to nearest": model.rn(a, b, c), "truncated, 24 bits": model.rz(a, b, c, 24),
-               "truncated, 25 bits": model.rz(a, b, c, 25)}
-    matches = {name: int((d == m).sum()) for name, m in matches.items()}
+    matches = {name: int((d == fn(a, b, c)).sum()) for name, fn in model.MODELS.items()}
     print("elements matching each model (of 128):", matches, "rows 14, 15:", d[14:, 0])
-    assert matches["truncated, 24 bits"] == d.size, (
+    emulator = "emulator (24 bits, 8 products)"
+    assert matches[emulator] == d.size, (
         f"the GPU's TF32 mma differs from the emulator's model (kernels/emulate/arch_emulated.h, tc_sum_rz) in "
-        f"{d.size - matches['truncated, 24 bits']} of {d.size} elements; elements matching each model: {matches}; "
+        f"{d.size - matches[emulator]} of {d.size} elements; elements matching each model: {matches}; "
         f"C = +-1 plus 0.75 ulp gave {d[14:, 0]}")

@@ -217,3 +217,13 @@ def test_kernel_cases_launch_every_kernel_family(monkeypatch, request):
     dims = {int(launch.name.split("<")[1].split(",")[1]) for launch in cp._launches
             if launch.name.startswith(specs.KERNEL_NAMES["fwd"] + "<")}
     assert dims == set(kernel_cases.HEAD_DIMS)
+
+
+@needs_emulator
+def test_profile_without_a_report_fails_the_session(tmp_path):
+    """ncu without access to the counters ends 0 with no report: the session must not call that a profile."""
+    done, out = session(tmp_path, "profile", FAKE_NCU_NO_COUNTERS="1")
+    assert done.returncode == 1
+    facts = session_json(out)
+    assert facts["profile_rc"] == 1 and "ncu failed" in facts["failed"]
+    assert not (out / "profile.ncu-rep").exists() and "ERR_NVGPUCTRPERM" in (out / "ncu.txt").read_text()

@@ -226,8 +226,8 @@ def warmup(dtypes=tuple(specs.CTYPES), head_dims=specs.NATIVE_HEAD_DIMS, *, back
     Returns the specs compiled: the forward ones, then with ``backward=True`` the ``(bwd, dq)`` pairs (a
     head_dim whose backward this GPU cannot run, 256 on 99 KB-shared-memory GPUs, is left out).
     ``progress`` prints a one-line progress bar to ``file`` (default stderr). ``workers`` > 1 compiles that many
-    modules at once, on threads (NVRTC releases the GIL): on a 16-core GPU machine the whole table compiles in a
-    fraction of the serial time, before a test suite whose workers would otherwise each compile what they meet first.
+    modules at once, on threads (NVRTC releases the GIL), e.g. on a 16-core GPU machine before a test suite whose
+    workers would otherwise each compile what they meet first, some the same module at once.
     """
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
@@ -261,12 +261,16 @@ def warmup(dtypes=tuple(specs.CTYPES), head_dims=specs.NATIVE_HEAD_DIMS, *, back
             function(kernel_source(spec.source), module, spec.name_expression, spec.smem_bytes)
         return spec
 
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    try:
         for i, spec in enumerate(pool.map(compile_one, jobs.values())):
             if progress:
                 print(f"\rcuflash warmup [{'#' * (20 * (i + 1) // len(jobs)):<20}] {i + 1}/{len(jobs)} "
-                      f"{spec.name_expression}",
-                      end="", file=out, flush=True)
+                      f"{spec.name_expression}", end="", file=out, flush=True)
+    except BaseException:  # Ctrl-C or a failed compile: the queued modules are dropped, not compiled first
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     if progress:
         print(f"\rcuflash warmup [{'#' * 20}] {len(jobs)}/{len(jobs)} done{' ' * 50}", file=out, flush=True)
     return list(jobs)

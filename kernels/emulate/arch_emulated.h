@@ -163,7 +163,9 @@ struct MmaTf32In {
 // One tensor-core dot product c + sum p[k] as Fasi, Higham, Mikaitis and Pranesh measured it on the A100 ("Numerical
 // behavior of NVIDIA tensor cores", PeerJ CS 2021): the products are exact, every term is aligned to the largest
 // one and truncated to its 24-bit grid (no guard bits), and the sum is normalized with round-toward-zero. The
-// terms are multiples of that grid below 2^(e+4), so their sum is exact in double; only the last step rounds.
+// terms are multiples of that grid, 9 of them each below 2^24 units, so their sum is exact in double; only the last
+// step rounds. (The products are formed in float: exact for tf32 operands except in the subnormal range, which the
+// hw_math mode flushes anyway.)
 // Non-finite terms take the plain sum (NaN and infinities propagate as IEEE).
 inline float tc_sum_rz(float c, const float* p, int n) {
   double t[16];
