@@ -56,8 +56,9 @@ class Case:
     block_k : int or None, keyword-only
         Key-tile size (the tile sweep only).
     tile : tuple of int or None, keyword-only
-        ``(block_m, block_n, warps)`` of the forward kernel (the CUDA tile sweep only; ``block_k`` is its
-        ``block_n``): a candidate row for the tile table, measured against the table's own.
+        ``(block_m, block_n, warps)`` of the forward kernel, or with ``op="bwd"`` of the backward's main kernel
+        (the CUDA tile sweep only; ``block_k`` is its ``block_n``): a candidate row for the tile table, measured
+        against the table's own.
     impls : tuple of str, keyword-only
         The implementations a suite runs on this case.
     precision : str, keyword-only
@@ -178,18 +179,23 @@ class SuiteSpec:
     wide_seqlens: tuple = ()        # the float32/float64 figure (GPU only): seqlens, ops, head_dim
     wide_ops: tuple = ("fwd",)
     wide_head_dim: int = 64
-    # the CUDA tile sweep: per head_dim, the forward tiles (block_m, block_n, warps) to time, the table's row first
+    # the CUDA tile sweep: per (op, head_dim), the tiles (block_m, block_n, warps) to time, the table's row first
     # (each passes the compile check: no spill, register headroom); empty: sweep block_ks over the table's row
     tile_candidates: tuple = ()
 
 
-#: float16 forward tiles to time beside the table's row (first), head_dim 64 and 128: the first H100 run measured
-#: the table's rows at 0.58-0.81 (d64) and 0.36-0.71 (d128) of FlashAttention-2's speed. Each passes the compile
-#: check on sm_80 and sm_90 (registers of 255, no spill): d64 (128, 128, 8) 178/183, (64, 128, 4) 178/177,
-#: (64, 64, 4) 156/154; d128 (128, 32, 4) 242/243 (32 rows per warp, as FA2: each K/V fragment feeds two m-tiles),
-#: (128, 128, 8) 219/222, (64, 128, 4) 222/225, (64, 64, 4) 168/172. (128, 64, 4) at d128 spilled 348/32 bytes.
-TILE_CANDIDATES = ((64, ((128, 64, 4), (128, 128, 8), (64, 128, 4), (64, 64, 4))),
-                   (128, ((128, 64, 8), (128, 32, 4), (128, 128, 8), (64, 128, 4), (64, 64, 4))))
+#: float16 tiles to time beside the table's row (first), per op and head_dim 64 and 128: the first H100 run measured
+#: the table's rows at 0.58-0.81 (forward d64), 0.36-0.71 (forward d128) and 0.38-0.62 (backward) of
+#: FlashAttention-2's speed. Each passes the compile check on sm_80 and sm_90 (registers of 255 on sm_80/sm_90, no
+#: spill, headroom): forward d64 (128, 128, 8) 178/183, (64, 128, 4) 178/177, (64, 64, 4) 156/154; forward d128
+#: (128, 32, 4) 242/243 (32 rows per warp, as FA2: each K/V fragment feeds two m-tiles), (128, 128, 8) 219/222,
+#: (64, 128, 4) 222/225, (64, 64, 4) 168/172 ((128, 64, 4) spilled 348/32 bytes); backward (the main kernel; dQ by
+#: atomics) d64 (128, 64, 8) 174/176, (64, 64, 4) 216/222; d128 (128, 64, 8) 224/218, 137 KB of shared memory
+#: ((64, 128, 8), FA2's, spilled 24/16 bytes; (32, 128, 8) and (32, 64, 4) left under 8 spare registers).
+TILE_CANDIDATES = (("fwd", 64, ((128, 64, 4), (128, 128, 8), (64, 128, 4), (64, 64, 4))),
+                   ("fwd", 128, ((128, 64, 8), (128, 32, 4), (128, 128, 8), (64, 128, 4), (64, 64, 4))),
+                   ("bwd", 64, ((64, 128, 8), (128, 64, 8), (64, 64, 4))),
+                   ("bwd", 128, ((64, 64, 8), (128, 64, 8))))
 
 
 def _cuda_spec(mode: str) -> SuiteSpec:
@@ -204,7 +210,7 @@ def _cuda_spec(mode: str) -> SuiteSpec:
         return SuiteSpec(256, 64, "float16", (128,), (32,), (False, True), OPS, (128, 256), 32,
                          256, (1.0, 0.5), (64, 64), 256, (32,), (32, 64), (512,), (1, 4), 1, 2, 32,
                          wide_seqlens=(128,), wide_ops=("fwd", "bwd"), wide_head_dim=32,
-                         tile_candidates=((32, ((128, 64, 4), (64, 32, 4))),))
+                         tile_candidates=(("fwd", 32, ((128, 64, 4), (64, 32, 4))),))
     return SuiteSpec(16384, 2048, "float16", (1024, 4096), (128,), (False, True), ("fwd", "fwd_bwd"),
                      (1024, 4096, 16384), 64, 4096, (1.0, 0.5, 0.25), (128, 128), 4096, (128,),
                      (32, 64, 128), (16384,), (1, 16), 4, 32, 128, wide_seqlens=(1024, 4096))
@@ -296,9 +302,9 @@ def _sparse_cases(s: SuiteSpec, device: str) -> list[Case]:
 def _tile_cases(s: SuiteSpec, device: str) -> list[Case]:
     out = []
     if device == "cuda" and s.tile_candidates:
-        for d, tiles in s.tile_candidates:
+        for op, d, tiles in s.tile_candidates:
             b, h = fa_config(s.tile_seqlen, d, tokens=s.tokens, hidden=s.hidden)
-            out += [Case("tiles", device, "fwd", s.dtype, b, h, s.tile_seqlen, s.tile_seqlen, d, block_k=t[1],
+            out += [Case("tiles", device, op, s.dtype, b, h, s.tile_seqlen, s.tile_seqlen, d, block_k=t[1],
                          tile=tuple(t), impls=("cuflash",)) for t in tiles]
         return out
     for d in s.tile_head_dims:

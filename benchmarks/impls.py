@@ -61,7 +61,7 @@ def _build_cuflash(case: Case, x: Inputs):
     if case.precision != "ieee":
         opts["precision"] = case.precision
     if case.block_k is not None:
-        run = _tile_forward(case, x)
+        run = _tile_run(case, x)
     elif case.op == "fwd":
         run = lambda: cuflash.attention(x.q, x.k, x.v, **opts)  # noqa: E731
     elif case.op == "bwd":
@@ -84,10 +84,11 @@ def _build_cuflash_kvcache(case: Case, x: Inputs):
     return run, device_sync(case.device)
 
 
-def _tile_forward(case: Case, x: Inputs) -> Callable:
+def _tile_run(case: Case, x: Inputs) -> Callable:
     """Forward with an explicit key-tile size: the NumPy backend's ``block_k``; on CUDA the tile
     table's specialization with ``block_n = block_k`` (or the whole ``case.tile``), through the backend's
-    own ``forward(spec=)``."""
+    own ``forward(spec=)``; with ``op="bwd"`` (CUDA, ``case.tile``) the backward's main kernel so, through
+    ``backward(spec=)``, after an untimed forward."""
     from cuflash.problem import make_problem
 
     problem = make_problem(x.q, x.k, x.v, causal=case.causal)
@@ -98,11 +99,14 @@ def _tile_forward(case: Case, x: Inputs) -> Callable:
     from cuflash.backends import cuda as backend
     from cuflash.cuda import specs
 
-    table = specs.select("fwd", case.dtype, case.head_dim)
+    table = specs.select(case.op, case.dtype, case.head_dim)
     if case.tile is not None:
         spec = replace(table, block_m=case.tile[0], block_n=case.tile[1], warps=case.tile[2])  # KernelSpec validates
     else:
         spec = replace(table, block_n=case.block_k)
+    if case.op == "bwd":
+        out, lse = backend.forward(problem)
+        return lambda: backend.backward(problem, x.dout, out, lse, spec=spec)
     return lambda: backend.forward(problem, spec=spec)
 
 

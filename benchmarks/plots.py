@@ -133,11 +133,11 @@ def _plot_tiles(plt, payload):
     fig, ax = plt.subplots(figsize=(5, 3.8))
     if any(r.get("tile") for r in records):  # whole tiles (CUDA): one bar each, grouped by head_dim, TFLOP/s
         rows = [r for r in records if r.get("tile") and r.get("tflops") is not None]
-        names = [f"d{r['head_dim']} {'x'.join(map(str, r['tile']))}" for r in rows]
+        names = [f"{r['op']} d{r['head_dim']} {'x'.join(map(str, r['tile']))}" for r in rows]
         ax.barh(range(len(rows)), [r["tflops"] for r in rows], color=[_color("cuflash")] * len(rows))
         ax.set_yticks(range(len(rows)), names, fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("forward TFLOP/s (block_m x block_n x warps; the table's row first per head_dim)")
+        ax.set_xlabel("TFLOP/s (block_m x block_n x warps; the table's row first per op and head_dim)")
         ax.grid(alpha=0.3, axis="x")
         return _finish(fig, payload, 9)
     _lines(ax, records, x="block_k", y="ms", label=lambda r: f"cuflash d={r['head_dim']}")

@@ -160,16 +160,18 @@ def test_benchmark_tile_candidates_pass_the_compile_check():
 
     from benchmarks.cases import TILE_CANDIDATES
 
-    chosen = {}
-    for d, tiles in TILE_CANDIDATES:
-        table = specs.select("fwd", "float16", d)
+    chosen: dict = {}
+    for op, d, tiles in TILE_CANDIDATES:
+        table = specs.select(op, "float16", d)
         assert tuple(tiles[0]) == (table.block_m, table.block_n, table.warps)  # the table's row first
         for bm, bn, w in tiles:
-            chosen[replace(table, block_m=bm, block_n=bn, warps=w)] = specs.SMEM_LIMIT[90]
-    source = cc.translation_unit(kernel_source("flash_fwd.cu"), chosen)
-    for arch in (80, 90):
-        mapping, log = cc.compile_names(source, [s.name_expression for s in chosen], arch)
-        report = cc.parse_ptxas(log)
-        for spec in chosen:
-            row = cc.Row(spec, arch, specs.SMEM_LIMIT[arch], **report.get((mapping[spec.name_expression], arch), {}))
-            assert row.judge().problems == [], (spec.name_expression, arch, row.problems)
+            chosen.setdefault(table.source, {})[replace(table, block_m=bm, block_n=bn, warps=w)] = None
+    for source_name, family in chosen.items():
+        source = cc.translation_unit(kernel_source(source_name), family)
+        for arch in (80, 90):
+            mapping, log = cc.compile_names(source, [s.name_expression for s in family], arch)
+            report = cc.parse_ptxas(log)
+            for spec in family:
+                row = cc.Row(spec, arch, specs.SMEM_LIMIT[arch], **report.get((mapping[spec.name_expression], arch),
+                                                                              {}))
+                assert row.judge().problems == [], (spec.name_expression, arch, row.problems)

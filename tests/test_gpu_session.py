@@ -191,6 +191,14 @@ def test_cuda_tile_candidate_launches_that_whole_tile(monkeypatch, request):
     assert record.tile == [64, 32, 4] and record.block_k == 32
     want = replace(specs.select("fwd", "float16", 32), block_m=64, block_n=32, warps=4)
     assert {launch.name for launch in cp._launches} == {want.name_expression}
+    # the backward's main kernel likewise (after an untimed forward with the table's tile)
+    cp._launches.clear()
+    case = cases.Case("tiles", "cuda", "bwd", "float16", 1, 2, 128, 128, 32, block_k=64, tile=(64, 64, 4))
+    record = run.measure(case, impls.IMPLS["cuflash"], inputs.make_inputs(case), timing=timing.TIMINGS["smoke"])
+    assert record.tile == [64, 64, 4] and record.op == "bwd"
+    want = replace(specs.select("bwd", "float16", 32), block_m=64, block_n=64, warps=4)
+    assert want.name_expression in {launch.name for launch in cp._launches}
+    assert specs.select("bwd", "float16", 32).name_expression not in {launch.name for launch in cp._launches}
     with pytest.raises(ValueError, match="block_n == block_k"):
         cases.Case("tiles", "cuda", "fwd", "float16", 1, 2, 128, 128, 32, block_k=64, tile=(64, 32, 4))
 

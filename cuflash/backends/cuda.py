@@ -149,12 +149,14 @@ def forward(problem: Problem, *, spec=None):
     return fl.result()
 
 
-def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=False):
-    """``(dq, dk, dv)`` on the current CuPy stream (:func:`cuflash.cuda.launch.backward_launch`)."""
+def backward(problem: Problem, dout, out, lse, *, deterministic=False, dbias=False, spec=None):
+    """``(dq, dk, dv)`` on the current CuPy stream (:func:`cuflash.cuda.launch.backward_launch`).
+
+    ``spec`` forces the main kernel's :class:`~cuflash.cuda.specs.KernelSpec` (benchmarks compare tile choices)."""
     _check_devices(problem, dout=dout, out=out, lse=lse)
     _, cc, max_smem = _device()
     bl = launches.backward_launch(problem, dout, out, lse, deterministic=deterministic, max_smem=max_smem,
-                                  dbias=dbias, cc=cc)
+                                  dbias=dbias, cc=cc, spec=spec)
     for launch in bl.launches:
         run(launch)
     return bl.result()
