@@ -21,6 +21,8 @@ from typing import Callable
 
 import numpy as np
 
+from .inputs import numpy_dtype
+
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 
 
@@ -38,17 +40,9 @@ def _fwd_bwd(xp, backend, *, b=1, sq=100, sk=100, h=2, hkv=1, d=64, dtype="float
     """Forward with the lse, then the backward (``deterministic``: its dQ pass instead of atomic adds)."""
     import cuflash
 
-    q, k, v, do = _inputs(xp, b, sq, sk, h, hkv, d, _np_dtype(dtype))
+    q, k, v, do = _inputs(xp, b, sq, sk, h, hkv, d, numpy_dtype(dtype))
     out, lse = cuflash.attention(q, k, v, return_lse=True, backend=backend, **options)
     cuflash.attention_backward(do, q, k, v, out, lse, backend=backend, deterministic=deterministic, **options)
-
-
-def _np_dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
 
 
 def _decode(xp, backend):
