@@ -4,6 +4,7 @@
     python -m benchmarks.numpy_backend --quick          # N = 4096 only, fewer rounds
     python -m benchmarks.numpy_backend --quick --threads 1 --no-memory --out .../numpy_backend_1thread.json
     python -m benchmarks.numpy_backend --quick --backward --no-memory --out .../numpy_backend_fwd_bwd.json
+    python -m benchmarks.numpy_backend --no-speed --out .../numpy_backend_memory.json   # the memory grid alone
 
 Speed: forward, batch 1, 4 heads, head_dim 64 and 128, causal and not, float32 at N = 4096 and
 16384 and float64 at N = 4096. Each case is timed in rounds, the implementations in turn within a
@@ -24,8 +25,10 @@ loop (the products, ``exp2`` and row sums of cuflash's tiles and nothing else: s
 separate passes must cost, of that floor from PyTorch's fused kernel, and the share that BLAS alone takes,
 are measured apart from the scheduling of two threads on a shared machine.
 
-Memory: tracemalloc's peak (NumPy registers its buffers) of the forward and the backward over a
-grid of B·H and N, next to the naive score matrix (B·H·N² floats) and one (B, N, H, d) array.
+Memory: the peak extra memory of the forward and the backward over a grid of B·H and N, next to the naive score
+matrix (B·H·N² floats) and one (B, N, H, d) array, two ways: tracemalloc's peak (NumPy registers its buffers: what
+cuflash allocates, to the byte) and the growth of the resident set in a fresh process (:func:`rss_case`: what
+the operating system sees, the BLAS's own buffers and the threads' stacks included).
 
 PyTorch is optional (``pip install torch``); without it the torch columns are skipped.
 """
@@ -204,14 +207,67 @@ def _peak(fn):
         tracemalloc.stop()
 
 
-def memory_case(batch, heads, n, d=64, dtype=np.float32, causal=True):
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def peak_rss_growth(fn):
+    """``(fn(), bytes)``: how far the process's resident set rose above where it stood when ``fn`` began (Linux: the
+    high-water mark ``VmHWM`` is reset through ``/proc/self/clear_refs`` first). Unlike tracemalloc, this sees every
+    allocation (BLAS packing buffers, thread stacks, allocator slack) as the operating system does."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current VmRSS
+    base = _status_kib("VmRSS")
+    result = fn()
+    return result, (_status_kib("VmHWM") - base) * 1024
+
+
+def _inputs(batch, heads, n, d, dtype):
     rng = np.random.default_rng(0)
-    q, k, v, do = (rng.standard_normal((batch, n, heads, d)).astype(dtype) for _ in range(4))
+    return tuple(rng.standard_normal((batch, n, heads, d)).astype(dtype) for _ in range(4))
+
+
+def rss_in_this_process(batch, heads, n, d=64, dtype="float32", causal=True):
+    """Peak RSS growth of the forward and of the backward of one problem, measured in this process after a toy
+    call of each (so that what a first call sets up once, the BLAS's buffers and the pool's threads among it, is
+    not counted to the problem). Run it in a fresh process (:func:`rss_case`): a process that held larger arrays
+    before may reuse freed pages without the resident set growing."""
+    toy = _inputs(1, 1, 64, d, dtype)
+    cuflash.attention_backward(toy[3], *toy[:3], *cuflash.attention(*toy[:3], causal=causal, return_lse=True),
+                               causal=causal)
+    q, k, v, do = _inputs(batch, heads, n, d, dtype)
+    (out, lse), fwd = peak_rss_growth(lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True))
+    _, bwd = peak_rss_growth(lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal))
+    return dict(fwd_rss_bytes=fwd, bwd_rss_bytes=bwd)
+
+
+def rss_case(batch, heads, n, d=64, dtype="float32", causal=True):
+    """:func:`rss_in_this_process` in a fresh Python process (this process's environment, CUFLASH_NUM_THREADS
+    included); None where ``/proc/self/clear_refs`` is missing (not Linux)."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        return None
+    code = ("import json, benchmarks.numpy_backend as b; "
+            f"print(json.dumps(b.rss_in_this_process({batch}, {heads}, {n}, {d}, {dtype!r}, {causal})))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # glibc's fixed mmap threshold (its default, made static): every large buffer is then mapped when allocated and
+    # unmapped when freed, so the high-water mark counts the buffers live together, not what the allocator keeps
+    # of freed ones (its dynamic threshold would move later buffers of a few MiB onto a heap that never shrinks)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def memory_case(batch, heads, n, d=64, dtype=np.float32, causal=True, rss=True):
+    q, k, v, do = _inputs(batch, heads, n, d, dtype)
     (out, lse), fwd = _peak(lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True))
     _, bwd = _peak(lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal))
-    return dict(batch=batch, heads=heads, seqlen=n, head_dim=d, dtype=np.dtype(dtype).name, causal=causal,
-                fwd_peak_bytes=fwd, bwd_peak_bytes=bwd, array_bytes=q.nbytes,
-                naive_scores_bytes=batch * heads * n * n * np.dtype(dtype).itemsize)
+    rec = dict(batch=batch, heads=heads, seqlen=n, head_dim=d, dtype=np.dtype(dtype).name, causal=causal,
+               fwd_peak_bytes=fwd, bwd_peak_bytes=bwd, array_bytes=q.nbytes,
+               naive_scores_bytes=batch * heads * n * n * np.dtype(dtype).itemsize)
+    measured = rss_case(batch, heads, n, d, np.dtype(dtype).name, causal) if rss else None
+    rec.update(measured or dict(fwd_rss_bytes=None, bwd_rss_bytes=None))
+    return rec
 
 
 def _meta(torch):
@@ -296,13 +352,15 @@ def main(argv=None):
     if not args.no_memory:
         grid = [(1, 4, 4096), (8, 32, 512), (64, 32, 256)] if args.quick else \
             [(1, 1, 16384), (1, 4, 4096), (1, 32, 2048), (8, 32, 512), (32, 32, 512), (64, 32, 256)]
-        print(f"\n{'B':>3s} {'H':>3s} {'N':>6s}  {'fwd MiB':>8s} {'bwd MiB':>8s} {'one array':>9s} {'naive S':>9s}  "
-              "(peak extra, tracemalloc)")
+        print(f"\n{'B':>3s} {'H':>3s} {'N':>6s}  {'fwd MiB':>8s} {'bwd MiB':>8s} {'fwd RSS':>8s} {'bwd RSS':>8s} "
+              f"{'one array':>9s} {'naive S':>9s}  (peak extra: tracemalloc; RSS growth in a fresh process)")
+        mib = lambda x: float("nan") if x is None else x / 2**20  # noqa: E731
         for b, h, n in grid:
             rec = memory_case(b, h, n)
             result["memory"].append(rec)
-            print(f"{b:3d} {h:3d} {n:6d}  {rec['fwd_peak_bytes'] / 2**20:8.1f} {rec['bwd_peak_bytes'] / 2**20:8.1f} "
-                  f"{rec['array_bytes'] / 2**20:9.1f} {rec['naive_scores_bytes'] / 2**20:9.1f}", flush=True)
+            print(f"{b:3d} {h:3d} {n:6d}  {mib(rec['fwd_peak_bytes']):8.1f} {mib(rec['bwd_peak_bytes']):8.1f} "
+                  f"{mib(rec['fwd_rss_bytes']):8.1f} {mib(rec['bwd_rss_bytes']):8.1f} "
+                  f"{mib(rec['array_bytes']):9.1f} {mib(rec['naive_scores_bytes']):9.1f}", flush=True)
     if args.out:
         write_json(args.out, result)
     return 0

@@ -447,6 +447,31 @@ def test_numpy_benchmark_case_with_one_thread(monkeypatch):
     assert all(rec[f"cuflash_over_{name}"] > 0 for name in openblas)
 
 
+needs_proc = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
+                                reason="peak RSS is read from Linux's /proc/self/status")
+
+
+@needs_proc
+def test_peak_rss_growth_sees_a_buffer_at_its_size():
+    """The RSS yardstick counts a 64 MiB buffer that lived and was freed inside the measured call."""
+    from benchmarks.numpy_backend import peak_rss_growth
+
+    total, grown = peak_rss_growth(lambda: np.ones(2**23).sum())
+    assert total == 2**23
+    assert 60 * 2**20 <= grown <= 80 * 2**20
+
+
+@needs_proc
+def test_rss_of_a_long_sequence_is_far_below_the_score_matrix():
+    """In a fresh process, as the operating system counts it: the forward and the backward of one head at N = 8192
+    grow the resident set by less than an eighth of the naive score matrix (256 MiB), BLAS buffers included."""
+    from benchmarks.numpy_backend import rss_case
+
+    naive = 8192 * 8192 * 4
+    rec = rss_case(1, 1, 8192)
+    assert 0 < rec["fwd_rss_bytes"] < naive / 8 and 0 < rec["bwd_rss_bytes"] < naive / 8
+
+
 def test_numpy_benchmark_case_forward_and_backward(monkeypatch):
     import benchmarks.numpy_backend as bench
 
