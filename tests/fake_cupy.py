@@ -8,7 +8,8 @@ enforced, so that a mistake which would fail (or silently misbehave) on a GPU fa
   memory": 256-byte aligned NumPy buffers tagged with a device id. Like CuPy, implicit conversion to NumPy
   (``np.asarray(x)``) raises TypeError; ``.get()`` / ``cupy.asnumpy`` copy to the host.
 - ``RawModule(code=, options=, name_expressions=)``: ``options`` must be a tuple (a Cython ``tuple`` argument in
-  CuPy), ``get_function`` only finds the module's name expressions. Compilation happens at launch, by the emulator,
+  CuPy), ``get_function`` finds the module's name expressions and its ``extern "C"`` kernels (names NVRTC does not
+  mangle), nothing else. Compilation happens at launch, by the emulator,
   from the module's own source (a kernel fetched from the wrong source fails to build).
 - ``RawKernel.__call__(grid, block, args, shared_mem=, stream=)``: grid and block are tuples within CUDA's
   limits (grid x < 2**31, y, z < 65536, every dimension >= 1; block <= 1024 threads); dynamic shared memory above
@@ -30,6 +31,7 @@ are by CuPy versions that predate it, so the ``uint16``-bits path is the only wa
 from __future__ import annotations
 
 import numbers
+import re
 import threading
 import types
 from dataclasses import dataclass, field
@@ -76,6 +78,12 @@ class Launch:
     stream: object
     device: int
     args: tuple = field(repr=False)
+
+
+def _extern_c(code: str, name: str) -> bool:
+    """Whether ``code`` defines ``name`` as an ``extern "C"`` kernel, which a module finds by its plain name."""
+    kernel = r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+'
+    return re.search(kernel + re.escape(name) + r"\s*\(", code) is not None
 
 
 def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = None,
@@ -296,7 +304,7 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
         return a.get(order=order, out=out) if isinstance(a, ndarray) else np.asarray(a, order=order)
 
     for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
-                 "uint32", "uint64", "bool_", "dtype"):
+                 "uint32", "uint64", "bool_", "dtype", "nan", "inf"):
         setattr(cupy, name, getattr(np, name))
     for fn in (asarray, empty, zeros, full, ascontiguousarray, asnumpy):
         setattr(cupy, fn.__name__, fn)
@@ -428,9 +436,9 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
                 raise compiler.CompileException(compile_error, self.code, "kern.cu", self.options, "nvrtc")
             if not isinstance(name, str):
                 raise TypeError(f"name must be a str, got {type(name).__name__}")
-            if self.name_expressions is None or name not in self.name_expressions:
-                raise CUDAError(f"CUDA_ERROR_NOT_FOUND: named symbol not found: {name!r} is not one of this "
-                                f"module's name expressions {self.name_expressions}")
+            if name not in (self.name_expressions or ()) and not _extern_c(self.code, name):
+                raise CUDAError(f"CUDA_ERROR_NOT_FOUND: named symbol not found: {name!r} is neither one of this "
+                                f"module's name expressions {self.name_expressions} nor an extern \"C\" kernel")
             return RawKernel(self, name)
 
     class RawKernel:
