@@ -278,11 +278,12 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_kernel(const __g
     }
     __syncthreads();  // P^T and dS^T complete in smem
 
-    // Lines 16 and 21: dV_j += P^T dO_i, dK_j += dS^T Q_i for this warp's keys and head-dim columns.
-    wide::warp_gemm<M, 1, kDNT, kBlockM>(acc_dv, wide::RowMajor<T, kLdS>{sPt_warp},
-                                         wide::RowMajor<T, kLd>{sdO + d_col0}, lane);
-    wide::warp_gemm<M, 1, kDNT, kBlockM>(acc_dk, wide::RowMajor<T, kLdS>{sdSt_warp},
-                                         wide::RowMajor<T, kLd>{sQ + d_col0}, lane);
+    // Lines 16 and 21: dV_j += P^T dO_i, dK_j += dS^T Q_i for this warp's keys and head-dim columns, each tile's
+    // product summed apart (warp_gemm_add: a chain over every query would lose accuracy with the length).
+    wide::warp_gemm_add<M, 1, kDNT, kBlockM>(acc_dv, wide::RowMajor<T, kLdS>{sPt_warp},
+                                             wide::RowMajor<T, kLd>{sdO + d_col0}, lane);
+    wide::warp_gemm_add<M, 1, kDNT, kBlockM>(acc_dk, wide::RowMajor<T, kLdS>{sdSt_warp},
+                                             wide::RowMajor<T, kLd>{sQ + d_col0}, lane);
     __syncthreads();  // every warp is done with Q_i, dO_i, L_i, D_i and P^T
 
     // The next query tile's loads overlap the dQ product below, which reads only dS^T and K_j.

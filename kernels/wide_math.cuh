@@ -27,6 +27,7 @@ struct Real<float> {
   __device__ static __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
   __device__ static __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
   __device__ static __forceinline__ float max(float a, float b) { return fmaxf(a, b); }
+  __device__ static __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
   // correctly rounded, never contracted into an FMA (the forward and the backward must recompute the same bits)
   __device__ static __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
   __device__ static __forceinline__ float fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
@@ -50,6 +51,7 @@ struct Real<double> {
   __device__ static __forceinline__ double neg_inf() { return __longlong_as_double((long long)0xfff0000000000000ULL); }
   __device__ static __forceinline__ double pos_inf() { return __longlong_as_double((long long)0x7ff0000000000000ULL); }
   __device__ static __forceinline__ double max(double a, double b) { return fmax(a, b); }
+  __device__ static __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
   __device__ static __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
   __device__ static __forceinline__ double fma(double a, double b, double c) { return __fma_rn(a, b, c); }
   __device__ static __forceinline__ double scale(const Params& p) { return p.wide.scale; }

@@ -303,6 +303,33 @@ __device__ __forceinline__ void warp_gemm(typename M::T (&C)[kMT][kNT][M::kR], c
   }
 }
 
+// C[kMT][kNT] += A B with the tile's product summed apart: A B from zero over its kKTotal terms, then added to C,
+// one rounding per element. For the accumulators that run over the whole sequence (FA2 Algorithm 2 lines 16 and
+// 21: dV_j += P^T dO_i, dK_j += dS^T Q_i over every query tile). Summed into C directly, each element of dK and
+// dV is one chain of FMAs over every query the key sees (4096 at N = 2048 with two query heads per KV head), and
+// its rounding error grows with the chain: float32 dK and dV came out at 2.6-2.7x the naive float32 RMS error
+// (emulated, N = 2048), where BLAS adds blocks of a few hundred terms. Apart, a chain is one tile (kKTotal terms)
+// plus one addition per tile. Costs a tile of kMT * kNT * kR registers while it runs.
+template <class M, int kMT, int kNT, int kKTotal, class XA, class XB>
+__device__ __forceinline__ void warp_gemm_add(typename M::T (&C)[kMT][kNT][M::kR], const XA& A, const XB& B,
+                                              int lane) {
+  using T = typename M::T;
+  T tile[kMT][kNT][M::kR];
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+    for (int nj = 0; nj < kNT; ++nj)
+#pragma unroll
+      for (int r = 0; r < M::kR; ++r) tile[mi][nj][r] = T(0);
+  warp_gemm<M, kMT, kNT, kKTotal>(tile, A, B, lane);
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+    for (int nj = 0; nj < kNT; ++nj)
+#pragma unroll
+      for (int r = 0; r < M::kR; ++r) C[mi][nj][r] = Real<T>::add(C[mi][nj][r], tile[mi][nj][r]);
+}
+
 // C[kMT][kNTC] += P V with P = the C fragments [kMT][kNTP] of the warp's rows (keys 0 .. 8 * kNTP - 1), V[key][n]
 // read through X (tensor-core arithmetics: kRegA). P's A fragments are converted once. Loop order (measured with the
 // compile check): keys outer, output columns inner in general; for the 16-row layouts at head_dim 256 (32 output
@@ -385,7 +412,14 @@ __device__ __forceinline__ void warp_gemm_pv(typename M::T (&C)[kMT][kNTC][M::kR
   } else {
     store_frags<M, kMT, kNTP, kLdP>(stage, P, lane);
     __syncwarp();
-    warp_gemm<M, kMT, kNTC, 8 * kNTP>(C, RowMajor<typename M::T, kLdP>{stage}, V, lane);
+    // float32: the tile's keys summed apart (warp_gemm_add: O's chain over every key lost accuracy with the
+    // length), where a second accumulator fits: not for O at head_dim 192 and 256 (96 and 128 registers). float64
+    // sums in its chain: apart, head_dim 128 spilled 40 bytes with a modifier on sm_80.
+    if constexpr (sizeof(typename M::T) == 4 && kMT * kNTC * M::kR < kApartRegs) {
+      warp_gemm_add<M, kMT, kNTC, 8 * kNTP>(C, RowMajor<typename M::T, kLdP>{stage}, V, lane);
+    } else {
+      warp_gemm<M, kMT, kNTC, 8 * kNTP>(C, RowMajor<typename M::T, kLdP>{stage}, V, lane);
+    }
   }
 }
 

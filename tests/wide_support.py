@@ -18,7 +18,7 @@ error, plus a floor of two roundings of the baseline's arithmetic at the magnitu
 float32 and float64 inputs that floor is larger than the naive error itself on most small problems (it carries the
 softmax's condition number), so every mode also has an RMS rule, on problems of a few hundred rows where rounding
 dominates and the RMS error is a stable statistic: RMS error over all finite entries <= the bound x the naive RMS
-error, no floor. Emulated, the RMS ratios lie within ieee 1.0-1.5 (1.55 with the GPU's approximate exp2f, hw_math),
+error, no floor. Emulated, the RMS ratios lie within ieee 0.8-1.45 (with the GPU's approximate exp2f, hw_math, too),
 3xtf32 0.5-1.3 (CUTLASS's split keeps 22 of the 24 significand bits of each operand and drops the small x small
 product; each k-step's products summed apart, kernels/wide_mma.cuh, which is a blocked summation; 0.5-1.5 with
 hw_math's tensor-core sums rounded toward zero), tf32 0.4-1.4, float64 1.0-1.6 (FA2's recomputation of P from the saved lse rounds a little more than the
