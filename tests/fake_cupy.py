@@ -202,6 +202,20 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
         def __float__(self):  # CuPy synchronizes and copies a 0-d result to the host
             return float(self._a)
 
+        def __int__(self):
+            return int(self._a)
+
+        def __bool__(self):  # likewise for one element (CuPy refuses more, as NumPy does)
+            if self.size != 1:
+                raise ValueError("The truth value of an array with more than one element is ambiguous.")
+            return bool(self._a)
+
+        def min(self, axis=None, keepdims=False):  # device reductions (a 0-d device array for axis=None)
+            return self._same(np.asarray(self._a.min(axis=axis, keepdims=keepdims)))
+
+        def max(self, axis=None, keepdims=False):
+            return self._same(np.asarray(self._a.max(axis=axis, keepdims=keepdims)))
+
         def get(self, stream=None, order="C", out=None):
             host = np.array(self._a, order=order, copy=True)
             if out is not None:
@@ -300,13 +314,21 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
         buf[...] = a._a
         return ndarray._wrap(buf, a._dev)
 
+    def broadcast_to(a, shape):  # a view with zero strides, as CuPy's
+        a = asarray(a)
+        return ndarray._wrap(np.broadcast_to(a._a, shape), a._dev)
+
+    def array_equal(a1, a2, equal_nan=False):  # a 0-d bool device array, as CuPy's
+        a1, a2 = asarray(a1), asarray(a2)
+        return a1._same(np.asarray(np.array_equal(a1._a, _operand(a2, a1._dev), equal_nan=equal_nan)))
+
     def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
         return a.get(order=order, out=out) if isinstance(a, ndarray) else np.asarray(a, order=order)
 
     for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
                  "uint32", "uint64", "bool_", "dtype", "nan", "inf"):
         setattr(cupy, name, getattr(np, name))
-    for fn in (asarray, empty, zeros, full, ascontiguousarray, asnumpy):
+    for fn in (asarray, empty, zeros, full, ascontiguousarray, asnumpy, broadcast_to, array_equal):
         setattr(cupy, fn.__name__, fn)
     cupy.ndarray = ndarray
 
