@@ -244,11 +244,11 @@ using F64Fma = FmaAtom<double, 8, 1>;
 // registers or more (O and dQ at head_dim 192 and 256) still sum inside the mma: apart, they spilled 8-56 bytes.
 constexpr int kApartRegs = 96;
 
-// c += s, round to nearest (an IEEE FADD, never fused into a tensor-core addend)
+// c += s, round to nearest (an IEEE add, never fused into an FMA or a tensor-core addend)
 template <class M>
-__device__ __forceinline__ void add_rn(float (&c)[M::kR], const float (&s)[M::kR]) {
+__device__ __forceinline__ void add_rn(typename M::T (&c)[M::kR], const typename M::T (&s)[M::kR]) {
 #pragma unroll
-  for (int r = 0; r < M::kR; ++r) c[r] = __fadd_rn(c[r], s[r]);
+  for (int r = 0; r < M::kR; ++r) c[r] = Real<typename M::T>::add(c[r], s[r]);
 }
 
 // C[kMT][kNT] += A B over k in [0, kKTotal): A rows 0 .. kMT * kTM - 1 (the warp's), B columns 0 .. 8 * kNT - 1.
@@ -325,9 +325,7 @@ __device__ __forceinline__ void warp_gemm_add(typename M::T (&C)[kMT][kNT][M::kR
 #pragma unroll
   for (int mi = 0; mi < kMT; ++mi)
 #pragma unroll
-    for (int nj = 0; nj < kNT; ++nj)
-#pragma unroll
-      for (int r = 0; r < M::kR; ++r) C[mi][nj][r] = Real<T>::add(C[mi][nj][r], tile[mi][nj][r]);
+    for (int nj = 0; nj < kNT; ++nj) add_rn<M>(C[mi][nj], tile[mi][nj]);
 }
 
 // C[kMT][kNTC] += P V with P = the C fragments [kMT][kNTP] of the warp's rows (keys 0 .. 8 * kNTP - 1), V[key][n]
