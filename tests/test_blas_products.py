@@ -119,3 +119,44 @@ def test_backend_products_follow_cuflash_blas(mkl, monkeypatch, choice, used):
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, backend="numpy")
     cuflash.attention_backward(do, q, k, v, out, lse, causal=True, backend="numpy")
     assert bool(calls) == used
+
+
+def _float64_case(name):
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal((1, 812, 2, 16)) for _ in range(4))
+    # window: query 811 (the last) sees one key of its block's first tile, every other query of that block more,
+    # so that block starts on the online max and switches to shift 0 after that tile
+    options = {"causal": dict(causal=True), "window": dict(window=(300, 0))}.get(name, {})
+    if name == "inf in v":  # the guarded product
+        v[0, 600, 1, 3] = np.inf
+    from cuflash.testing import Case
+
+    return Case(q, k, v, do, options=options)
+
+
+@pytest.mark.parametrize("name", ["plain", "causal", "window", "online max", "inf in v"])
+def test_float64_forward_on_mkl_sums_rows_in_the_product(mkl, monkeypatch, name):
+    """float64 on MKL takes l from P [V | 1] (``_rowsum_in_pv``): held to the rule in every path of the forward
+    (shift 0, the online max, row strips of partial tiles, the guarded product), with dropout on the ``gemv``."""
+    from cuflash.backends import numpy as nb
+    from cuflash.testing import check_forward
+
+    monkeypatch.setenv("CUFLASH_BLAS", "mkl")
+    taken = []
+    fold = nb._rowsum_in_pv
+    monkeypatch.setattr(nb, "_rowsum_in_pv", lambda *a: taken.append(fold(*a)) or taken[-1])
+    if name == "online max":  # as for scores past the bounds (_Bounds), without a softmax too peaked to tell
+        monkeypatch.setattr(nb._Bounds, "applies", staticmethod(lambda problem: False))
+    case = _float64_case(name)
+    with np.errstate(invalid="ignore"):
+        if name == "inf in v":  # IEEE: NaN and infinity exactly where the reference has them
+            out = cuflash.attention(case.q, case.k, case.v, backend="numpy")
+            ref = cuflash.reference.attention(case.q, case.k, case.v)
+            np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+            np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+            assert np.isfinite(out).sum() == np.isfinite(ref).sum() > out.size // 2
+        else:
+            check_forward(lambda *a, **o: cuflash.attention(*a, **o, return_lse=True, backend="numpy"), case)
+    assert taken == [True]
+    cuflash.attention(case.q, case.k, case.v, dropout_p=0.1, seed=1, backend="numpy")
+    assert taken == [True, False]

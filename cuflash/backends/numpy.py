@@ -52,7 +52,7 @@ TILE_ELEMENTS = 2 * BLOCK_Q * BLOCK_K
 BACKWARD_TILE_ELEMENTS = BLOCK_Q * BLOCK_K
 #: Query rows per key/value head from which K^T is copied contiguous (see _keys_transposed).
 KT_COPY_ROWS = 64
-#: Parts of the copy of K^T that the workers share (:class:`_Together`).
+#: Parts of the copy of K^T (or of [V | 1]) that the workers share (:class:`_Together`).
 KT_COPY_PARTS = 4
 #: Query rows per strip of a partial tile (_Masks.strips): a causal diagonal tile costs 5/8 of its products.
 STRIP_ROWS = 128
@@ -197,17 +197,22 @@ def _keys_transposed(problem, k, matmul):
     if matmul is not np.matmul or problem.seqlen_q * problem.group < KT_COPY_ROWS:
         return kt, []
     out = np.empty(kt.shape, dtype=kt.dtype)
-    n = kt.shape[-1]
-    step = 256 * max(1, -(-n // (256 * KT_COPY_PARTS)))  # whole blocks of 256 keys per part
 
-    def part(s0):
+    def part(s0, s1):
         # In blocks of keys: NumPy copies a transposed array in the destination's order, reading K with a stride
         # of H·d elements, which misses the cache at every element; a block of 256 keys stays in L1 (2.3 -> 1.0 ms
         # for 4 heads of 4096 x 64 float32 on this machine).
-        for b0 in range(s0, min(s0 + step, n), 256):
-            out[..., b0:b0 + 256] = kt[..., b0:b0 + 256]
+        for b0 in range(s0, s1, 256):
+            out[..., b0:min(b0 + 256, s1)] = kt[..., b0:min(b0 + 256, s1)]
 
-    return out, [functools.partial(part, s0) for s0 in range(0, n, step)]
+    return out, [functools.partial(part, *keys) for keys in _key_parts(kt.shape[-1])]
+
+
+def _key_parts(n):
+    """The ranges of keys ``(s0, s1)`` in which the workers copy K or V (:class:`_Together`): at most
+    :data:`KT_COPY_PARTS`, whole blocks of 256 keys each."""
+    step = 256 * max(1, -(-n // (256 * KT_COPY_PARTS)))
+    return [(s0, min(s0 + step, n)) for s0 in range(0, n, step)]
 
 
 class _Together:
@@ -262,6 +267,7 @@ class _Prepared:
     bounds: Optional["_Bounds"]  # None where they do not apply
     v_nonfinite: bool             # some element of V is not finite (the forward's _seen_product)
     any_nonfinite: bool           # some element of Q, K, V or ``also`` is (the backward's _seen_product; no warnings)
+    v1: Optional[np.ndarray] = None  # [V | 1] where the forward folds the row sum into P V (_rowsum_in_pv)
 
 
 class _PerChunk:
@@ -271,9 +277,9 @@ class _PerChunk:
     products. So this O(N·d) preparation runs on the workers, one block beside another, instead of on one core before
     the pool starts (3.7 ms of a 70 ms causal forward at N = 4096 on 2 cores)."""
 
-    def __init__(self, problem, rule, q, k, v, wt, matmul, also=()):
+    def __init__(self, problem, rule, q, k, v, wt, matmul, also=(), ones_column=False):
         self.problem, self.rule, self.q, self.k, self.v, self.wt, self.also = problem, rule, q, k, v, wt, also
-        self.matmul = matmul
+        self.matmul, self.ones_column = matmul, ones_column
         self.bounded = _Bounds.applies(problem)
         self._lock, self._made = threading.Lock(), {}
 
@@ -291,13 +297,40 @@ class _PerChunk:
         kt, copy = _keys_transposed(problem, k, self.matmul)
         norms = [functools.partial(_Bounds.largest_norm, x) for x in (k, v)] if self.bounded else []
         checks = [functools.partial(_nonfinite, x) for x in (v, q, k) + tuple(x[chunk] for x in self.also)]
+        v1, ones = _with_ones(v) if self.ones_column else (None, [])
 
         def finish(results):
-            kv, bad = results[len(copy):len(copy) + len(norms)], results[len(copy) + len(norms):]
+            kv, bad = results[len(copy):len(copy) + len(norms)], results[len(copy) + len(norms):][:len(checks)]
             bounds = _Bounds(problem, rule, *kv, wt) if kv else None
-            return _Prepared(kt, bounds, bad[0], any(bad))
+            return _Prepared(kt, bounds, bad[0], any(bad), v1)
 
-        return _Together(copy + norms + checks, finish)
+        return _Together(copy + norms + checks + ones, finish)
+
+
+#: Working dtypes whose forward sums the rows of P in the product when MKL runs it (:func:`_rowsum_in_pv`).
+ROWSUM_IN_PV = ("float64",)
+
+
+def _rowsum_in_pv(problem, wt, matmul):
+    """Whether the forward takes l (FA2 Alg. 1 line 10) as the last column of P [V | 1] instead of a ``gemv`` pass
+    over P. float64's 2 x 512 x 512 tile (4 MiB) outgrows the 2 MiB L2 of this machine's cores, so the ``gemv``
+    streams it from L3 (0.15 ms a tile, float32's 0.045); MKL's ``dgemm`` takes the 65th column for 0.06 ms. On
+    two threads (A/B in one process, N = 4096, 4 heads): float64 1-9% faster (one thread 3-7%); float32 up to 6%
+    slower, OpenBLAS within 2% either way: neither folds. Dropout scales P before the product and l is of the
+    undropped P, so it keeps the ``gemv``. [V | 1] is a copy of V per block of heads, O(N·d)."""
+    return wt.name in ROWSUM_IN_PV and matmul is not np.matmul and not problem.dropout_p \
+        and problem.seqlen_q * problem.group >= KT_COPY_ROWS  # decode-shaped: copying V would cost more
+
+
+def _with_ones(v):
+    """[V | 1] and the parts that fill it (:class:`_Together`)."""
+    v1 = np.empty(v.shape[:-1] + (v.shape[-1] + 1,), dtype=v.dtype)
+
+    def part(s0, s1):
+        v1[..., s0:s1, :-1] = v[..., s0:s1, :]
+        v1[..., s0:s1, -1] = 1
+
+    return v1, [functools.partial(part, *keys) for keys in _key_parts(v.shape[-2])]
 
 
 def _ungroup(x):
@@ -744,7 +777,8 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     rule = _exp_rule(problem, wt)
     q, k, v = (_grouped(x, problem, wt) for x in (problem.q, problem.k, problem.v))
     matmul = products()  # NumPy's or MKL's (CUFLASH_BLAS), one choice for the whole call
-    prepared = _PerChunk(problem, rule, q, k, v, wt, matmul)
+    fold = _rowsum_in_pv(problem, wt, matmul)
+    prepared = _PerChunk(problem, rule, q, k, v, wt, matmul, ones_column=fold)
     out = np.zeros(q.shape, dtype=wt)
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
     ones = np.ones(lay.block_k, dtype=wt)
@@ -766,7 +800,8 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         normal = t.full and modifiers is None and u is not None and bounds.normal(u, m_safe)
         _exp(s, rule, clamp=not normal)  # line 10
         alpha = rule.exp(m_i - m_safe)
-        l_i *= alpha
+        if not fold:  # else l_i is acc's last column
+            l_i *= alpha
         acc *= alpha[..., None]
         m_i[...] = m_new
 
@@ -793,9 +828,11 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         # shift 0 from the first key tile where every row sees two keys in it (none can be a one-key row)
         fixed = u is not None and bounds.fixed_shift(u) and masks.every_row_sees_two(tiles[0], chunk)
         m_i = np.full(q_i.shape[:-1], 0 if fixed else -np.inf, dtype=wt)
-        l_i = np.zeros(q_i.shape[:-1], dtype=wt)
-        acc = np.zeros(q_i.shape, dtype=wt)
-        pv = scratch.get("pv", q_i.shape, wt)
+        d = q_i.shape[-1]
+        acc = np.zeros(q_i.shape[:-1] + (d + fold,), dtype=wt)  # with fold, [O | l]: P [V | 1] = [P V | rowsum P]
+        l_i = acc[..., d] if fold else np.zeros(q_i.shape[:-1], dtype=wt)
+        pv = scratch.get("pv", acc.shape, wt)
+        v_j = prep.v1 if fold else v[bs, hs]
         for n, tile in enumerate(tiles):
             for t in masks.strips(tile, chunk):  # a partial tile: row strips cut to the keys they see
                 r = slice(t.i0 - i0, t.i1 - i0)
@@ -809,20 +846,22 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                 else:
                     online(s, t, chunk, m_i[..., r], l_i[..., r], acc[..., r, :], None if u is None else u[..., r],
                            bounds)
-                l_i[..., r] += s @ ones[:t.k1 - t.k0]  # l is of the undropped P: lse stays dropout-free
+                if not fold:
+                    l_i[..., r] += s @ ones[:t.k1 - t.k0]  # l is of the undropped P: lse stays dropout-free
                 z = _dropout_scale(problem, t, chunk, wt)
                 if z is not None:
                     s *= z
-                pv_r = _seen_product(s, v[bs, hs, :, t.k0:t.k1, :], guarded, pv[..., r, :], matmul)  # line 11
+                pv_r = _seen_product(s, v_j[..., t.k0:t.k1, :], guarded, pv[..., r, :], matmul)  # line 11
                 acc[..., r, :] += pv_r
             if not fixed and n == 0 and len(tiles) > 1 and u is not None and np.all(m_i > -np.inf) \
                     and bounds.fixed_shift(u):
                 fixed, alpha = True, rule.exp(m_i)  # from shift m_i to shift 0
-                l_i *= alpha
+                if not fold:
+                    l_i *= alpha
                 acc *= alpha[..., None]
                 m_i = np.zeros_like(m_i)
         seen = l_i != 0  # a NaN sum propagates; only rows that saw no key get 0 and -inf
-        out[bs, hs, :, i0:i1, :] = acc / np.where(seen, l_i, 1)[..., None]
+        out[bs, hs, :, i0:i1, :] = acc[..., :d] / np.where(seen, l_i, 1)[..., None]
         with np.errstate(divide="ignore"):
             nat = (m_i.astype(np.float64) + rule.log(np.where(seen, l_i, 1).astype(np.float64))) * (LN2 * rule.bits)
         lse[bs, hs, :, i0:i1] = np.where(seen, nat, -np.inf)
