@@ -85,6 +85,14 @@ class MpiTransport:
 
     def start(self, sends, recvs):
         MPI, requests, landing = self.MPI, [], []
+        try:
+            return self._post(sends, recvs, requests, landing)
+        except BaseException:  # what was posted completes before its buffers can go (see ring._completed_on_error)
+            MPI.Request.Waitall(requests)
+            raise
+
+    def _post(self, sends, recvs, requests, landing):
+        MPI = self.MPI
         if self.device and self.cuda_aware:
             # MPI touches device memory outside any CUDA stream: the buffers sent must be final, and memory received
             # into may have been freed by an array a kernel still queued on the current stream reads

@@ -54,6 +54,7 @@ small all-gather, so that a mismatch between ranks raises the same ValueError on
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import zlib
 from dataclasses import dataclass
@@ -349,21 +350,39 @@ def _ring_forward(s: Setup):
             k_next, v_next = _kv_buffers(s, (src - 1) % s.size, p.k.dtype)
             pending = s.transport.start([(k_cur, nxt, comms.TAG_K), (v_cur, nxt, comms.TAG_V)],
                                         [(k_next, prv, comms.TAG_K), (v_next, prv, comms.TAG_V)])
-        for i, qs in enumerate(s.q_segs[s.rank]):
-            for ks in s.kv_segs[src]:
-                bounds = pair_window(s, qs, ks)
-                if bounds is None:
-                    continue
-                pp = _pair_problem(s, _seq(q, qs), _cast(s, _seq(k_cur, ks)), _cast(s, _seq(v_cur, ks)), bounds)
-                o, lse = s.module.forward(pp)
-                accs[i] = merge_parts(xp, [accs[i][0], o], [accs[i][1], lse], work)
-                pending.poke()
+        with _completed_on_error(pending):
+            for i, qs in enumerate(s.q_segs[s.rank]):
+                for ks in s.kv_segs[src]:
+                    bounds = pair_window(s, qs, ks)
+                    if bounds is None:
+                        continue
+                    pp = _pair_problem(s, _seq(q, qs), _cast(s, _seq(k_cur, ks)), _cast(s, _seq(v_cur, ks)), bounds)
+                    o, lse = s.module.forward(pp)
+                    accs[i] = merge_parts(xp, [accs[i][0], o], [accs[i][1], lse], work)
+                    pending.poke()
         pending.wait()
         if t < s.size - 1:
             k_cur, v_cur = k_next, v_next
     out = xp.concatenate([a[0] for a in accs], axis=1).astype(p.dtype, copy=False)
     lse = xp.concatenate([a[1] for a in accs], axis=2)
     return out, lse
+
+
+@contextlib.contextmanager
+def _completed_on_error(*handles):
+    """A ring step's computation while ``handles``' transfers run; should it raise, they are completed before the
+    error leaves. MPI reads a send buffer and writes a receive buffer until its request completes: abandoned, those
+    buffers would be freed under it (2 ranks whose every pair computation raised aborted with "malloc(): invalid
+    size"), as NCCL's transfers on their stream would run on memory CuPy may hand out again. The other ranks posted
+    the matching transfers at the start of the same step, so they complete whether or not those ranks raised too."""
+    try:
+        yield
+    except BaseException:
+        for handle in handles:
+            if handle is not None:
+                with contextlib.suppress(Exception):  # the computation's error is the one to see
+                    handle.wait()
+        raise
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -407,23 +426,25 @@ def _ring_backward(s: Setup, dout, out, lse, deterministic):
             k_next, v_next = _kv_buffers(s, (src - 1) % s.size, p.k.dtype)
             pending = s.transport.start([(k_cur, nxt, comms.TAG_K), (v_cur, nxt, comms.TAG_V)],
                                         [(k_next, prv, comms.TAG_K), (v_next, prv, comms.TAG_V)])
-        dk_blk, dv_blk = (xp.zeros((p.batch, s.kv_len[src], p.heads_kv, p.head_dim), dtype=work) for _ in range(2))
-        for i, qs in enumerate(mine):
-            for ks in s.kv_segs[src]:
-                bounds = pair_window(s, qs, ks)
-                if bounds is None:
-                    continue
-                q_i, do_i, o_i, lse_i = rows[i]
-                pp = _pair_problem(s, q_i, _cast(s, _seq(k_cur, ks)), _cast(s, _seq(v_cur, ks)), bounds)
-                g_q, g_k, g_v = s.module.backward(pp, do_i, o_i, lse_i, deterministic=deterministic)
-                dq[i] += g_q.astype(work, copy=False)
-                _seq(dk_blk, ks)[...] += g_k.astype(work, copy=False)
-                _seq(dv_blk, ks)[...] += g_v.astype(work, copy=False)
-                pending.poke()
-        if carried is not None:  # what the ranks before this one added to the block: waited for only now
-            carried[0].wait()
-            dk_blk += carried[1]
-            dv_blk += carried[2]
+        with _completed_on_error(pending, carried[0] if carried is not None else None):
+            dk_blk, dv_blk = (xp.zeros((p.batch, s.kv_len[src], p.heads_kv, p.head_dim), dtype=work)
+                              for _ in range(2))
+            for i, qs in enumerate(mine):
+                for ks in s.kv_segs[src]:
+                    bounds = pair_window(s, qs, ks)
+                    if bounds is None:
+                        continue
+                    q_i, do_i, o_i, lse_i = rows[i]
+                    pp = _pair_problem(s, q_i, _cast(s, _seq(k_cur, ks)), _cast(s, _seq(v_cur, ks)), bounds)
+                    g_q, g_k, g_v = s.module.backward(pp, do_i, o_i, lse_i, deterministic=deterministic)
+                    dq[i] += g_q.astype(work, copy=False)
+                    _seq(dk_blk, ks)[...] += g_k.astype(work, copy=False)
+                    _seq(dv_blk, ks)[...] += g_v.astype(work, copy=False)
+                    pending.poke()
+            if carried is not None:  # what the ranks before this one added to the block: waited for only now
+                carried[0].wait()
+                dk_blk += carried[1]
+                dv_blk += carried[2]
         if s.size > 1:
             # On to rank + 1; after the last step that is the block's owner. The receive is the accumulator of the
             # block this rank holds next (after the last step: its own block, complete).

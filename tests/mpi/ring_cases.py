@@ -67,6 +67,9 @@ ERRORS = {
     "error_ulysses_heads": ("ValueError", "must be divisible by the number of ranks"),
     "error_backward_lse_shape": ("ValueError", "lse must have shape"),
     "error_vjp_modified_on_one_rank": ("ValueError", "modified in place after ring_attention_vjp on rank(s)"),
+    # a pair computation raising in the second ring step: the transfers in flight complete before the error leaves
+    # (abandoned, MPI would write into freed buffers), and the communicator is clean for the next call
+    "error_in_a_ring_step": ("RuntimeError", "pair computation failed; the next call matched the one before"),
 }
 
 #: local length per rank of the memory probe (the same at every P, so its peak must not grow with P)
@@ -197,9 +200,40 @@ def run_error(name, comm):
             if rank == size - 1:
                 ql[..., 0, 0, 0] += 1.0
             vjp(dl)
+        elif name == "error_in_a_ring_step":
+            return _error_in_a_ring_step(ql, kl, vl, comm)
     except Exception as exc:  # noqa: BLE001 - the record says what was raised
         return type(exc).__name__, str(exc)
     return None
+
+
+def _error_in_a_ring_step(ql, kl, vl, comm):
+    """Every rank's second pair computation raises (not causal: every rank computes a pair in every step); then the
+    same call again, which every rank makes (collective) whatever the first one did."""
+    import cuflash.distributed as dist
+    from cuflash.backends import numpy as nb
+
+    before = dist.ring_attention(ql, kl, vl, comm)
+    real, calls, raised = nb.forward, [], None
+
+    def second_raises(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("pair computation failed")
+        return real(*args, **kwargs)
+
+    nb.forward = second_raises
+    try:
+        dist.ring_attention(ql, kl, vl, comm)
+    except RuntimeError as exc:
+        raised = exc
+    finally:
+        nb.forward = real
+    # a message left over from the failed call would be received in place of this call's: different bits
+    same = np.array_equal(dist.ring_attention(ql, kl, vl, comm), before)
+    if raised is None:
+        return None
+    return type(raised).__name__, f"{raised}; the next call {'matched' if same else 'differed from'} the one before"
 
 
 def memory_probe(comm, sizes=(3, 4)):
