@@ -221,6 +221,30 @@ def test_fixed_shift_where_scores_are_bounded(monkeypatch, dtype, options):
     assert seen["online"] > 0 and np.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_first_diagonal_tile_shifts_by_zero_after_its_first_strip(monkeypatch, dtype):
+    """A causal call's first query tile is one diagonal tile, cut into strips: only the strip that holds the row
+    seeing one key takes the online max; the others shift by 0 (the masking pass after ``exp``). That row returns
+    its key's value exactly, the rest is held to the rule."""
+    online = []
+    real = nb._mask_scores
+
+    def spy(s, masks, tile, chunk, fill=-np.inf):
+        if fill == -np.inf:  # before the row max: the online path
+            online.append((tile.i0, tile.i1))
+        return real(s, masks, tile, chunk, fill)
+
+    monkeypatch.setattr(nb, "_mask_scores", spy)
+    q, k, v, do = rng_arrays(8, (1, 256, 2, 16), (1, 256, 2, 16), (1, 256, 2, 16), (1, 256, 2, 16), dtype=dtype)
+    case = Case(q, k, v, do, dict(causal=True))
+    p = make_problem(q, k, v, causal=True)
+    out, lse = nb.forward(p, schedule=Schedule.for_problem(p, 256, 256))  # one tile: strips of nb.STRIP_ROWS rows
+    assert online and set(online) == {(0, nb.STRIP_ROWS)}
+    out = p.unflatten(out, q.shape[1:])
+    assert np.array_equal(out[0, 0], v[0, 0])
+    check_forward(lambda *a, **o: (out, p.unflatten(lse, (2, 256))), case)
+
+
 def test_fixed_shift_refuses_non_finite_inputs(monkeypatch):
     """A NaN or infinity anywhere in K or V fails the bound, so non-finite values keep their online semantics."""
     seen = _count_fixed(monkeypatch)

@@ -825,8 +825,11 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         # only V meets zeros of P in a product (Q, K: masked scores are set, not computed)
         kt, bounds, guarded = prep.kt, prep.bounds, prep.v_nonfinite
         u = bounds.rows(q_i) if bounds is not None else None
-        # shift 0 from the first key tile where every row sees two keys in it (none can be a one-key row)
-        fixed = u is not None and bounds.fixed_shift(u) and masks.every_row_sees_two(tiles[0], chunk)
+        # shift 0 from the first key tile where every row sees two keys in it (none can be a one-key row); in a first
+        # tile cut into strips, from the first strip where every row does (a causal call's first diagonal tile: only
+        # its first strip holds the row that sees one key)
+        bounded = u is not None and bounds.fixed_shift(u)
+        fixed = bounded and masks.every_row_sees_two(tiles[0], chunk)
         m_i = np.full(q_i.shape[:-1], 0 if fixed else -np.inf, dtype=wt)
         d = q_i.shape[-1]
         acc = np.zeros(q_i.shape[:-1] + (d + fold,), dtype=wt)  # with fold, [O | l]: P [V | 1] = [P V | rowsum P]
@@ -838,7 +841,10 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                 r = slice(t.i0 - i0, t.i1 - i0)
                 s = scratch.get("s", q_i.shape[:-2] + (t.i1 - t.i0, t.k1 - t.k0), wt)
                 _scores(q_i[..., r, :], kt[..., t.k0:t.k1], rule, s, matmul)
-                if fixed:  # line 10 with m_i = 0 (see _Bounds): every |S| is bounded, masked ones too
+                shift0 = fixed or (n == 0 and bounded and t is not tile and masks.every_row_sees_two(t, chunk))
+                if shift0 and not fixed:
+                    m_i[..., r] = 0  # these rows shift by 0 from here on; the switch below leaves them as they are
+                if shift0:  # line 10 with m_i = 0 (see _Bounds): every |S| is bounded, masked ones too
                     rule.exp(s, out=s)
                     if modifiers is not None:
                         modifiers.mask(s, t, chunk, fill=0.0)
@@ -853,8 +859,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                     s *= z
                 pv_r = _seen_product(s, v_j[..., t.k0:t.k1, :], guarded, pv[..., r, :], matmul)  # line 11
                 acc[..., r, :] += pv_r
-            if not fixed and n == 0 and len(tiles) > 1 and u is not None and np.all(m_i > -np.inf) \
-                    and bounds.fixed_shift(u):
+            if not fixed and n == 0 and len(tiles) > 1 and bounded and np.all(m_i > -np.inf):
                 fixed, alpha = True, rule.exp(m_i)  # from shift m_i to shift 0
                 if not fold:
                     l_i *= alpha
