@@ -345,12 +345,14 @@ def _ring_forward(s: Setup):
              xp.full((p.batch, p.heads_q, seg.size), -np.inf, dtype=work)) for seg in s.q_segs[s.rank]]
     for t in range(s.size):
         src = (s.rank - t) % s.size
-        pending = comms._Done()
-        if t < s.size - 1:  # post the next block's transfer first: it runs while this block is computed
-            k_next, v_next = _kv_buffers(s, (src - 1) % s.size, p.k.dtype)
-            pending = s.transport.start([(k_cur, nxt, comms.TAG_K), (v_cur, nxt, comms.TAG_V)],
-                                        [(k_next, prv, comms.TAG_K), (v_next, prv, comms.TAG_V)])
-        with _completed_on_error(pending):
+        in_flight = []
+        with _completed_on_error(in_flight):
+            pending = comms._Done()
+            if t < s.size - 1:  # post the next block's transfer first: it runs while this block is computed
+                k_next, v_next = _kv_buffers(s, (src - 1) % s.size, p.k.dtype)
+                pending = s.transport.start([(k_cur, nxt, comms.TAG_K), (v_cur, nxt, comms.TAG_V)],
+                                            [(k_next, prv, comms.TAG_K), (v_next, prv, comms.TAG_V)])
+                in_flight.append(pending)
             for i, qs in enumerate(s.q_segs[s.rank]):
                 for ks in s.kv_segs[src]:
                     bounds = pair_window(s, qs, ks)
@@ -360,7 +362,7 @@ def _ring_forward(s: Setup):
                     o, lse = s.module.forward(pp)
                     accs[i] = merge_parts(xp, [accs[i][0], o], [accs[i][1], lse], work)
                     pending.poke()
-        pending.wait()
+            pending.wait()
         if t < s.size - 1:
             k_cur, v_cur = k_next, v_next
     out = xp.concatenate([a[0] for a in accs], axis=1).astype(p.dtype, copy=False)
@@ -369,19 +371,18 @@ def _ring_forward(s: Setup):
 
 
 @contextlib.contextmanager
-def _completed_on_error(*handles):
-    """A ring step's computation while ``handles``' transfers run; should it raise, they are completed before the
-    error leaves. MPI reads a send buffer and writes a receive buffer until its request completes: abandoned, those
+def _completed_on_error(handles):
+    """A ring step while the transfers of ``handles`` (a list the step appends to as it posts them) run; should the
+    step raise, they are completed before the error leaves. MPI reads a send buffer and writes a receive buffer until its request completes: abandoned, those
     buffers would be freed under it (2 ranks whose every pair computation raised aborted with "malloc(): invalid
     size"), as NCCL's transfers on their stream would run on memory CuPy may hand out again. The other ranks posted
     the matching transfers at the start of the same step, so they complete whether or not those ranks raised too."""
     try:
         yield
     except BaseException:
-        for handle in handles:
-            if handle is not None:
-                with contextlib.suppress(Exception):  # the computation's error is the one to see
-                    handle.wait()
+        for handle in handles:  # a handle's wait() may come twice: the adapters' are idempotent
+            with contextlib.suppress(Exception):  # the step's error is the one to see
+                handle.wait()
         raise
 
 
@@ -421,12 +422,14 @@ def _ring_backward(s: Setup, dout, out, lse, deterministic):
     carried = None  # (pending, dk_in, dv_in): the accumulator of the block arriving next, from rank - 1
     for t in range(s.size):
         src = (s.rank - t) % s.size
-        pending = comms._Done()
-        if t < s.size - 1:
-            k_next, v_next = _kv_buffers(s, (src - 1) % s.size, p.k.dtype)
-            pending = s.transport.start([(k_cur, nxt, comms.TAG_K), (v_cur, nxt, comms.TAG_V)],
-                                        [(k_next, prv, comms.TAG_K), (v_next, prv, comms.TAG_V)])
-        with _completed_on_error(pending, carried[0] if carried is not None else None):
+        in_flight = [carried[0]] if carried is not None else []
+        with _completed_on_error(in_flight):
+            pending = comms._Done()
+            if t < s.size - 1:
+                k_next, v_next = _kv_buffers(s, (src - 1) % s.size, p.k.dtype)
+                pending = s.transport.start([(k_cur, nxt, comms.TAG_K), (v_cur, nxt, comms.TAG_V)],
+                                            [(k_next, prv, comms.TAG_K), (v_next, prv, comms.TAG_V)])
+                in_flight.append(pending)
             dk_blk, dv_blk = (xp.zeros((p.batch, s.kv_len[src], p.heads_kv, p.head_dim), dtype=work)
                               for _ in range(2))
             for i, qs in enumerate(mine):
@@ -445,17 +448,18 @@ def _ring_backward(s: Setup, dout, out, lse, deterministic):
                 carried[0].wait()
                 dk_blk += carried[1]
                 dv_blk += carried[2]
-        if s.size > 1:
-            # On to rank + 1; after the last step that is the block's owner. The receive is the accumulator of the
-            # block this rank holds next (after the last step: its own block, complete).
-            dk_in, dv_in = (xp.empty((p.batch, s.kv_len[(src - 1) % s.size], p.heads_kv, p.head_dim), dtype=work)
-                            for _ in range(2))
-            handle = s.transport.start([(dk_blk, nxt, comms.TAG_DK), (dv_blk, nxt, comms.TAG_DV)],
-                                       [(dk_in, prv, comms.TAG_DK), (dv_in, prv, comms.TAG_DV)])
-            carried = (handle, dk_in, dv_in)
-        else:
-            carried = (comms._Done(), dk_blk, dv_blk)
-        pending.wait()
+            if s.size > 1:
+                # On to rank + 1; after the last step that is the block's owner. The receive is the accumulator of
+                # the block this rank holds next (after the last step: its own block, complete).
+                dk_in, dv_in = (xp.empty((p.batch, s.kv_len[(src - 1) % s.size], p.heads_kv, p.head_dim),
+                                         dtype=work) for _ in range(2))
+                handle = s.transport.start([(dk_blk, nxt, comms.TAG_DK), (dv_blk, nxt, comms.TAG_DV)],
+                                           [(dk_in, prv, comms.TAG_DK), (dv_in, prv, comms.TAG_DV)])
+                in_flight.append(handle)
+                carried = (handle, dk_in, dv_in)
+            else:
+                carried = (comms._Done(), dk_blk, dv_blk)
+            pending.wait()
         if t < s.size - 1:
             k_cur, v_cur = k_next, v_next
     carried[0].wait()
