@@ -82,8 +82,10 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
 
     Notes
     -----
-    Every argument is checked before the cache is touched: offsets, lengths, page indices and aliasing give a
-    ``ValueError``/``TypeError`` naming the argument, and a refused call leaves the cache as it was.
+    Every argument is checked before the cache is touched: offsets, lengths, page indices and aliasing (of the
+    caches with each other and with every array the call reads: q, the new tokens, ``cache_seqlens``,
+    ``block_table``, ``alibi_slopes``) give a ``ValueError``/``TypeError`` naming the argument, and so do the
+    backend's own limits (the CUDA grid, ``CUFLASH_NUM_THREADS``): a refused call leaves the cache as it was.
 
     Examples
     --------

@@ -649,6 +649,21 @@ def test_varlen_wide_and_empty(cp):
 # ------------------------------------------------------------------------------------------------
 # KV cache: contiguous and paged caches, split-KV and its combine
 # ------------------------------------------------------------------------------------------------
+def test_kvcache_refused_by_the_grid_leaves_the_device_cache_as_it_was(cp):
+    """The kernels' grid limit (batch x num_splits) is checked before the append, as on the emulator."""
+    rng = np.random.default_rng(24)
+    q = rng.standard_normal((2, 1, 4, 40)).astype(np.float16)
+    k_cache, v_cache = (rng.standard_normal((2, 64, 2, 40)).astype(np.float16) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((2, 1, 2, 40)).astype(np.float16) for _ in range(2))
+    k_dev, v_dev = cp.asarray(k_cache), cp.asarray(v_cache)
+    n = len(cp._launches)
+    with pytest.raises(ValueError, match=r"x num_splits \(40000\) must be at most 65535"):
+        cuflash.attention_with_kvcache(cp.asarray(q), k_dev, v_dev, cache_seqlens=cp.asarray(np.array([5, 9],
+                                       np.int32)), k_new=cp.asarray(k_new), v_new=cp.asarray(v_new), num_splits=40000)
+    assert len(cp._launches) == n
+    assert np.array_equal(k_dev.get(), k_cache) and np.array_equal(v_dev.get(), v_cache)
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_kvcache_forward_and_split_combine(cp, paged):
     """attention_with_kvcache on device arrays: the append lands in the device cache; one forward launch (grid z =

@@ -318,6 +318,13 @@ ERRORS = [
     ("page-writer-and-reader", dict(k_cache=PK, v_cache=PV, block_table=np.array([[0, 1, 2, 3], [1, 5, 6, 7]],
                                                                                   np.int32)),
      ValueError, r"block_table: page 1 receives new tokens"),
+    # arrays the kernels read after the append, inside a cache: the append would change them under the call
+    ("table-in-cache", dict(k_cache=PK, v_cache=PV, block_table=lambda k_cache: k_cache[8].reshape(-1)[:8].view(
+        np.int32).reshape(2, 4)), ValueError, r"block_table shares memory with k_cache"),
+    ("seqlens-in-cache", dict(cache_seqlens=lambda k_cache: k_cache[1, -1, 0, :2].view(np.int32)), ValueError,
+     r"cache_seqlens shares memory with k_cache"),
+    ("alibi-in-cache", dict(alibi_slopes=lambda k_cache: k_cache[1, -1, 0, :HQ]), ValueError,
+     r"alibi_slopes shares memory with k_cache"),
 ]
 
 
@@ -337,6 +344,23 @@ def test_bad_input_is_refused_before_the_cache_is_touched(changes, exc, match):
         cuflash.attention_with_kvcache(q, k_cache, v_cache, **args)
     np.testing.assert_array_equal(k_cache, stored["k_cache"])
     np.testing.assert_array_equal(v_cache, stored["v_cache"])
+
+
+@pytest.mark.parametrize("backend, env, changes, match", [
+    ("emulate", {}, dict(num_splits=70000), r"batch \(2\) x num_splits \(70000\) must be at most 65535"),
+    ("numpy", {"CUFLASH_NUM_THREADS": "many"}, {}, r"CUFLASH_NUM_THREADS"),
+], ids=["emulate-grid", "numpy-env"])
+def test_a_call_the_backend_refuses_leaves_the_cache_as_it_was(monkeypatch, backend, env, changes, match):
+    """What only a backend can check (the kernels' grid limits, an environment variable) is checked before the new
+    tokens are appended."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    k_cache, v_cache = KC.copy(), VC.copy()
+    with pytest.raises(ValueError, match=match):
+        cuflash.attention_with_kvcache(Q, k_cache, v_cache, cache_seqlens=LENS, k_new=KN, v_new=VN, backend=backend,
+                                       **changes)
+    np.testing.assert_array_equal(k_cache, KC)
+    np.testing.assert_array_equal(v_cache, VC)
 
 
 def test_unused_table_entries_are_not_read():

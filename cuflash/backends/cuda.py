@@ -194,9 +194,11 @@ def forward_kvcache(problem, *, spec=None):
     more = {n: getattr(problem, n) for n in ("cache_seqlens", "k_new", "v_new", "block_table")
             if getattr(problem, n) is not None}
     _check_kvcache_devices(problem, more)
-    append_kvcache(problem)
     _, cc, max_smem = _device()
-    kl = launches.forward_kvcache_launch(problem, max_smem=max_smem, sm_count=_sm_count(), spec=spec, cc=cc)
+    sizes = dict(max_smem=max_smem, sm_count=_sm_count(), spec=spec, cc=cc)
+    launches.check_kvcache_launch(problem, **sizes)  # a refused call leaves the caches as they were
+    append_kvcache(problem)
+    kl = launches.forward_kvcache_launch(problem, **sizes)
     for launch in kl.launches:
         run(launch)
     return kl.result()

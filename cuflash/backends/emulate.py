@@ -101,8 +101,10 @@ def forward_kvcache(problem, *, sm_count=108, schedule=None, seed=None, spec=Non
     from .. import emulate
     from .numpy_ragged import append_kvcache
 
+    sizes = dict(max_smem=_max_smem(), sm_count=sm_count, spec=spec, cc=_cc())
+    launches.check_kvcache_launch(problem, **sizes)  # a refused call leaves the caches as they were
     append_kvcache(problem)
-    kl = launches.forward_kvcache_launch(problem, max_smem=_max_smem(), sm_count=sm_count, spec=spec, cc=_cc())
+    kl = launches.forward_kvcache_launch(problem, **sizes)
     for launch in kl.launches:
         emulate.launch(launch, schedule=schedule, seed=seed)
     return kl.result()

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..merge import merge_parts
 from ..problem import KVCacheProblem, VarlenProblem, stats_dtype
-from .numpy import BLOCK_K, _Scratch, _work_dtype, backward_work, forward_work, run_many
+from .numpy import BLOCK_K, _Scratch, _threads, _work_dtype, backward_work, forward_work, run_many
 
 #: Bytes of keys and values gathered from a paged cache (or upcast) per batch of sequences of forward_kvcache:
 #: sequences are run in groups of about this size, so the copies never hold the whole cache at once.
@@ -104,10 +104,11 @@ def forward_kvcache(problem: KVCacheProblem):
     against its ``cache_seqlens + S_new`` keys. With ``num_splits > 1`` the key range is split and the parts merged
     by log-sum-exp (:func:`cuflash.merge.merge_parts`, in the working dtype, rounded once): what the CUDA
     split-KV kernel and its combine step compute."""
-    append_kvcache(problem)
     wt = _work_dtype(problem)
     out = np.zeros(problem.q.shape, dtype=problem.dtype)
     lse = np.full((problem.batch, problem.heads_q, problem.seqlen_q), -np.inf, dtype=wt)
+    _threads()  # CUFLASH_NUM_THREADS refused (if it is) before the append: a refused call leaves the caches alone
+    append_kvcache(problem)
     scratch = _Scratch()
     live = _live(np.full(problem.batch, problem.seqlen_q), problem.lengths_k)
     for group in _groups(problem, live):

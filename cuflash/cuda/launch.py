@@ -481,6 +481,28 @@ class KVCacheLaunch:
         return ForwardLaunch(None, self.out, self.lse, self.head_dim).result()
 
 
+def check_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_count: int = 108,
+                         spec: Optional[specs.KernelSpec] = None, cc: int = 80):
+    """``(spec, query tiles, splits)`` of the KV-cache forward, or the error that refuses it: the backends call this
+    before the new tokens are appended, so that a refused call leaves the caches as they were (it depends on shapes
+    and host lengths only, never on the cache's contents)."""
+    b, sq, hq, _ = problem.q.shape
+    spec = _forward_spec(problem, spec, max_smem, cc)
+    if b == 0 or sq == 0:
+        return spec, 0, 1
+    capacity = problem.capacity
+    if max(sq, capacity) > MAX_SEQLEN or hq > 65535:
+        raise ValueError(f"the CUDA kernels take sequence lengths below 2**30 and at most 65535 heads, got seqlen_q "
+                         f"{sq}, cache capacity {capacity}, {hq} heads")
+    m_tiles = _cdiv(sq, spec.block_m)
+    key_tiles = _cdiv(int(np.max(problem.lengths_k, initial=0)), spec.block_n)
+    splits = problem.num_splits or tiling.kv_splits(sm_count, m_tiles * hq * b, key_tiles)
+    if b * splits > 65535:
+        raise ValueError(f"the CUDA KV-cache forward launches one block per (tile, head, batch x split): batch ({b}) "
+                         f"x num_splits ({splits}) must be at most 65535")
+    return spec, m_tiles, splits
+
+
 def forward_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_count: int = 108,
                            spec: Optional[specs.KernelSpec] = None, cc: int = 80) -> KVCacheLaunch:
     """The KV-cache forward for a :class:`~cuflash.problem.KVCacheProblem` whose new tokens are already appended.
@@ -494,7 +516,7 @@ def forward_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_
     the accumulator type, then the combine kernel merges them (kernels/combine.cuh)."""
     xp = problem.xp
     b, sq, hq, d = problem.q.shape
-    spec = _forward_spec(problem, spec, max_smem, cc)
+    spec, m_tiles, splits = check_kvcache_launch(problem, max_smem=max_smem, sm_count=sm_count, spec=spec, cc=cc)
     d8 = padded_head_dim(d)
     st = _stats_dtype(problem)
     out = xp.empty((b, sq, hq, d8), dtype=problem.q.dtype)
@@ -503,14 +525,6 @@ def forward_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_
         return KVCacheLaunch((), out, lse, d, 1)
     lengths = np.asarray(problem.lengths_k, dtype=np.int64)
     capacity = problem.capacity
-    if max(sq, capacity) > MAX_SEQLEN or hq > 65535:
-        raise ValueError(f"the CUDA kernels take sequence lengths below 2**30 and at most 65535 heads, got seqlen_q "
-                         f"{sq}, cache capacity {capacity}, {hq} heads")
-    m_tiles, key_tiles = _cdiv(sq, spec.block_m), _cdiv(int(lengths.max(initial=0)), spec.block_n)
-    splits = problem.num_splits or tiling.kv_splits(sm_count, m_tiles * hq * b, key_tiles)
-    if b * splits > 65535:
-        raise ValueError(f"the CUDA KV-cache forward launches one block per (tile, head, batch x split): batch ({b}) "
-                         f"x num_splits ({splits}) must be at most 65535")
     k_cache, v_cache = problem.k_cache, problem.v_cache
     gather = problem.paged and problem.element_type == "float64"
     if gather:  # the float64 kernel has no paged K/V loads (kernels/flash_fwd_wide.cu): its pages gathered first

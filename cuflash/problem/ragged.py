@@ -316,7 +316,7 @@ def _check_writable(caches: dict, others: dict):
         raise ValueError("k_cache and v_cache share memory: writing the new keys would overwrite values")
     for name, a in others.items():
         for cache, c in caches.items():
-            if a is not None and _overlap(a, c):
+            if hasattr(a, "nbytes") and _overlap(a, c):  # arrays (a list or a number holds no memory of a cache)
                 raise ValueError(f"{name} shares memory with {cache}, which the call writes into: pass a copy")
 
 
@@ -386,7 +386,10 @@ def make_kvcache_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
     given = {name: a for name, a in arrays.items() if a is not None or name in ("q", "k_cache", "v_cache")}
     xp = array_module(*given.values(), names=tuple(given))
     if k_new is not None:  # before native(): a converted copy of a cache would receive the write
-        _check_writable({"k_cache": k_cache, "v_cache": v_cache}, {"q": q, "k_new": k_new, "v_new": v_new})
+        # every array the call reads, the block table and lengths too: the kernels read them after the append
+        _check_writable({"k_cache": k_cache, "v_cache": v_cache},
+                        {"q": q, "k_new": k_new, "v_new": v_new, "cache_seqlens": cache_seqlens,
+                         "block_table": block_table, "alibi_slopes": alibi_slopes})
     q, k_cache, v_cache, k_new, v_new = (None if a is None else native(a) for a in arrays.values())
     element_type = _check_element_type(q, None)
     if element_type not in FLOAT_DTYPES:
