@@ -20,7 +20,7 @@ from .dropout import fresh_seed, needs_seed
 from .interop import Edge
 from .options import DEFAULTS, LAYOUTS, OPTIONS, Array, Layout, Precision, fill_doc, is_given, native_options
 from .problem import check_backward, check_buffer, make_problem
-from .residual import AttentionResidual, fingerprint
+from .residual import AttentionResidual, fingerprint, watched
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "attention_qkvpacked", "attention_kvpacked",
            "AttentionResidual", "Vjp", "fingerprint", "Array", "Layout", "Precision", "LAYOUTS", "OPTIONS", "DEFAULTS"]
@@ -228,9 +228,10 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
         lse_caller = edge.export(lse)
     if return_residual:
         saved = (q, k, v, o, lse)
+        seen = watched(dict(q=q, k=k, v=v, out=o), natives_opts)
         residual = AttentionResidual(out_caller, lse_caller, MappingProxyType(dict(options)), packed, backend,
                                      saved, MappingProxyType(natives_opts),
-                                     tuple(fingerprint(a) for a in saved[:4]), edge)
+                                     tuple(fingerprint(a) for _, a in seen), edge, seen)
         return out_caller, residual
     results: tuple[Any, ...] = (out_caller,)
     if return_lse:
@@ -445,9 +446,9 @@ def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> tuple[Array, 
     Takes the options of :func:`attention` (except ``return_lse``, ``return_residual`` and ``out``) and
     ``deterministic`` of :func:`attention_backward`. Built on :class:`AttentionResidual` (``vjp.residual``): it
     keeps references to ``q``, ``k``, ``v``, ``out`` and the lse (nothing of size N², no copies), and like
-    PyTorch's autograd it detects a later in-place change: ``vjp`` raises ``ValueError`` when ``q``, ``k``, ``v``
-    or ``out`` no longer hold the values the forward saw (a fingerprint of each is taken now and checked then;
-    :func:`fingerprint`). With dropout and no seed, one is drawn and kept for the backward (read it back as
+    PyTorch's autograd it detects a later in-place change: ``vjp`` raises ``ValueError`` when ``q``, ``k``, ``v``,
+    ``out`` or an array option (``bias``, ``seqlens_q``, a ``mod_arrays`` value, ...) no longer hold the values the
+    forward saw (a fingerprint of each is taken now and checked then; :func:`fingerprint`). With dropout and no seed, one is drawn and kept for the backward (read it back as
     ``vjp.seed``).
     """
     for name in ("return_lse", "return_residual"):

@@ -20,7 +20,7 @@ class AttentionResidual:
 
     It carries the forward's ``out`` and ``lse`` (in the caller's array type), every option of the forward
     (``options``; a drawn dropout seed filled in), references to ``q``, ``k``, ``v`` (no copies; nothing of
-    size N²) and a fingerprint of ``q``, ``k``, ``v`` and ``out`` taken after the forward:
+    size N²) and a fingerprint of ``q``, ``k``, ``v``, ``out`` and the array options taken after the forward:
     ``attention_backward(dout, residual)`` cannot be given options other than the forward's, and raises
     ``ValueError`` when one of those arrays was changed in place since (as PyTorch's autograd does). The name
     is JAX's (``jax.vjp``'s residuals, ``jax.nn.dot_product_attention(..., return_residual=True)``).
@@ -48,6 +48,7 @@ class AttentionResidual:
     _native_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     _prints: tuple[Any, ...] = field(default=(), repr=False)
     _edge: Optional[Edge] = field(default=None, repr=False)
+    _watched: tuple[tuple[str, Any], ...] = field(default=(), repr=False)  # (name, array) of _prints (watched())
 
     def __repr__(self) -> str:
         def show(x: Any) -> str:
@@ -67,12 +68,30 @@ class AttentionResidual:
         return None if seed is None else int(seed)
 
     def check_unchanged(self) -> None:
-        """Raise ``ValueError`` if ``q``, ``k``, ``v`` or ``out`` changed since the forward."""
-        for name, a, before in zip(("q", "k", "v", "out"), self._saved[:4], self._prints):
+        """Raise ``ValueError`` if ``q``, ``k``, ``v``, ``out`` or an array option (``bias``, ``seqlens_q``, a
+        ``mod_arrays`` value, ...) changed since the forward."""
+        for (name, a), before in zip(self._watched, self._prints):
             if fingerprint(a) != before:
                 raise ValueError(f"{name} was modified in place after attention_vjp / attention(..., "
                                  f"return_residual=True): the gradients would be those of other values; pass a copy "
                                  f"to the in-place operation, or run the forward again")
+
+
+def watched(arrays: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """``(name, array)`` of everything a backward reads again that a caller could change in place: ``arrays`` and
+    the NumPy/CuPy arrays among ``options`` (``mod_arrays``' values by key). A bias or an offset changed after the
+    forward would give the gradients of another problem, against the forward's lse."""
+    found = list(arrays.items())
+    for name, value in options.items():
+        if name == "mod_arrays" and isinstance(value, Mapping):
+            found += [(f"mod_arrays[{key!r}]", a) for key, a in value.items() if _is_array(a)]
+        elif _is_array(value):
+            found.append((name, value))
+    return tuple(found)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or hasattr(x, "__cuda_array_interface__")
 
 
 _CHUNK = 1 << 20

@@ -21,7 +21,7 @@ from .dropout import fresh_seed, needs_seed
 from .interop import Edge
 from .options import native_options
 from .problem import check_varlen_backward, make_varlen_problem
-from .residual import fingerprint
+from .residual import fingerprint, watched
 
 Array = Any
 
@@ -208,12 +208,15 @@ class VarlenVjp:
         seed = self._options.get("seed")
         return None if seed is None else int(seed)
 
-    def _fingerprints(self) -> tuple[Any, ...]:
+    def _fingerprints(self) -> tuple[tuple[str, Any], ...]:
         edge = Edge()
-        return tuple(fingerprint(edge.data(name, a)) for name, a in zip(("q", "k", "v", "out"), self._arrays[:4]))
+        arrays = {n: edge.data(n, a) for n, a in zip(("q", "k", "v", "out"), self._arrays)}
+        cu_q, cu_k = self._arrays[5:7]
+        options = native_options(edge, dict(self._options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), _ARRAY_OPTIONS)
+        return tuple((name, fingerprint(a)) for name, a in watched(arrays, options))
 
     def __call__(self, dout: Array) -> tuple[Array, Array, Array]:
-        for name, now, before in zip(("q", "k", "v", "out"), self._fingerprints(), self._prints):
+        for (name, now), (_, before) in zip(self._fingerprints(), self._prints):
             if now != before:
                 raise ValueError(f"{name} was modified in place after attention_varlen_vjp: the gradients would be "
                                  f"those of other values; pass a copy to the in-place operation")
@@ -228,7 +231,7 @@ def attention_varlen_vjp(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_s
 
     Takes the options of :func:`attention_varlen` (not ``return_lse``) and ``deterministic`` of the backward.
     ``vjp`` keeps references to the arrays (no copies) and the lse, and raises ``ValueError`` when ``q``, ``k``,
-    ``v`` or ``out`` were changed in place before it is called. With dropout and no seed, one is drawn and kept
+    ``v``, ``out``, the offsets or an array option (``bias``, ...) were changed in place before it is called. With dropout and no seed, one is drawn and kept
     (``vjp.seed``).
     """
     if "return_lse" in options:

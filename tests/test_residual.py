@@ -5,6 +5,7 @@ it. The keyword form stays, and its hazard (options only passed to the backward)
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -110,6 +111,26 @@ def test_in_place_changes_after_the_forward_are_detected(changed):
     arrays = dict(q=q, k=k, v=v, out=out)
     arrays[changed][1, 3] = arrays[changed][1, 4]
     with pytest.raises(ValueError, match=f"{changed} was modified in place after attention_vjp / attention"):
+        cuflash.attention_backward(dout, residual)
+
+
+@pytest.mark.parametrize("changed", ["bias", "seqlens_k", "mod_arrays['shift']"])
+def test_in_place_changes_of_array_options_are_detected(changed):
+    """The backward reads the forward's array options again: one changed in place since would give the gradients
+    of another problem against the forward's lse."""
+    q, k, v, dout = _arrays()
+    b, sq, h, _ = q.shape
+    rng = np.random.default_rng(5)
+    options = dict(bias=rng.standard_normal((h, sq, k.shape[1])).astype(q.dtype),
+                   seqlens_k=np.full(b, k.shape[1] - 2, np.int32),
+                   score_mod="score + shift[h]", mod_arrays={"shift": np.linspace(0, 1, h).astype(np.float32)})
+    out, residual = cuflash.attention(q, k, v, return_residual=True, **options)
+    first = cuflash.attention_backward(dout, residual)
+    assert all(np.array_equal(a, b) for a, b in zip(first, cuflash.attention_backward(dout, residual)))
+    arrays = dict(bias=options["bias"], seqlens_k=options["seqlens_k"], **{"mod_arrays['shift']":
+                                                                             options["mod_arrays"]["shift"]})
+    arrays[changed][0] += 1
+    with pytest.raises(ValueError, match=rf"{re.escape(changed)} was modified in place after attention_vjp"):
         cuflash.attention_backward(dout, residual)
 
 

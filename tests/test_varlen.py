@@ -290,6 +290,12 @@ def test_vjp_equals_backward_and_detects_in_place_changes():
     k[0, 0, 0] += 1
     with pytest.raises(ValueError, match=r"\bk was modified in place"):
         vjp(dout)
+    k[0, 0, 0] -= 1
+    for g, w in zip(vjp(dout), want):  # the same values again: the same gradients
+        np.testing.assert_array_equal(g, w)
+    cq[1:] = [7, 7, 17]  # other sequence boundaries: another problem
+    with pytest.raises(ValueError, match=r"cu_seqlens_q was modified in place"):
+        vjp(dout)
 
 
 def test_arrays_of_another_library_come_back_in_their_type():
