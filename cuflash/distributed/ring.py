@@ -373,10 +373,11 @@ def _ring_forward(s: Setup):
 @contextlib.contextmanager
 def _completed_on_error(handles):
     """A ring step while the transfers of ``handles`` (a list the step appends to as it posts them) run; should the
-    step raise, they are completed before the error leaves. MPI reads a send buffer and writes a receive buffer until its request completes: abandoned, those
-    buffers would be freed under it (2 ranks whose every pair computation raised aborted with "malloc(): invalid
-    size"), as NCCL's transfers on their stream would run on memory CuPy may hand out again. The other ranks posted
-    the matching transfers at the start of the same step, so they complete whether or not those ranks raised too."""
+    step raise, they are completed before the error leaves. MPI reads a send buffer and writes a receive buffer until
+    its request completes: abandoned, those buffers would be freed under it (2 ranks whose every pair computation
+    raised aborted with "malloc(): invalid size"), as NCCL's transfers on their stream would run on memory CuPy may
+    hand out again. The other ranks posted the matching transfers in the same step, so they complete whether or not
+    those ranks raised too."""
     try:
         yield
     except BaseException:
