@@ -448,8 +448,8 @@ def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> tuple[Array, 
     keeps references to ``q``, ``k``, ``v``, ``out`` and the lse (nothing of size N², no copies), and like
     PyTorch's autograd it detects a later in-place change: ``vjp`` raises ``ValueError`` when ``q``, ``k``, ``v``,
     ``out`` or an array option (``bias``, ``seqlens_q``, a ``mod_arrays`` value, ...) no longer hold the values the
-    forward saw (a fingerprint of each is taken now and checked then; :func:`fingerprint`). With dropout and no seed, one is drawn and kept for the backward (read it back as
-    ``vjp.seed``).
+    forward saw (a fingerprint of each is taken now and checked then; :func:`fingerprint`). With dropout and no
+    seed, one is drawn and kept for the backward (read it back as ``vjp.seed``).
     """
     for name in ("return_lse", "return_residual"):
         if name in options:

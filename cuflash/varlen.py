@@ -231,8 +231,8 @@ def attention_varlen_vjp(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_s
 
     Takes the options of :func:`attention_varlen` (not ``return_lse``) and ``deterministic`` of the backward.
     ``vjp`` keeps references to the arrays (no copies) and the lse, and raises ``ValueError`` when ``q``, ``k``,
-    ``v``, ``out``, the offsets or an array option (``bias``, ...) were changed in place before it is called. With dropout and no seed, one is drawn and kept
-    (``vjp.seed``).
+    ``v``, ``out``, the offsets or an array option (``bias``, ...) were changed in place before it is called.
+    With dropout and no seed, one is drawn and kept (``vjp.seed``).
     """
     if "return_lse" in options:
         raise TypeError("attention_varlen_vjp does not take return_lse: the lse is kept inside vjp")
