@@ -171,12 +171,14 @@ class BlockMask:
         states = np.where(sched.full_grid(), FULL, np.where(sched.kept_grid(), PARTIAL, SKIP)).astype(np.int8)
         conds, values = [], {}
         name = f"cuflash_m{next(_ids)}_"
+        # as kv_idx - q_idx: with lengths below 2**30 that difference fits the kernels' 32-bit int, q_idx + hi may
+        # not (a right bound near seqlen_q + seqlen_k wrapped to negative and hid every key of the row)
         if left is not None:
             values[name + "lo"] = sk - sq - left
-            conds.append(f"kv_idx >= q_idx + {name}lo")
+            conds.append(f"kv_idx - q_idx >= {name}lo")
         if right is not None:
             values[name + "hi"] = sk - sq + right
-            conds.append(f"kv_idx <= q_idx + {name}hi")
+            conds.append(f"kv_idx - q_idx <= {name}hi")
         rule = mods.parse(" and ".join(conds) or "True", kind="mask", arrays=values, internal=True)
         return cls._make(states, (bq, bk), sq, sk, rule, values)
 
@@ -255,6 +257,8 @@ class BlockMask:
             raise ValueError(f"mask must be a boolean array (batch|1, heads|1, Sq, Sk), got {mask.dtype} {mask.shape}")
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
         bq, bk = _check_block(block)
+        if bq * bk >= 2 ** 31:  # the kernels index a block's bits in 32 bits (kernels/mods.cuh: dense_bit)
+            raise ValueError(f"block {(bq, bk)} of a dense mask must hold fewer than 2**31 elements, got {bq * bk}")
         sq, sk = mask.shape[-2:]
         nq, nk = _cdiv(sq, bq), _cdiv(sk, bk)
         padded = np.zeros(mask.shape[:2] + (nq * bq, nk * bk), dtype=bool)

@@ -308,6 +308,7 @@ def test_bad_grids_rejected(grid, block, kw, exc):
     (lambda: BlockMask.document(np.zeros((2, 4), int), np.zeros((3, 4), int)), "same batch"),
     (lambda: BlockMask.from_dense(np.ones((4, 4)), block=(2, 2)), "mask must be a boolean array"),
     (lambda: BlockMask.from_dense(np.ones(4, dtype=bool), block=(2, 2)), "mask must be a boolean array"),
+    (lambda: BlockMask.from_dense(np.ones((3, 8), dtype=bool), block=(3, 2 ** 30)), "fewer than 2\\*\\*31 elements"),
     (lambda: BlockMask.from_mask_mod("q_idx", seqlen_q=4), "must evaluate to a bool"),
     (lambda: BlockMask.from_mask_mod("True", seqlen_q=4, heads=0), "heads must be an int >= 1"),
 ])

@@ -102,6 +102,23 @@ def test_strided_inputs_are_read_in_place_and_misaligned_ones_copied():
     check_forward(emulated, Case(mis, mis, mis, mis, {}))
 
 
+def test_sliding_window_block_mask_at_the_longest_lengths():
+    """BlockMask.sliding_window's element test in the kernels' 32-bit int at seqlen_k = 2**30 - 1 with an unbounded
+    right side (clamped to seqlen_q + seqlen_k): written as q_idx + hi, it wrapped to negative and hid every key of
+    128 of these rows. Keys broadcast (stride 0): every score is 0, so row i's lse is log(its count of keys)."""
+    from cuflash import BlockMask
+
+    sq, sk = 256, 2 ** 30 - 1
+    mask = BlockMask.sliding_window(sq, sk, window=(0, 2 ** 40))
+    q = np.zeros((1, sq, 1, 8), np.float16)
+    kv = np.broadcast_to(np.zeros((1, 1, 1, 8), np.float16), (1, sk, 1, 8))
+    fl = launches.forward_launch(make_problem(q, kv, kv, block_mask=mask))
+    emulate.launch(fl.launch)
+    lse = np.asarray(fl.lse)[0, 0]
+    want = np.log(sq - np.arange(sq))  # row i sees keys i + sk - sq .. sk - 1
+    assert_attention_close(lse, want, want.astype(np.float16))
+
+
 def test_schedules_give_bitwise_identical_results():
     # Threads run forward, reversed and shuffled between barriers: a missing __syncthreads or cp.async wait
     # would show as a difference (the emulator fills pending cp.async destinations and fresh smem with NaN).
