@@ -17,7 +17,10 @@
 # GPU_SESSION_DRY_RUN=1: the same steps at toy size on a fake GPU (tests/fake_gpu: CuPy is tests/fake_cupy.py's
 # fake, kernels run on the CPU emulator, nvidia-smi answers for FAKE_GPUS); session.json says "dry_run": true.
 # tests/test_gpu_session.py runs it in CI. PYTHON names the interpreter (default python3); GPU_SESSION_WORKERS the
-# pytest-xdist workers (default auto: one per core).
+# pytest-xdist workers (default auto: one per core); GPU_SESSION_SECONDS the wall time the call allows (default 580,
+# inside the device tool's 600): every step's time limit is scaled from it, so that reports are written before the
+# call is killed. A kill the script sees (SIGINT, SIGTERM, SIGHUP) still writes session.json, with that signal's
+# status and each unfinished step as "unfinished"; the benchmark's files are packed into $OUT every 20 s.
 set -euo pipefail
 
 what="${1:-all}"
@@ -30,6 +33,9 @@ root="$PWD"
 py="${PYTHON:-python3}"
 dry="${GPU_SESSION_DRY_RUN:-0}"
 OUT="${OUT:-/tmp/cuflash-out}"
+budget="${GPU_SESSION_SECONDS:-580}"
+[[ "$budget" =~ ^[0-9]+$ ]] && [ "$budget" -ge 150 ] ||
+    { echo "GPU_SESSION_SECONDS must be a whole number of seconds >= 150, got '$budget'" >&2; exit 2; }
 mkdir -p "$OUT"
 log="$OUT/session.txt"
 : > "$log"
@@ -40,18 +46,20 @@ if [ "$dry" = 1 ]; then
     export PYTHONPATH="$root/tests/fake_gpu:$root/tests:$PYTHONPATH"
     t_tests=120; t_bench=120; bench_args=(--smoke --only tiles,decode --impl cuflash --time-limit 20)
     t_tool=120; cases_args=(--only f16-d64-causal,float32-3xtf32-d64); profile_args=("${cases_args[@]}")
-elif [ "$what" = all ]; then
-    t_tests=240; t_bench=270; bench_args=(--full --time-limit 230)
-else
-    t_tests=470; t_bench=540; bench_args=(--full --time-limit 500)
+elif [ "$what" = all ]; then  # 580 s: tests 240 (warm-up included), bench 270 (its cases stop 40 s before)
+    t_tests=$((budget * 24 / 58)); t_bench=$((budget * 27 / 58)); bench_args=(--full --time-limit $((t_bench - 40)))
+else  # 580 s: tests 470 (+30 s kill grace), bench 540
+    t_tests=$((budget - 110)); t_bench=$((budget - 40)); bench_args=(--full --time-limit $((t_bench - 40)))
 fi
 if [ "$dry" != 1 ]; then
-    # sanitize: a warm-up and four tools, 5 x (95 s + 5 s grace) = 500 s; profile: 480 s; a device call has 600 s
-    t_tool=95; cases_args=(); profile_args=(--profile)
+    # sanitize: a warm-up and four tools, 5 x (95 s + 5 s grace) = 500 s of 580; profile: 480 s
+    t_tool=$(((budget - 80) / 5 - 5)); cases_args=(); profile_args=(--profile)
 fi
+t_profile=$((budget - 100))
 commit="${GPU_SESSION_COMMIT:-$(git rev-parse HEAD 2> /dev/null || echo unknown)}"
 date_utc="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 failure="" golden="" n_golden=0 smi="" tests_rc=null bench_rc=null sanitize_rc=null profile_rc=null tool_path=""
+tool_versions="" packer=""
 
 say() { echo "$*" | tee -a "$log"; }
 fail() {
@@ -60,17 +68,49 @@ fail() {
     exit 1
 }
 
-finish() {  # on every exit: pack the benchmark's files and write session.json, whatever happened before
-    local status=$? extra=()
-    set +e
+pack() {  # the benchmark's files so far into $OUT/results.tar.gz (through a temporary name: never half a file)
     if [ -d "$work/bench" ] && [ -n "$(ls -A "$work/bench")" ]; then
-        tar -czf "$OUT/results.tar.gz" -C "$work/bench" .
+        tar -czf "$work/results.tar.gz" -C "$work/bench" . && mv -f "$work/results.tar.gz" "$OUT/results.tar.gz"
     fi
+}
+
+start_packing() {  # pack() every 20 s in the background until stop_packing, or until this script is gone
+    local parent=$$
+    (
+        n=0
+        while [ ! -e "$work/packing.stop" ] && kill -0 "$parent" 2> /dev/null; do
+            sleep 1
+            n=$((n + 1))
+            [ $((n % 20)) != 0 ] || pack
+        done
+    ) &
+    packer=$!
+}
+
+stop_packing() {  # waits for the packer's last pack to end, so that the final pack() is the one that stays
+    [ -n "$packer" ] || return 0
+    touch "$work/packing.stop"
+    wait "$packer" 2> /dev/null || true
+    packer=""
+}
+
+write_session() {  # session.json as things stand; $1: the status to record
+    local extra=()
     [ -z "$failure" ] || extra+=("failed=$failure")
     "$py" -m benchmarks.session finish --out "$OUT/session.json" --probe "$work/probe.json" \
         --junit "$OUT/gpu_tests.xml" --set "what=$what" "dry_run=$dry" "commit=$commit" "date=$date_utc" \
         "nvidia_smi=$smi" "golden_dir=$golden" "golden_files=$n_golden" "tests_rc=$tests_rc" "bench_rc=$bench_rc" \
-        "sanitize=$sanitize_rc" "profile_rc=$profile_rc" "status=$status" "${extra[@]}" >> "$log" 2>&1 ||
+        "sanitize=$sanitize_rc" "profile_rc=$profile_rc" "tools=$tool_versions" "budget_s=$budget" \
+        "status=$1" "${extra[@]}" >> "$log" 2>&1
+}
+
+finish() {  # on every exit: pack the benchmark's files and write session.json, whatever happened before
+    local status=$?
+    set +e
+    trap '' INT TERM HUP  # a second signal must not cut the report short
+    stop_packing
+    pack
+    write_session "$status" ||
         printf '{"status": %d, "failed": "session.json could not be written (see session.txt)"}\n' "$status" \
             > "$OUT/session.json"
     rm -rf "$work"
@@ -78,10 +118,19 @@ finish() {  # on every exit: pack the benchmark's files and write session.json, 
     exit "$status"
 }
 trap finish EXIT
+# a kill the script sees ends it with that signal's status (the EXIT trap then records it), never 0
+trap 'failure="killed by SIGINT"; exit 130' INT
+trap 'failure="killed by SIGTERM"; exit 143' TERM
+trap 'failure="killed by SIGHUP"; exit 129' HUP
 
 probe() {
-    say "gpu_session $what: commit $commit, $date_utc$([ "$dry" = 1 ] && echo ', DRY RUN on a fake GPU')"
-    [ "$commit" != unknown ] || say "note: commit unknown (this copy has no .git): put GPU_SESSION_COMMIT=<sha> in the command"
+    say "gpu_session $what: commit $commit, $date_utc, $budget s$([ "$dry" = 1 ] && echo ', DRY RUN on a fake GPU')"
+    if [ "$commit" = unknown ]; then
+        # benchmark numbers without their commit cannot be committed as anyone's results
+        [ "$what" = tests ] || [ "$what" = sanitize ] || [ "$what" = profile ] ||
+            fail "commit unknown (this copy has no .git): put GPU_SESSION_COMMIT=<sha> in the command"
+        say "note: commit unknown (this copy has no .git): put GPU_SESSION_COMMIT=<sha> in the command"
+    fi
     command -v "$py" > /dev/null || fail "$py not found"
     command -v nvidia-smi > /dev/null || fail "nvidia-smi not found: no NVIDIA driver here"
     smi="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)" ||
@@ -91,6 +140,7 @@ probe() {
     [ "$what" != tests ] && [ "$what" != all ] || need=(--need-pytest)
     # the probe prints its own FAIL line and stores it in probe.json, which session.json takes up
     "$py" -m benchmarks.session probe --json "$work/probe.json" "${need[@]}" 2>&1 | tee -a "$log"
+    write_session running  # a session.json from the start: a run killed outright still says what it was
 }
 
 find_golden() {  # the same order as tests/conftest.py: $CUFLASH_GOLDEN_DIR alone if set, else .golden, ../shared/golden
@@ -107,14 +157,8 @@ find_golden() {  # the same order as tests/conftest.py: $CUFLASH_GOLDEN_DIR alon
     shopt -u nullglob
     [ "$n_golden" -gt 0 ] || fail "golden vectors not found (looked in ${candidates[*]}): before the device call run" \
         "'mkdir -p .golden && cp ../shared/golden/*.npz .golden/' and name .golden in carry, or set CUFLASH_GOLDEN_DIR"
-    export CUFLASH_GOLDEN_DIR="$golden"
+    export CUFLASH_GOLDEN_DIR="$golden"  # every golden test reads it (tests/golden.py)
     say "golden: $n_golden vectors in $golden"
-    # tests/fwd_cases.py and tests/bwd_cases.py (the GPU golden tests) read ../shared/golden only: give them the
-    # copy there when that path is free (a device machine), so that they do not collect zero cases
-    if [ "$dry" != 1 ] && [ ! -e "$root/../shared/golden" ]; then
-        mkdir -p "$root/../shared" && ln -s "$golden" "$root/../shared/golden"
-        say "linked ../shared/golden -> $golden"
-    fi
 }
 
 run_tests() {
@@ -136,11 +180,13 @@ run_tests() {
         say "note: the kernel warm-up failed or ran out of time; the tests compile what is left"
     t_tests=$((t_tests - (SECONDS - t0)))
     say "tests: pytest ${select[*]} ${workers[*]} (SIGINT after ${t_tests}s, so that the XML is written)"
-    tests_rc=0
+    local rc=0
+    tests_rc=unfinished
     # Up to 10 failures, not 1: a device call is scarce, so one call should show every broken feature (the
     # derandomized ci profile, so a failure reproduces; the XML lists every test's outcome).
     HYPOTHESIS_PROFILE=ci "${blas[@]}" timeout -s INT -k 30 "$t_tests" "$py" -m pytest -q -rf "${select[@]}" "${workers[@]}" \
-        --maxfail=10 -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1 || tests_rc=$?
+        --maxfail=10 -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1 || rc=$?
+    tests_rc=$rc
     tail -5 "$OUT/gpu_tests.txt" | tee -a "$log"
     [ "$tests_rc" != 124 ] || say "tests: time limit reached"
     # zero tests run, or no golden case among them, is a failure even when pytest says otherwise
@@ -152,10 +198,16 @@ run_tests() {
 run_bench() {
     [ "$commit" = unknown ] || bench_args+=(--commit "$commit")
     say "bench: benchmarks.run ${bench_args[*]} --device cuda --require-device cuda (SIGINT after ${t_bench}s)"
-    bench_rc=0
-    # --require-device cuda: numbers of any other backend must never be packed as GPU results
+    local rc=0
+    bench_rc=unfinished
+    start_packing  # what was measured comes back even if the call is killed outright
+    # --require-device cuda: numbers of any other backend must never be packed as GPU results; status 3: cuflash
+    # raised in some case (benchmarks/run.py)
     timeout -s INT -k 30 "$t_bench" "$py" -m benchmarks.run "${bench_args[@]}" --device cuda --require-device cuda \
-        --no-progress --out "$work/bench" > "$OUT/bench.txt" 2>&1 || bench_rc=$?
+        --no-progress --out "$work/bench" > "$OUT/bench.txt" 2>&1 || rc=$?
+    bench_rc=$rc
+    stop_packing
+    pack
     tail -40 "$OUT/bench.txt" | tee -a "$log"
     say "bench rc=$bench_rc"
 }
@@ -168,12 +220,16 @@ find_tool() {  # $1 on PATH, else where CUDA toolkits and Nsight Compute install
             /opt/nvidia/nsight-compute/*/"$1" /usr/local/cuda*/nsight-compute*/"$1" 2> /dev/null | head -1 || true)"
     fi
     [ -n "$found" ] || fail "$1 not found (on PATH, in \$CUDA_HOME/bin, /usr/local/cuda*/bin or Nsight Compute's folder)"
-    say "$1: $found"
+    local version
+    version="$("$found" --version 2>&1 | grep -m1 -iE 'version|release' || echo 'version unknown')"
+    say "$1: $found ($version)"
+    tool_versions="${tool_versions:+$tool_versions; }$1 $version"
     tool_path="$found"
 }
 
 run_sanitize() {  # every tool over every case; the kernels compiled once first, into CuPy's cache
     local tool rc results=() sanitizer
+    sanitize_rc=unfinished
     find_tool compute-sanitizer
     sanitizer="$tool_path"
     say "sanitize: warm-up, benchmarks.kernel_cases ${cases_args[*]} (every case once, without a tool)"
@@ -193,26 +249,33 @@ run_sanitize() {  # every tool over every case; the kernels compiled once first,
 }
 
 run_profile() {  # ncu: throughput, occupancy, shared-memory bank conflicts and stall reasons of the main kernels
-    local ncu
-    profile_rc=0
+    local ncu rc=0
+    profile_rc=unfinished
     find_tool ncu
     ncu="$tool_path"
     say "profile: ncu over benchmarks.kernel_cases ${profile_args[*]}"
-    timeout -s INT -k 10 480 "$ncu" --target-processes all --kernel-name regex:flash_ --launch-count 24 \
+    timeout -s INT -k 10 "$t_profile" "$ncu" --target-processes all --kernel-name regex:flash_ --launch-count 24 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
         --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \
         -o "$work/profile" -f "$py" -m benchmarks.kernel_cases "${profile_args[@]}" > "$OUT/ncu.txt" 2>&1 ||
-        profile_rc=$?
+        rc=$?
     # ncu can end 0 having profiled nothing (no access to the counters: ERR_NVGPUCTRPERM): no report is a failure
     if [ ! -f "$work/profile.ncu-rep" ] || grep -q '^==ERROR==' "$OUT/ncu.txt"; then
-        [ "$profile_rc" != 0 ] || profile_rc=1
+        [ "$rc" != 0 ] || rc=1
         say "profile: no report, or ncu printed an error (see ncu.txt)"
     else
-        "$ncu" --import "$work/profile.ncu-rep" --page details >> "$OUT/ncu.txt" 2>&1 || true
-        # the report itself only where it is small enough to come back from a device call
-        [ "$(stat -c %s "$work/profile.ncu-rep")" -gt 40000000 ] || cp "$work/profile.ncu-rep" "$OUT/"
+        # the report as text is what comes back for sure: failing to read it is a failed profile
+        "$ncu" --import "$work/profile.ncu-rep" --page details >> "$OUT/ncu.txt" 2>&1 ||
+            { rc=1; say "profile: ncu --import could not read the report (see ncu.txt)"; }
+        # the report itself only where it can come back from a device call (16 MiB a file)
+        if [ "$(stat -c %s "$work/profile.ncu-rep")" -le $((16 * 1024 * 1024)) ]; then
+            cp "$work/profile.ncu-rep" "$OUT/"
+        else
+            say "profile: profile.ncu-rep is over 16 MiB and stays behind (ncu.txt has its details page)"
+        fi
     fi
+    profile_rc=$rc
     tail -5 "$OUT/ncu.txt" | tee -a "$log"
     say "profile rc=$profile_rc"
 }

@@ -61,6 +61,7 @@ LATER_FIELDS = {"tile": None}
 class RunResult:
     records: list = field(default_factory=list)   # (figure, Record)
     skipped: list = field(default_factory=list)   # (figure, dict with the case's fields and "reason")
+    failures: list = field(default_factory=list)  # (figure, the same): cuflash raised (no Skip, no out of memory)
     interrupted: bool = False                     # stopped by SIGINT/Ctrl-C before every pair was tried
 
 
@@ -70,10 +71,12 @@ def payloads(result: RunResult, *, meta: dict) -> dict:
     out = {}
     for fig in FIGURES:
         recs = [asdict(r) for f, r in result.records if f == fig]
-        if not recs:
+        failed = [e for f, e in result.failures if f == fig]
+        if not recs and not failed:
             continue
         skipped = [e for f, e in result.skipped if f == fig]
-        out[fig] = {"figure": fig, "title": FIGURE_TITLES[fig], **meta, "records": recs, "skipped": skipped}
+        out[fig] = {"figure": fig, "title": FIGURE_TITLES[fig], **meta, "records": recs, "skipped": skipped,
+                    "failed": failed}
     return out
 
 
@@ -135,6 +138,10 @@ def table(result: RunResult) -> str:
         out += ["", f"{len(result.skipped)} (case, impl) pairs not measured (see 'skipped' in the JSON); "
                     f"reasons besides an impl lacking the op, device, mask or tile option:"]
         out += [f"  - {r}" for r in reasons[:20]]
+    if result.failures:
+        out += ["", f"{len(result.failures)} cuflash cases FAILED (see 'failed' in the JSON):"]
+        out += [f"  - {e['reason']}" for e in sorted({e["reason"]: e for _, e in result.failures}.values(),
+                                                     key=lambda e: e["reason"])[:20]]
     return "\n".join(out)
 
 

@@ -100,14 +100,18 @@ def run_cases(cases: list[Case], *, timing: Timing, deadline: Optional[float] = 
 
 
 def _measure_into(result: RunResult, case: Case, name: str, inputs: Inputs, timing: Timing, oom_at: dict) -> bool:
-    """Measure one pair into ``result``; returns whether it failed (a failure is a ``skipped`` entry)."""
+    """Measure one pair into ``result``; returns whether it failed: a ``skipped`` entry, or for cuflash raising
+    anything but :class:`Skip` or out of memory a ``failures`` one (the run then ends with status 3: its tile
+    candidates all pass the compile check, so an error there is a defect, never a case to pass over)."""
     try:
         result.records.append((case.figure, measure(case, IMPLS[name], inputs, timing=timing)))
         return False
     except Exception as exc:  # noqa: BLE001 -- a baseline failing must not end the run
-        if is_oom(exc):
+        oom = is_oom(exc)
+        if oom:
             oom_at[(case.figure, name)] = min(oom_at.get((case.figure, name), 1 << 62), case.seqlen_k)
-        result.skipped.append((case.figure, skip_entry(case, name, _reason(exc))))
+        failed = name == "cuflash" and not oom and not isinstance(exc, Skip)
+        (result.failures if failed else result.skipped).append((case.figure, skip_entry(case, name, _reason(exc))))
         return True
 
 
@@ -261,6 +265,9 @@ def main(argv=None) -> int:
     if result.interrupted:
         print("error: interrupted; the results written are partial", file=sys.stderr)
         return 130
+    if result.failures:
+        print(f"error: cuflash failed in {len(result.failures)} cases (see 'failed' in the JSON)", file=sys.stderr)
+        return 3
     if args.require_device and not any(r.impl == "cuflash" and r.device == device for _, r in result.records):
         print(f"error: no cuflash case was measured on {device} (see 'skipped')", file=sys.stderr)
         return 1

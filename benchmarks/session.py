@@ -13,12 +13,17 @@
     workers do not each compile what their tests meet first, several the same module at once (a module takes
     0.5-1 s of NVRTC: the compile check). ``--quick``: float16 at head_dim 64 only (the dry run).
 ``python3 -m benchmarks.session finish --out FILE [--probe FILE] [--junit XML] [--set KEY=VALUE ...]``
-    Write ``session.json``: the probe's facts, the JUnit summary, every ``KEY=VALUE`` (VALUE read as JSON
-    when it parses, else kept as text) and the files of FILE's folder.
+    Write ``session.json``: the probe's facts, the JUnit summary, every ``KEY=VALUE`` (VALUE a number where KEY
+    is ``status``, ``golden_files`` or ends in ``_rc`` and VALUE is one, else kept as text: a commit such as
+    ``0e12345`` stays a commit) and the files of FILE's folder.
+``python3 -m benchmarks.session tree-hash [ROOT]``
+    The SHA-256 of the tree's source files (:func:`tree_hash`; also the probe's ``tree_sha256``): the device's
+    copy has no ``.git``, so this is what proves which code ran. Compare it with the same command here.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import platform
@@ -63,10 +68,32 @@ def probe(*, need_pytest: bool) -> dict:
     facts["device"] = environment.gpu_info()
     ok, why = environment.cuflash_backend_status("cuda")
     facts["cuflash_cuda_backend"] = why if ok else f"unavailable: {why}"
+    facts["tree_sha256"] = tree_hash(Path(__file__).resolve().parent.parent)
+    if not ok:  # every GPU test would skip and the benchmark refuse: a call spent on nothing
+        raise SessionError(f"cuflash's CUDA backend is unusable here: {why}")
     facts.update(torch=_version("torch"), pytest=_version("pytest"), xdist=_version("xdist"))
     if need_pytest and facts["pytest"] is None:
         raise SessionError("pytest is not importable: the GPU tests cannot run")
     return facts
+
+
+#: what tree_hash reads: the package, the kernels, the tests and benchmarks (not results, caches or venvs)
+_TREE_DIRS = ("cuflash", "kernels", "tests", "benchmarks")
+_TREE_SUFFIXES = (".py", ".cu", ".cuh", ".h", ".sh", ".toml", ".cfg")
+
+
+def tree_hash(root: Path) -> str:
+    """SHA-256 over the relative path and bytes of every source file under :data:`_TREE_DIRS` of ``root`` (and its
+    top-level ``pyproject.toml``), in sorted order; ``benchmarks/results`` and ``__pycache__`` left out."""
+    files = [root / "pyproject.toml"] if (root / "pyproject.toml").is_file() else []
+    for top in _TREE_DIRS:
+        files += [p for p in (root / top).rglob("*") if p.is_file() and p.suffix in _TREE_SUFFIXES
+                  and "__pycache__" not in p.parts and not p.relative_to(root).as_posix().startswith(
+                      "benchmarks/results/")]
+    digest = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.relative_to(root).as_posix()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _print_facts(facts: dict):
@@ -80,10 +107,15 @@ def junit_summary(path: Path) -> dict:
     """``{"tests", "failures", "errors", "skipped", "run", "golden_run"}`` of a JUnit XML (every
     ``testsuite`` summed); ``run`` counts cases neither skipped nor errored at collection, ``golden_run``
     those whose name says ``golden``."""
-    root = ET.parse(path).getroot()
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as exc:  # a report cut short (the run killed while pytest wrote it)
+        return {"unreadable": f"{exc}", "tests": 0, "failures": 0, "errors": 0, "skipped": 0, "run": 0,
+                "golden_run": 0}
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
     out = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
-    ran = [c for s in suites for c in s.iter("testcase") if c.find("skipped") is None]
+    # named cases only: an interrupted xdist run leaves <testcase time="0.000"/> entries of tests that never ran
+    ran = [c for s in suites for c in s.iter("testcase") if c.get("name") and c.find("skipped") is None]
     out["run"] = len(ran)
     out["golden_run"] = sum("golden" in c.get("name", "") for c in ran)
     return out
@@ -95,6 +127,9 @@ def _junit(args) -> int:
         print(f"gpu_session: FAIL: {path} was not written (pytest died before its report)")
         return 1
     s = junit_summary(path)
+    if "unreadable" in s:
+        print(f"gpu_session: FAIL: {path} is not a complete JUnit report ({s['unreadable']})")
+        return 1
     print(f"tests: {s['run']} run ({s['failures']} failed, {s['errors']} errors), {s['skipped']} skipped; "
           f"golden cases run: {s['golden_run']}")
     if s["run"] == 0:
@@ -106,11 +141,15 @@ def _junit(args) -> int:
     return 0
 
 
-def _parse_value(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+def _parse_value(key: str, text: str):
+    """A number for the status and step fields where ``text`` is one (``null``: a step that did not run); text
+    otherwise, whatever it looks like."""
+    if key in ("status", "golden_files", "dry_run") or key.endswith("_rc"):
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _finish(args) -> int:
@@ -124,8 +163,8 @@ def _finish(args) -> int:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
-        session[key] = _parse_value(value)
-    session["dry_run"] = bool(session.get("dry_run"))
+        session[key] = _parse_value(key, value)
+    session["dry_run"] = session.get("dry_run") in (1, True, "1")
     session["files"] = sorted({p.name for p in out.parent.iterdir() if p.is_file()} | {out.name})
     out.write_text(json.dumps(session, indent=1, sort_keys=True) + "\n")
     return 0
@@ -178,7 +217,12 @@ def main(argv=None) -> int:
     fi.add_argument("--probe", default=None)
     fi.add_argument("--junit", default=None)
     fi.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    th = sub.add_parser("tree-hash")
+    th.add_argument("root", nargs="?", default=str(Path(__file__).resolve().parent.parent))
     args = p.parse_args(argv)
+    if args.command == "tree-hash":
+        print(tree_hash(Path(args.root)))
+        return 0
     return {"probe": _probe, "junit": _junit, "warm": _warm, "finish": _finish}[args.command](args)
 
 

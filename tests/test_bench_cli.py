@@ -263,6 +263,32 @@ def test_an_interrupted_run_keeps_what_it_measured(monkeypatch):
     assert [r.seqlen_q for _, r in result.records] == [1]
 
 
+def test_a_cuflash_error_is_a_failure_not_a_skip(monkeypatch, tmp_path, capsys):
+    """cuflash raising (not Skip, not out of memory) in a benchmark case is a defect: listed under "failed" in the
+    JSON and the run ends with status 3, so gpu_session.sh fails the benchmark step; a baseline's error stays a skip,
+    cuflash out of memory too."""
+    measure = run.measure
+
+    def cuflash_breaks_at_sq_2(case, impl, *args, **kw):
+        if impl.name == "cuflash" and case.seqlen_q == 2:
+            raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+        if impl.name == "cuflash" and case.seqlen_q == 4:
+            raise MemoryError("out of memory")
+        return measure(case, impl, *args, **kw)
+
+    monkeypatch.setattr(run, "measure", cuflash_breaks_at_sq_2)
+    pairs = [cases.Case("decode", "cpu", "fwd", "float32", 1, 2, sq, 64, 16, impls=("cuflash",)) for sq in (1, 2, 4)]
+    result = run.run_cases(pairs, timing=timing.TIMINGS["smoke"], progress=False)
+    assert [r.seqlen_q for _, r in result.records] == [1]
+    assert [e["seqlen_q"] for _, e in result.failures] == [2] and "IllegalAddress" in result.failures[0][1]["reason"]
+    assert [e["seqlen_q"] for _, e in result.skipped] == [4]
+    monkeypatch.setattr(run, "suite", lambda device, mode: pairs)
+    assert run.main(["--smoke", "--device", "cpu", "--no-progress", "--no-plot", "--out", str(tmp_path)]) == 3
+    payload = json.loads((tmp_path / "fig5_decode.json").read_text())
+    assert [e["seqlen_q"] for e in payload["failed"]] == [2]
+    assert "cuflash cases FAILED" in capsys.readouterr().out
+
+
 def test_device_slug():
     from benchmarks.environment import device_slug
 

@@ -100,14 +100,65 @@ def test_missing_gpu_or_cupy_fail_the_session(tmp_path, env, message):
     assert set(facts["files"]) == {"session.json", "session.txt"}
 
 
-def test_benchmark_refuses_a_backend_other_than_cuda(tmp_path):
-    """A GPU cuflash's cuda backend cannot use (sm_75): the runner refuses instead of measuring elsewhere."""
-    done, out = session(tmp_path, "bench", FAKE_GPUS="T4")
+@pytest.mark.parametrize("what", ["tests", "bench"])
+def test_a_gpu_the_cuda_backend_cannot_use_fails_at_the_probe(tmp_path, what):
+    """A GPU cuflash's cuda backend cannot use (sm_75): every GPU test would skip and the benchmark refuse, so the
+    probe fails the session before either runs."""
+    done, out = session(tmp_path, what, FAKE_GPUS="T4")
     assert done.returncode == 1
-    assert "cuda backend is unavailable" in (out / "bench.txt").read_text()
     facts = session_json(out)
-    assert facts["bench_rc"] == 2 and "benchmark failed or was refused" in facts["failed"]
-    assert not (out / "results.tar.gz").exists()
+    assert "cuflash's CUDA backend is unusable here" in facts["failed"] and facts["status"] == 1
+    assert facts["tests_rc"] is None and facts["bench_rc"] is None
+    assert set(facts["files"]) == {"session.json", "session.txt"}
+
+
+def test_benchmark_refuses_a_backend_other_than_cuda(tmp_path):
+    """The runner itself, asked for cuda where cuflash's cuda backend is unusable, refuses instead of measuring
+    elsewhere (its numbers must never be packed as GPU results)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_")}
+    env.update(FAKE_GPUS="T4", PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "fake_gpu"), str(REPO / "tests"),
+                                                          str(REPO)]))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--only", "decode", "--device", "cuda",
+                           "--require-device", "cuda", "--no-progress", "--out", str(tmp_path / "bench")],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "cuda backend is unavailable" in done.stdout + done.stderr
+    assert not (tmp_path / "bench").exists() or not any((tmp_path / "bench").iterdir())
+
+
+def test_bench_without_a_commit_fails_before_measuring(tmp_path):
+    """Benchmark numbers without their commit could not be committed as anyone's results: refused at the start."""
+    out = tmp_path / "out"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_", "GPU_SESSION_", "CUFLASH_GOLDEN"))}
+    base.update(OUT=str(out), PYTHON=sys.executable, GPU_SESSION_DRY_RUN="1", GIT_DIR=str(tmp_path / "no-git"))
+    done = subprocess.run(["bash", str(SCRIPT), "bench"], env=base, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1 and "commit unknown" in session_json(out)["failed"]
+    assert session_json(out)["bench_rc"] is None
+
+
+@needs_emulator
+def test_a_killed_session_says_so(tmp_path, golden_copy):
+    """SIGTERM to the call's process group in the middle of the GPU tests: the status is 143, never 0, the step
+    that was running does not read as passed, and the session's facts are there."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_", "GPU_SESSION_", "CUFLASH_GOLDEN"))}
+    base.update(OUT=str(out), PYTHON=sys.executable, GPU_SESSION_DRY_RUN="1", GPU_SESSION_COMMIT=COMMIT,
+                CUFLASH_GOLDEN_DIR=str(golden_copy))
+    proc = subprocess.Popen(["bash", str(SCRIPT), "tests"], env=base, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 150
+    while not (out / "gpu_tests.txt").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # pytest starting up
+    assert proc.poll() is None, "the tests ended before they could be killed: " + proc.stdout.read()
+    os.killpg(proc.pid, signal.SIGTERM)
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, log
+    facts = session_json(out)
+    assert facts["status"] == 143 and facts["tests_rc"] not in (0, None) and "killed by SIGTERM" in facts["failed"]
+    assert facts["commit"] == COMMIT and facts["tree_sha256"]
 
 
 def test_unknown_step_is_a_usage_error(tmp_path):
@@ -235,3 +286,61 @@ def test_profile_without_a_report_fails_the_session(tmp_path):
     facts = session_json(out)
     assert facts["profile_rc"] == 1 and "ncu failed" in facts["failed"]
     assert not (out / "profile.ncu-rep").exists() and "ERR_NVGPUCTRPERM" in (out / "ncu.txt").read_text()
+
+
+def test_profile_report_over_the_return_limit_stays_behind_and_an_unreadable_one_fails(tmp_path):
+    """A device call returns files of at most 16 MiB: a larger report is left behind (ncu.txt has its details), and
+    a report ncu cannot read back fails the profile."""
+    done, out = session(tmp_path / "big", "profile", FAKE_NCU_REPORT_BYTES=str(17 * 1024 * 1024))
+    assert done.returncode == 0 and not (out / "profile.ncu-rep").exists()
+    assert "over 16 MiB" in (out / "session.txt").read_text()
+    done, out = session(tmp_path / "bad", "profile", FAKE_NCU_IMPORT_FAILS="1")
+    assert done.returncode == 1 and session_json(out)["profile_rc"] == 1
+    assert "Failed to import report" in (out / "ncu.txt").read_text()
+
+
+def test_session_json_keeps_text_as_text(tmp_path):
+    """Only the status and step fields are numbers: a commit that looks like one (0e12345, 1234567) stays text."""
+    from benchmarks import session as sess
+
+    out = tmp_path / "session.json"
+    assert sess.main(["finish", "--out", str(out), "--set", "commit=0e12345", "date=1234567", "tests_rc=3",
+                      "bench_rc=unfinished", "profile_rc=null", "status=143", "dry_run=0"]) == 0
+    facts = json.loads(out.read_text())
+    assert facts["commit"] == "0e12345" and facts["date"] == "1234567"
+    assert facts["tests_rc"] == 3 and facts["bench_rc"] == "unfinished" and facts["profile_rc"] is None
+    assert facts["status"] == 143 and facts["dry_run"] is False
+
+
+def test_junit_counts_named_cases_and_refuses_a_cut_report(tmp_path):
+    """An interrupted xdist run leaves nameless <testcase time="0.000"/> entries (the first H100 report had 11): they
+    ran nothing. A report cut short fails the check instead of crashing it."""
+    from benchmarks import session as sess
+
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">'
+                   '<testcase name="test_golden_a" time="1"/><testcase name="test_b" time="1"><failure/></testcase>'
+                   '<testcase name="test_c" time="0"><skipped/></testcase><testcase time="0.000"/>'
+                   '</testsuite></testsuites>')
+    s = sess.junit_summary(xml)
+    assert s["run"] == 2 and s["golden_run"] == 1
+    xml.write_text(xml.read_text()[:80])
+    assert "unreadable" in sess.junit_summary(xml)
+    assert sess.main(["junit", str(xml)]) == 1
+
+
+def test_tree_hash_names_the_code_that_ran(tmp_path):
+    """The device's copy has no .git: the probe's tree_sha256 is what says which code ran; any change of a source
+    file changes it, results and caches do not."""
+    from benchmarks import session as sess
+
+    tree = tmp_path / "tree"
+    for rel in ("cuflash/a.py", "kernels/k.cuh", "benchmarks/results/x/fig.json", "cuflash/__pycache__/a.pyc"):
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(rel)
+    first = sess.tree_hash(tree)
+    (tree / "benchmarks/results/x/fig.json").write_text("other numbers")
+    (tree / "cuflash/__pycache__/a.pyc").write_text("other bytes")
+    assert sess.tree_hash(tree) == first
+    (tree / "kernels/k.cuh").write_text("// changed")
+    assert sess.tree_hash(tree) != first
