@@ -69,10 +69,17 @@ def _bad_buffers():
         ("list", q.tolist(), TypeError, r"\bout must be a numpy.ndarray"),
         ("masked", np.ma.masked_array(np.empty_like(q)), TypeError, "out is a numpy.ma.MaskedArray"),
         ("strided-ok", big[..., ::2], None, None),  # no contiguity is required: the result is copied in
+        # one place for several elements: batch 1's result would land on batch 0's
+        ("broadcast", np.lib.stride_tricks.as_strided(np.empty((1,) + q.shape[1:], np.float32), q.shape,
+                                                      (0,) + q.strides[1:], writeable=True),
+         ValueError, "out has elements that share memory"),
+        ("window", np.lib.stride_tricks.as_strided(np.empty(q.size, np.float32), q.shape,
+                                                   (4 * 16, 4 * 16, 4 * 4, 4), writeable=True),
+         ValueError, "out has elements that share memory"),
     ]
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(10))
 def test_out_buffer_validation(index, monkeypatch):
     q, k, v, dout, cases = _bad_buffers()
     name, buf, exc, match = cases[index]
@@ -99,6 +106,10 @@ def test_gradient_buffers_must_not_overlap_each_other_or_inputs():
         cuflash.attention_backward(dout, residual, dq=dout)
     with pytest.raises(ValueError, match=r"dk must have shape \(2, 27, 2, 16\)"):
         cuflash.attention_backward(dout, residual, dk=np.empty_like(q))
+    one = np.empty((1,) + q.shape[1:], q.dtype)
+    with pytest.raises(ValueError, match="dq has elements that share memory"):
+        cuflash.attention_backward(dout, residual, dq=np.lib.stride_tricks.as_strided(
+            one, q.shape, (0,) + q.strides[1:], writeable=True))
 
 
 def test_buffers_on_cupy_are_checked_by_device_ranges(monkeypatch):

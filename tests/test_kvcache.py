@@ -318,6 +318,10 @@ ERRORS = [
     ("page-writer-and-reader", dict(k_cache=PK, v_cache=PV, block_table=np.array([[0, 1, 2, 3], [1, 5, 6, 7]],
                                                                                   np.int32)),
      ValueError, r"block_table: page 1 receives new tokens"),
+    # a cache whose sequences share one buffer (torch's expand, a stride-0 view): one sequence's tokens on another's
+    ("cache-broadcast", dict(k_cache=np.lib.stride_tricks.as_strided(KC[:1].copy(), KC.shape, (0,) + KC.strides[1:],
+                                                                     writeable=True)), ValueError,
+     r"k_cache has elements that share memory"),
     # arrays the kernels read after the append, inside a cache: the append would change them under the call
     ("table-in-cache", dict(k_cache=PK, v_cache=PV, block_table=lambda k_cache: k_cache[8].reshape(-1)[:8].view(
         np.int32).reshape(2, 4)), ValueError, r"block_table shares memory with k_cache"),

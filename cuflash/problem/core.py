@@ -123,10 +123,31 @@ def check_buffer(name: str, buf: Any, shape: tuple, dtype: Any, xp: Any, inputs:
         raise TypeError(f"{name} must have dtype {dtype} (q's), got {buf.dtype}")
     if isinstance(buf, np.ndarray) and not buf.flags.writeable:
         raise ValueError(f"{name} is read-only: a buffer for the result must be writable")
+    check_one_place_per_element(name, buf, "a result buffer")
     for other, a in inputs.items():
         if a is not None and hasattr(a, "shape") and _overlap(buf, a):
             raise ValueError(f"{name} shares memory with {other}: a result buffer must not overlap the inputs "
                              f"(or another result buffer)")
+
+
+def check_one_place_per_element(name: str, a: Any, what: str) -> None:
+    """Refuse an array written into whose elements may share memory (a broadcast view, ``expand``, a stride-tricks
+    window): one element's result would land on another's."""
+    if _self_overlap(a):
+        raise ValueError(f"{name} has elements that share memory (strides {tuple(a.strides)} for shape "
+                         f"{tuple(a.shape)}: a broadcast or stride-tricks view): {what} needs one place per element; "
+                         f"pass a contiguous array")
+
+
+def _self_overlap(a) -> bool:
+    """Whether two elements of ``a`` may share memory: its axes of more than one element, by stride, must each step
+    past all that the smaller ones span (a sufficient test: a layout it cannot prove counts as overlapping)."""
+    span = a.itemsize
+    for stride, n in sorted((abs(st), n) for n, st in zip(a.shape, a.strides) if n > 1):
+        if stride < span:
+            return True
+        span += stride * (n - 1)
+    return False
 
 
 _TOO_HARD = getattr(np, "exceptions", np).TooHardError  # numpy.exceptions from NumPy 1.25 on

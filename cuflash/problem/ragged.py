@@ -11,7 +11,8 @@ from typing import Any, Optional
 import numpy as np
 
 from .core import (FLOAT_DTYPES, Problem, _check_element_type, _check_modifiers, _check_qkv, _check_scale, _check_window,
-                   _is_cupy, _overlap, array_module, check_dropout, dtype_name, native, stats_dtype)
+                   _is_cupy, _overlap, array_module, check_dropout, check_one_place_per_element, dtype_name, native,
+                   stats_dtype)
 
 
 def _host_ints(x):
@@ -391,6 +392,9 @@ def make_kvcache_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
                         {"q": q, "k_new": k_new, "v_new": v_new, "cache_seqlens": cache_seqlens,
                          "block_table": block_table, "alibi_slopes": alibi_slopes})
     q, k_cache, v_cache, k_new, v_new = (None if a is None else native(a) for a in arrays.values())
+    if k_new is not None:  # the NumPy/CuPy views of the caches (of another library's: what DLPack shares)
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_one_place_per_element(name, a, "a cache the new tokens are written into")
     element_type = _check_element_type(q, None)
     if element_type not in FLOAT_DTYPES:
         raise TypeError(f"q must be floating point ({', '.join(FLOAT_DTYPES)}), got {q.dtype}")
