@@ -278,9 +278,25 @@ def _device_arrays(ctx: Any, buffers: Sequence[Any]) -> Iterator[list[Any]]:
 def _jax_array(name: str, a: Any) -> Any:
     if isinstance(a, jax.Array):
         return a
+    if isinstance(a, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray: cuflash would ignore its mask; pass a plain array")
     if isinstance(a, (np.ndarray, np.generic)) or (hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__")):
-        return jnp.asarray(a)
+        out = jnp.asarray(a)
+        have = getattr(a, "dtype", None)
+        want = have.name if isinstance(have, np.dtype) else str(have).rsplit(".", 1)[-1]  # torch.float64 -> float64
+        # JAX without x64 makes int64 int32 (2**32 + 3 -> 3) and float64 float32: an integer array whose values
+        # survive passes, any other change of dtype is refused
+        host = a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)  # CuPy's .get()
+        if np.dtype(out.dtype).name != want and not (np.dtype(out.dtype).kind in "iu" and np.array_equal(
+                np.asarray(out), host)):
+            raise _cast_error(name, want, out.dtype)
+        return out
     raise TypeError(f"{name} must be a jax.Array (or an array JAX converts), got {type(a).__name__}")
+
+
+def _cast_error(name: str, have: Any, got: Any) -> TypeError:
+    return TypeError(f"{name} has dtype {have}, which JAX would turn into {got} (64-bit types need "
+                     f"jax.config.update('jax_enable_x64', True)); pass {got} yourself, or enable x64")
 
 
 def _concrete(name: str, a: Any) -> Any:
@@ -291,6 +307,10 @@ def _concrete(name: str, a: Any) -> Any:
         raise TypeError(f"{name} must be a concrete array (NumPy, or a JAX array outside jit): cuflash does not "
                         f"differentiate it, and under jit/grad/vmap a traced {name} would get a silently zero "
                         f"gradient; close over a NumPy array instead")
+    if isinstance(a, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray: cuflash would ignore its mask; pass a plain array")
+    if not isinstance(a, (np.ndarray, np.generic, jax.Array)):
+        raise TypeError(f"{name} must be an array (NumPy or JAX) or a number, got {type(a).__name__}")
     return np.asarray(a)
 
 

@@ -263,3 +263,22 @@ def test_docstring_documents_every_parameter():
     documented = {n.strip() for line in params.splitlines() if (m := re.match(r"^ {4}([A-Za-z_][\w, ]*) :", line))
                   for n in m.group(1).split(",")}
     assert set(inspect.signature(cj.attention).parameters) <= documented
+
+
+@pytest.mark.skipif(jax.config.jax_enable_x64, reason="the cast this guards against happens only without x64")
+def test_what_jax_would_cast_or_drop_is_refused():
+    """Without x64 JAX turns int64 into int32 and float64 into float32: seqlens 2**32 + 3 became 3, a float64 q
+    ran in float32. Integers whose values survive pass; masked and non-array options are refused as by
+    cuflash.attention."""
+    q, k, v = (jnp.asarray(x) for x in _arrays((2, 6, 2, 8), (2, 6, 2, 8)))
+    with pytest.raises(TypeError, match="seqlens_q has dtype int64, which JAX would turn into int32"):
+        cj.attention(q, k, v, seqlens_q=np.array([2 ** 32 + 3, 6], np.int64))
+    with pytest.raises(TypeError, match="q has dtype float64, which JAX would turn into float32"):
+        cj.attention(np.asarray(q, np.float64), k, v)
+    fine = cj.attention(q, k, v, seqlens_q=np.array([3, 6], np.int64))  # int64 values that fit: accepted
+    np.testing.assert_array_equal(np.asarray(fine), np.asarray(cj.attention(q, k, v, seqlens_q=np.array(
+        [3, 6], np.int32))))
+    with pytest.raises(TypeError, match="alibi_slopes is a numpy.ma.MaskedArray"):
+        cj.attention(q, k, v, alibi_slopes=np.ma.masked_array(np.array([0.1, 0.2], np.float32), mask=[1, 0]))
+    with pytest.raises(TypeError, match="alibi_slopes must be an array"):
+        cj.attention(q, k, v, alibi_slopes=[0.1, 0.2])
