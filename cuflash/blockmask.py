@@ -44,6 +44,14 @@ def _check_block(block):
     return int(block[0]), int(block[1])
 
 
+def _host_array(a, name):
+    """``np.asarray(a)``, refusing a masked array (its mask would be dropped)."""
+    if isinstance(a, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray: its mask would be ignored; pass a plain array "
+                        f"(e.g. a.filled(...))")
+    return np.asarray(a)
+
+
 def _frozen(a):
     a.setflags(write=False)
     return a
@@ -86,7 +94,7 @@ class BlockMask:
     """
 
     def __init__(self, grid, *, block=DEFAULT_BLOCK, seqlen_q=None, seqlen_k=None):
-        grid = np.asarray(grid)
+        grid = _host_array(grid, "grid")
         if grid.dtype != np.bool_:
             raise TypeError(f"grid must be a boolean array, got dtype {grid.dtype}")
         self._init(np.where(grid, FULL, SKIP).astype(np.int8), block, seqlen_q, seqlen_k, None, {})
@@ -231,7 +239,7 @@ class BlockMask:
 
     @staticmethod
     def _ids(ids, name):
-        ids = np.asarray(ids)
+        ids = _host_array(ids, name)
         if ids.dtype.kind not in "iu" or ids.ndim not in (1, 2):
             raise ValueError(f"{name} must be an integer array (seqlen,) or (batch, seqlen), got {ids.dtype} "
                              f"{ids.shape}")
@@ -252,7 +260,7 @@ class BlockMask:
         """Any boolean mask ``(batch|1, heads|1, Sq, Sk)`` (or 2-D / 3-D), exactly: all-True blocks are full,
         all-False ones skipped, and only the partial blocks keep their elements, as packed bits
         (memory O(partial blocks × block area / 8), never a copy of the dense mask)."""
-        mask = np.asarray(mask)
+        mask = _host_array(mask, "mask")
         if mask.dtype != np.bool_ or not 2 <= mask.ndim <= 4:
             raise ValueError(f"mask must be a boolean array (batch|1, heads|1, Sq, Sk), got {mask.dtype} {mask.shape}")
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
@@ -288,7 +296,8 @@ class BlockMask:
         does not read ``b``/``h`` (the grid then broadcasts), else the problem's flattened batch / heads."""
         sq, sk = _lengths(seqlen_q, seqlen_k)
         batch, heads = _check_count(batch, "batch", 1), _check_count(heads, "heads", 1)
-        arrays = {n: np.asarray(v) if not isinstance(v, numbers.Number) else v for n, v in (mod_arrays or {}).items()}
+        arrays = {n: _host_array(v, f"mod_arrays[{n!r}]") if not isinstance(v, numbers.Number) else v
+                  for n, v in (mod_arrays or {}).items()}
         rule = mods.parse(mask_mod, kind="mask", arrays=arrays, what="mask_mod")
         rule.check_extents(arrays, {"b": batch, "h": heads, "q_idx": sq, "kv_idx": sk}, "mask_mod")
         name = f"cuflash_m{next(_ids)}_"  # the operands' names unique to this mask (masks combine)

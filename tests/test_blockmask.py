@@ -317,6 +317,18 @@ def test_bad_constructor_arguments(make, match):
         make()
 
 
+@pytest.mark.parametrize("make, name", [
+    (lambda m: BlockMask(m, block=(16, 16)), "grid"),
+    (lambda m: BlockMask.from_dense(m, block=(2, 2)), "mask"),
+    (lambda m: BlockMask.document(np.ma.masked_array(np.zeros(4, int), mask=[0, 1, 0, 0])), "doc_ids_q"),
+    (lambda m: BlockMask.from_mask_mod("w[kv_idx] > 0", seqlen_q=4, mod_arrays={"w": np.ma.masked_array(
+        np.ones(4), mask=[0, 1, 0, 0])}, block=(2, 2)), "mod_arrays\\['w'\\]"),
+])
+def test_masked_arrays_are_refused_not_read_without_their_mask(make, name):
+    with pytest.raises(TypeError, match=f"{name} is a numpy.ma.MaskedArray"):
+        make(np.ma.masked_array(np.ones((4, 4), bool), mask=np.eye(4, dtype=bool)))
+
+
 # ----------------------------------------------------------------------------- with element masks
 def _qkv(sq, sk, hq=2, hkv=1, d=8, seed=0, dtype=np.float64):
     rng = np.random.default_rng(seed)
