@@ -93,6 +93,28 @@ def test_zigzag_gives_every_rank_the_same_causal_work(size):
     assert max(contiguous) / min(contiguous) == pytest.approx(2 * size - 1, rel=0.1)
 
 
+def test_layout_helpers_refuse_what_they_would_misread():
+    """A bool or float axis (True read as 1), an array for parts (split along its first axis), parts of mixed
+    dtypes (silently promoted) or libraries, masked parts: refused."""
+    x = np.arange(24.0).reshape(2, 4, 3)
+    with pytest.raises(TypeError, match="axis must be an int, got bool"):
+        dist.shard_sequence(x, 2, 0, axis=True)
+    with pytest.raises(TypeError, match="axis must be an int, got float"):
+        dist.shard_sequence(x, 2, 0, axis=1.0)
+    with pytest.raises(TypeError, match="parts must be a list or tuple of arrays"):
+        dist.unshard_sequence(x)
+    with pytest.raises(TypeError, match=r"parts\[1\] must be a numpy array of dtype float32"):
+        dist.unshard_sequence([x.astype(np.float32), x])
+    with pytest.raises(TypeError, match=r"parts\[1\] is a numpy.ma.MaskedArray"):
+        dist.unshard_sequence([x, np.ma.masked_array(x, mask=x > 3)])
+
+
+def test_ring_attention_refuses_a_non_bool_return_lse():
+    x = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        dist.ring_attention(x, x, x, ThreadComm(ThreadWorld(1), 0), return_lse="no")
+
+
 def test_layout_errors():
     x = np.zeros((5, 2, 3))
     with pytest.raises(ValueError, match="layout must be one of"):

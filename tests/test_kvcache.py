@@ -196,6 +196,12 @@ def test_splits_agree_with_one_part():
     for splits in (None, 1, 2, 5, 64, 1000):
         outs[splits], _ = check_call(q, cache, lens, None, None, dict(num_splits=splits, causal=True))
     np.testing.assert_array_equal(outs[None], outs[1])
+    # past the key count every part holds one key: the same parts as a billion splits would leave non-empty, at once
+    k_cache, v_cache = cache.k.copy(), cache.v.copy()
+    many = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=cache.block_table,
+                                          num_splits=10 ** 9, causal=True)
+    np.testing.assert_array_equal(many, cuflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lens, block_table=cache.block_table, num_splits=700, causal=True))
 
 
 def test_shared_prefix_pages_are_read_by_several_sequences():

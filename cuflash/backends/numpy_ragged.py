@@ -78,6 +78,9 @@ def _split_works(problem: KVCacheProblem, b: int, scratch):
     n = int(problem.lengths_k[b])
     bk = max(1, min(BLOCK_K, -(-n // splits)))
     tiles = -(-n // bk)
+    # More splits than key tiles leave some empty: they add nothing to the merge, and num_splits = 10**9 would make a
+    # billion of them; min(splits, tiles) gives the same non-empty ranges (one tile each), hence the same bits.
+    splits = max(1, min(splits, tiles))
     return [forward_work(sub, block_k=bk, scratch=scratch, cast=False,
                          key_tiles=(s * tiles // splits, (s + 1) * tiles // splits)) for s in range(splits)]
 

@@ -75,6 +75,8 @@ def local_segments(length, size, rank, *, layout="contiguous") -> tuple[tuple[in
 
 
 def _axis(x, axis):
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"axis must be an int, got {type(axis).__name__} {axis!r}")
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis {axis} is out of range for an array of {x.ndim} dimensions")
     return axis % x.ndim
@@ -126,12 +128,19 @@ def unshard_sequence(parts, *, layout="contiguous", axis=-3):
     array
         The parts pasted back in global order along ``axis``.
     """
+    if hasattr(parts, "shape") or not isinstance(parts, (list, tuple)):  # an array would be split along axis 0
+        raise TypeError(f"parts must be a list or tuple of arrays (one per rank), got {type(parts).__name__}")
     parts = list(parts)
     if not parts:
         raise ValueError("parts must hold one array per rank, got none")
     check_layout(layout)
     axis = _axis(parts[0], axis)
     xp = _module(parts[0])
+    for rank, part in enumerate(parts):  # one library, dtype and rank count; no mask to drop
+        if _module(part, f"parts[{rank}]") is not xp or part.dtype != parts[0].dtype or part.ndim != parts[0].ndim:
+            raise TypeError(f"parts[{rank}] must be a {xp.__name__} array of dtype {parts[0].dtype} and "
+                            f"{parts[0].ndim} dimensions like parts[0], got {type(part).__name__} {part.dtype} "
+                            f"{part.ndim}-d")
     if layout == "contiguous":
         return xp.concatenate(parts, axis=axis)
     size, total = len(parts), sum(p.shape[axis] for p in parts)
@@ -149,10 +158,10 @@ def unshard_sequence(parts, *, layout="contiguous", axis=-3):
     return xp.concatenate([pieces[a] for a in sorted(pieces)], axis=axis)
 
 
-def _module(x):
+def _module(x, name="x"):
     from ..problem import array_module
 
-    return array_module(x, names=("x",))
+    return array_module(x, names=(name,))
 
 
 def gather_sequence(x, comm, *, layout="contiguous", axis=-3):

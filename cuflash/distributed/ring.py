@@ -157,6 +157,8 @@ def ring_attention(q, k, v, comm, *, causal=False, window=None, scale=None, retu
     lse : array, shape ``(..., heads, local_seqlen_q)``, float32 (float64 for float64 input)
         Only when ``return_lse``.
     """
+    if not isinstance(return_lse, (bool, np.bool_)):  # before any communication, as every argument
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
                backend=backend, what="forward")
     if s.method == "ulysses":
