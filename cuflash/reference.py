@@ -34,8 +34,12 @@ def round_tf32(x):
 
 
 def _compute_dtype(compute_dtype):
-    return np.dtype(np.float32) if isinstance(compute_dtype, str) and compute_dtype == TF32 else \
-        np.dtype(compute_dtype)
+    if isinstance(compute_dtype, str) and compute_dtype == TF32:
+        return np.dtype(np.float32)
+    dt = np.dtype(compute_dtype)
+    if dt.kind != "f" and dt.name != "bfloat16":  # a complex or integer reference computes something else
+        raise TypeError(f"compute_dtype must be a real floating-point dtype (or 'tf32'), got {dt}")
+    return dt
 
 
 def _grouped(p, dtype):
@@ -300,10 +304,16 @@ def rounding(dtype) -> float:
 
 
 def _apply_dropout(x, p, mask, dropout_p, drop_nonfinite=False):
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if mask is None:
         if dropout_p:
             raise ValueError("the reference needs an explicit dropout_mask when dropout_p > 0")
         return x
+    if isinstance(mask, np.ma.MaskedArray) or np.asarray(mask).dtype != np.bool_:  # 2.0 would double the output
+        raise TypeError(f"dropout_mask must be a plain boolean array (True: kept), got "
+                        f"{type(mask).__name__} of dtype {np.asarray(mask).dtype}")
     m = np.broadcast_to(np.asarray(mask), p.batch_shape + (p.heads_q, p.seqlen_q, p.seqlen_k))
     m = m.reshape(p.batch, p.heads_kv, p.group, p.seqlen_q, p.seqlen_k)
     if not drop_nonfinite:  # P: a NaN probability (its row sees a NaN score) stays NaN, dropped or not

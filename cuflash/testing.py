@@ -119,6 +119,9 @@ def attention_cases(*, dtypes=("float32",), max_seqlen=160, head_dims=None, max_
     with ``modifiers``, bias (of several broadcast shapes), ALiBi, softcap, score and mask modifiers."""
     from hypothesis import strategies as st
 
+    if isinstance(dtypes, str) or not dtypes:  # "float16" would be drawn letter by letter
+        raise TypeError(f"dtypes must be a non-empty tuple of dtype names, e.g. ('float16',), got {dtypes!r}")
+
     @st.composite
     def cases(draw):
         dtype = _dtype(draw(st.sampled_from(dtypes)))
@@ -165,6 +168,11 @@ def assert_attention_close(actual, ref64, baseline, *, mult=2.0, name="out", mag
     the naive computation happens to be exact, or results that cancel to ~0, do not demand the
     impossible. ``-inf`` entries (rows that see no key) must match exactly; NaN never passes.
     """
+    for name_, x in (("actual", actual), ("ref64", ref64), ("baseline", baseline)):
+        kind = np.asarray(x.get() if hasattr(x, "get") else x).dtype.kind
+        if kind not in "fiu" and np.asarray(x.get() if hasattr(x, "get") else x).dtype.name != "bfloat16":
+            raise TypeError(f"{name_} must be a real array, got dtype kind {kind!r} ({name}): a complex part would be "
+                            f"dropped")
     floor_u = rounding(np.asarray(baseline).dtype)
     wide = np.longdouble if np.asarray(ref64).dtype == np.longdouble else np.float64  # see reference_dtype
     actual = np.asarray(actual.get() if hasattr(actual, "get") else actual).astype(wide)

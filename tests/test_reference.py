@@ -227,3 +227,33 @@ def test_compute_dtype_is_the_computation_dtype(dtype):
     ref = reference.attention(q, k, v)
     err = np.abs(out.astype(np.float64) - ref).max()
     assert err > 0 and err > np.abs(ref.astype(dt).astype(np.float64) - ref).max()
+
+
+def test_reference_refuses_what_it_would_misread():
+    """The oracle's own arguments: a non-bool keep-mask (2.0 doubled the output), a masked one, dropout_p outside
+    [0, 1) (1.0 gave NaN), a complex or integer compute_dtype."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 5, 2, 4)) for _ in range(3))
+    keep = np.ones((1, 2, 5, 5), bool)
+    with pytest.raises(TypeError, match="dropout_mask must be a plain boolean array"):
+        reference.attention(q, k, v, dropout_mask=np.array(2.0), dropout_p=0.5)
+    with pytest.raises(TypeError, match="dropout_mask must be a plain boolean array"):
+        reference.attention(q, k, v, dropout_mask=np.ma.masked_array(keep, mask=~keep), dropout_p=0.5)
+    for p in (1.0, -3, True):
+        with pytest.raises(ValueError, match="dropout_p must be a float in"):
+            reference.attention(q, k, v, dropout_mask=keep, dropout_p=p)
+    for dt in (np.complex128, np.int64):
+        with pytest.raises(TypeError, match="compute_dtype must be a real floating-point dtype"):
+            reference.attention(q, k, v, compute_dtype=dt)
+
+
+def test_testing_helpers_refuse_what_they_would_misread():
+    """attention_cases(dtypes="float16") drew the string's letters; a complex result passed the rule on its real
+    part."""
+    from cuflash.testing import assert_attention_close
+
+    with pytest.raises(TypeError, match="dtypes must be a non-empty tuple of dtype names"):
+        attention_cases(dtypes="float16")
+    ref = np.ones(3)
+    with pytest.raises(TypeError, match="actual must be a real array"):
+        assert_attention_close(ref + 1000j, ref, ref.astype(np.float32))
