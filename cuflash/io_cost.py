@@ -78,6 +78,8 @@ class _Sizes:
 
 def _sizes(dtype) -> _Sizes:
     name = "bfloat16" if str(dtype) in ("bfloat16", "bf16") else np.dtype(dtype).name
+    if name not in ("float16", "bfloat16", "float32", "float64"):
+        raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}")
     item = 2 if name == "bfloat16" else np.dtype(name).itemsize
     return _Sizes(item, 8 if name == "float64" else 4)
 
@@ -212,12 +214,17 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
     IOCost
         Totals and per-line ledgers in bytes.
     """
+    from .blockmask import BlockMask
+    from .problem import _check_window
+
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
     _check_args(op=op, order=order, density=density, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
                 batch=batch, heads=heads)
-    left, right = (None, None) if window is None else window
-    if causal:
-        right = 0 if right is None else min(right, 0)
+    tile_sizes = dict(block_q=block_q, block_k=block_k, bwd_block_q=bwd_block_q, bwd_block_k=bwd_block_k)
+    _check_args(op=op, order=order, density=None, **{n: t for n, t in tile_sizes.items() if t is not None})
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cuflash.BlockMask or None, got {type(block_mask).__name__}")
+    left, right = _check_window(window, causal, seqlen_q + seqlen_k)  # the causal bool checked there too
     sizes, n_bh = _sizes(dtype), batch * heads
     shape = dict(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, left=left, right=right,
                  block_mask=block_mask, density=density)
@@ -251,8 +258,9 @@ def _check_args(*, op, order, density, **sizes):
     for name, val in sizes.items():
         if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
-    if density is not None and not 0.0 <= float(density) <= 1.0:
-        raise ValueError(f"density must lie in [0, 1], got {density}")
+    if density is not None and (isinstance(density, (bool, np.bool_)) or not isinstance(
+            density, (int, float, np.integer, np.floating)) or not 0.0 <= float(density) <= 1.0):
+        raise ValueError(f"density must be a number in [0, 1], got {density!r}")
 
 
 def _tiles(head_dim, op, block_q, block_k) -> tuple[int, int]:

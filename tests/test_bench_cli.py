@@ -105,10 +105,19 @@ def test_backward_ledger_counts_query_tiles_per_key_block():
 
 
 @pytest.mark.parametrize("kw, match", [(dict(op="both"), "op must be"), (dict(seqlen_q=0), "seqlen_q"),
-                                       (dict(density=1.5), "density"), (dict(order="fa3"), "order")])
+                                       (dict(density=1.5), "density"), (dict(order="fa3"), "order"),
+                                       (dict(causal="no"), "causal must be a bool"),
+                                       (dict(window=(-300, -300)), "window left must be >= 0"),
+                                       (dict(window=(1.5, 0)), "window left must be an int"),
+                                       (dict(block_q=64.9), "block_q must be a positive int"),
+                                       (dict(block_q=True), "block_q must be a positive int"),
+                                       (dict(density=True), "density must be a number"),
+                                       (dict(density="0.5"), "density must be a number"),
+                                       (dict(dtype="int8"), "dtype must be float16"),
+                                       (dict(block_mask=np.ones((2, 2), bool)), "block_mask must be a cuflash")])
 def test_io_cost_rejects_bad_arguments(kw, match):
     args = dict(seqlen_q=128, head_dim=64, block_q=64, block_k=64) | kw
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         io_cost(**args)
 
 
