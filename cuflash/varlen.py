@@ -28,7 +28,8 @@ Array = Any
 _VARLEN_DOC = """
     cu_seqlens_q : int32 array, shape ``(batch + 1,)``
         Cumulative query offsets ``[0, len_0, len_0 + len_1, ..., total_q]``: non-decreasing (a sequence may be
-        empty), starting at 0 and ending at ``q.shape[0]``. The caller's library and device, like ``q``.
+        empty), starting at 0 and ending at ``q.shape[0]``. On ``q``'s device; an array of another library is read
+        through DLPack (exactly: int32 values).
     cu_seqlens_k : int32 array, shape ``(batch + 1,)``
         The same for ``k`` and ``v`` (ending at ``k.shape[0]``); one entry per sequence as ``cu_seqlens_q``.
     max_seqlen_q, max_seqlen_k : int, optional

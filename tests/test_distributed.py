@@ -109,6 +109,17 @@ def test_layout_helpers_refuse_what_they_would_misread():
         dist.unshard_sequence([x, np.ma.masked_array(x, mask=x > 3)])
 
 
+def test_arrays_of_other_libraries_are_refused_with_the_right_advice():
+    """cuflash.distributed takes NumPy and CuPy only: the error must not list torch as accepted."""
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(4, 2, 8)
+    for call in (lambda: dist.ring_attention(t, t, t, ThreadComm(ThreadWorld(1), 0)),
+                 lambda: dist.unshard_sequence([t, t], layout="zigzag")):
+        with pytest.raises(TypeError, match="cuflash.distributed takes NumPy and CuPy arrays only") as info:
+            call()
+        assert "torch" not in str(info.value)
+
+
 def test_ring_attention_refuses_a_non_bool_return_lse():
     x = np.zeros((4, 2, 8), np.float32)
     with pytest.raises(TypeError, match="return_lse must be a bool"):

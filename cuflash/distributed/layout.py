@@ -161,7 +161,7 @@ def unshard_sequence(parts, *, layout="contiguous", axis=-3):
 def _module(x, name="x"):
     from ..problem import array_module
 
-    return array_module(x, names=(name,))
+    return array_module(x, names=(name,), foreign=False)
 
 
 def gather_sequence(x, comm, *, layout="contiguous", axis=-3):

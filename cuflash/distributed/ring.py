@@ -65,7 +65,7 @@ import numpy as np
 from .. import backends
 from ..residual import fingerprint
 from ..merge import merge_parts
-from ..problem import _check_window, check_backward, make_problem, stats_dtype
+from ..problem import _check_window, array_module, check_backward, make_problem, stats_dtype
 from . import comm as comms
 from .layout import check_layout, chunk_bounds
 
@@ -226,6 +226,7 @@ for _fn in (ring_attention, ring_attention_backward):
 # ------------------------------------------------------------------------------------------------ setup
 def _setup(q, k, v, comm, *, causal, window, scale, layout, method, backend, what, extra=None, flag=0):
     """Validate locally, then agree with the other ranks on lengths and options (one small all-gather)."""
+    array_module(q, k, v, names=("q", "k", "v"), foreign=False)  # NumPy or CuPy only here: the error says so
     problem = make_problem(q, k, v, causal=causal, window=window, scale=scale)
     check_layout(layout)
     if not isinstance(method, str) or method not in METHODS:

@@ -31,7 +31,7 @@ def _rows(x, segs, axis):
 def _xp(x):
     from ..problem import array_module
 
-    return array_module(x, names=("x",))
+    return array_module(x, names=("x",), foreign=False)
 
 
 def to_heads(s, tensors, segs, lengths):

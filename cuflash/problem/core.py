@@ -68,12 +68,13 @@ def _is_cupy(x) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
 
 
-def array_module(*arrays, names):
+def array_module(*arrays, names, foreign=True):
     """Return ``numpy`` or ``cupy`` for the arrays; reject non-arrays, masked and object arrays, mixtures of
     NumPy and CuPy, and CuPy arrays on different devices.
 
     This is the single check of the NumPy/CuPy arrays every entry point works on; arrays of other libraries are
-    converted to those before it, at the edge (:mod:`cuflash.interop`)."""
+    converted to those before it, at the edge (:mod:`cuflash.interop`). ``foreign=False``: the caller takes NumPy
+    and CuPy only (cuflash.distributed), and the error says so."""
     kinds = {}
     devices = {}
     for a, name in zip(arrays, names):
@@ -87,10 +88,14 @@ def array_module(*arrays, names):
             device = getattr(a, "device", None)
             if device is not None and hasattr(device, "id"):
                 devices[name] = device.id
-        else:
+        elif foreign:
             raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray (or an array of another library that "
                             f"implements __dlpack__ or __cuda_array_interface__: torch, JAX, array-api-strict, "
                             f"Numba, ...), got {type(a).__name__}")
+        else:
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray (cuflash.distributed takes NumPy and "
+                            f"CuPy arrays only; np.from_dlpack / cupy.from_dlpack convert others without a copy), "
+                            f"got {type(a).__name__}")
         if getattr(a, "dtype", None) is not None and np.dtype(a.dtype).kind == "O":
             raise TypeError(f"{name} is an array of Python objects (dtype object): convert it to a floating-point "
                             f"array first, e.g. {name}.astype(np.float32)")
