@@ -163,7 +163,8 @@ find_golden() {  # the same order as tests/conftest.py: $CUFLASH_GOLDEN_DIR alon
 
 run_tests() {
     local select=(-m gpu tests/) workers=() blas=()
-    [ "$dry" != 1 ] || select=(tests/test_golden.py -k covers_the_semantics)
+    # the dry run: one real GPU test (a golden case on the fake GPU), so that the marker and paths are exercised
+    [ "$dry" != 1 ] || select=(-m gpu tests/test_gpu_forward.py -k "test_golden and plain")
     if "$py" -c "import xdist" 2> /dev/null; then
         workers=(-n "${GPU_SESSION_WORKERS:-auto}")
         # one BLAS thread per worker (the pytest command only): the first H100 run's 16 workers each ran a
