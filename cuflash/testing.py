@@ -168,14 +168,14 @@ def assert_attention_close(actual, ref64, baseline, *, mult=2.0, name="out", mag
     the naive computation happens to be exact, or results that cancel to ~0, do not demand the
     impossible. ``-inf`` entries (rows that see no key) must match exactly; NaN never passes.
     """
+    actual = np.asarray(actual.get() if hasattr(actual, "get") else actual)  # a CuPy result, copied once
     for name_, x in (("actual", actual), ("ref64", ref64), ("baseline", baseline)):
-        kind = np.asarray(x.get() if hasattr(x, "get") else x).dtype.kind
-        if kind not in "fiu" and np.asarray(x.get() if hasattr(x, "get") else x).dtype.name != "bfloat16":
-            raise TypeError(f"{name_} must be a real array, got dtype kind {kind!r} ({name}): a complex part would be "
-                            f"dropped")
+        dt = np.asarray(x).dtype
+        if dt.kind not in "fiu" and dt.name != "bfloat16":
+            raise TypeError(f"{name_} must be a real array, got dtype {dt} ({name}): a complex part would be dropped")
     floor_u = rounding(np.asarray(baseline).dtype)
     wide = np.longdouble if np.asarray(ref64).dtype == np.longdouble else np.float64  # see reference_dtype
-    actual = np.asarray(actual.get() if hasattr(actual, "get") else actual).astype(wide)
+    actual = actual.astype(wide)
     baseline = np.asarray(baseline).astype(wide)
     ref64 = np.asarray(ref64, dtype=wide)
     assert actual.shape == ref64.shape, f"{name}: shape {actual.shape} != reference {ref64.shape}"
