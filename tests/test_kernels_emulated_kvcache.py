@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from cuflash import tiling
+import cuflash
+from cuflash import reference, tiling
 from cuflash.cuda import launch as launches
 from cuflash.problem import make_kvcache_problem
-from cuflash.testing import _dtype
+from cuflash.testing import _dtype, assert_attention_close
 
 from emulated_support import pytestmark  # noqa: F401  (marks the module)
 from test_kvcache import Cache, cache_cases, check_call
@@ -58,6 +59,25 @@ def test_kvcache_options(name):
 
 def test_float64_paged_split():
     _call("float64", 6, 3, "window_alibi", seqlen_q=1, new=1)
+
+
+def test_float64_paged_gather_reads_only_used_table_entries():
+    """Entries of block_table past a sequence's used pages may hold anything: float64 gathers its pages first, and it
+    gathered every entry (99 raised IndexError, after the new token had been written)."""
+    rng = np.random.default_rng(0)
+    k_cache, v_cache = rng.standard_normal((4, 4, 1, 32)), rng.standard_normal((4, 4, 1, 32))
+    table = np.array([[0, 1, 99]], np.int32)  # 3 + 1 = 4 keys: entry 0 only
+    q, k_new = rng.standard_normal((1, 1, 2, 32)), rng.standard_normal((1, 1, 1, 32))
+    lens = np.array([3], np.int32)
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    want = cuflash.attention_with_kvcache(q, want_k, want_v, cache_seqlens=lens, k_new=k_new, v_new=k_new,
+                                          block_table=table, backend="numpy")
+    got = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, k_new=k_new, v_new=k_new,
+                                         block_table=table, backend="emulate")
+    assert np.array_equal(k_cache, want_k) and np.array_equal(v_cache, want_v)
+    ref = reference.attention(q, want_k[:1], want_v[:1], compute_dtype=np.longdouble)
+    naive = reference.attention(q, want_k[:1], want_v[:1], compute_dtype=np.float64)
+    assert_attention_close(got, ref, naive)
 
 
 def test_more_splits_than_key_tiles_and_empty_sequences():

@@ -528,7 +528,11 @@ def forward_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_
     k_cache, v_cache = problem.k_cache, problem.v_cache
     gather = problem.paged and problem.element_type == "float64"
     if gather:  # the float64 kernel has no paged K/V loads (kernels/flash_fwd_wide.cu): its pages gathered first
-        table = xp.asarray(problem.block_table)
+        # from the checked host table, entries past a sequence's used pages set to page 0: they may hold anything
+        # (-1, 99) and are never read, as the kernel's own paged loads never read them
+        used = -(-np.asarray(problem.lengths_k, dtype=np.int64) // problem.page_size)
+        host = problem.table_host
+        table = xp.asarray(np.where(np.arange(host.shape[1]) < used[:, None], host, 0).astype(np.int32))
         k_cache, v_cache = (a[table].reshape((b, capacity) + a.shape[2:]) for a in (k_cache, v_cache))
     q, k, v = (_prepare(xp, a, d8) for a in (problem.q, k_cache, v_cache))
     seqlens_k = xp.asarray(lengths.astype(np.int32))  # host lengths (cuflash.problem read them): no device sync here
