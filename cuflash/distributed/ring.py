@@ -143,7 +143,7 @@ def ring_attention(q, k, v, comm, *, causal=False, window=None, scale=None, retu
     Parameters
     ----------
     q : array, shape ``(..., local_seqlen_q, heads, head_dim)``
-        This rank's queries; float16, bfloat16, float32 or float64 (NumPy), float16 or bfloat16 (CuPy).
+        This rank's queries; float16, bfloat16, float32 or float64 (NumPy or CuPy).
     k, v : array, shape ``(..., local_seqlen_k, heads_kv, head_dim)``
         This rank's keys and values; ``heads % heads_kv == 0``.
     return_lse : bool, default False
