@@ -18,7 +18,10 @@ Grammar: numbers, ``True``/``False``, ``+ - * /`` (``/`` is float division), ``/
 unary ``-``, comparisons (chained too), ``and``/``or``/``not``, ``a if c else b``, and the functions
 ``abs, min, max, exp, log, tanh, sqrt, where(c, a, b)``. A score modifier evaluates to a number, a
 mask modifier to a bool; integers are 64-bit in NumPy and 32-bit in the kernels (indices are below
-2**30), floats are the working precision (float32, float64 for float64 inputs).
+2**30; an intermediate result past 2**31 is the one place the two may differ), integer arrays are read as
+such whatever their width, floats are the working precision (float32, float64 for float64 inputs). ``x // 0``
+and ``x % 0`` are 0 (NumPy's), ``min``/``max`` propagate a NaN (``numpy.minimum``/``maximum``). An
+expression is at most :data:`MAX_TEXT` characters and :data:`MAX_DEPTH` levels deep.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from typing import Any, Optional
 import numpy as np
 
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
+#: the longest modifier text and the deepest expression tree taken (the parser and evaluators recurse over it)
+MAX_TEXT, MAX_DEPTH = 20000, 200
 LENGTH_VARS = ("q_len", "kv_len")
 #: names cuflash gives its own operands (bias, ALiBi slopes, softcap): user mod_arrays may not start with it
 RESERVED_PREFIX = "cuflash_"
@@ -95,6 +100,8 @@ def _float(n: Node) -> Node:
 
 
 def _type_of_dtype(dtype) -> str:
+    if np.dtype(dtype).name == "bfloat16":  # ml_dtypes' bfloat16 has kind "V"
+        return "float"
     kind = np.dtype(dtype).kind
     if kind == "b":
         return "bool"
@@ -350,6 +357,16 @@ class Expr:
         return _uses(self.root, "score")
 
 
+def _depth(tree) -> int:
+    """The depth of an :mod:`ast` tree, without recursion (a deep tree is what is being checked)."""
+    deepest, todo = 0, [(tree, 1)]
+    while todo:
+        node, d = todo.pop()
+        deepest = max(deepest, d)
+        todo.extend((child, d + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
 def parse(text: str, *, kind: str, arrays: Optional[dict] = None, what: Optional[str] = None,
           internal: bool = False) -> Expr:
     """Parse and type-check a modifier. ``kind``: "score" (a number) or "mask" (a bool); ``arrays``: the
@@ -366,11 +383,18 @@ def parse(text: str, *, kind: str, arrays: Optional[dict] = None, what: Optional
                 "score", "inf", "nan") or name in FUNCTIONS or (name.startswith(RESERVED_PREFIX) and not internal):
             raise ValueError(f"mod_arrays key {name!r} must be an identifier other than the variables, the functions "
                              f"and names starting with {RESERVED_PREFIX!r}")
+    if len(text) > MAX_TEXT:
+        raise ValueError(f"{what} must be at most {MAX_TEXT} characters, got {len(text)}")
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as exc:
         raise ValueError(f"{what}: not one Python expression ({exc.msg} at column {exc.offset}) in {text!r}") \
             from None
+    except (RecursionError, MemoryError):
+        raise ValueError(f"{what} is nested too deeply for the parser ({len(text)} characters)") from None
+    if _depth(tree) > MAX_DEPTH:  # the parser, the evaluators and the derivative recurse over the tree
+        raise ValueError(f"{what} is nested {_depth(tree)} levels deep; at most {MAX_DEPTH} (split a long sum into "
+                         f"mod_arrays, or nest it less)")
     parser = _Parser(text.strip(), kind, arrays, what)
     root = parser.visit(tree)
     if kind == "mask" and root.type != "bool":
@@ -445,8 +469,10 @@ _NP = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.true_divide, "//
 
 
 def _evaluate(n: Node, env, values, dtype):
-    def num(x, t):  # floats in the working precision; integers and bools as they are
-        return np.asarray(x).astype(dtype, copy=False) if t == "float" else x
+    def num(x, t):  # floats in the working precision; integers in 64 bits (a uint8 array's 3 - 5 is -2); bools
+        if t == "float":
+            return np.asarray(x).astype(dtype, copy=False)
+        return np.asarray(x).astype(np.int64, copy=False) if t == "int" else x
 
     if n.op == "const":
         return dtype.type(n.value) if n.type == "float" else n.value
@@ -470,10 +496,12 @@ def _evaluate(n: Node, env, values, dtype):
 
 
 # ------------------------------------------------------------------------------------------------ C++
-_CPP_FLOAT = {"abs": "fabsf", "min": "fminf", "max": "fmaxf", "exp": "expf", "log": "logf", "tanh": "tanhf",
+#: min/max propagate a NaN as NumPy's minimum/maximum do (fminf/fmaxf would drop it): kernels/mods.cuh
+_CPP_FLOAT = {"abs": "fabsf", "min": "nan_min", "max": "nan_max", "exp": "expf", "log": "logf", "tanh": "tanhf",
               "sqrt": "sqrtf"}
 #: the same in float64, for the float64 kernels (kernels/wide_scores.cuh): float operations in double
-_CPP_DOUBLE = {"abs": "fabs", "min": "fmin", "max": "fmax", "exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt"}
+_CPP_DOUBLE = {"abs": "fabs", "min": "nan_min", "max": "nan_max", "exp": "exp", "log": "log", "tanh": "tanh",
+               "sqrt": "sqrt"}
 
 
 def _cpp(n: Node, read, real: str = "float") -> str:

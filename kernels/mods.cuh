@@ -14,12 +14,24 @@ namespace cuflash {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Python's floor division and modulo (the modifier language's // and %), not C's truncation toward zero.
+// Python's floor division and modulo (the modifier language's // and %), not C's truncation toward zero. A zero
+// divisor gives 0 for both, as NumPy's floor_divide and mod do (C's a / 0 traps on a CPU, and is garbage on a GPU).
 __device__ __forceinline__ int floor_div(int a, int b) {
+  if (b == 0) return 0;
   const int q = a / b;
   return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
-__device__ __forceinline__ int floor_mod(int a, int b) { return a - floor_div(a, b) * b; }
+__device__ __forceinline__ int floor_mod(int a, int b) { return b == 0 ? 0 : a - floor_div(a, b) * b; }
+
+// min and max that propagate a NaN, as NumPy's minimum and maximum (fminf/fmaxf return the other operand).
+template <typename A, typename B>
+__device__ __forceinline__ auto nan_max(A a, B b) -> decltype(a + b) {
+  return (a != a || b != b) ? a + b : (a > b ? a : b);
+}
+template <typename A, typename B>
+__device__ __forceinline__ auto nan_min(A a, B b) -> decltype(a + b) {
+  return (a != a || b != b) ? a + b : (a < b ? a : b);
+}
 
 // One element of an operand array read at the problem's (b, h, q_idx, kv_idx). Its strides are 0 for the index
 // variables the array is not indexed by, and its shape was checked against the problem's extents: no read leaves it.

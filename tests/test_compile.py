@@ -175,3 +175,21 @@ def test_benchmark_tile_candidates_pass_the_compile_check():
                 row = cc.Row(spec, arch, specs.SMEM_LIMIT[arch], **report.get((mapping[spec.name_expression], arch),
                                                                               {}))
                 assert row.judge().problems == [], (spec.name_expression, arch, row.problems)
+
+
+def test_modifier_helpers_compile_for_nvrtc(tmp_path):
+    """floor_div/floor_mod (a zero divisor gives 0) and the NaN-propagating nan_min/nan_max of kernels/mods.cuh,
+    which the representative modifier of the compile check does not reach, compile with CuPy's options."""
+    _need_cupy()
+    from cuflash.cuda.source import KERNELS_DIR, inline_includes
+
+    probe = tmp_path / "probe.cu"
+    probe.write_text(f'#include "{KERNELS_DIR / "mods.cuh"}"\n'
+                     'extern "C" __global__ void k(int* i, float* f, double* d) {\n'
+                     '  i[0] = cuflash::floor_div(i[1], i[2]) + cuflash::floor_mod(i[1], i[2]);\n'
+                     '  f[0] = cuflash::nan_max(f[1], f[2]) + cuflash::nan_min(f[1], 2.0f);\n'
+                     '  d[0] = cuflash::nan_max(d[1], d[2]) + cuflash::nan_min(d[1], 1.0);\n'
+                     '}\n')
+    for arch in (80, 90):
+        mapping, _ = cc.compile_names(inline_includes(probe), ["k"], arch)
+        assert "k" in mapping

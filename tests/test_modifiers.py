@@ -134,3 +134,61 @@ def test_term_magnitudes_with_bias_only():
     q, k, v, do = _qkv()
     mags = reference.term_magnitudes(q, k, v, do, bias=np.zeros((2, 9, 9)))
     assert set(mags) == {"out", "lse", "dq", "dk", "dv", "dbias"} and all(np.isfinite(x) for x in mags.values())
+
+
+# ------------------------------------------------------------------------------------------------ hostile modifiers
+def _tiny(dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((1, 8, 2, 32)).astype(dtype) for _ in range(3)]
+
+
+def _same_on_every_backend(**options):
+    """The NumPy backend and the emulated kernels against the float64 reference: NaN exactly where it has NaN, the
+    rest held to the rule."""
+    q, k, v = _tiny()
+    case = Case(q, k, v, q, options)
+    with np.errstate(all="ignore"):
+        ref = reference.attention(q, k, v, **options)
+        for backend in ("numpy", "emulate") if _emulate_ok else ("numpy",):
+            def fn(*a, **o):
+                return cuflash.attention(*a, **o, return_lse=True, backend=backend)
+
+            if np.isnan(ref).any():
+                np.testing.assert_array_equal(np.isnan(fn(q, k, v, **options)[0]), np.isnan(ref), err_msg=backend)
+            else:
+                check_forward(fn, case)
+
+
+@needs_emulator
+@pytest.mark.parametrize("options", [
+    dict(mask_mod="q_idx % kv_idx == 0"),  # x % 0: the kernels trapped (SIGFPE killed the process); now 0, as NumPy
+    dict(mask_mod="q_idx // kv_idx >= 0"),
+    dict(mask_mod="u[kv_idx] - 5 < 0", mod_arrays={"u": np.full(8, 3, np.uint8)}),  # 64-bit, not uint8's 254
+    dict(score_mod="max(score, nan)"),  # NaN propagates, as numpy.maximum (fmaxf dropped it)
+    dict(score_mod="min(score, nan)"),
+    dict(mask_mod="s[h] > 0", mod_arrays={"s": np.array([(1, 5), (2, 0)], dtype=[("a", "i1"), ("x", "<i4")])["x"]}),
+], ids=["mod-zero", "div-zero", "uint8", "max-nan", "min-nan", "field-view"])
+def test_hostile_modifiers_mean_the_same_everywhere(options):
+    _same_on_every_backend(**options)
+
+
+def test_modifiers_the_kernels_cannot_hold_or_the_parser_cannot_nest_are_refused():
+    q, k, v = _tiny()
+    if _emulate_ok:
+        with pytest.raises(ValueError, match=r"mod_arrays\['c'\] = 1099511627776 must fit in int32"):
+            cuflash.attention(q, k, v, mask_mod="q_idx < c", mod_arrays={"c": 2 ** 40}, backend="emulate")
+    for text in ("-" * 2000 + "q_idx > 0", "+".join(["q_idx"] * 3000) + " > 0", "not " * 3000 + "q_idx > 0",
+                 "q_idx > 0 and " * 2000 + "True"):
+        with pytest.raises(ValueError, match="mask_mod (is nested|must be at most)"):
+            cuflash.attention(q, k, v, mask_mod=text)
+    deep = "+".join(["score * 0.01"] * 90)  # 90 terms: within the limit, and every recursion copes with it
+    out, lse = cuflash.attention(q, k, v, score_mod=deep, return_lse=True)
+    grads = cuflash.attention_backward(q, q, k, v, out, lse, score_mod=deep)
+    assert np.isfinite(out).all() and all(np.isfinite(g).all() for g in grads)
+
+
+def test_a_bfloat16_bias_is_taken_with_bfloat16_inputs():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in _tiny())
+    bias = np.zeros((1, 1, 8, 8), ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(cuflash.attention(q, k, v, bias=bias), cuflash.attention(q, k, v))

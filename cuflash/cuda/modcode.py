@@ -173,7 +173,9 @@ def _device_array(xp, a, t: str, real: str = "float", margin_axes=()):
         raise ValueError("integer modifier operands must fit in int32 on the CUDA kernels")
     if small.dtype == np.bool_:
         small = small.view(np.uint8)
-    conv = xp.asarray(small).astype(dt, copy=False)
+    # contiguous: a view whose byte strides are no multiple of the element (a structured array's field) would be
+    # read at the wrong elements through element strides
+    conv = xp.ascontiguousarray(xp.asarray(small).astype(dt, copy=False))
     broadcast = [st == 0 and n > 1 for st, n in zip(a.strides, a.shape)]
     pad = [ax for ax in margin_axes if not broadcast[ax]]
     if pad:
@@ -213,7 +215,10 @@ def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") 
         keep.append(conv)
     scalars = {"scalars": [0.0] * params.MOD_SCALARS, "iscalars": [0] * params.MOD_SCALARS}
     for name, (which, k) in s.scalars.items():
-        scalars[which][k] = np.asarray(p.values[name]).item()
+        value = np.asarray(p.values[name]).item()
+        if which == "iscalars" and not -2**31 <= value < 2**31:
+            raise ValueError(f"mod_arrays[{name!r}] = {value} must fit in int32 on the CUDA kernels")
+        scalars[which][k] = value
     return (arrays, scalars["scalars"], scalars["iscalars"], 0, (0, 0, 0, 0)), tuple(keep)
 
 
