@@ -331,7 +331,7 @@ extern "C" __global__ void eval_kernel(const double* score, double* out, const d
 @pytest.mark.parametrize("text", ["score + slope[h] * (kv_idx - q_idx)", "2.5 * tanh(score / 2.5) + 1e-17 * score",
                                   "max(score, -1.0) + exp(score / 4) - abs(score) + sqrt(1.0 + score * score)",
                                   "where(doc[q_idx] == doc[kv_idx], score, -inf) + log(2.0)"])
-def test_float64_modifier_code_computes_in_float64(text):
+def test_float64_modifier_code_computes_in_float64(text, tmp_path):
     """Expr.cpp(real="double") agrees with NumPy float64 to a few ulp (a float version would be off by ~1e-8)."""
     from cuflash.cuda.source import KERNELS_DIR, inline_includes
 
@@ -341,8 +341,9 @@ def test_float64_modifier_code_computes_in_float64(text):
     rng = np.random.default_rng(1)
     score = rng.standard_normal((2, 3, 5, 5))
     out = np.zeros(150)
-    source = inline_includes(KERNELS_DIR / "wide_math.cuh") + _CPP_KERNEL.replace('#include "wide_math.cuh"', "") \
-        .replace("EXPR", cpp)
+    both = tmp_path / "helpers.cuh"  # wide_math.cuh and the modifier helpers (nan_max, floor_div), inlined once
+    both.write_text(f'#include "{KERNELS_DIR / "wide_math.cuh"}"\n#include "{KERNELS_DIR / "mods.cuh"}"\n')
+    source = inline_includes(both) + _CPP_KERNEL.replace('#include "wide_math.cuh"', "").replace("EXPR", cpp)
     emulate.launch(LaunchSpec(source, "eval_kernel", (1, 1, 1), (1, 1, 1), 0,
                               (score, out, arrays["slope"], arrays["doc"], np.int32(150))))
     env = dict(b=np.arange(2).reshape(2, 1, 1, 1), h=np.arange(3).reshape(1, 3, 1, 1),

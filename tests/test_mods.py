@@ -135,10 +135,8 @@ def test_derivative_with_respect_to_an_operand_and_composition():
 
 # ------------------------------------------------------------------------------------------------ C++
 _CPP_KERNEL = r"""
-__device__ __forceinline__ int floor_div(int a, int b) { int q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
-__device__ __forceinline__ int floor_mod(int a, int b) { return a - floor_div(a, b) * b; }
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+#include "mods.cuh"
+using namespace cuflash;  // the kernels' own helpers (floor_div, nan_max, pos_inf, ...), not copies
 __global__ void eval_kernel(const float* score, float* out, const float* slope, const int* doc, int n) {
   for (int t = 0; t < n; ++t) {
     const int b = t / 75, h = t / 25 % 3, q_idx = t / 5 % 5, kv_idx = t % 5;
