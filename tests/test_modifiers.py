@@ -192,3 +192,12 @@ def test_a_bfloat16_bias_is_taken_with_bfloat16_inputs():
     q, k, v = (x.astype(ml_dtypes.bfloat16) for x in _tiny())
     bias = np.zeros((1, 1, 8, 8), ml_dtypes.bfloat16)
     np.testing.assert_array_equal(cuflash.attention(q, k, v, bias=bias), cuflash.attention(q, k, v))
+
+
+def test_numpy_scalars_are_numbers_in_mod_arrays():
+    """np.True_ or np.float32(0.5) mean what True and 0.5 mean (np.True_ was refused as "got bool")."""
+    q, k, v = _tiny()
+    for scalar, same in ((np.True_, True), (np.float32(0.5), 0.5), (np.int64(3), 3)):
+        mask = "c or kv_idx <= q_idx" if isinstance(same, bool) else "kv_idx < 3 * c + 1"
+        np.testing.assert_array_equal(cuflash.attention(q, k, v, mask_mod=mask, mod_arrays={"c": scalar}),
+                                      cuflash.attention(q, k, v, mask_mod=mask, mod_arrays={"c": same}))

@@ -485,6 +485,8 @@ def _check_mod_arrays(mod_arrays, xp):
         raise TypeError(f"mod_arrays must be a dict of name -> array or number, got {type(mod_arrays).__name__}")
     out = {}
     for name, value in mod_arrays.items():
+        if isinstance(value, (np.bool_, np.number)) and not isinstance(value, np.complexfloating):
+            value = value.item()  # a NumPy scalar (np.True_, np.float32(2)) as the Python number it holds
         if isinstance(value, numbers.Number) and not isinstance(value, complex):
             out[name] = value
             continue
