@@ -11,6 +11,8 @@ partial results, the combine of split-KV decoding ("flash-decoding"), of chunked
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Sequence
 
 import numpy as np
@@ -64,7 +66,9 @@ def merge_attention_states(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[An
     outs, lses, xp = _check(outs, lses)
     work = np.dtype(np.float64) if "float64" in (dtype_name(outs[0].dtype), dtype_name(lses[0].dtype)) \
         else np.dtype(np.float32)
-    with edge.device():
+    # CuPy allocates on the current device: run on the parts' (one device, checked above), as attention does
+    on_device = xp.cuda.Device(outs[0].device.id) if xp is not np else contextlib.nullcontext()
+    with edge.device(), on_device:
         out, lse = merge_parts(xp, outs, lses, work)
         return edge.export(out.astype(outs[0].dtype, copy=False)), edge.export(lse.astype(lses[0].dtype, copy=False))
 

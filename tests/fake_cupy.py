@@ -202,6 +202,9 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
         def __float__(self):  # CuPy synchronizes and copies a 0-d result to the host
             return float(self._a)
 
+        def item(self):  # likewise: the one element as a Python scalar
+            return self._a.item()
+
         def __int__(self):
             return int(self._a)
 

@@ -694,3 +694,31 @@ def test_kvcache_forward_and_split_combine(cp, paged):
         assert np.array_equal(k_dev.get(), k_host) and np.array_equal(v_dev.get(), v_host)
         assert np.array_equal(out.get(), want[0]) and np.array_equal(lse.get(), want[1])
         assert cp._launches[n].shared_mem == fwd.smem_bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# Arguments on another GPU than q, k, v
+# ------------------------------------------------------------------------------------------------
+def test_modifier_operands_and_buffers_on_another_gpu_are_refused_before_any_launch(make_fake):
+    """The kernels read bias, ALiBi slopes and mod_arrays through raw pointers, and write out=/dq= buffers: on
+    another GPU than q, k, v they were read from (or copied across) the wrong device."""
+    cp = make_fake((fake_cupy.H100, fake_cupy.H100))
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((1, 16, 2, 32)).astype(np.float16) for _ in range(3)]
+    elsewhere = {"alibi_slopes": cp.asarray(np.ones(2, np.float32)),
+                 "bias": cp.asarray(np.zeros((1, 2, 16, 16), np.float32)), "buffer": cp.empty((1, 16, 2, 32), np.float16)}
+    with cp.cuda.Device(1):
+        q, k, v = (cp.asarray(x) for x in host)
+        n = len(cp._launches)
+        for name in ("alibi_slopes", "bias"):
+            with pytest.raises(ValueError, match=f"{name} is on GPU 0 but the current device is GPU 1"):
+                cuflash.attention(q, k, v, **{name: elsewhere[name]})
+        with pytest.raises(ValueError, match=r"mod_arrays\['w'\] is on GPU 0"):
+            cuflash.attention(q, k, v, score_mod="score * w[h]", mod_arrays={"w": elsewhere["alibi_slopes"]})
+        with pytest.raises(ValueError, match="out is on GPU 0, the inputs on GPU 1"):
+            cuflash.attention(q, k, v, out=elsewhere["buffer"])
+        assert len(cp._launches) == n
+        # a 0-d device scalar is a scalar, as a NumPy one
+        half = cuflash.attention(q, k, v, score_mod="score * t", mod_arrays={"t": cp.asarray(np.float32(0.5))})
+        same = cuflash.attention(q, k, v, score_mod="score * t", mod_arrays={"t": 0.5})
+        assert half.device.id == 1 and np.array_equal(half.get(), same.get())

@@ -186,6 +186,11 @@ def _device_array(xp, a, t: str, real: str = "float", margin_axes=()):
     return conv, strides
 
 
+def _item(x):
+    """The Python number a scalar operand holds: a number, a 0-d NumPy or CuPy array (CuPy's converts only so)."""
+    return x.item() if hasattr(x, "item") else x
+
+
 def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") -> tuple[tuple, tuple]:
     """``(ModArgs value without dbias, arrays it points to)`` for :func:`cuflash.cuda.params.pack`; ``dbias`` and
     ``real`` as given to :func:`render` (the slots are the struct's)."""
@@ -200,7 +205,7 @@ def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") 
             keep.append(conv)
             continue
         if index is None:  # a float scalar of the float64 kernels: one float64 element, read with zero strides
-            conv = xp.asarray(np.asarray([np.asarray(p.values[name]).item()], dtype=np.float64))
+            conv = xp.asarray(np.asarray([_item(p.values[name])], dtype=np.float64))
             arrays[k] = (params.address(conv), (0, 0, 0, 0))
             keep.append(conv)
             continue
@@ -215,7 +220,7 @@ def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") 
         keep.append(conv)
     scalars = {"scalars": [0.0] * params.MOD_SCALARS, "iscalars": [0] * params.MOD_SCALARS}
     for name, (which, k) in s.scalars.items():
-        value = np.asarray(p.values[name]).item()
+        value = _item(p.values[name])
         if which == "iscalars" and not -2**31 <= value < 2**31:
             raise ValueError(f"mod_arrays[{name!r}] = {value} must fit in int32 on the CUDA kernels")
         scalars[which][k] = value

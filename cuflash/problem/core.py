@@ -122,6 +122,10 @@ def check_buffer(name: str, buf: Any, shape: tuple, dtype: Any, xp: Any, inputs:
     what is accepted."""
     if array_module(buf, names=(name,)) is not xp:
         raise TypeError(f"{name} must be a {xp.__name__} array like q, k, v (the same library and device)")
+    devices = {getattr(getattr(a, "device", None), "id", None) for a in inputs.values() if _is_cupy(a)}
+    if _is_cupy(buf) and devices and buf.device.id not in devices:
+        raise ValueError(f"{name} is on GPU {buf.device.id}, the inputs on GPU {min(devices)}: a result buffer must "
+                         f"be on the inputs' device")
     if tuple(buf.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(buf.shape)}")
     if buf.dtype != dtype:
