@@ -287,12 +287,16 @@ def _jax_array(name: str, a: Any) -> Any:
         want = have.name if isinstance(have, np.dtype) else str(have).rsplit(".", 1)[-1]  # torch.float64 -> float64
         # JAX without x64 makes int64 int32 (2**32 + 3 -> 3) and float64 float32: an integer array whose values
         # survive passes, any other change of dtype is refused
-        host = a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)  # CuPy's .get()
         if np.dtype(out.dtype).name != want and not (np.dtype(out.dtype).kind in "iu" and np.array_equal(
-                np.asarray(out), host)):
+                np.asarray(out), _host(a))):
             raise _cast_error(name, want, out.dtype)
         return out
     raise TypeError(f"{name} must be a jax.Array (or an array JAX converts), got {type(a).__name__}")
+
+
+def _host(a: Any) -> np.ndarray:
+    """The values of an array JAX was given, on the host (CuPy's through ``.get()``): only to compare a cast."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
 def _cast_error(name: str, have: Any, got: Any) -> TypeError:

@@ -711,11 +711,11 @@ def test_modifier_operands_and_buffers_on_another_gpu_are_refused_before_any_lau
         q, k, v = (cp.asarray(x) for x in host)
         n = len(cp._launches)
         for name in ("alibi_slopes", "bias"):
-            with pytest.raises(ValueError, match=f"{name} is on GPU 0 but the current device is GPU 1"):
+            with pytest.raises(ValueError, match=f"must all live on one GPU \\(q on GPU 1, {name} on GPU 0\\)"):
                 cuflash.attention(q, k, v, **{name: elsewhere[name]})
-        with pytest.raises(ValueError, match=r"mod_arrays\['w'\] is on GPU 0"):
+        with pytest.raises(ValueError, match=r"must all live on one GPU \(q on GPU 1, mod_arrays\['w'\] on GPU 0\)"):
             cuflash.attention(q, k, v, score_mod="score * w[h]", mod_arrays={"w": elsewhere["alibi_slopes"]})
-        with pytest.raises(ValueError, match="out is on GPU 0, the inputs on GPU 1"):
+        with pytest.raises(ValueError, match=r"must all live on one GPU \(out on GPU 0, q on GPU 1"):
             cuflash.attention(q, k, v, out=elsewhere["buffer"])
         assert len(cp._launches) == n
         # a 0-d device scalar is a scalar, as a NumPy one

@@ -121,23 +121,10 @@ def _check_devices(problem: Problem, **more):
     enables) peer access for its own kernels but not for raw ones, so another GPU's buffer would be an illegal
     address, a sticky error that ends the process's CUDA context."""
     dev = _device()[0]
-    for name, a in dict(q=problem.q, k=problem.k, v=problem.v, **more, **_modifier_arrays(problem)).items():
+    for name, a in dict(q=problem.q, k=problem.k, v=problem.v, **more).items():
         if a.device.id != dev:
             raise ValueError(f"{name} is on GPU {a.device.id} but the current device is GPU {dev}: call cuflash "
                              f"inside `with cupy.cuda.Device({a.device.id}):`")
-
-
-#: the names the arguments of the call have among a modifier's operands (cuflash.problem: _check_modifiers)
-_OPERAND_NAMES = {"cuflash_bias": "bias", "cuflash_alibi": "alibi_slopes"}
-
-
-def _modifier_arrays(problem) -> dict:
-    """The device arrays of the call's modifiers (bias, ALiBi slopes, mod_arrays), by the argument's name: the
-    kernels read them through raw pointers, as q, k, v."""
-    mods = getattr(problem, "mods", None)
-    values = getattr(mods, "values", None) or {}
-    return {_OPERAND_NAMES.get(n, f"mod_arrays[{n!r}]"): a for n, a in values.items()
-            if hasattr(a, "device") and hasattr(a, "__cuda_array_interface__")}
 
 
 def run(launch: launches.LaunchSpec):
@@ -219,8 +206,7 @@ def forward_kvcache(problem, *, spec=None):
 
 def _check_kvcache_devices(problem, more):
     dev = _device()[0]
-    for name, a in dict(q=problem.q, k_cache=problem.k_cache, v_cache=problem.v_cache, **more,
-                        **_modifier_arrays(problem)).items():
+    for name, a in dict(q=problem.q, k_cache=problem.k_cache, v_cache=problem.v_cache, **more).items():
         if a.device.id != dev:
             raise ValueError(f"{name} is on GPU {a.device.id} but the current device is GPU {dev}: call cuflash "
                              f"inside `with cupy.cuda.Device({a.device.id}):`")

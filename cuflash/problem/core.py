@@ -122,10 +122,9 @@ def check_buffer(name: str, buf: Any, shape: tuple, dtype: Any, xp: Any, inputs:
     what is accepted."""
     if array_module(buf, names=(name,)) is not xp:
         raise TypeError(f"{name} must be a {xp.__name__} array like q, k, v (the same library and device)")
-    devices = {getattr(getattr(a, "device", None), "id", None) for a in inputs.values() if _is_cupy(a)}
-    if _is_cupy(buf) and devices and buf.device.id not in devices:
-        raise ValueError(f"{name} is on GPU {buf.device.id}, the inputs on GPU {min(devices)}: a result buffer must "
-                         f"be on the inputs' device")
+    on_gpu = {n: a for n, a in inputs.items() if _is_cupy(a)}
+    if _is_cupy(buf) and on_gpu:  # on the inputs' GPU (array_module's check, which names them)
+        array_module(buf, *on_gpu.values(), names=(name, *on_gpu))
     if tuple(buf.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(buf.shape)}")
     if buf.dtype != dtype:
@@ -433,7 +432,7 @@ def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=N
         block_mask.check_fits(qf.shape[0], qf.shape[2], qf.shape[1], kf.shape[1])
     extents = {"b": qf.shape[0], "h": qf.shape[2], "q_idx": qf.shape[1], "kv_idx": kf.shape[1]}
     mods = _check_modifiers(xp, batch_shape, extents, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
-                            score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays)
+                            score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays, like=q)
     return Problem(xp, qf, kf, vf, batch_shape, scale, bool(causal), left, right, sq, sk,
                    block_mask, dropout_p, seed, element_type, mods, precision)
 
@@ -502,9 +501,11 @@ def _check_mod_arrays(mod_arrays, xp):
     return out
 
 
-def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, score_mod, mask_mod, mod_arrays):
+def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, score_mod, mask_mod, mod_arrays,
+                     like):
     """The :class:`cuflash.mods.Modifiers` of a call (None without any): built-ins composed in the order
-    softcap → bias → ALiBi → score_mod, every operand checked against the problem's extents."""
+    softcap → bias → ALiBi → score_mod, every operand checked against the problem's extents, and its arrays on the
+    device of ``like`` (q: the kernels read them through raw pointers)."""
     from .. import mods
 
     if all(x is None for x in (bias, alibi_slopes, softcap, score_mod, mask_mod)):
@@ -540,6 +541,11 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
     unused = sorted(set(values) - used)
     if unused:
         raise ValueError(f"mod_arrays {unused} are read by neither score_mod nor mask_mod")
+    given = {**{f"mod_arrays[{n!r}]": a for n, a in values.items()},
+             **{n: internal.get(f"cuflash_{k}") for n, k in (("bias", "bias"), ("alibi_slopes", "alibi"))}}
+    given = {n: a for n, a in given.items() if _is_cupy(a)}
+    if given:  # one device with q (array_module's check, which names them)
+        array_module(like, *given.values(), names=("q", *given))
     return mods.Modifiers(score, mask, {**values, **internal}, bias_shape)
 
 

@@ -158,7 +158,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=Non
     batch = off_q.size - 1
     extents = {"b": batch, "h": q.shape[1], "q_idx": max_q, "kv_idx": max_k}
     mods = _check_modifiers(xp, (batch,), extents, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
-                            score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays)
+                            score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays, like=q)
     return VarlenProblem(xp, q, k, v, cu_q, cu_k, off_q, off_k, max_q, max_k, scale, bool(causal), left, right,
                          dropout_p, seed, element_type, mods)
 
@@ -415,6 +415,6 @@ def make_kvcache_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
     left, right = _check_window(window, causal, q.shape[1] + capacity)
     extents = {"b": batch, "h": q.shape[2], "q_idx": q.shape[1], "kv_idx": capacity}
     mods = _check_modifiers(xp, (batch,), extents, bias=None, alibi_slopes=alibi_slopes, softcap=softcap,
-                            score_mod=None, mask_mod=None, mod_arrays=None)
+                            score_mod=None, mask_mod=None, mod_arrays=None, like=q)
     return KVCacheProblem(xp, q, k_cache, v_cache, cache, cache_host, k_new, v_new, table, table_host,
                           _check_splits(num_splits), scale, bool(causal), left, right, element_type, mods)
