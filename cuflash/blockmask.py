@@ -299,7 +299,7 @@ class BlockMask:
         arrays = {n: _host_array(v, f"mod_arrays[{n!r}]") if not isinstance(v, numbers.Number) else v
                   for n, v in (mod_arrays or {}).items()}
         rule = mods.parse(mask_mod, kind="mask", arrays=arrays, what="mask_mod")
-        rule.check_extents(arrays, {"b": batch, "h": heads, "q_idx": sq, "kv_idx": sk}, "mask_mod")
+        rule.check_against(arrays, {"b": batch, "h": heads, "q_idx": sq, "kv_idx": sk}, "mask_mod")
         name = f"cuflash_m{next(_ids)}_"  # the operands' names unique to this mask (masks combine)
         rule = rule.renamed({n: name + n for n in arrays})
         values = {name + n: v for n, v in arrays.items()}

@@ -17,11 +17,12 @@ problem once, before anything runs), and named scalars (Python numbers or 0-d ar
 Grammar: numbers, ``True``/``False``, ``+ - * /`` (``/`` is float division), ``// %`` (integers),
 unary ``-``, comparisons (chained too), ``and``/``or``/``not``, ``a if c else b``, and the functions
 ``abs, min, max, exp, log, tanh, sqrt, where(c, a, b)``. A score modifier evaluates to a number, a
-mask modifier to a bool; integers are 64-bit in NumPy and 32-bit in the kernels (indices are below
-2**30; an intermediate result past 2**31 is the one place the two may differ), integer arrays are read as
-such whatever their width, floats are the working precision (float32, float64 for float64 inputs). ``x // 0``
-and ``x % 0`` are 0 (NumPy's), ``min``/``max`` propagate a NaN (``numpy.minimum``/``maximum``). An
-expression is at most :data:`MAX_TEXT` characters and :data:`MAX_DEPTH` levels deep.
+mask modifier to a bool. Integers are the kernels' int32: every integer an expression computes, and every integer
+array's values, must stay in int32 at every index of the problem (bounds carried through the tree from the
+operands' values and the extents, checked before anything runs; NumPy computes in 64 bits and so agrees). Floats
+are the working precision (float32, float64 for float64 inputs). ``x // 0`` and ``x % 0`` are 0 (NumPy's),
+``min``/``max`` propagate a NaN (``numpy.minimum``/``maximum``). An expression is at most :data:`MAX_TEXT`
+characters and :data:`MAX_DEPTH` levels deep.
 """
 from __future__ import annotations
 
@@ -339,8 +340,10 @@ class Expr:
                            key=lambda o: o.name))
         return Expr(self.text, self.kind, ren(self.root), ops)
 
-    def check_extents(self, values: dict, extents: dict, what: str):
-        """Every array operand is read at the problem's own indices: its shape must be their extents exactly."""
+    def check_against(self, values: dict, extents: dict, what: str):
+        """The expression against a problem of ``extents`` (``b``, ``h``, ``q_idx``, ``kv_idx``): every array
+        operand is read at the problem's own indices, so its shape must be their extents exactly, and every
+        integer it computes must stay in int32 (:meth:`check_int_range`)."""
         for op in self.operands:
             if op.table:
                 continue
@@ -351,6 +354,14 @@ class Expr:
                     shown = ", ".join(f"{v}: {extents[v]}" for v in index if isinstance(v, str))
                     raise ValueError(f"{what}: {op.name}[{', '.join(map(str, index))}] needs shape {want} ({shown}), "
                                      f"got {got}")
+        self.check_int_range(values, extents, what)
+
+    def check_int_range(self, values: dict, extents: dict, what: str):
+        """Every integer the expression computes stays in int32, the kernels' integers, for every index inside
+        the problem (NumPy computes in 64 bits: only so do the backends agree): bounds carried through the tree
+        from the operands' values and the indices' extents. Raises a ValueError naming the first that may not."""
+        if all(n > 0 for n in extents.values()):  # an empty problem evaluates nothing
+            _int_range(self.root, values, extents, what, self.text)
 
     @property
     def uses_score(self) -> bool:
@@ -458,6 +469,62 @@ def dense_bits(slot: str, table: str, grid_shape: tuple, block: tuple) -> Expr:
     node = Node("bits", "bool", value=(Node("array", "int", value=(slot, index)), table) + tuple(block))
     return Expr(f"bits({slot}, {table})", "mask", node,
                 (Operand(slot, "int", (index,)), Operand(table, "int", table=True)))
+
+
+# ------------------------------------------------------------------------------------------------ int32 bounds
+INT32 = (-2**31, 2**31 - 1)
+
+
+def _int_range(n: Node, values, extents, what, text):
+    """``(lo, hi)`` of an integer node over the problem (None for floats and bools, whose int children are
+    still checked), by interval arithmetic: sound, so a refusal may be cautious but a pass is a guarantee."""
+    args = [_int_range(a, values, extents, what, text) for a in n.args]
+    if n.type != "int":
+        return None
+    op = n.op
+    if op == "const":
+        r = (n.value, n.value)
+    elif op == "var":
+        top = extents["q_idx" if n.value == "q_len" else "kv_idx" if n.value == "kv_len" else n.value]
+        r = (0, top) if n.value in LENGTH_VARS else (0, top - 1)
+    elif op == "scalar":
+        v = int(np.asarray(values[n.value])[()])
+        r = (v, v)
+    elif op == "array":
+        a = values[n.value[0]]
+        r = (int(a.min()), int(a.max())) if a.size else (0, 0)
+    elif op == "bits":
+        return None
+    elif op in ("+", "-", "*"):
+        (a0, a1), (b0, b1) = args
+        ends = {"+": (a0 + b0, a1 + b1), "-": (a0 - b1, a1 - b0)}.get(op) or (a0 * b0, a0 * b1, a1 * b0, a1 * b1)
+        r = (min(ends), max(ends))
+    elif op == "//":  # |a // b| <= |a| for b != 0, and x // 0 is 0
+        m = max(abs(args[0][0]), abs(args[0][1]))
+        r = (-m, m)
+    elif op == "%":  # the divisor's sign, below its magnitude; x % 0 is 0
+        r = (min(0, args[1][0] + 1), max(0, args[1][1] - 1))
+    elif op == "neg":
+        r = (-args[0][1], -args[0][0])
+    elif op == "if":
+        r = (min(args[1][0], args[2][0]), max(args[1][1], args[2][1]))
+    elif n.value == "abs":
+        lo, hi = args[0]
+        r = (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+    else:  # min, max
+        pick = min if n.value == "min" else max
+        r = (pick(args[0][0], args[1][0]), pick(args[0][1], args[1][1]))
+    if r[0] < INT32[0] or r[1] > INT32[1]:
+        shown = _cpp(n, lambda name, index: name if index is None else f"{name}[{', '.join(map(_show, index))}]")
+        raise ValueError(f"{what}: the integer {shown} may reach {r[0] if r[0] < INT32[0] else r[1]} here, outside "
+                         f"int32 (the CUDA kernels' integers) in {text!r}; compute it in float (1.0 * x) or keep "
+                         f"the operands smaller")
+    return r
+
+
+def _show(index) -> str:
+    """An array index as the text reads it (see :class:`Operand`)."""
+    return "0" if index is None else f"{index[0]} // {index[1]}" if isinstance(index, tuple) else index
 
 
 # ------------------------------------------------------------------------------------------------ NumPy

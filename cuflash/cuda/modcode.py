@@ -167,10 +167,8 @@ MOD_MARGIN = 256
 def _device_array(xp, a, t: str, real: str = "float", margin_axes=()):
     """``a`` on ``xp`` in the kernels' element type, and its element strides per axis (0 where it broadcasts).
     Each axis of ``margin_axes`` that does not broadcast gets :data:`MOD_MARGIN` zeros past its end."""
-    small = _compact(a)
+    small = _compact(a)  # integers in int32: problem validation saw to it (mods.Expr.check_int_range)
     dt = np.dtype(np.float64 if (t == "float" and real == "double") else _DEVICE_DTYPE[t])
-    if t == "int" and small.size and (int(small.min()) < -2**31 or int(small.max()) >= 2**31):
-        raise ValueError("integer modifier operands must fit in int32 on the CUDA kernels")
     if small.dtype == np.bool_:
         small = small.view(np.uint8)
     # contiguous: a view whose byte strides are no multiple of the element (a structured array's field) would be
@@ -221,8 +219,6 @@ def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") 
     scalars = {"scalars": [0.0] * params.MOD_SCALARS, "iscalars": [0] * params.MOD_SCALARS}
     for name, (which, k) in s.scalars.items():
         value = _item(p.values[name])
-        if which == "iscalars" and not -2**31 <= value < 2**31:
-            raise ValueError(f"mod_arrays[{name!r}] = {value} must fit in int32 on the CUDA kernels")
         scalars[which][k] = value
     return (arrays, scalars["scalars"], scalars["iscalars"], 0, (0, 0, 0, 0)), tuple(keep)
 

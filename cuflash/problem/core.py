@@ -531,12 +531,12 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
         score = step if score is None else step.compose(score)
     if score_mod is not None:
         step = mods.parse(score_mod, kind="score", arrays=values, what="score_mod")
-        step.check_extents(values, extents, "score_mod")
+        step.check_against(values, extents, "score_mod")
         score = step if score is None else step.compose(score)
     mask = None
     if mask_mod is not None:
         mask = mods.parse(mask_mod, kind="mask", arrays=values, what="mask_mod")
-        mask.check_extents(values, extents, "mask_mod")
+        mask.check_against(values, extents, "mask_mod")
     used = {o.name for e in (score, mask) if e is not None for o in e.operands}
     unused = sorted(set(values) - used)
     if unused:
