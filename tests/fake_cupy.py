@@ -199,6 +199,11 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
         def __matmul__(self, other):  # a device reduction in CuPy; here on the fake device memory
             return self._same(np.asarray(self._a @ _operand(other, self._dev)))
 
+        def __add__(self, other):  # element-wise, on the device (one device, as CuPy checks)
+            return self._same(np.asarray(self._a + _operand(other, self._dev)))
+
+        __radd__ = __add__
+
         def __float__(self):  # CuPy synchronizes and copies a 0-d result to the host
             return float(self._a)
 

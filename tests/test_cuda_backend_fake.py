@@ -376,6 +376,27 @@ def test_vjp_with_a_drawn_dropout_seed(cp):
     testing.check_backward(lambda *a, **o: tuple(g.get() for g in grads), case, out_again, lse)
 
 
+def test_the_device_fingerprint_sees_every_change_and_reads_back_once(cp, monkeypatch):
+    """A CuPy array's fingerprint (what proves a residual's arrays unchanged): an odd byte count (a bool mask of
+    3 elements could not be viewed as 16-bit words), every chunk weighted, and one read-back however many chunks."""
+    from cuflash import residual
+
+    monkeypatch.setattr(residual, "_CHUNK", 4)
+    reads = []
+    real_float = cp.ndarray.__float__
+    monkeypatch.setattr(cp.ndarray, "__float__", lambda self: reads.append(1) or real_float(self))
+    for host in (np.array([True, False, True]), np.arange(11, dtype=np.float32), np.arange(7, dtype=np.int8)):
+        a = cp.asarray(host)
+        reads.clear()
+        before = residual.fingerprint(a)
+        assert reads == [1]
+        for i in range(host.size):  # an edit anywhere, in every chunk, changes it
+            changed = host.copy()
+            changed[i] = not changed[i] if host.dtype == bool else changed[i] + 1
+            assert residual.fingerprint(cp.asarray(changed)) != before, (host.dtype, i)
+        assert residual.fingerprint(cp.asarray(host)) == before
+
+
 def test_several_batch_dimensions(cp):
     """(2, 3) batch dimensions: flattened for the kernels by CuPy reshapes, unflattened in the results;
     seqlens of the batch shape."""
