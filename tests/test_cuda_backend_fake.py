@@ -743,3 +743,26 @@ def test_modifier_operands_and_buffers_on_another_gpu_are_refused_before_any_lau
         half = cuflash.attention(q, k, v, score_mod="score * t", mod_arrays={"t": cp.asarray(np.float32(0.5))})
         same = cuflash.attention(q, k, v, score_mod="score * t", mod_arrays={"t": 0.5})
         assert half.device.id == 1 and np.array_equal(half.get(), same.get())
+
+
+def test_varlen_offsets_and_kvcache_lengths_on_another_gpu_are_refused_before_any_launch(make_fake):
+    """cu_seqlens, cache_seqlens and block_table are read by the kernels through raw pointers: on another GPU than
+    q the backward launched anyway, and the forward's error sent the caller to the offsets' device, where q is not."""
+    cp = make_fake((fake_cupy.H100, fake_cupy.H100))
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal(shape).astype(np.float16) for shape in ((8, 2, 16), (9, 1, 16), (9, 1, 16), (8, 2, 16))]
+    cq, ck = np.array([0, 3, 8], np.int32), np.array([0, 4, 9], np.int32)
+    cq0, ck0, lengths0 = cp.asarray(cq), cp.asarray(ck), cp.asarray(np.array([2], np.int32))
+    with cp.cuda.Device(1):
+        q, k, v, dout = (cp.asarray(a) for a in host)
+        out, lse = cuflash.attention_varlen(q, k, v, cp.asarray(cq), cp.asarray(ck), return_lse=True)
+        n = len(cp._launches)
+        refused = r"must all live on one GPU \(q on GPU 1, {} on GPU 0\)"
+        with pytest.raises(ValueError, match=refused.format("cu_seqlens_q")):
+            cuflash.attention_varlen(q, k, v, cq0, ck0)
+        with pytest.raises(ValueError, match=refused.format("cu_seqlens_q")):
+            cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq0, ck0)
+        cache = cp.asarray(np.zeros((1, 4, 1, 16), np.float16))
+        with pytest.raises(ValueError, match=refused.format("cache_seqlens")):
+            cuflash.attention_with_kvcache(q[None, :1], cache, cache, cache_seqlens=lengths0)
+        assert len(cp._launches) == n

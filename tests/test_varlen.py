@@ -361,6 +361,9 @@ ERRORS = [
     ("cu-count", dict(cu_seqlens_k=np.array([0, 11], np.int32)), ValueError,
      r"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences"),
     ("max_q-small", dict(max_seqlen_q=4), ValueError, r"max_seqlen_q must be at least the longest sequence \(5\)"),
+    ("max_q-int32", dict(max_seqlen_q=2**31), ValueError, r"max_seqlen_q must be .* below 2\*\*31"),
+    ("bias-too-many", dict(max_seqlen_q=2**31 - 1, max_seqlen_k=2**31 - 1, bias=np.ones((3, 1, 1, 1), np.float32)),
+     ValueError, r"bias: the problem's .* more elements than an array can index"),
     ("max_k-float", dict(max_seqlen_k=5.0), TypeError, r"max_seqlen_k must be an int"),
     ("max_k-bool", dict(max_seqlen_k=True), TypeError, r"max_seqlen_k must be an int"),
     ("q-4d", dict(q=Q[None]), ValueError, r"q must be packed as \(total_tokens, heads, head_dim\)"),
@@ -418,3 +421,15 @@ def test_bad_backward_input_is_refused_naming_the_argument(changes, exc, match):
     dout, out, lse = (args.pop(n) for n in ("dout", "out", "lse"))
     with pytest.raises(exc, match=match):
         cuflash.attention_varlen_backward(dout, Q, K, V, out, lse, CQ, CK, **args)
+
+
+def test_offsets_in_the_other_byte_order_are_converted_not_refused():
+    """Big-endian int32 offsets are int32 (q, k, v and every option are converted to native order likewise)."""
+    swapped = [c.astype(c.dtype.newbyteorder()) for c in (CQ, CK)]
+    assert not swapped[0].dtype.isnative and np.array_equal(swapped[0], CQ)
+    out, lse = cuflash.attention_varlen(Q, K, V, CQ, CK, return_lse=True)
+    out_s, lse_s = cuflash.attention_varlen(Q, K, V, *swapped, return_lse=True)
+    assert np.array_equal(out, out_s) and np.array_equal(lse, lse_s)
+    grads = cuflash.attention_varlen_backward(DOUT, Q, K, V, out, lse, *swapped)
+    assert all(np.array_equal(a, b) for a, b in zip(grads, cuflash.attention_varlen_backward(DOUT, Q, K, V, out, lse,
+                                                                                          CQ, CK)))

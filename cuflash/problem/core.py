@@ -468,6 +468,9 @@ def _check_bias(bias, xp, batch_shape, extents):
                          f"cannot be flattened without copying), got {full[:nb]}")
     b = 1 if full[:nb] == (1,) * nb else extents["b"]
     view = bias.reshape((b,) + full[nb:])
+    if math.prod((extents["b"],) + tail) > np.iinfo(np.intp).max:  # a broadcast view indexes every element
+        raise ValueError(f"bias: the problem's (batch, heads, seqlen_q, seqlen_k) = {(extents['b'],) + tail} has "
+                         f"more elements than an array can index; give smaller max_seqlen_q/max_seqlen_k")
     return xp.broadcast_to(view, (extents["b"],) + tail), tuple(bias.shape)
 
 

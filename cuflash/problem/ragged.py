@@ -20,22 +20,24 @@ def _host_ints(x):
     return np.asarray(x.get() if _is_cupy(x) else x).astype(np.int64)
 
 
-def _check_int32(x, name, form, xp):
-    """``x`` an int32 array of the call's array module; returned with its host int64 copy."""
+def _check_int32(x, name, form, xp, like):
+    """``x`` an int32 array (either byte order) of the call's array module, on the device of ``like`` (q: the
+    kernels read it through a raw pointer); returned in native byte order with its host int64 copy."""
     if not (isinstance(x, np.ndarray) or _is_cupy(x)):
         raise TypeError(f"{name} must be an int32 array {form}, got {type(x).__name__}")
-    if array_module(x, names=(name,)) is not xp:
+    if array_module(like, x, names=("q", name)) is not xp:
         raise TypeError(f"{name} must be a {xp.__name__} array like q, k, v (the same library and device)")
+    x = native(x)
     if x.dtype != np.int32:
         raise TypeError(f"{name} must be an int32 array {form} (FlashAttention-2's convention), got dtype {x.dtype}")
-    return native(x), _host_ints(x)
+    return x, _host_ints(x)
 
 
-def check_offsets(x, name, total: int, xp):
+def check_offsets(x, name, total: int, xp, like):
     """Cumulative offsets ``[0, len_0, len_0 + len_1, ..., total]``: an int32 array ``(batch + 1,)``, starting at 0,
     non-decreasing, ending at ``total`` (the packed array's token count). Returns ``(x, host int64 copy)``."""
     form = "of shape (batch + 1,): [0, len_0, len_0 + len_1, ..., total_tokens]"
-    x, host = _check_int32(x, name, form, xp)
+    x, host = _check_int32(x, name, form, xp, like)
     if host.ndim != 1 or host.size < 1:
         raise ValueError(f"{name} must be an int32 array {form}, got shape {tuple(host.shape)}")
     if host[0] != 0:
@@ -52,14 +54,16 @@ def check_offsets(x, name, total: int, xp):
 
 def _check_max_seqlen(value, name, lengths):
     """``max_seqlen_*``: None (computed) or an int no smaller than the longest sequence. It is what a CUDA grid is
-    sized by without reading the offsets back, so an upper bound is accepted; a smaller value would cut sequences."""
+    sized by without reading the offsets back, so an upper bound is accepted; a smaller value would cut sequences.
+    At most 2**31 - 1: positions are int32 in the kernels and the modifier language."""
     longest = int(lengths.max(initial=0))
     if value is None:
         return longest
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
-    if value < longest:
-        raise ValueError(f"{name} must be at least the longest sequence ({longest}), got {value}")
+    if not longest <= value < 2**31:
+        raise ValueError(f"{name} must be at least the longest sequence ({longest}) and below 2**31 (int32 "
+                         f"positions), got {value}")
     return int(value)
 
 
@@ -145,8 +149,8 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=Non
         raise ValueError("block_mask is not supported by attention_varlen: a BlockMask's grid has fixed sequence "
                          "lengths; mask within each sequence with mask_mod (q_idx, kv_idx are positions in the "
                          "sequence, b its index), window or causal")
-    cu_q, off_q = check_offsets(cu_seqlens_q, "cu_seqlens_q", q.shape[0], xp)
-    cu_k, off_k = check_offsets(cu_seqlens_k, "cu_seqlens_k", k.shape[0], xp)
+    cu_q, off_q = check_offsets(cu_seqlens_q, "cu_seqlens_q", q.shape[0], xp, q)
+    cu_k, off_k = check_offsets(cu_seqlens_k, "cu_seqlens_k", k.shape[0], xp, q)
     if off_q.size != off_k.size:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
                          f"{off_q.size - 1} and {off_k.size - 1}")
@@ -321,9 +325,10 @@ def _check_writable(caches: dict, others: dict):
                 raise ValueError(f"{name} shares memory with {cache}, which the call writes into: pass a copy")
 
 
-def _check_cache_seqlens(cache_seqlens, xp, batch, seqlen_new, capacity):
+def _check_cache_seqlens(cache_seqlens, xp, q, seqlen_new, capacity):
+    batch = q.shape[0]
     form = f"of shape (batch,) = ({batch},): the tokens already in each sequence's cache"
-    x, host = _check_int32(cache_seqlens, "cache_seqlens", form, xp)
+    x, host = _check_int32(cache_seqlens, "cache_seqlens", form, xp, q)
     if host.shape != (batch,):
         raise ValueError(f"cache_seqlens must be an int32 array {form}, got shape {tuple(host.shape)}")
     if host.size and host.min() < 0:
@@ -336,10 +341,11 @@ def _check_cache_seqlens(cache_seqlens, xp, batch, seqlen_new, capacity):
     return x, host
 
 
-def _check_table_form(block_table, xp, batch):
+def _check_table_form(block_table, xp, q):
     """``block_table``: an int32 array ``(batch, max_blocks)``; returned with its host copy."""
     form = "of shape (batch, max_blocks): page indices into k_cache, v_cache"
-    x, host = _check_int32(block_table, "block_table", form, xp)
+    batch = q.shape[0]
+    x, host = _check_int32(block_table, "block_table", form, xp, q)
     if host.ndim != 2 or host.shape[0] != batch:
         raise ValueError(f"block_table must be an int32 array {form} with batch = {batch}, got shape "
                          f"{tuple(host.shape)}")
@@ -405,9 +411,9 @@ def make_kvcache_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
     capacity = k_cache.shape[1]
     table = table_host = None
     if paged:
-        table, table_host = _check_table_form(block_table, xp, batch)
+        table, table_host = _check_table_form(block_table, xp, q)
         capacity = table_host.shape[1] * k_cache.shape[1]
-    cache, cache_host = _check_cache_seqlens(cache_seqlens, xp, batch, seqlen_new, capacity)
+    cache, cache_host = _check_cache_seqlens(cache_seqlens, xp, q, seqlen_new, capacity)
     if paged:
         _check_table_pages(table_host, k_cache.shape[0], k_cache.shape[1], cache_host + seqlen_new, cache_host,
                            seqlen_new)
