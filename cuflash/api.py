@@ -19,7 +19,7 @@ from .blockmask import BlockMask
 from .dropout import fresh_seed, needs_seed
 from .interop import Edge
 from .options import DEFAULTS, LAYOUTS, OPTIONS, Array, Layout, Precision, fill_doc, is_given, native_options
-from .problem import check_backward, check_buffer, make_problem
+from .problem import check_backward, check_buffer, check_dropout, make_problem
 from .residual import AttentionResidual, fingerprint, watched
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "attention_qkvpacked", "attention_kvpacked",
@@ -314,7 +314,7 @@ def attention_backward(dout: Array, q: Union[Array, AttentionResidual], k: Optio
         if buffers[name] is not None:
             raise TypeError(f"{name}= is the buffer of a packed residual's backward (attention_backward(dout, "
                             f"residual) after attention_qkvpacked/attention_kvpacked)")
-    if given["dropout_p"] and given["seed"] is None:
+    if check_dropout(given["dropout_p"], given["seed"])[0] and given["seed"] is None:
         raise ValueError("seed is required when dropout_p > 0: pass the seed the forward used "
                          "(returned by attention when it drew one)")
     edge = Edge()

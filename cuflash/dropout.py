@@ -89,7 +89,7 @@ def _keep_run(key: tuple[int, int], p: float, batch: Any, head: Any, rows: Any, 
     g0, g1 = first >> 2, (first + count - 1) >> 2
     groups = np.arange(g0, g1 + 1, dtype=np.int64).reshape((1,) * (ndim - 1) + (-1,))
     b, h, i, g = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (batch, head, rows, groups)))
-    bits = np.stack(philox4x32((g, i, h, b), key), axis=-1).reshape(g.shape[:-1] + (-1,))
+    bits = np.stack(philox4x32((g, i, h, b), key), axis=-1).reshape(g.shape[:-1] + (4 * g.shape[-1],))  # -1: size 0
     start = first - 4 * g0
     keep: np.ndarray[Any, np.dtype[np.bool_]] = bits[..., start:start + count] >= np.uint32(threshold(p))
     return keep

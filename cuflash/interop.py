@@ -146,6 +146,10 @@ class Edge:
         if place != self._place:
             raise ValueError(f"{self._first} is on {_where(self._place)} but {name} is on {_where(place)}: move "
                              f"them to one device")
+        if self.caller_device is not None and namespace is not None and _compat().device(a) != self.caller_device:
+            # one memory, several devices of the library (JAX's CPU devices, array-api-strict's virtual ones)
+            raise ValueError(f"{self._first} is on {self.library}'s device {self.caller_device} but {name} is on "
+                             f"{_compat().device(a)}: move them to one device")
         return native
 
     def buffer(self, name: str, a: Any) -> Any:
@@ -173,8 +177,14 @@ class Edge:
         if not _is_foreign_array(a):
             return a, _library(a), None, None  # not an array: array_module refuses it, naming it
         library = _library(a)
+        if callable(getattr(a, "is_neg", None)) and a.is_neg():  # DLPack hands over the memory, not the flag
+            raise TypeError(f"{name}: this {library} tensor is negated lazily (is_neg()), which DLPack does not "
+                            f"carry: its memory holds -{name}; pass {name}.resolve_neg()")
         if hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__"):
-            kind, _ = device_kind(a)
+            try:
+                kind, _ = device_kind(a)
+            except (TypeError, ValueError, RuntimeError) as exc:  # another accelerator, torch's meta device, ...
+                raise TypeError(f"{name}: {exc}") from None
             try:
                 if kind == "cpu":
                     native = np.from_dlpack(a)
@@ -199,6 +209,8 @@ class Edge:
         """A NumPy/CuPy result in the caller's array type (zero-copy where the caller's library allows)."""
         if x is None or self.namespace is None:
             return x
+        if not x.flags.c_contiguous:  # a slice (v's own head dim): JAX imports compact strides only
+            x = (np if isinstance(x, np.ndarray) else _cupy("the result")).ascontiguousarray(x)
         result = self.namespace.from_dlpack(x)
         compat = _compat()
         if self.caller_device is not None and compat.device(result) != self.caller_device:

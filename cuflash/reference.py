@@ -317,6 +317,6 @@ def _apply_dropout(x, p, mask, dropout_p, drop_nonfinite=False):
     m = np.broadcast_to(np.asarray(mask), p.batch_shape + (p.heads_q, p.seqlen_q, p.seqlen_k))
     m = m.reshape(p.batch, p.heads_kv, p.group, p.seqlen_q, p.seqlen_k)
     if not drop_nonfinite:  # P: a NaN probability (its row sees a NaN score) stays NaN, dropped or not
-        return _rounder(x.dtype)(x * m / x.dtype.type(1.0 - dropout_p))
+        return _rounder(x.dtype)(x * m / x.dtype.type(1.0 - float(dropout_p)))
     with np.errstate(invalid="ignore"):
-        return _rounder(x.dtype)(np.where(m, x * m / x.dtype.type(1.0 - dropout_p), x.dtype.type(0)))
+        return _rounder(x.dtype)(np.where(m, x * m / x.dtype.type(1.0 - float(dropout_p)), x.dtype.type(0)))

@@ -20,7 +20,7 @@ from . import backends
 from .dropout import fresh_seed, needs_seed
 from .interop import Edge
 from .options import native_options
-from .problem import check_varlen_backward, make_varlen_problem
+from .problem import check_dropout, check_varlen_backward, make_varlen_problem
 from .residual import fingerprint, watched
 
 Array = Any
@@ -180,7 +180,7 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
         raise ValueError("return_dbias is not supported by attention_varlen_backward yet: each sequence reads its own "
                          "corner of the bias, and their gradients are not gathered into bias's shape; use "
                          "cuflash.attention_backward on the padded batch for dbias")
-    if needs_seed(dropout_p, seed):
+    if check_dropout(dropout_p, seed)[0] and seed is None:
         raise ValueError("seed is required when dropout_p > 0: pass the seed the forward used (returned by "
                          "attention_varlen when it drew one)")
     options = {name: value for name, value in locals().items() if name in _OPTIONS}

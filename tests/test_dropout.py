@@ -89,6 +89,37 @@ def test_backward_requires_the_seed():
         cuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, dropout_p=0.2)
 
 
+@pytest.mark.parametrize("p, exc, match", [
+    (np.array([0.1, 0.2]), TypeError, "dropout_p must be a float in"), ("0.1", TypeError, "dropout_p must be a float"),
+    (float("nan"), ValueError, r"dropout_p must lie in \[0, 1\), got nan"), (1.5, ValueError, "must lie in")])
+def test_the_backward_names_a_bad_dropout_p_as_the_forward_does(p, exc, match):
+    """The keyword backward asked for a seed (or tested an array's truth) before it checked dropout_p itself."""
+    q = np.zeros((1, 4, 1, 8), np.float32)
+    lse = np.zeros((1, 1, 4), np.float32)
+    with pytest.raises(exc, match=match):
+        cuflash.attention_backward(q, q, q, q, q, lse, dropout_p=p)
+    cu = np.array([0, 4], np.int32)
+    with pytest.raises(exc, match=match):
+        cuflash.attention_varlen_backward(q[0], q[0], q[0], q[0], q[0], lse[0], cu, cu, dropout_p=p)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 3, 4), (2, 0, 3, 4), (2, 2, 0, 4), (2, 2, 3, 0), (3, 0, 2, 3, 4)])
+def test_dropout_mask_of_an_empty_shape(shape):
+    """Zero-size shapes are shapes (attention takes them with dropout): the Philox run reshaped with -1 there."""
+    mask = cuflash.dropout_mask(shape, seed=1, p=0.5)
+    assert mask.shape == shape and mask.dtype == np.bool_
+
+
+@pytest.mark.parametrize("p", [np.float16(0.1), np.float32(0.1)])
+def test_the_reference_takes_a_numpy_scalar_p_as_its_value(p):
+    """1 - p was computed in p's own precision (float16: 2.4e-4 off the float64 reference's own answer)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 6, 2, 8)) for _ in range(3))
+    mask = cuflash.dropout_mask((1, 2, 6, 6), seed=3, p=float(p))
+    np.testing.assert_array_equal(reference.attention(q, k, v, dropout_p=p, dropout_mask=mask),
+                                  reference.attention(q, k, v, dropout_p=float(p), dropout_mask=mask))
+
+
 def test_vjp_keeps_the_drawn_seed():
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((1, 20, 2, 8)) for _ in range(3))

@@ -145,6 +145,54 @@ def test_jax_arrays_are_immutable_buffers():
         cuflash.attention(q, k, v, out=jax.numpy.zeros_like(q))
 
 
+def test_jax_results_sliced_to_vs_own_head_dim_come_back():
+    """v's own head dim: the forward's result and the backward's gradients are slices of padded buffers, which
+    JAX's DLPack import refused (compact strides only) after the whole computation had run."""
+    jax = pytest.importorskip("jax", reason="JAX is not installed (it comes with the test extra)")
+    rng = np.random.default_rng(0)
+    q, k = (rng.standard_normal((1, 6, 2, 8)).astype(np.float32) for _ in range(2))
+    for dv in (4, 16):
+        v, dout = (rng.standard_normal((1, 6, 2, dv)).astype(np.float32) for _ in range(2))
+        out, lse = cuflash.attention(q, k, v, return_lse=True)
+        j = [jax.numpy.asarray(a) for a in (q, k, v, dout, out, lse)]
+        got = cuflash.attention(*j[:3])
+        assert isinstance(got, jax.Array) and np.array_equal(np.asarray(got), out)
+        grads = cuflash.attention_backward(j[3], *j[:3], j[4], j[5])
+        for g, want in zip(grads, cuflash.attention_backward(dout, q, k, v, out, lse)):
+            assert isinstance(g, jax.Array) and np.array_equal(np.asarray(g), want)
+
+
+def test_one_library_on_two_of_its_devices_is_refused():
+    """array-api-strict's virtual devices (as JAX's several CPU devices) share host memory: the result landed on
+    q's device, although the library itself refuses to combine the arrays."""
+    xps = _xps()
+    case = CASES["plain"]
+    one, two = xps.Device("device1"), xps.Device("device2")
+    q, k, v = (xps.asarray(a, device=one) for a in (case.q, case.k, case.v))
+    with pytest.raises(ValueError, match=r"q is on array_api_strict's device .*device1.* but k is on .*device2"):
+        cuflash.attention(q, xps.asarray(case.k, device=two), v)
+    with pytest.raises(ValueError, match=r"but out is on .*device2"):
+        cuflash.attention(q, k, v, out=xps.empty(q.shape, dtype=q.dtype, device=two))
+
+
+def test_torch_lazily_negated_or_meta_tensors_are_refused_naming_them():
+    """A tensor with PyTorch's negative bit (``z.conj().imag``) exports its memory without the sign: it was read
+    as -q, and an out= buffer so flagged gave the caller -out. The meta device has no memory to export."""
+    torch = _torch()
+    case = CASES["plain"]
+    q, k, v = (torch.from_dlpack(a) for a in (case.q, case.k, case.v))
+    negated = torch.complex(torch.zeros_like(q), -q).conj().imag  # the values of q, negated lazily
+    assert negated.is_neg() and torch.equal(negated, q)
+    with pytest.raises(TypeError, match=r"q: this torch tensor is negated lazily .* pass q.resolve_neg\(\)"):
+        cuflash.attention(negated, k, v)
+    with pytest.raises(TypeError, match=r"out: this torch tensor is negated lazily"):
+        cuflash.attention(q, k, v, out=torch.complex(torch.zeros_like(q), q).conj().imag)
+    np.testing.assert_array_equal(cuflash.attention(negated.resolve_neg(), k, v).numpy(),
+                                  cuflash.attention(case.q, case.k, case.v))
+    with pytest.raises(TypeError, match=r"k: .*meta"):
+        cuflash.attention(q, k.to("meta"), v)
+
+
 # ================================================================================================ NumPy edge cases
 def test_masked_object_and_non_array_inputs_are_refused_everywhere():
     case = CASES["plain"]
@@ -176,8 +224,10 @@ def test_unsupported_dlpack_device_is_named():
         def __dlpack_device__(self):
             return 14, 0  # kDLOneAPI
 
-    with pytest.raises(TypeError, match="DLPack device type 14 is not supported"):
+    with pytest.raises(TypeError, match="q: DLPack device type 14 is not supported"):
         cuflash.attention(OnAnotherAccelerator(), CASES["plain"].k, CASES["plain"].v)
+    with pytest.raises(TypeError, match="bias: DLPack device type 14 is not supported"):
+        cuflash.attention(CASES["plain"].q, CASES["plain"].k, CASES["plain"].v, bias=OnAnotherAccelerator())
 
 
 def test_numpy_calls_do_not_import_array_api_compat():
