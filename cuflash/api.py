@@ -9,6 +9,8 @@ head dim of its own) ``cuflash._layout``; validation :mod:`cuflash.problem`. ``o
 """
 from __future__ import annotations
 
+import contextvars
+import functools
 from types import MappingProxyType
 from typing import Any, Literal, Mapping, Optional, Sequence, Union, overload
 
@@ -18,7 +20,7 @@ from . import _layout, backends
 from .blockmask import BlockMask
 from .dropout import fresh_seed, needs_seed
 from .interop import Edge
-from .options import DEFAULTS, LAYOUTS, OPTIONS, Array, Layout, Precision, fill_doc, is_given, native_options
+from .options import DEFAULTS, LAYOUTS, OPTIONS, Array, Layout, Precision, fill_doc, native_options
 from .problem import check_backward, check_buffer, check_dropout, make_problem
 from .residual import AttentionResidual, fingerprint, watched
 
@@ -242,6 +244,24 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
 
 
 # ==================================================================================================== backward
+#: the keywords the caller of attention_backward wrote (a default value passed explicitly included): the residual
+#: form refuses every forward option given, and an option equal to its default cannot be told apart otherwise
+_KEYWORDS: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("cuflash_keywords", default=frozenset())
+
+
+def _records_keywords(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        token = _KEYWORDS.set(frozenset(kwargs))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _KEYWORDS.reset(token)
+
+    return wrapper
+
+
+@_records_keywords
 def attention_backward(dout: Array, q: Union[Array, AttentionResidual], k: Optional[Array] = None,
                        v: Optional[Array] = None, out: Optional[Array] = None, lse: Optional[Array] = None, *,
                        causal: bool = False, scale: Optional[float] = None,
@@ -331,7 +351,7 @@ def _backward_residual(dout: Array, residual: AttentionResidual, given: Mapping[
                        return_dbias: bool, backend: Optional[str]) -> Any:
     if any(a is not None for a in positional):
         raise TypeError("attention_backward(dout, residual) takes no k, v, out, lse: the residual holds them")
-    extra = sorted(name for name, value in given.items() if is_given(name, value))
+    extra = sorted(name for name in given if name in _KEYWORDS.get())
     if extra:
         raise TypeError(f"attention_backward(dout, residual) takes the forward's options from the residual; "
                         f"{', '.join(extra)} given as well (the residual has {extra[0]}="

@@ -81,13 +81,16 @@ def merge_parts(xp: Any, outs: Sequence[Any], lses: Sequence[Any], work: np.dtyp
     lse_all = xp.stack([xp.asarray(x).astype(work, copy=False) for x in lses])  # (n, ..., H, Sq)
     top = lse_all.max(axis=0)
     # A row that is -inf everywhere would compute (-inf) - (-inf) = NaN: shift it by 0 instead, so that every
-    # weight is exp(-inf) = 0 and the row gets out 0, lse -inf. +inf and NaN are left to propagate.
+    # weight is exp(-inf) = 0 and the row gets out 0, lse -inf. A +inf lse (a part saw an infinite score) makes
+    # the row's lse +inf, as logsumexp over the union does; out's NaN there and every NaN propagate.
     top = xp.where(top == -np.inf, work.type(0), top)
-    weights = xp.exp(lse_all - top)
+    with np.errstate(invalid="ignore"):  # inf - inf where a part's lse is +inf: handled below
+        weights = xp.exp(lse_all - top)
     total = weights.sum(axis=0)
     seen = total != 0  # a NaN total stays NaN (NaN != 0), never passes for "sees no key"
     safe_total = xp.where(seen, total, work.type(1))
     lse = xp.where(seen, top + xp.log(safe_total), work.type(-np.inf))
+    lse = xp.where(top == np.inf, top, lse)  # exp(inf - inf) is NaN
     # Normalized weights, moved from (..., H, Sq) to out's (..., Sq, H, 1).
     scaled = xp.swapaxes(weights / safe_total, -1, -2)[..., None]
     out = scaled[0] * outs[0].astype(work, copy=False)

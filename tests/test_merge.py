@@ -205,6 +205,24 @@ def test_neg_inf_part_contributes_nothing():
     np.testing.assert_array_equal(lse, lse1)
 
 
+def test_a_part_with_lse_plus_inf_gives_what_the_whole_gives():
+    """A row that saw an infinite score has lse +inf over the union (logsumexp): the merge gave NaN there
+    (exp(inf - inf)), a single such part too, where it must come back unchanged."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 1, 4)).astype(np.float32) for _ in range(3))
+    k, v = np.concatenate([k, k], axis=1), np.concatenate([v, v], axis=1)
+    k[0, 0, 0, 0] = np.inf
+    with np.errstate(all="ignore"):
+        whole, lse_whole = cuflash.attention(q, k, v, return_lse=True)
+        parts = [cuflash.attention(q, k[:, s], v[:, s], return_lse=True) for s in (slice(0, 2), slice(2, 4))]
+        out, lse = cuflash.merge_attention_states(*zip(*parts))
+    assert np.isposinf(lse_whole).any()
+    np.testing.assert_array_equal(np.isposinf(lse), np.isposinf(lse_whole))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(whole))
+    one = cuflash.merge_attention_states([np.zeros((1, 1, 4), np.float32)], [np.full((1, 1), np.inf, np.float32)])
+    assert np.isposinf(one[1]).all()
+
+
 def test_nan_propagates_to_its_row_only():
     out1, out2 = np.ones((3, 2, 4), np.float32), np.ones((3, 2, 4), np.float32)
     lse1, lse2 = np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32)

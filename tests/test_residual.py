@@ -64,7 +64,8 @@ def test_a_drawn_seed_is_kept_in_the_residual():
 @pytest.mark.parametrize("name", [n for n in OPTIONS])
 def test_an_option_passed_with_a_residual_is_a_type_error(name):
     """The issue's misuse: ``causal=True`` only for the backward. With a residual every option comes from the
-    forward; giving one again (whatever its value, unless it is the default) is refused, naming it."""
+    forward; giving one again (whatever its value, the default too: ``causal=False`` on a causal residual was
+    silently dropped) is refused, naming it."""
     q, k, v, dout = _arrays()
     _, residual = cuflash.attention(q, k, v, return_residual=True)
     value = {"causal": True, "scale": 0.5, "window": (2, 2), "block_mask": BlockMask.causal(23, 31, block=(8, 8)),
@@ -73,8 +74,9 @@ def test_an_option_passed_with_a_residual_is_a_type_error(name):
              "mod_arrays": {"x": 1.0}, "dropout_p": 0.1, "seed": 3, "dtype": "bfloat16", "layout": "bhsd",
              "precision": "tf32"}[name]
     assert value is not DEFAULTS[name]
-    with pytest.raises(TypeError, match=rf"takes the forward's options from the residual; {name} given as well"):
-        cuflash.attention_backward(dout, residual, **{name: value})
+    for given in (value, DEFAULTS[name]):
+        with pytest.raises(TypeError, match=rf"takes the forward's options from the residual; {name} given as well"):
+            cuflash.attention_backward(dout, residual, **{name: given})
 
 
 def test_arrays_passed_with_a_residual_are_refused():
