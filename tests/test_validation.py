@@ -75,6 +75,12 @@ FORWARD_CASES = [
     ("scale-nan", dict(scale=float("nan")), ValueError, r"scale"),
     ("scale-inf", dict(scale=np.inf), ValueError, r"scale"),
     ("scale-neg-inf", dict(scale=np.float32(-np.inf)), ValueError, r"scale"),
+    ("scale-past-float32", dict(scale=1e39), ValueError, r"scale must be .* finite in float32 \(the working "
+                                                         r"precision of float32 inputs\), got 1e\+39"),
+    ("scale-huge-int", dict(scale=10**400), ValueError, r"scale must be .* finite in float32 .*, got 1000"),
+    ("softcap-past-float32", dict(softcap=1e39), ValueError, r"softcap must be a real > 0 or None and finite in "
+                                                             r"float32"),
+    ("dropout-huge-int", dict(dropout_p=10**400), ValueError, r"dropout_p must (lie|be a float) in \[0, 1\)"),
     ("scale-bool", dict(scale=True), TypeError, r"scale"),
     ("scale-str", dict(scale="0.1"), TypeError, r"scale"),
     ("scale-complex", dict(scale=1j), TypeError, r"scale"),

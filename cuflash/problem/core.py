@@ -338,14 +338,27 @@ def _check_qkv(q, k, v, element_type):
                         f"with dtype='bfloat16'), got {q.dtype}")
 
 
-def _check_scale(scale, head_dim):
+def _working_real(value, name: str, dtype, form: str) -> float:
+    """A real option (scale, softcap) as the float the computation uses: finite in float64 and in the working
+    precision of ``dtype`` (float32 but for float64 inputs), where it would otherwise turn into inf."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {form}, got {type(value).__name__}")
+    try:
+        x = float(value)
+    except OverflowError:  # an int or Fraction past float64
+        x = math.inf
+    work = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    if not math.isfinite(x) or abs(x) > np.finfo(work).max:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ValueError(f"{name} must be {form} and finite in {np.dtype(work).name} (the working precision of "
+                         f"{np.dtype(dtype).name} inputs), got {shown}")
+    return x
+
+
+def _check_scale(scale, head_dim, dtype):
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
+    return _working_real(scale, "scale", dtype, "a real number or None")
 
 
 def _check_window(window, causal, span: int):
@@ -389,7 +402,7 @@ def check_dropout(dropout_p, seed, what="dropout_p"):
     """``(p, seed)`` validated: ``p`` a real in [0, 1), ``seed`` None or an int in [0, 2**64)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{what} must be a float in [0, 1), got {type(dropout_p).__name__}")
-    if not 0.0 <= float(dropout_p) < 1.0:  # NaN fails this too
+    if not 0.0 <= dropout_p < 1.0:  # NaN fails this too (compared as it is: float() of a huge int overflows)
         raise ValueError(f"{what} must lie in [0, 1), got {dropout_p}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                              or not 0 <= seed < 2**64):
@@ -418,7 +431,7 @@ def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=N
     precision = _check_precision(precision, element_type)
     n_batch = q.ndim - 3
     batch_shape = tuple(q.shape[:n_batch])
-    scale = _check_scale(scale, q.shape[-1])
+    scale = _check_scale(scale, q.shape[-1], q.dtype)
     left, right = _check_window(window, causal, q.shape[-3] + k.shape[-3])
     dropout_p, seed = check_dropout(dropout_p, seed)
     sq = _check_seqlens(seqlens_q, "seqlens_q", batch_shape, q.shape[-3], xp)
@@ -519,9 +532,10 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
     internal = {}
     score = None
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < float(softcap) < math.inf:
-            raise ValueError(f"softcap must be a finite real > 0 or None, got {softcap!r}")
-        internal["cuflash_softcap"] = float(softcap)
+        cap = _working_real(softcap, "softcap", like.dtype, "a real > 0 or None")
+        if not cap > 0:
+            raise ValueError(f"softcap must be a real > 0 or None, got {softcap!r}")
+        internal["cuflash_softcap"] = cap
         score = mods.parse(mods.SOFTCAP, kind="score", arrays=internal, internal=True)
     bias_shape = None
     if bias is not None:

@@ -156,7 +156,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=Non
                          f"{off_q.size - 1} and {off_k.size - 1}")
     max_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", np.diff(off_q))
     max_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", np.diff(off_k))
-    scale = _check_scale(scale, q.shape[-1])
+    scale = _check_scale(scale, q.shape[-1], q.dtype)
     left, right = _check_window(window, causal, max_q + max_k)
     dropout_p, seed = check_dropout(dropout_p, seed)
     batch = off_q.size - 1
@@ -417,7 +417,7 @@ def make_kvcache_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
     if paged:
         _check_table_pages(table_host, k_cache.shape[0], k_cache.shape[1], cache_host + seqlen_new, cache_host,
                            seqlen_new)
-    scale = _check_scale(scale, q.shape[-1])
+    scale = _check_scale(scale, q.shape[-1], q.dtype)
     left, right = _check_window(window, causal, q.shape[1] + capacity)
     extents = {"b": batch, "h": q.shape[2], "q_idx": q.shape[1], "kv_idx": capacity}
     mods = _check_modifiers(xp, (batch,), extents, bias=None, alibi_slopes=alibi_slopes, softcap=softcap,
