@@ -269,7 +269,7 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     qg, kg, vg = _grouped(p, np.dtype(np.float64))
     prob, lse = _probabilities(p, qg, kg)
     s0, s1, _ = _scores(p, qg, kg)
-    s = np.maximum(np.abs(s0), np.abs(s1)) * (prob > 0)
+    s = np.where(prob > 0, np.maximum(np.abs(s0), np.abs(s1)), 0.0)  # a masked -inf score: inf * 0 would be NaN
     exponent = s.max(initial=0) + np.abs(lse[np.isfinite(lse)]).max(initial=0)
     cond = 1.0 + exponent * rounding(stats_dtype(p.dtype)) / rounding(p.dtype)
     slope = 1.0

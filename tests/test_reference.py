@@ -257,3 +257,19 @@ def test_testing_helpers_refuse_what_they_would_misread():
     ref = np.ones(3)
     with pytest.raises(TypeError, match="actual must be a real array"):
         assert_attention_close(ref + 1000j, ref, ref.astype(np.float32))
+
+
+def test_term_magnitudes_of_a_bias_masking_with_minus_inf():
+    """A -inf bias is the usual way to mask with a bias: its masked score times P = 0 gave a NaN magnitude, so
+    cuflash.testing failed every correct result of such a problem."""
+    from cuflash.testing import Case, check_backward, check_forward
+
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 3, 1, 4)).astype(np.float32) for _ in range(4))
+    bias = np.zeros((1, 1, 3, 3), np.float32)
+    bias[0, 0, 0, 2] = -np.inf
+    mags = reference.term_magnitudes(q, k, v, dout, bias=bias)
+    assert all(np.isfinite(m) and m > 0 for m in mags.values()), mags
+    case = Case(q, k, v, dout, dict(bias=bias))
+    out, lse = check_forward(lambda *a, **o: cuflash.attention(*a, **o, return_lse=True), case)
+    check_backward(cuflash.attention_backward, case, out, lse)
