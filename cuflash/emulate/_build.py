@@ -194,7 +194,7 @@ def command(tc: Toolchain, src: Path, out: Path, options, *, sanitize: bool, deb
 
 
 def _pch_key(tc: Toolchain) -> str:
-    return hashlib.sha256("\0".join([tc.cxx, tc.cxx_version, *tc.cuda_includes, _runtime_digest(),
+    return hashlib.sha256("\0".join([tc.cxx, tc.cxx_version, *tc.cuda_includes, tc.cuda_headers, _runtime_digest(),
                                      *BASE_FLAGS]).encode()).hexdigest()[:24]
 
 
@@ -223,7 +223,8 @@ def _pch_file_ok(path: Path, digest) -> bool:
     identity = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest)
     if identity in _pch_seen:
         return True
-    if _cache.file_digest(path) != digest:
+    actual = _cache.file_digest(path)  # None for anything but a private regular file: never a match
+    if actual is None or actual != digest:
         return False
     _pch_seen.add(identity)
     return True
@@ -279,11 +280,12 @@ def precompiled_shim(tc: Toolchain, directory: Path) -> Path | None:
     return final / "shim.h" if _pch_verified(final) else None
 
 
-def _library_key(tc: Toolchain, source: str, name_expression: str, options, sanitize: bool, debug: bool) -> str:
+def _library_key(tc: Toolchain, source: str, text: str, name_expression: str, options, sanitize: bool,
+                 debug: bool) -> str:
+    """``text``: the translation unit g++ compiles (the source as this module rewrites it, wrapper included)."""
     return hashlib.sha256("\0".join([
-        source, _includes_digest(source), name_expression, *options, tc.cxx, tc.cxx_version, *tc.cuda_includes,
-        _runtime_digest(), _wrapper(name_expression),
-        *BASE_FLAGS, f"sanitize={sanitize}", f"debug={debug}",
+        text, _includes_digest(source), name_expression, *options, tc.cxx, tc.cxx_version, *tc.cuda_includes,
+        tc.cuda_headers, _runtime_digest(), *BASE_FLAGS, f"sanitize={sanitize}", f"debug={debug}",
     ]).encode()).hexdigest()[:32]
 
 
@@ -297,7 +299,8 @@ def _recorded_library(directory: Path, key: str) -> Path | None:
     if not isinstance(name, str) or not re.fullmatch(rf"{key}-[0-9a-f]{{16}}\.so", name):
         return None
     path = directory / name
-    if _cache.file_digest(path) != digest:
+    actual = _cache.file_digest(path)  # None for anything but a private regular file: never a match
+    if actual is None or actual != digest:
         _cache.discard(path)
         return None
     return path
@@ -311,11 +314,12 @@ def build(tc: Toolchain, source: str, name_expression: str, options=(), *, sanit
     finds a library and digest that belong together, even while parallel processes build the same kernel.
     """
     directory = _cache.cache_dir()
-    key = _library_key(tc, source, name_expression, options, sanitize, debug)
+    text = translation_unit(source, name_expression)
+    key = _library_key(tc, source, text, name_expression, options, sanitize, debug)
     found = _recorded_library(directory, key)
     if found is not None:
         return found
-    return _compile(tc, directory, key, translation_unit(source, name_expression), options, sanitize, debug)
+    return _compile(tc, directory, key, text, options, sanitize, debug)
 
 
 def _compile(tc: Toolchain, directory: Path, key: str, text: str, options, sanitize: bool, debug: bool) -> Path:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
@@ -17,6 +18,9 @@ class Toolchain:
     cxx: str
     cxx_version: str
     cuda_includes: tuple[str, ...]
+    #: SHA-256 of the CUDA headers the kernels compile against (paths resolved, contents read): part of every
+    #: cache key, so a toolkit switched behind the same path (/usr/local/cuda relinked) rebuilds
+    cuda_headers: str = ""
 
 
 def _cuda_include_candidates() -> list[Path]:
@@ -66,6 +70,26 @@ def _headers_compile(cxx: str, includes: tuple[str, ...]) -> str | None:
     return (errors or proc.stderr.splitlines() or ["unknown error"])[0]
 
 
+def _headers_digest(cxx: str, includes: tuple[str, ...]) -> str | None:
+    """SHA-256 over the CUDA headers the probe includes, as the compiler resolves them (``-M``): each file's
+    path below its include directory and its bytes. None if the compiler cannot list them."""
+    try:
+        proc = subprocess.run([cxx, "-std=c++17", "-M", "-x", "c++", "-", *[f"-I{d}" for d in includes]],
+                              input=_PROBE + "#include <vector_types.h>\n", capture_output=True, text=True,
+                              timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    roots = [os.path.realpath(d) for d in includes]
+    h = hashlib.sha256()
+    for dep in sorted({os.path.realpath(t) for t in proc.stdout.replace("\\\n", " ").split()[1:]}):
+        root = next((r for r in roots if dep.startswith(r + os.sep)), None)
+        if root is not None:
+            h.update(os.path.relpath(dep, root).encode() + b"\0" + Path(dep).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def _compiler(configured: str | None) -> tuple[str, str] | str:
     """(command, version line), or why there is no usable compiler."""
     cxx = configured or shutil.which("g++")
@@ -110,4 +134,7 @@ def _probe(cxx: str | None) -> tuple[Toolchain | None, str]:
     problem = _headers_compile(compiler[0], includes)
     if problem is not None:
         return None, f"the CUDA headers in {includes[0]} do not compile with {compiler[1]}: {problem}"
-    return Toolchain(compiler[0], compiler[1], includes), f"{compiler[1]}; CUDA headers in {includes[0]}"
+    digest = _headers_digest(compiler[0], includes)
+    if digest is None:
+        return None, f"{compiler[1]} cannot list the CUDA headers in {includes[0]} (g++ -M)"
+    return Toolchain(compiler[0], compiler[1], includes, digest), f"{compiler[1]}; CUDA headers in {includes[0]}"

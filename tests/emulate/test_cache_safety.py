@@ -114,6 +114,56 @@ def test_a_library_without_its_record_is_rebuilt(built_cache, tmp_path):
     assert sorted(cache.glob("*.json")) == records
 
 
+def test_a_record_without_a_digest_matches_nothing(built_cache, tmp_path):
+    """A null digest equalled the None that file_digest gives for a symlink, a foreign or a missing file: the
+    planted library behind a link was loaded, a missing one was dlopen'ed instead of rebuilt."""
+    import json
+
+    cache, marker = _copy(built_cache, tmp_path), tmp_path / "marker"
+    foreign = _foreign_library(tmp_path, marker)
+    for record in sorted(cache.glob("*.json")):
+        entry = json.loads(record.read_text())
+        entry["sha256"] = None
+        record.write_text(json.dumps(entry))
+        library = cache / entry["library"]
+        library.unlink()
+        library.symlink_to(foreign)
+    _assert_correct(_run(cache))
+    assert not marker.exists(), "the library behind a record without digest was loaded"
+    for record in sorted(cache.glob("*.json")):  # and once more with the libraries gone: rebuilt
+        entry = json.loads(record.read_text())
+        (cache / entry["library"]).unlink()
+        entry["sha256"] = None
+        record.write_text(json.dumps(entry))
+    _assert_correct(_run(cache))
+
+
+def test_the_keys_hold_the_cuda_headers_bytes_and_the_compiled_text(tmp_path):
+    """A toolkit switched behind the same include path, or a change of the emulator's own rewrite of a source,
+    reused libraries built from the old ones: the keys now hold the headers' bytes and the translation unit."""
+    from dataclasses import replace
+
+    from cuflash.emulate import _build, _toolchain
+
+    tc, why = _toolchain.find()
+    assert tc is not None, why
+    real = Path(tc.cuda_includes[0])
+    other = tmp_path / "include"  # the same headers, cuda_fp16.h one comment longer
+    other.mkdir()
+    for entry in real.iterdir():
+        (other / entry.name).symlink_to(entry)
+    (other / "cuda_fp16.h").unlink()
+    (other / "cuda_fp16.h").write_bytes((real / "cuda_fp16.h").read_bytes() + b"\n// another toolkit\n")
+    digest = _toolchain._headers_digest(tc.cxx, (str(other),) + tc.cuda_includes[1:])
+    assert digest not in (None, tc.cuda_headers)
+    assert _build._pch_key(replace(tc, cuda_headers=digest)) != _build._pch_key(tc)
+    source = "__global__ void k(int* out) { out[0] = 1; }"
+    text = _build.translation_unit(source, "k")
+    key = _build._library_key(tc, source, text, "k", (), False, False)
+    assert _build._library_key(replace(tc, cuda_headers=digest), source, text, "k", (), False, False) != key
+    assert _build._library_key(tc, source, text + "\n// rewritten", "k", (), False, False) != key
+
+
 def test_a_tampered_precompiled_shim_is_not_used(built_cache, tmp_path):
     cache, marker = _copy(built_cache, tmp_path, with_pch=True), tmp_path / "marker"
     pch_dirs = sorted(cache.glob("pch-*"))
