@@ -65,6 +65,11 @@ def _make_private(path: Path) -> list[Path]:
     return missing
 
 
+def _writable(path: Path) -> bool:
+    """Whether this process can create files in ``path`` (a private directory may still be 0500)."""
+    return os.access(path, os.W_OK | os.X_OK)
+
+
 def _configured(raw: str) -> Path:
     path = Path(raw).expanduser()
     accepted = _env.VARIABLES[VARIABLE].accepted
@@ -78,6 +83,8 @@ def _configured(raw: str) -> Path:
         if problem:
             raise ValueError(f"environment variable {VARIABLE}={raw!r} is not a safe place for compiled code: "
                              f"{component} {problem}; expected {accepted}")
+    if not _writable(path):
+        raise ValueError(f"environment variable {VARIABLE}={raw!r} is not writable by this user: expected {accepted}")
     return path
 
 
@@ -104,7 +111,11 @@ def _fallback() -> Path:
         raise ValueError(f"the emulator has no usable cache: HOME is not writable and {path} cannot be created "
                          f"({exc.strerror or exc}); set {VARIABLE} to a directory owned by you and writable only "
                          f"by you") from None
-    return _checked(path, [path])
+    _checked(path, [path])
+    if not _writable(path):
+        raise ValueError(f"the emulator has no usable cache: HOME is not writable and neither is {path}; set "
+                         f"{VARIABLE} to a directory owned by you and writable only by you")
+    return path
 
 
 def cache_dir() -> Path:
@@ -118,7 +129,8 @@ def cache_dir() -> Path:
         _make_private(path)
     except (OSError, RuntimeError):  # no HOME, or one we cannot write (some CI sandboxes)
         return _fallback()
-    return _checked(path, [path.parent, path])  # ~/.cache/cuflash and its emulate/: the components cuflash owns
+    _checked(path, [path.parent, path])  # ~/.cache/cuflash and its emulate/: the components cuflash owns
+    return path if _writable(path) else _fallback()  # made read-only since (a 0500 cache in a read-only home)
 
 
 # ------------------------------------------------------------------------------------------------ files

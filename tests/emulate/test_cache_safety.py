@@ -220,6 +220,22 @@ def test_unwritable_home_falls_back_to_a_private_per_user_directory(private_env,
     assert _mode(path) == 0o700
 
 
+def test_a_read_only_cache_falls_back_or_is_named(private_env, monkeypatch, tmp_path):
+    """A private cache made 0500 passed every check, and the first compile died with a bare PermissionError
+    naming neither the variable nor a fix. (``os.access`` is consulted: root may write anywhere, so the test
+    makes the directories unwritable through it.)"""
+    home, tmp = private_env
+    default = home / ".cache" / "cuflash" / "emulate"
+    configured = tmp_path / "configured"
+    configured.mkdir(mode=0o700)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: real_access(p, mode) and Path(p) not in (default, configured))
+    assert emu.cache_dir() == tmp / f"cuflash-emulate-{os.getuid()}"  # the default falls back
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(configured))
+    with pytest.raises(ValueError, match=r"CUFLASH_EMULATE_CACHE=.* is not writable by this user"):
+        emu.cache_dir()
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o775])
 def test_a_squatted_fallback_directory_is_refused(private_env, monkeypatch, mode):
     home, tmp = private_env
