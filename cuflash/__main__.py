@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 import cuflash
-from cuflash import backends
+from cuflash import _env, backends
 
 
 def demo(seqlen=16384, heads=4, head_dim=64):
@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="command")
     sub.add_parser("demo", help="version, backends, and a 16k-token causal attention (the default)")
-    p = sub.add_parser("build", help="compile every CUDA kernel specialization as CuPy will (no GPU needed)")
-    p.add_argument("--check", action="store_true", help="fail on spills, register headroom, shared memory")
+    p = sub.add_parser("build", help="compile every CUDA kernel specialization as CuPy will (no GPU needed) and "
+                                     "fail on spills, register headroom, shared memory")
     p.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=[80, 90], help="compile targets")
     p = sub.add_parser("emulate", help="is the CPU kernel emulator usable here, and where is its cache")
     p.add_argument("--bench", action="store_true", help="also measure the per-barrier cost")
@@ -78,6 +78,11 @@ def main(argv=None) -> int:
     if argv[:1] == ["bench"]:  # whatever options follow were meant for the benchmark runner
         return bench(None)
     args = parser.parse_args(argv)
+    try:
+        _env.check_all()
+    except ValueError as exc:  # a bad CUFLASH_* value: said once, before anything runs
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     run = {None: lambda a: demo(), "demo": lambda a: demo(), "build": build, "emulate": emulate, "bench": bench}
     return run[args.command](args)
 

@@ -109,3 +109,9 @@ def get(name: str):
     var = VARIABLES[name]  # KeyError: a name missing from the table is a bug in cuflash
     raw = os.environ.get(name)
     return var.default if raw is None else _parse(name, raw)
+
+
+def check_all() -> None:
+    """Parse every variable that is set (the command line's first step): a ValueError names the first bad one."""
+    for name in VARIABLES:
+        get(name)

@@ -429,6 +429,23 @@ def test_package_no_longer_benchmarks_and_never_imports_them():
     assert not (REPO / "cuflash" / "bench.py").exists()
 
 
+@pytest.mark.parametrize("command, variable, value", [
+    (["demo"], "CUFLASH_NUM_THREADS", "0"), (["build"], "CUFLASH_BLAS", "openblas"),
+    (["emulate"], "CUFLASH_EMULATE_STACK_KIB", "1"), (["emulate"], "CUFLASH_EMULATE_SCHEDULE", "backwards"),
+    (["emulate"], "CUFLASH_EMULATE_CACHE", "/etc/passwd")])
+def test_the_command_line_names_a_bad_environment_variable(command, variable, value, monkeypatch, capsys):
+    """`python -m cuflash` died with a traceback, and `python -m cuflash emulate` said "available: True" (rc 0)
+    with settings every launch would refuse: now one line naming the variable, status 2, before anything runs."""
+    from cuflash.__main__ import main
+
+    monkeypatch.setenv(variable, value)
+    assert main(command) == 2
+    captured = capsys.readouterr()
+    said = (captured.err + captured.out).strip().splitlines()
+    assert len(said) == 1 and "error: environment variable " + variable in said[0], said
+    assert "available" not in captured.out
+
+
 # ---------------------------------------------------------------------------------------------
 # benchmarks/numpy_backend.py: the floor loop computes attention, a case runs at toy size
 # ---------------------------------------------------------------------------------------------

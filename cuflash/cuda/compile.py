@@ -1,6 +1,6 @@
 """The compile check: every specialization, compiled as CuPy will compile it on the GPU machine.
 
-``python -m cuflash build --check`` compiles each kernel family for sm_80 and sm_90 with CuPy's own
+``python -m cuflash build`` compiles each kernel family for sm_80 and sm_90 with CuPy's own
 NVRTC program wrapper, CuPy's include paths and options (:func:`runtime_options`), so a check that
 passes here means the run-time compile passes there. It needs CuPy and NVRTC, not a GPU: the test
 extra installs ``cupy-cuda12x`` with the CUDA 12 NVRTC and runtime headers. From ``ptxas -v`` it

@@ -27,7 +27,7 @@ How to add a head dim
    chunks).
 2. Add one row per family to :data:`TILES` (and a 99 KB row where the large one does not fit),
    with the reason for the choice.
-3. Run ``python -m cuflash build --check``: it compiles every specialization with CuPy's compiler
+3. Run ``python -m cuflash build``: it compiles every specialization with CuPy's compiler
    and options for sm_80 and sm_90 and fails on spills, on less than :data:`REGISTER_HEADROOM`
    spare registers, or on shared memory above the GPU's limit; tune the row until it passes.
 4. The emulated kernel tests pick the new rows up from :func:`all_specs`.
@@ -215,7 +215,7 @@ def _shape_ok(s: KernelSpec) -> bool:
 # ------------------------------------------------------------------------------------------------
 # THE tile tables: per family and native head_dim, the row for GPUs that let a block use >= 163 KB
 # of shared memory (A100 sm_80, H100 sm_90) and, where that one does not fit, the row for 99 KB GPUs
-# (sm_86, sm_89). Register counts are those of `python -m cuflash build --check` (NVRTC with CuPy's
+# (sm_86, sm_89). Register counts are those of `python -m cuflash build` (NVRTC with CuPy's
 # options; no spills and REGISTER_HEADROOM spare registers required). The register file decides most
 # rows. Forward, per thread: acc holds rows/warp * head_dim / 32 floats and S rows/warp * block_n / 32.
 # Backward main kernel, per thread: dK and dV of 16 keys x head_dim/split columns (head_dim/split fp32
@@ -278,7 +278,7 @@ MODIFIED_TILES: dict[tuple[str, int], Tile] = {
 # (DMMA runs only on sm_80/sm_90). Per thread, with r = the math's fragment rows (16 for float32, 8 for float64):
 # forward acc = rows/warp * head_dim / 32 elements and S = rows/warp * block_n / 32 (a float64 element is two
 # registers); backward dK and dV = r * (head_dim / split) / 32 each; dq pass dQ = rows/warp * head_dim / 32 plus S
-# and dP. The register counts are `python -m cuflash build --check`'s (NVRTC 12.9, plain specialization; the wide
+# and dP. The register counts are `python -m cuflash build`'s (NVRTC 12.9, plain specialization; the wide
 # kernels' budget is 240, wide_traits.cuh; the 3xTF32 rows since its products sum apart, kernels/wide_mma.cuh),
 # which every row passes on sm_80 and sm_90 with 0 spills, plain and with
 # the representative modifier; "(16 spilled ...)" records the 16-key row a row replaced.

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from .. import _env
 from ..cuda.launch import LaunchSpec
 from . import available, cache_dir, compile_log, launch
 
@@ -41,9 +42,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuflash.emulate", description=__doc__)
     parser.add_argument("--bench", action="store_true", help="measure the per-barrier cost")
     args = parser.parse_args(argv)
+    try:  # every setting the emulator reads, and its cache, before saying it is usable
+        _env.check_all()
+        cache = cache_dir()
+    except ValueError as exc:
+        print(f"{parser.prog}: error: {exc}")
+        return 2
     ok, reason = available()
     print(f"available: {ok} ({reason})")
-    print(f"cache: {cache_dir()}")
+    print(f"cache: {cache}")
+    if ok:  # a real launch (compiled once, then cached): what available() alone cannot promise
+        start = time.perf_counter()
+        launch(LaunchSpec(BARRIER_LOOP, "barrier_loop", (1, 1, 1), (32, 1, 1), 0, (np.int32(1), np.zeros(32, np.int32))))
+        print(f"launch: ok ({time.perf_counter() - start:.2f} s)")
     if ok and args.bench:
         for threads in (32, 128, 256):
             print(f"__syncthreads, {threads:3d} threads: {barrier_cost(threads) * 1e6:.2f} us")
