@@ -324,7 +324,7 @@ def test_exp_clamp_is_exact_where_it_matters(dtype):
     NaN); the others are exp to the last bit where the smallest normal number is below their rounding, and off
     by at most that number near it."""
     p = make_problem(*rng_arrays(0, (1, 4, 1, 8), (1, 4, 1, 8), (1, 4, 1, 8), dtype=dtype))
-    rule = nb._exp_rule(p, np.dtype(dtype))
+    rule = nb._exp_rule(p, np.dtype(dtype), p.q)
     assert rule.floor is not None
     x = np.array([-np.inf, -1e4, rule.floor, rule.floor + 1, -3.25, -1e-3, 0.0, np.nan], dtype=dtype)
     want = rule.exp(x)
@@ -727,3 +727,39 @@ def test_rows_that_see_nothing_raise_no_floating_point_warnings(dtype):
     assert blind.any() and not blind.all()
     assert not out[0, blind, 0].any() and not dq[0, blind, 0].any()
     assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+
+
+def _dtype(name):
+    return np.dtype(pytest.importorskip("ml_dtypes").bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+@pytest.mark.parametrize("name, big", [("float32", 2e38), ("bfloat16", 1.99e38), ("float64", 1e308)])
+def test_v_near_the_dtypes_largest_does_not_overflow_the_accumulator(name, big):
+    """FA2's acc = sum_j exp(S_j - m) V_j is divided by l only at the end: with V near the dtype's largest it
+    overflowed to inf where the output, an average of rows of V, is an ordinary number; now V runs scaled by a
+    power of two there. Held to the rule, causal and not."""
+    rng = np.random.default_rng(0)
+    dt = _dtype(name)
+    q, k = (rng.standard_normal((1, 40, 2, 8)).astype(dt) for _ in range(2))
+    v = (big * rng.uniform(0.5, 1.0, (1, 40, 2, 8))).astype(dt)
+    dout = rng.standard_normal((1, 40, 2, 8)).astype(dt)
+    for causal in (False, True):
+        case = Case(q, k, v, dout, dict(causal=causal))
+        out, lse = check_forward(lambda *a, **o: cuflash.attention(*a, **o, return_lse=True), case)
+        assert np.isfinite(out.astype(np.float64)).all()
+
+
+@pytest.mark.parametrize("name, qv, kv, scale", [("float32", 3e38, 1e-38, None), ("bfloat16", 3e38, 1e-38, None),
+                                                 ("float32", 2e38, 1e-37, 2.0), ("float64", 1e308, 1e-307, 2.0)])
+def test_q_near_the_dtypes_largest_is_not_scaled_into_an_overflow(name, qv, kv, scale):
+    """The scale (times log2 e for float32) was folded into Q before Q K^T: q = 3e38 overflowed to inf and the
+    output to NaN, where scale * (q . k) is 3. A factor above 1 that could overflow Q now scales the score tiles."""
+    dt = _dtype(name)
+    q = np.full((1, 1, 1, 1), qv).astype(dt)
+    k = np.array([kv, -kv]).reshape(1, 2, 1, 1).astype(dt)
+    v = np.array([1.0, 2.0]).reshape(1, 2, 1, 1).astype(dt)
+    case = Case(q, k, v, np.ones_like(q), dict(scale=scale))
+    out, lse = check_forward(lambda *a, **o: cuflash.attention(*a, **o, return_lse=True), case)
+    if name != "float64":  # there the rule's own term magnitudes (|dS| |Q|, in float64) overflow: no bound to hold
+        check_backward(cuflash.attention_backward, case, out, lse)
+    assert np.isfinite(lse).all()

@@ -268,6 +268,7 @@ class _Prepared:
     v_nonfinite: bool             # some element of V is not finite (the forward's _seen_product)
     any_nonfinite: bool           # some element of Q, K, V or ``also`` is (the backward's _seen_product; no warnings)
     v1: Optional[np.ndarray] = None  # [V | 1] where the forward folds the row sum into P V (_rowsum_in_pv)
+    v_scale: float = 1.0          # a power of two the forward runs V at (:func:`_v_scale`)
 
 
 class _PerChunk:
@@ -296,13 +297,15 @@ class _PerChunk:
         q, k, v = self.q[chunk], self.k[chunk], self.v[chunk]
         kt, copy = _keys_transposed(problem, k, self.matmul)
         norms = [functools.partial(_Bounds.largest_norm, x) for x in (k, v)] if self.bounded else []
-        checks = [functools.partial(_nonfinite, x) for x in (v, q, k) + tuple(x[chunk] for x in self.also)]
+        checks = [functools.partial(_largest, v)] + [functools.partial(_nonfinite, x)
+                                                      for x in (q, k) + tuple(x[chunk] for x in self.also)]
         v1, ones = _with_ones(v) if self.ones_column else (None, [])
 
         def finish(results):
             kv, bad = results[len(copy):len(copy) + len(norms)], results[len(copy) + len(norms):][:len(checks)]
             bounds = _Bounds(problem, rule, *kv, wt) if kv else None
-            return _Prepared(kt, bounds, bad[0], any(bad), v1)
+            vmax, bad = bad[0], [not math.isfinite(bad[0])] + bad[1:]
+            return _Prepared(kt, bounds, bad[0], any(bad), v1, _v_scale(problem, wt, vmax))
 
         return _Together(copy + norms + checks + ones, finish)
 
@@ -551,13 +554,28 @@ class _Exp:
     floor: Optional[float] = None  # the smallest argument of ``exp`` with a normal result (see _exp)
 
 
-def _exp_rule(problem, wt) -> _Exp:
+def _exp_rule(problem, wt, q) -> _Exp:
+    """``q``: the problem's Q in the working dtype ``wt``."""
     if wt == np.float32 and (problem.mods is None or problem.mods.score is None):
-        return _Exp(wt.type(problem.scale * LOG2E), None, np.exp2, np.log2, 1.0, wt.type(np.finfo(wt).minexp))
-    exact = problem.scale != 0 and math.frexp(problem.scale)[0] in (0.5, -0.5)
+        factor = wt.type(problem.scale * LOG2E)
+        fold = _foldable(q, factor, wt)
+        return _Exp(factor if fold else None, None if fold else factor, np.exp2, np.log2, 1.0,
+                    wt.type(np.finfo(wt).minexp))
     scale = wt.type(problem.scale)
+    exact = problem.scale != 0 and math.frexp(problem.scale)[0] in (0.5, -0.5) and _foldable(q, scale, wt)
     floor = wt.type(math.ceil(np.finfo(wt).minexp * LN2)) if wt == np.float64 else None
     return _Exp(scale if exact else None, None if exact else scale, np.exp, np.log, LOG2E, floor)
+
+
+def _foldable(q, factor, wt) -> bool:
+    """Whether Q times ``factor`` stays finite: a factor above 1 can push an element near the dtype's largest
+    past it (q = 3e38 with head_dim 1) where ``scale * (q . k)``, scaled after the product, is an ordinary
+    number; then the factor multiplies each score tile instead. One pass over Q, and only for such factors."""
+    if abs(float(factor)) <= 1 or q.size == 0:
+        return True
+    with np.errstate(invalid="ignore"):
+        top = float(np.nanmax(np.abs(q)))
+    return not top * abs(float(factor)) > float(np.finfo(wt).max)
 
 
 def _exp(s, rule, clamp=True):
@@ -656,6 +674,28 @@ class _Bounds:
     def normal(self, u, m_safe):
         """Every argument ``S - m`` of the tile's ``exp`` is at least ``e_min`` (its result normal)."""
         return bool(np.all(u + m_safe * self.bits <= self.normal_limit))
+
+
+def _largest(x) -> float:
+    """max |x| (inf or NaN where ``x`` is not finite; 0 for none): two reductions, no temporary."""
+    if x.size == 0:
+        return 0.0
+    hi, lo = float(x.max()), float(x.min())
+    return math.nan if math.isnan(hi) or math.isnan(lo) else max(abs(hi), abs(lo))
+
+
+def _v_scale(problem, wt, vmax: float) -> float:
+    """The power of two the forward multiplies V by (and divides the output by): 1 unless FA2's unnormalized
+    accumulator ``acc = sum_j exp(S_j - m) V_j`` (Alg. 1 line 10, divided by l only at line 12), up to
+    ``Sk max|V| / (1 - dropout)``, could overflow where the output itself, an average of rows of V, cannot (V near
+    the dtype's largest). Exact, but for the rounding of elements of V pushed into the subnormals, far below the
+    output's own rounding."""
+    fi = np.finfo(wt)
+    if not math.isfinite(vmax) or vmax == 0:
+        return 1.0
+    need = math.log2(vmax) + math.log2(max(problem.seqlen_k, 1)) - math.log2(1.0 - problem.dropout_p)
+    excess = math.ceil(need - (fi.maxexp - 4))
+    return 1.0 if excess <= 0 else math.ldexp(1.0, -excess)
 
 
 def _nonfinite(*arrays) -> bool:
@@ -774,8 +814,8 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     leaves ``out`` in the working dtype (a part to be merged is rounded once, after the merge)."""
     wt = _work_dtype(problem)
     lay, sched = _plan(problem, block_q, block_k, schedule)
-    rule = _exp_rule(problem, wt)
     q, k, v = (_grouped(x, problem, wt) for x in (problem.q, problem.k, problem.v))
+    rule = _exp_rule(problem, wt, q)
     matmul = products()  # NumPy's or MKL's (CUFLASH_BLAS), one choice for the whole call
     fold = _rowsum_in_pv(problem, wt, matmul)
     prepared = _PerChunk(problem, rule, q, k, v, wt, matmul, ones_column=fold)
@@ -836,6 +876,8 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         l_i = acc[..., d] if fold else np.zeros(q_i.shape[:-1], dtype=wt)
         pv = scratch.get("pv", acc.shape, wt)
         v_j = prep.v1 if fold else v[bs, hs]
+        if prep.v_scale != 1.0:  # V near the dtype's largest: run it scaled down (a copy; [V | 1]'s ones stay 1)
+            v_j = v_j * np.concatenate([np.full(d, prep.v_scale, wt), np.ones(int(fold), wt)])
         for n, tile in enumerate(tiles):
             for t in masks.strips(tile, chunk):  # a partial tile: row strips cut to the keys they see
                 r = slice(t.i0 - i0, t.i1 - i0)
@@ -867,6 +909,8 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                 m_i = np.zeros_like(m_i)
         seen = l_i != 0  # a NaN sum propagates; only rows that saw no key get 0 and -inf
         out[bs, hs, :, i0:i1, :] = acc[..., :d] / np.where(seen, l_i, 1)[..., None]
+        if prep.v_scale != 1.0:
+            out[bs, hs, :, i0:i1, :] *= wt.type(1.0 / prep.v_scale)
         with np.errstate(divide="ignore"):
             nat = (m_i.astype(np.float64) + rule.log(np.where(seen, l_i, 1).astype(np.float64))) * (LN2 * rule.bits)
         lse[bs, hs, :, i0:i1] = np.where(seen, nat, -np.inf)
@@ -901,8 +945,8 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     """The backward of one problem as :class:`_Work` (its dQ accumulators folded in item order)."""
     wt = _work_dtype(problem)
     lay, sched = _plan(problem, block_q, block_k, schedule, BACKWARD_TILE_ELEMENTS)
-    rule = _exp_rule(problem, wt)
     q = _grouped(problem.q, problem, wt)
+    rule = _exp_rule(problem, wt, q)
     k = _grouped(problem.k, problem, wt)
     v = _grouped(problem.v, problem, wt)
     do = _grouped(dout, problem, wt)
