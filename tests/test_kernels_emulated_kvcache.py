@@ -114,3 +114,49 @@ def test_split_heuristic():
 def test_cache_cases_on_the_kernels(case):
     q, cache, lens, k_new, v_new, opts = case
     check_call(q, cache, lens, k_new, v_new, dict(opts, **EMU))
+
+
+def _split_case(poison, dtype=np.float16, seqlen_q=1, length=200, causal=False):
+    rng = np.random.default_rng(0)
+    q = np.abs(rng.standard_normal((1, seqlen_q, 1, 64))).astype(dtype)
+    k, v = (rng.standard_normal((1, 256, 1, 64)).astype(dtype) for _ in range(2))
+    poison(q, k)
+    return q, k, v, np.array([length], np.int32), causal
+
+
+@pytest.mark.parametrize("name", ["nan-in-split-0", "nan-one-split-sees", "plus-inf", "float64-low-lse"])
+def test_split_kv_combine_keeps_nan_inf_and_every_finite_lse(name):
+    """The combine of split-KV decode (kernels/combine.cuh): a NaN a row saw came out as 0 (CUDA's max, fmaxf,
+    drops a NaN, and a NaN m counted as "no key seen"), a +inf lse as NaN (exp(inf - inf)), and a finite float64
+    lse below -1e308 as "no key seen". Each split count gives what the unsplit kernel and the reference give."""
+    def nan_at(j):
+        return lambda q, k: k.__setitem__((0, j, 0, 0), np.nan)
+
+    q, k, v, lens, causal = {
+        "nan-in-split-0": lambda: _split_case(nan_at(5), seqlen_q=100, causal=True),
+        "nan-one-split-sees": lambda: _split_case(nan_at(199)),
+        "plus-inf": lambda: _split_case(lambda q, k: k.__setitem__((0, 10, 0, 0), np.inf)),
+        "float64-low-lse": lambda: _split_case(
+            lambda q, k: (q.__setitem__((Ellipsis, 0), 1e154), q.__setitem__((Ellipsis, slice(1, None)), 0),
+                          k.__setitem__((Ellipsis, 0), -1.5e154), k.__setitem__((Ellipsis, slice(1, None)), 0)),
+            dtype=np.float64, length=40),
+    }[name]()
+    options = dict(causal=causal, window=(3, 0) if name == "nan-one-split-sees" else None,
+                   scale=1.0 if name == "float64-low-lse" else None)
+    with np.errstate(all="ignore"):
+        want, want_lse = reference.attention(q, k[:, :lens[0]], v[:, :lens[0]], return_lse=True, **options)
+        naive = reference.attention(q, k[:, :lens[0]], v[:, :lens[0]], compute_dtype=q.dtype, **options)
+        for splits in (1, 2, 3):
+            out, lse = cuflash.attention_with_kvcache(q, k.copy(), v.copy(), cache_seqlens=lens, num_splits=splits,
+                                                      return_lse=True, backend="emulate", **options)
+            np.testing.assert_array_equal(np.isnan(out), np.isnan(want), err_msg=f"{splits} splits")
+            np.testing.assert_array_equal(lse.astype(np.float64) == np.inf, want_lse == np.inf)
+            np.testing.assert_array_equal(np.isnan(lse), np.isnan(want_lse))
+            finite = ~np.isnan(want)
+            if name == "float64-low-lse" and splits > 1:
+                # seen (it was taken for "no key": out 0, lse -inf), but merged through lse = -1.5e308, whose
+                # rounding (1e292) swallows each split's log(l_s): the lse merge's limit, as in merge_attention_states
+                np.testing.assert_allclose(lse, want_lse, rtol=1e-15)
+                assert np.abs(out).max() > 0
+            elif finite.any():  # the finite rows, by the rule
+                assert_attention_close(out[finite], want[finite], naive[finite])

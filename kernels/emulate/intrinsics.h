@@ -354,9 +354,12 @@ CUFLASH_EMU_MINMAX(long)
 CUFLASH_EMU_MINMAX(unsigned long)
 CUFLASH_EMU_MINMAX(long long)
 CUFLASH_EMU_MINMAX(unsigned long long)
-CUFLASH_EMU_MINMAX(float)
-CUFLASH_EMU_MINMAX(double)
 #undef CUFLASH_EMU_MINMAX
+// CUDA's floating-point min/max are fminf/fmaxf (fmin/fmax): a NaN argument gives the other one
+inline float min(float a, float b) { return std::fmin(a, b); }
+inline float max(float a, float b) { return std::fmax(a, b); }
+inline double min(double a, double b) { return std::fmin(a, b); }
+inline double max(double a, double b) { return std::fmax(a, b); }
 inline unsigned min(int a, unsigned b) { return min(unsigned(a), b); }
 inline unsigned min(unsigned a, int b) { return min(a, unsigned(b)); }
 inline unsigned max(int a, unsigned b) { return max(unsigned(a), b); }
