@@ -109,16 +109,32 @@ def versions(device: str) -> dict:
 
 
 def git_commit(*, given: Optional[str] = None) -> tuple[str, Optional[bool]]:
-    """``(sha, dirty)`` of this checkout; ``(given, None)`` when ``given`` (a copy of the tree without
-    ``.git``, e.g. on a device machine, knows its commit only from the caller); ``("unknown", None)``
-    when neither git nor ``given`` can tell."""
-    if given:
-        return given, None
+    """``(sha, dirty)`` of this checkout, git's word whenever git can tell: ``given`` (``--commit``) must then be a
+    prefix of HEAD's sha (a ValueError otherwise, so that no run records a commit it did not measure). Where git
+    cannot tell (a copy of the tree without ``.git``, e.g. on a device machine, knows its commit only from the
+    caller), ``(given, None)`` if ``given`` looks like a commit (7 to 40 hex digits; a ValueError otherwise);
+    ``("unknown", None)`` when neither can tell."""
+    if given is not None and not re.fullmatch(r"[0-9a-fA-F]{7,40}", given):
+        raise ValueError(f"--commit {given!r} does not look like a commit (7 to 40 hex digits)")
+    given = given and given.lower()
+    head = _git_head()
+    if head is None:
+        return given or "unknown", None
+    sha, dirty = head
+    if given and not sha.startswith(given):
+        raise ValueError(f"--commit {given} is not this checkout's HEAD ({sha}); in a git checkout the commit "
+                         f"comes from git: leave --commit out")
+    return sha, dirty
+
+
+def _git_head() -> Optional[tuple[str, bool]]:
+    """``(HEAD's sha, dirty)`` where this tree is a git checkout; None where git cannot tell (no git, no .git, or
+    the tree is a copy inside another repository's folder: that repository's HEAD is not this tree's commit)."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
+        top, sha = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=REPO, capture_output=True,
+                                  text=True, timeout=10, check=True).stdout.splitlines()
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                 capture_output=True, text=True, timeout=10, check=True).stdout
-        return sha or "unknown", bool(status.strip())
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return (sha, bool(status.strip())) if Path(top).resolve() == REPO else None

@@ -308,23 +308,34 @@ def write_json(path, result):
     print(f"wrote {path}")
 
 
+def _at_least_one(text):
+    """argparse type of --rounds and --threads: 0 is no count (it read as "the default"), below it a crash later."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the results as JSON to this file")
     ap.add_argument("--quick", action="store_true", help="N = 4096 only, 3 rounds, a small memory grid")
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per case (default 5, quick 3)")
+    ap.add_argument("--rounds", type=_at_least_one, default=None, help="timed rounds per case (default 5, quick 3)")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-speed", action="store_true")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=_at_least_one, default=None,
                     help="threads for every implementation (default: all cores); "
                          "1 adds the float32 floor and products loops")
     ap.add_argument("--backward", action="store_true",
                     help="time forward + backward (cuflash against PyTorch's SDPA with autograd; no naive, no floor)")
     args = ap.parse_args(argv)
-    threads = args.threads or _cores()
+    threads = args.threads if args.threads is not None else _cores()
     os.environ["CUFLASH_NUM_THREADS"] = str(threads)  # before cuflash's first call reads it
     torch = _torch(threads)
-    rounds = args.rounds or (3 if args.quick else 5)
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     result = dict(_meta(torch), threads=threads, speed=[], memory=[])
     if not args.no_speed:
         cases = [(np.float32, n, d, c) for n in ((4096,) if args.quick else (4096, 16384))

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
@@ -55,6 +57,13 @@ class Record:
 RECORD_FIELDS = tuple(f.name for f in fields(Record))
 #: fields added after results were first committed, with the value an older record means (2026-11-26: tile)
 LATER_FIELDS = {"tile": None}
+#: the types each record field may hold, from Record's annotations (Optional: null too; see _fits)
+RECORD_TYPES = {name: typing.get_args(hint) or (hint,) for name, hint in typing.get_type_hints(Record).items()}
+#: the file-level fields every figure JSON holds, with their JSON types
+FILE_FIELDS = {"figure": str, "commit": str, "date": str, "device": dict, "mode": str, "records": list,
+               "skipped": list, "failed": list}
+#: file-level fields added later, with the value an older file means (2026-11-26: failed)
+LATER_FILE_FIELDS = {"failed": []}
 
 
 @dataclass
@@ -86,7 +95,7 @@ def write_results(payload_by_fig: dict, out_dir: Path, *, plots: bool = True) ->
     written = []
     for fig, payload in payload_by_fig.items():
         path = out_dir / f"{FIGURE_FILES[fig]}.json"
-        path.write_text(json.dumps(payload, indent=1) + "\n")
+        _write_whole(path, json.dumps(payload, indent=1) + "\n")
         written.append(path)
     if plots:
         from .plots import write_plots
@@ -95,23 +104,103 @@ def write_results(payload_by_fig: dict, out_dir: Path, *, plots: bool = True) ->
     return written
 
 
+def _write_whole(path: Path, text: str):
+    """``text`` into ``path`` through a temporary file beside it: a run killed while writing a checkpoint leaves
+    the previous file whole, never a truncated JSON (os.replace is atomic within one file system)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def run_of(payload: dict) -> tuple:
+    """What makes figures one run: ``(commit, device name, mode)``; a results folder holds one run."""
+    return payload["commit"], payload["device"]["name"], payload["mode"]
+
+
+def describe_run(run: tuple) -> str:
+    """A :func:`run_of` key as words, for messages."""
+    commit, device, mode = run
+    return f"commit {commit[:12]} on {device!r}, {mode}"
+
+
+def load_figure(path: Path, fig: str) -> dict:
+    """The JSON object of figure ``fig`` at ``path``, checked against the schema: the file-level fields and
+    every record's fields and their types (a ValueError names the file and what does not fit)."""
+    try:
+        payload = json.loads(path.read_text())
+    except ValueError as exc:  # JSONDecodeError (e.g. a file cut short by a kill), UnicodeDecodeError
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    for name, value in LATER_FILE_FIELDS.items():  # a file written before the field existed
+        payload.setdefault(name, list(value))
+    bad = sorted(name for name, kind in FILE_FIELDS.items() if not isinstance(payload.get(name), kind))
+    if not bad and not isinstance(payload["device"].get("name"), str):
+        bad = ["device.name"]
+    if bad:
+        raise ValueError(f"{path}: the fields {bad} are missing or not of their type")
+    if payload["figure"] != fig:
+        raise ValueError(f"{path}: holds figure {payload['figure']!r}, not {fig!r}")
+    for rec in payload["records"]:
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}: a record is not a JSON object")
+        for name in set(LATER_FIELDS) - set(rec):  # a record written before the field existed
+            rec[name] = LATER_FIELDS[name]
+        if set(rec) != set(RECORD_FIELDS):
+            raise ValueError(f"{path}: a record's fields {sorted(set(rec) ^ set(RECORD_FIELDS))} do not fit "
+                             f"the schema")
+        wrong = sorted(name for name, value in rec.items() if not _fits(value, RECORD_TYPES[name]))
+        if wrong:
+            raise ValueError(f"{path}: a record's fields {wrong} are not of their type "
+                             f"({', '.join(f'{n}={rec[n]!r}' for n in wrong)})")
+    return payload
+
+
+def _fits(value, types: tuple) -> bool:
+    """Whether a JSON value fits a field annotated with ``types``: bool, a subclass of int in Python, is no number
+    here; a float field takes a JSON integer too (a hand-written 1 for 1.0)."""
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return isinstance(value, types)
+
+
 def load_results(folder: Path) -> dict:
-    """``{figure: JSON object}`` of every figure JSON in ``folder``; records are checked against
-    :class:`Record` (a ValueError names the file and the fields that do not fit)."""
+    """``{figure: JSON object}`` of every figure JSON in ``folder``, each checked by :func:`load_figure`; a
+    folder whose figures come from more than one run (:func:`run_of`) is a ValueError naming it."""
     by_fig = {}
+    for fig, stem in FIGURE_FILES.items():
+        path = folder / f"{stem}.json"
+        if path.exists():
+            by_fig[fig] = load_figure(path, fig)
+    runs = sorted({run_of(p) for p in by_fig.values()})
+    if len(runs) > 1:  # figures of different runs, side by side, would read as one measurement
+        raise ValueError(f"{folder}: holds the figures of {len(runs)} runs "
+                         f"({'; '.join(map(describe_run, runs))}); a results folder holds one run")
+    return by_fig
+
+
+def other_runs(folder: Path, run: tuple) -> dict:
+    """``{figure JSON: what it is}`` for every figure file in ``folder`` that is not of ``run``: another run's, or
+    unreadable (no run can be told from it)."""
+    others = {}
     for fig, stem in FIGURE_FILES.items():
         path = folder / f"{stem}.json"
         if not path.exists():
             continue
-        payload = json.loads(path.read_text())
-        for rec in payload.get("records", []):
-            for name in set(LATER_FIELDS) - set(rec):  # a record written before the field existed
-                rec[name] = LATER_FIELDS[name]
-            if set(rec) != set(RECORD_FIELDS):
-                raise ValueError(f"{path}: a record's fields {sorted(set(rec) ^ set(RECORD_FIELDS))} do not fit "
-                                 f"the schema")
-        by_fig[fig] = payload
-    return by_fig
+        try:
+            theirs = run_of(load_figure(path, fig))
+        except (OSError, ValueError) as exc:
+            others[path] = f"unreadable: {exc}"
+            continue
+        if theirs != run:
+            others[path] = describe_run(theirs)
+    return others
 
 
 # ------------------------------------------------------------------------------------------------ table

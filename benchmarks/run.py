@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from . import environment
 from .cases import FIGURES, Case, suite
 from .impls import IMPLS, Impl, Skip, applicable, model_io_bytes
 from .inputs import Inputs, make_inputs
-from .report import Record, RunResult, load_results, payloads, table, write_results
+from .report import Record, RunResult, describe_run, load_results, other_runs, payloads, table, write_results
 from .timing import TIMINGS, Timing, first_call_peak, is_oom, release_memory, time_it
 
 #: Seconds of measuring after which the remaining pairs are skipped: a quick CPU run must end within a
@@ -166,7 +167,11 @@ def replot(folder: Path) -> int:
     """Redraw the PNG of every figure JSON in ``folder``; 1 when there is none."""
     from .plots import write_plots
 
-    by_fig = load_results(folder)
+    try:
+        by_fig = load_results(folder)
+    except ValueError as exc:  # a file that does not fit, figures of two runs: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if not by_fig:
         print(f"no result JSON in {folder}", file=sys.stderr)
         return 1
@@ -187,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
                       help="the quick code paths at toy sizes (tests, CI, a dry run of gpu_session.sh)")
     p.add_argument("--out", type=Path, default=None, help="result folder (default benchmarks/results/<device>/)")
+    p.add_argument("--replace", action="store_true",
+                   help="remove the figures of another run (commit, device, mode) from --out first (without it, "
+                        "such figures are an error: a results folder holds one run)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: CuPy + GPU (an error without them); cpu: the NumPy backend (default: cuda when "
                         "available)")
@@ -198,7 +206,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds after which remaining cases are skipped (quick 50, full 500)")
     p.add_argument("--commit", default=None,
-                   help="commit to record when this tree is no git checkout (a device machine's copy)")
+                   help="commit to record when this tree is no git checkout (a device machine's copy; 7 to 40 hex "
+                        "digits); in a checkout git's HEAD is recorded, and --commit must be a prefix of it")
     p.add_argument("--no-plot", action="store_true", help="write JSON only")
     p.add_argument("--replot", type=Path, default=None, metavar="DIR",
                    help="only redraw the PNGs of the result JSON files in DIR, measuring nothing")
@@ -212,6 +221,8 @@ def _names(text: Optional[str], known, what: str, parser: argparse.ArgumentParse
     if text is None:
         return None
     names = {s.strip() for s in text.split(",") if s.strip()}
+    if not names:  # an empty filter would measure nothing and still exit 0
+        parser.error(f"no {what} named in {text!r}; choose from {', '.join(known)}")
     if names - set(known):
         parser.error(f"unknown {what} {sorted(names - set(known))}; choose from {', '.join(known)}")
     return names
@@ -233,6 +244,41 @@ def _device(args, parser: argparse.ArgumentParser) -> str:
     return device
 
 
+def _commit(args, parser: argparse.ArgumentParser) -> tuple[str, Optional[bool]]:
+    """``(commit, dirty)`` to record (:func:`environment.git_commit`); a --commit git contradicts or that does not
+    look like a commit is a usage error."""
+    try:
+        return environment.git_commit(given=args.commit)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _out_folder(out_dir: Path, run: tuple, replace: bool, parser: argparse.ArgumentParser):
+    """Make sure, before measuring, that the results can be written to ``out_dir`` and that it then holds this run
+    alone: another run's figure files (JSON and PNG) are a usage error, or removed with ``--replace``. The run's
+    own checkpoints are written later, into a folder that holds this run only."""
+    if out_dir.exists() and not out_dir.is_dir():
+        parser.error(f"--out {out_dir}: not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test.{os.getpid()}"
+        probe.touch()  # root ignores mode bits (os.access would say yes); a file made and removed tells
+        probe.unlink()
+    except OSError as exc:
+        parser.error(f"--out {out_dir}: cannot write results there ({exc.strerror or exc})")
+    others = other_runs(out_dir, run)
+    if others and not replace:
+        by_run = {}
+        for path, what in others.items():
+            by_run.setdefault(what, []).append(path.name)
+        listed = "; ".join(f"{what} ({', '.join(names)})" for what, names in by_run.items())
+        parser.error(f"--out {out_dir} holds figures of another run than this one ({describe_run(run)}): "
+                     f"{listed}; a results folder holds one run: choose another --out, or --replace to remove them")
+    for path in others:
+        path.unlink()
+        path.with_suffix(".png").unlink(missing_ok=True)
+
+
 def main(argv=None) -> int:
     """Entry point of ``python -m benchmarks.run``; returns the exit status (2: usage error)."""
     parser = _parser()
@@ -242,12 +288,15 @@ def main(argv=None) -> int:
     device = _device(args, parser)
     figures = _names(args.only, FIGURES, "figure(s)", parser)
     impls = _names(args.impl, tuple(IMPLS), "impl(s)", parser)
+    if args.time_limit is not None and not args.time_limit > 0:  # NaN too: every pair would be skipped
+        parser.error(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     info = environment.gpu_info() if device == "cuda" else environment.cpu_info()
     cases = [c for c in suite(device, args.mode) if figures is None or c.figure in figures]
     limit = DEFAULT_TIME_LIMIT[args.mode] if args.time_limit is None else args.time_limit
-    print(f"benchmarks.run --{args.mode} on {info['name']} ({device}); {len(cases)} cases", file=sys.stderr)
     out_dir = args.out or Path("benchmarks") / "results" / environment.device_slug(info)
-    commit, dirty = environment.git_commit(given=args.commit)
+    commit, dirty = _commit(args, parser)
+    _out_folder(out_dir, (commit, info["name"], args.mode), args.replace, parser)
+    print(f"benchmarks.run --{args.mode} on {info['name']} ({device}); {len(cases)} cases", file=sys.stderr)
     t0 = time.monotonic()
 
     def meta(**more):

@@ -5,8 +5,10 @@ Fast (a few seconds): the runner is exercised through ``--smoke``, the quick mod
 toy sizes; no timing is asserted anywhere. ``benchmarks`` is imported from the checkout (the repository
 root is on ``sys.path``: ``python -m pytest`` from the root, or the root ``conftest.py``).
 """
+import functools
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -343,15 +345,18 @@ SCHEMA = {"impl", "op", "dtype", "head_dim", "seqlen_q", "seqlen_k", "batch", "h
 SMOKE = ["--smoke", "--no-plot", "--no-progress"]
 
 
-def test_smoke_run_writes_every_figure_in_the_schema(tmp_path, capsys):
-    status = run.main(SMOKE + ["--out", str(tmp_path), "--impl", "cuflash,numpy", "--commit", "abc123"])
+def test_smoke_run_writes_every_figure_in_the_schema(tmp_path, capsys, monkeypatch):
+    from benchmarks import environment
+
+    monkeypatch.delenv("GPU_SESSION_DRY_RUN", raising=False)
+    status = run.main(SMOKE + ["--out", str(tmp_path), "--impl", "cuflash,numpy"])
     assert status == 0
     printed = capsys.readouterr().out
     for fig in ("throughput", "memory", "blocksparse", "tiles", "decode"):
         assert f"== {fig}" in printed
         payload = json.loads((tmp_path / f"{cases.FIGURE_FILES[fig]}.json").read_text())
         assert {"device", "commit", "date", "versions", "records"} <= set(payload)
-        assert payload["commit"] == "abc123" and payload["dirty"] is None  # --commit: a copy without .git
+        assert payload["commit"] == environment.git_commit()[0]  # git's HEAD, "unknown" where there is no git
         assert payload["records"] and all(SCHEMA <= set(r) for r in payload["records"])
         assert all(r["impl"] in ("cuflash", "numpy") and r["ms"] > 0 for r in payload["records"])
     loaded = report.load_results(tmp_path)
@@ -380,6 +385,159 @@ def test_load_results_names_a_file_that_does_not_fit(tmp_path):
         report.load_results(tmp_path)
 
 
+def _committed(tmp_path: Path, *names: str, source: Path = COMMITTED) -> Path:
+    """``tmp_path`` holding copies of committed result files (another run's: an AMD EPYC, quick, Nov 21)."""
+    for name in names:
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    return tmp_path
+
+
+def _no_measuring(*args, **kw):
+    raise AssertionError("measured although the arguments were refused")
+
+
+def test_a_folder_of_another_run_is_refused_unless_replaced(tmp_path, capsys, monkeypatch):
+    """--out into a folder that holds another run's figures mixed the two silently: a usage error before measuring,
+    naming the folder and the other run; --replace removes that run's figures (JSON and PNG) first. The same run
+    (commit, device, mode) may add figures, its own checkpoints included."""
+    import functools
+
+    folder = _committed(tmp_path, "fig5_decode.json", "fig5_decode.png")
+    measure = run.run_cases
+    monkeypatch.setattr(run, "run_cases", _no_measuring)
+    with pytest.raises(SystemExit) as exc:
+        run.main(SMOKE + ["--out", str(folder), "--only", "tiles", "--impl", "cuflash"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and str(folder) in err and "d828e844784f on 'AMD EPYC', quick" in err
+    assert "--replace" in err and {p.name for p in folder.iterdir()} == {"fig5_decode.json", "fig5_decode.png"}
+    # checkpoints after every pair: the run's own files are never taken for another run's
+    monkeypatch.setattr(run, "run_cases", functools.partial(measure, checkpoint_s=0))
+    assert run.main(SMOKE + ["--out", str(folder), "--only", "tiles", "--impl", "cuflash", "--replace"]) == 0
+    assert {p.name for p in folder.iterdir()} == {"fig4_tiles.json"}
+    assert run.main(SMOKE + ["--out", str(folder), "--only", "decode", "--impl", "cuflash"]) == 0  # the same run
+    loaded = report.load_results(folder)
+    assert set(loaded) == {"tiles", "decode"} and len({report.run_of(p) for p in loaded.values()}) == 1
+
+
+def test_load_results_refuses_figures_of_two_runs(tmp_path):
+    _committed(tmp_path, "fig5_decode.json")
+    _committed(tmp_path, "fig1_throughput.json", source=REPO / "benchmarks" / "results" / "gpu-nvidia-h100-80gb-hbm3")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + ".* 2 runs .*NVIDIA H100.*AMD EPYC"):
+        report.load_results(tmp_path)
+    assert run.main(["--replot", str(tmp_path)]) == 1  # one line, no traceback
+
+
+@pytest.mark.parametrize("where, value, match", [
+    (["commit"], None, r"\['commit'\] are missing"), (["date"], None, r"\['date'\]"),
+    (["mode"], None, r"\['mode'\]"), (["skipped"], None, r"\['skipped'\]"),
+    (["device"], {"kind": "cpu"}, r"\['device.name'\]"), (["records"], {}, r"\['records'\]"),
+    (["failed"], "none", r"\['failed'\]"), (["figure"], "tiles", "holds figure 'tiles'"),
+    (["records", 0, "ms"], "fast", r"\['ms'\] are not of their type \(ms='fast'\)"),
+    (["records", 0, "impl"], 42, r"\['impl'\]"), (["records", 0, "seqlen_k"], None, r"\['seqlen_k'\]"),
+    (["records", 0, "causal"], 1, r"\['causal'\]"), (["records", 0, "head_dim"], True, r"\['head_dim'\]"),
+    (["records", 0, "tile"], "128x64", r"\['tile'\]"), (["records", 0, "peak_bytes"], 1.5, r"\['peak_bytes'\]"),
+], ids=lambda x: ".".join(map(str, x)) if isinstance(x, list) else "")
+def test_load_results_checks_the_file_fields_and_the_record_types(tmp_path, where, value, match):
+    """Only the records' field names were checked: a file without its commit, date, device or mode, or records whose
+    values are of the wrong type (bool is no int there), passed; None below means the field is removed."""
+    payload = json.loads((COMMITTED / "fig5_decode.json").read_text())
+    *path, last = where
+    parent = functools.reduce(lambda obj, key: obj[key], path, payload)
+    if value is None and not path:
+        del parent[last]
+    else:
+        parent[last] = value
+    (tmp_path / "fig5_decode.json").write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match=r"fig5_decode.json: .*" + match):
+        report.load_results(tmp_path)
+
+
+def test_load_results_names_a_file_that_is_not_json(tmp_path, capsys):
+    text = (COMMITTED / "fig5_decode.json").read_text()
+    (tmp_path / "fig5_decode.json").write_text(text[: len(text) // 2])  # as a kill during a plain write left it
+    with pytest.raises(ValueError, match=r"fig5_decode.json: not valid JSON"):
+        report.load_results(tmp_path)
+    assert run.main(["--replot", str(tmp_path)]) == 1
+    assert "fig5_decode.json: not valid JSON" in capsys.readouterr().err
+
+
+def test_write_results_replaces_each_file_whole(tmp_path, monkeypatch):
+    """A run killed while a checkpoint is written keeps the previous file whole, never half a JSON: each file is
+    written beside its place and renamed over it."""
+    payload = json.loads((COMMITTED / "fig5_decode.json").read_text())
+    report.write_results({"decode": payload}, tmp_path, plots=False)
+    before = (tmp_path / "fig5_decode.json").read_text()
+
+    def killed(src, dst):
+        assert Path(src).parent == Path(dst).parent == tmp_path  # the same file system: the rename is atomic
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        report.write_results({"decode": dict(payload, records=payload["records"][:1])}, tmp_path, plots=False)
+    assert (tmp_path / "fig5_decode.json").read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["fig5_decode.json"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("out, match", [("afile", "not a folder"), ("afile/sub", "cannot write results there"),
+                                        ("readonly", "cannot write results there")])
+def test_a_bad_out_is_a_usage_error_before_measuring(tmp_path, out, match, capsys, monkeypatch):
+    """An --out that is a file, or a folder that cannot be made or written, was found after all the measuring."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "readonly").mkdir(mode=0o500)
+    if out == "readonly":  # root writes into a 0500 folder anyway: the refusal it would meet, made for everyone
+        real_touch = Path.touch
+
+        def touch(self, *a, **k):
+            if self.parent == tmp_path / "readonly":
+                raise PermissionError(13, "Permission denied", str(self))
+            return real_touch(self, *a, **k)
+
+        monkeypatch.setattr(Path, "touch", touch)
+    monkeypatch.setattr(run, "run_cases", _no_measuring)
+    with pytest.raises(SystemExit) as exc:
+        run.main(SMOKE + ["--out", str(tmp_path / out), "--only", "decode", "--impl", "cuflash"])
+    assert exc.value.code == 2 and re.search(re.escape(str(tmp_path / out)) + ".*" + match, capsys.readouterr().err)
+
+
+def test_commit_comes_from_git_in_a_checkout(tmp_path, capsys, monkeypatch):
+    """--commit overrode git in a checkout and took any text: git's HEAD is recorded, a --commit it contradicts or
+    that is no commit is a usage error."""
+    from benchmarks import environment
+
+    monkeypatch.delenv("GPU_SESSION_DRY_RUN", raising=False)
+    sha, dirty = environment.git_commit()
+    if dirty is None:
+        pytest.skip("this tree is no git checkout")
+    common = SMOKE + ["--out", str(tmp_path / "out"), "--only", "decode", "--impl", "cuflash", "--commit"]
+    measure = run.run_cases
+    monkeypatch.setattr(run, "run_cases", _no_measuring)
+    other = ("1" if sha[0] == "0" else "0") + sha[1:]
+    for given, match in ((other, "is not this checkout's HEAD"), ("not-a-commit", "does not look like a commit")):
+        with pytest.raises(SystemExit) as exc:
+            run.main(common + [given])
+        assert exc.value.code == 2 and match in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(run, "run_cases", measure)
+    assert run.main(common + [sha[:10].upper()]) == 0
+    payload = json.loads((tmp_path / "out" / "fig5_decode.json").read_text())
+    assert payload["commit"] == sha and isinstance(payload["dirty"], bool)
+
+
+def test_commit_where_git_cannot_tell(tmp_path, capsys, monkeypatch):
+    """A copy without .git (a device machine; gpu_session.sh's dry run stands for one) records --commit, if it looks
+    like a commit."""
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / "no-git"))  # git cannot tell
+    common = SMOKE + ["--only", "decode", "--impl", "cuflash", "--commit"]
+    for given in ("abc123", "not-a-commit", "0" * 41):
+        with pytest.raises(SystemExit) as exc:
+            run.main(common + [given, "--out", str(tmp_path / "refused")])
+        assert exc.value.code == 2 and "does not look like a commit" in capsys.readouterr().err
+    assert run.main(common + ["ABCDEF1", "--out", str(tmp_path / "copy")]) == 0
+    payload = json.loads((tmp_path / "copy" / "fig5_decode.json").read_text())
+    assert (payload["commit"], payload["dirty"]) == ("abcdef1", None)
+
+
 def test_plots_when_matplotlib_is_there(tmp_path):
     pytest.importorskip("matplotlib")
     assert run.main(SMOKE[:1] + ["--out", str(tmp_path), "--impl", "cuflash", "--only", "tiles,decode",
@@ -394,6 +552,11 @@ def test_plots_when_matplotlib_is_there(tmp_path):
     (["--require-device", "cuda"], "--require-device cuda: .*refusing"),
     (["--only", "speed"], r"unknown figure\(s\) \['speed'\]"),
     (["--impl", "flash3"], r"unknown impl\(s\) \['flash3'\]"),
+    pytest.param(["--only", ""], r"no figure\(s\) named in ''", id="empty-only"),
+    pytest.param(["--impl", " , "], r"no impl\(s\) named in ' , '", id="empty-impl"),
+    pytest.param(["--time-limit", "0"], "--time-limit must be a positive", id="time-limit-0"),
+    pytest.param(["--time-limit", "-5"], "--time-limit must be a positive", id="time-limit-negative"),
+    pytest.param(["--time-limit", "nan"], "--time-limit must be a positive", id="time-limit-nan"),
 ])
 def test_refusals_are_usage_errors(argv, match, tmp_path, capsys, monkeypatch):
     """No silent fallback: a run that cannot measure what it was asked to exits 2 before measuring."""
@@ -484,6 +647,23 @@ def test_numpy_products_loop_is_the_two_products_of_the_visited_tiles(causal):
 
     exact, naive = chain(np.float64), chain(np.float32)
     assert_attention_close(out, exact, naive, mult=2, name="products", magnitude=np.abs(exact).max())
+
+
+@pytest.mark.parametrize("argv, match", [(["--rounds", "0"], "--rounds: must be at least 1, got 0"),
+                                         (["--rounds", "-1"], "--rounds: must be at least 1, got -1"),
+                                         (["--threads", "0"], "--threads: must be at least 1, got 0"),
+                                         (["--threads", "-3"], "--threads: must be at least 1, got -3")],
+                         ids=["rounds-0", "rounds-negative", "threads-0", "threads-negative"])
+def test_numpy_backend_counts_are_at_least_one(argv, match, capsys, monkeypatch):
+    """--rounds 0 ran the default rounds (0 read as unset), -1 crashed after the first case (no median of nothing),
+    --threads 0 used every core, -3 crashed in torch: all usage errors now, before anything runs."""
+    import benchmarks.numpy_backend as bench
+
+    monkeypatch.setattr(bench, "time_case", _no_measuring)
+    monkeypatch.delenv("CUFLASH_NUM_THREADS", raising=False)  # main() sets it: restored after the test
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--no-memory"] + argv)
+    assert exc.value.code == 2 and match in capsys.readouterr().err
 
 
 def test_numpy_benchmark_case_with_one_thread(monkeypatch):

@@ -30,10 +30,12 @@ needs_emulator = pytest.mark.skipif(not emulate.available()[0], reason=f"CPU emu
 
 
 def session(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """Run the script's dry run with ``env`` on top of a clean environment; ``(process, $OUT)``."""
+    """Run the script's dry run with ``env`` on top of a clean environment; ``(process, $OUT)``. As on a device
+    machine, the tree is no git checkout there (GIT_DIR points nowhere): the commit is GPU_SESSION_COMMIT's."""
     out = tmp_path / "out"
     base = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_", "GPU_SESSION_", "CUFLASH_GOLDEN"))}
-    base.update(OUT=str(out), PYTHON=sys.executable, GPU_SESSION_DRY_RUN="1", GPU_SESSION_COMMIT=COMMIT, **env)
+    base.update(OUT=str(out), PYTHON=sys.executable, GPU_SESSION_DRY_RUN="1", GPU_SESSION_COMMIT=COMMIT,
+                GIT_DIR=str(tmp_path / "no-git"), **env)
     done = subprocess.run(["bash", str(SCRIPT), *args], env=base, capture_output=True, text=True, timeout=180)
     return done, out
 
