@@ -38,6 +38,10 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+#: what a yes/no variable accepts (case aside; empty is 0)
+FLAG_VALUES = "0 or 1 (also true/false, yes/no, on/off; empty: 0)"
+
+
 def _flag(raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -81,16 +85,16 @@ VARIABLES: dict[str, Variable] = {
         _text, "a directory owned by you and writable only by you", None,
         "where the emulator keeps compiled kernel libraries; default ~/.cache/cuflash/emulate"),
     "CUFLASH_EMULATE_DEBUG": Variable(
-        _flag, "0 or 1", False, "build emulated kernels with -O0 -g (for a debugger)"),
+        _flag, FLAG_VALUES, False, "build emulated kernels with -O0 -g (for a debugger)"),
     "CUFLASH_EMULATE_PCH": Variable(
-        _flag, "0 or 1", True, "precompile the emulator's shim header once per toolchain"),
+        _flag, FLAG_VALUES, True, "precompile the emulator's shim header once per toolchain"),
     "CUFLASH_EMULATE_CXX": Variable(
         _text, "a C++ compiler command", None, "the compiler of emulated kernels; default g++"),
     "CUFLASH_MPI_CUDA_AWARE": Variable(
-        _flag, "0 or 1", False,
+        _flag, FLAG_VALUES, False,
         "the MPI library takes device buffers (cuflash.distributed over MPI; mpi4py cannot ask the library)"),
     "CUFLASH_EMULATE_HW_MATH": Variable(
-        _flag, "0 or 1", False,
+        _flag, FLAG_VALUES, False,
         "emulate the GPU's fp32 rounding: flush denormals to zero, exp2f with ex2.approx.ftz's error"),
 }
 

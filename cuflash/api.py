@@ -463,7 +463,8 @@ def _check_grad_buffers(buffers: dict[str, Any], xp: Any, q: Any, k: Any, v: Any
 def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> tuple[Array, Vjp]:
     """JAX-style ``(out, vjp)``: ``vjp(dout)`` returns ``(dq, dk, dv)``.
 
-    Takes the options of :func:`attention` (except ``return_lse``, ``return_residual`` and ``out``) and
+    Takes the options of :func:`attention` (except ``return_lse`` and ``return_residual``; ``out=`` is written as
+    there, and its later change detected as ``out``'s) and
     ``deterministic`` of :func:`attention_backward`. Built on :class:`AttentionResidual` (``vjp.residual``): it
     keeps references to ``q``, ``k``, ``v``, ``out`` and the lse (nothing of size N², no copies), and like
     PyTorch's autograd it detects a later in-place change: ``vjp`` raises ``ValueError`` when ``q``, ``k``, ``v``,

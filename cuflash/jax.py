@@ -85,8 +85,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: Optional[f
     q, k, v : jax.Array
         As for :func:`cuflash.attention`: ``(..., seqlen, heads, head_dim)`` (``layout="bshd"``) or
         ``(..., heads, seqlen, head_dim)`` (``"bhsd"``); grouped heads; ``v``'s head dim may differ. On the CPU
-        float16, bfloat16, float32, float64, on the CPU and on a GPU (the CUDA kernels: float32 in the precision
-        ``cuflash.attention`` takes, float64 on DMMA or DFMA).
+        float16, bfloat16, float32, float64, on the CPU and on a GPU (the CUDA kernels: float32 in the default
+        ``precision="ieee"``, which this adapter does not take as an option; float64 on DMMA or DFMA).
     seqlens_q, seqlens_k : integer jax.Array of the batch shape, optional
         May be traced; not differentiated.
     bias : float jax.Array, optional

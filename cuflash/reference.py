@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _layout
 from .problem import check_backward, make_problem, stats_dtype
 
 
@@ -161,19 +162,26 @@ def _ungroup(x, p):
     return x.reshape(b, hkv * g, s, d).transpose(0, 2, 1, 3)
 
 
+def _bshd(options, *arrays):
+    """``(layout, arrays in cuflash's bshd layout)``, ``layout`` taken out of ``options`` (as cuflash.attention)."""
+    layout = _layout.check_layout(options.pop("layout", "bshd"))
+    return layout, [_layout.to_bshd(a, layout) for a in arrays]
+
+
 def attention(q, k, v, *, return_lse=False, dropout_mask=None, dropout_p=0.0, compute_dtype=np.float64, **options):
     """Float64 attention with every cuflash option (``**options``: those of :func:`cuflash.attention`).
 
     ``dropout_mask`` (bool, broadcastable to ``(..., heads, Sq, Sk)``) and ``dropout_p`` apply
     dropout explicitly: ``P`` is multiplied by the mask and by ``1/(1 - p)`` after normalization.
-    Returns ``out`` (and ``lse``, ``(..., heads, Sq)``) in ``compute_dtype`` (float64 by default).
+    Returns ``out`` (in ``layout``; and ``lse``, ``(..., heads, Sq)``) in ``compute_dtype`` (float64 by default).
     """
+    layout, (q, k, v) = _bshd(options, q, k, v)
     p = make_problem(q, k, v, **options)
     with _tf32_mode(isinstance(compute_dtype, str) and compute_dtype == TF32):
         qg, kg, vg = _grouped(p, _compute_dtype(compute_dtype))
         prob, lse = _probabilities(p, qg, kg)
         prob = _apply_dropout(prob, p, dropout_mask, dropout_p)
-        out = p.unflatten(_ungroup(_mm_seen(prob, vg), p), p.q.shape[1:])
+        out = _layout.from_bshd(p.unflatten(_ungroup(_mm_seen(prob, vg), p), p.q.shape[1:]), layout)
     lse = p.unflatten(lse.reshape(p.batch, p.heads_q, p.seqlen_q), (p.heads_q, p.seqlen_q))
     return (out, lse) if return_lse else out
 
@@ -188,11 +196,13 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, dropout_mask=None, 
     dimensions the bias broadcasts. ``out``/``lse`` are accepted for signature parity and checked, not
     used: the reference recomputes everything.
     """
+    layout, (dout, q, k, v, out) = _bshd(options, dout, q, k, v, out)
     p = make_problem(q, k, v, **options)
     if out is not None and lse is not None:
         check_backward(p, dout, out, lse)
     with _tf32_mode(isinstance(compute_dtype, str) and compute_dtype == TF32):
-        return _backward(p, dout, dropout_mask, dropout_p, _compute_dtype(compute_dtype), return_dbias)
+        grads = _backward(p, dout, dropout_mask, dropout_p, _compute_dtype(compute_dtype), return_dbias)
+    return tuple(_layout.from_bshd(g, layout) for g in grads[:3]) + tuple(grads[3:])
 
 
 def _backward(p, dout, dropout_mask, dropout_p, compute_dtype, return_dbias):
@@ -265,6 +275,7 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     its floor at two roundings of these. Returns a dict with keys ``out``, ``lse`` and, given ``dout``, ``dq``,
     ``dk``, ``dv`` (and ``dbias`` with ``bias=``).
     """
+    _, (q, k, v, dout) = _bshd(options, q, k, v, dout)
     p = make_problem(q, k, v, **options)
     qg, kg, vg = _grouped(p, np.dtype(np.float64))
     prob, lse = _probabilities(p, qg, kg)

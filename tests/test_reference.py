@@ -273,3 +273,23 @@ def test_term_magnitudes_of_a_bias_masking_with_minus_inf():
     case = Case(q, k, v, dout, dict(bias=bias))
     out, lse = check_forward(lambda *a, **o: cuflash.attention(*a, **o, return_lse=True), case)
     check_backward(cuflash.attention_backward, case, out, lse)
+
+
+def test_the_reference_takes_layout_as_cuflash_does():
+    """Every option of cuflash.attention, layout="bhsd" too (it died inside make_problem): the results are those
+    of the bshd arrays, in the caller's layout."""
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((2, 7, 3, 8)) for _ in range(4))
+    swap = lambda a: np.swapaxes(a, 1, 2)  # noqa: E731
+    out, lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    out_h, lse_h = reference.attention(*map(swap, (q, k, v)), causal=True, return_lse=True, layout="bhsd")
+    np.testing.assert_array_equal(swap(out_h), out)
+    np.testing.assert_array_equal(lse_h, lse)
+    grads = reference.attention_backward(dout, q, k, v, causal=True)
+    grads_h = reference.attention_backward(*map(swap, (dout, q, k, v)), causal=True, layout="bhsd")
+    for g, g_h in zip(grads, grads_h):
+        np.testing.assert_array_equal(swap(g_h), g)
+    assert reference.term_magnitudes(*map(swap, (q, k, v, dout)), layout="bhsd") == \
+        reference.term_magnitudes(q, k, v, dout)
+    with pytest.raises(ValueError, match="layout"):
+        reference.attention(q, k, v, layout="sbhd")
