@@ -14,7 +14,7 @@ import cuflash
 from cuflash import BlockMask, reference
 from cuflash.backends import numpy as nb
 from cuflash.problem import make_problem
-from cuflash.testing import assert_attention_close
+from cuflash.testing import Case, assert_attention_close, check_backward, check_forward
 
 
 def cdiv(a, b):
@@ -368,6 +368,33 @@ def test_sliding_window_mask_equals_window_bit_for_bit(sq, sk, left, right, bloc
                           return_lse=True)
     for x, y in zip(a, b):
         assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("block", [(1024, 1024), (1536, 768), (2048, 2048)])
+def test_blocks_larger_than_a_tile_keep_the_tile_budget_and_the_bits(block):
+    """A BlockMask block larger than the NumPy backend's tile grew the tile to the block (a 8192-row block: an
+    O(N^2) tile, 776 MiB at N = 8192), and the same elements as causal=True gave other bits (a partial block's tiles
+    that see all or nothing took the masked path). Tiles now divide such blocks, and take the path their elements
+    make them take: the bits of causal=True, forward and backward, where the tiles are causal=True's (blocks that
+    are multiples of them); the rule elsewhere."""
+    n = 2048
+    q, k, v = _qkv(n, n, dtype=np.float32)
+    dout = np.random.default_rng(9).standard_normal(q.shape).astype(np.float32)
+    mask = BlockMask.causal(n, block=block)
+    lay = nb.layout(make_problem(q, k, v, block_mask=mask))
+    assert lay.block_q <= nb.BLOCK_Q and lay.block_k <= nb.BLOCK_K
+    assert block[0] % lay.block_q == 0 and block[1] % lay.block_k == 0
+    if block[0] % nb.BLOCK_Q or block[1] % nb.BLOCK_K:  # tiles of another shape than causal=True's: the rule
+        case = Case(q, k, v, dout, dict(block_mask=mask))
+        out, lse = check_forward(lambda *a, **o: cuflash.attention(*a, **o, return_lse=True), case)
+        check_backward(cuflash.attention_backward, case, out, lse)
+        return
+    plain = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    masked = cuflash.attention(q, k, v, block_mask=mask, return_lse=True)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, masked))
+    grads = cuflash.attention_backward(dout, q, k, v, *plain, causal=True)
+    assert all(np.array_equal(a, b) for a, b in zip(grads, cuflash.attention_backward(dout, q, k, v, *plain,
+                                                                                        block_mask=mask)))
 
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window=(10, 3)), dict(window=(None, 5), causal=True)],

@@ -566,6 +566,11 @@ def test_non_finite_inputs_do_not_crash(where, value):
     np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(ref_lse))
     if value != value:  # a NaN input: NaN lse exactly where the reference has one
         np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    with np.errstate(all="ignore"):  # the gradients: NaN and infinite exactly where the reference's are
+        refs = reference.attention_backward(np.ones_like(out), q, k, v, causal=True)
+    for g, r in zip(grads, refs):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
+        np.testing.assert_array_equal(np.isinf(g), np.isinf(r))
     # (a +inf score makes lse +inf in the reference's direct sum and NaN after the running-max
     # subtraction, inf - inf: both are non-finite, neither is wrong)
 

@@ -26,7 +26,7 @@ import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -152,13 +152,15 @@ def layout(problem: Problem, block_q=None, block_k=None, elements=TILE_ELEMENTS)
         bq = max(1, elements // (g * bk))
     bm = problem.block_mask
     if bm is not None:
-        # Tiles that are whole multiples of the mask's blocks skip exactly the blocks it skips (any tile is exact: it
-        # tests the elements of blocks it only partly covers). A tile spanning the whole sequence stays as it is,
-        # so that a BlockMask of the same elements as window= gives the same tiles, hence the same bits.
+        # Tiles that are whole multiples of the mask's blocks, or whole divisors of them, skip exactly the blocks it
+        # skips (any tile is exact: it tests the elements of blocks it only partly covers); a divisor, not the block,
+        # where the block is larger than the tile, so that the tile keeps its budget (a 8192-row block made the tile
+        # O(N^2)). A tile spanning the whole sequence stays as it is, so that a BlockMask of the same elements as
+        # window= gives the same tiles, hence the same bits.
         if bq < problem.seqlen_q:
-            bq = max(bm.block[0], bq // bm.block[0] * bm.block[0])
+            bq = _fitted(bq, bm.block[0])
         if bk < problem.seqlen_k:
-            bk = max(bm.block[1], bk // bm.block[1] * bm.block[1])
+            bk = _fitted(bk, bm.block[1])
     per_pair = g * bq * bk
     b, hkv = problem.batch, problem.heads_kv
     pairs = max(1, elements // per_pair)
@@ -169,6 +171,13 @@ def layout(problem: Problem, block_q=None, block_k=None, elements=TILE_ELEMENTS)
         chunks = tuple((slice(b0, b0 + 1), slice(h0, min(h0 + pairs, hkv)))
                        for b0 in range(b) for h0 in range(0, hkv, pairs))
     return Layout(bq, bk, chunks)
+
+
+def _fitted(tile: int, block: int) -> int:
+    """The tile side nearest below ``tile`` that is a multiple of ``block`` (a smaller block) or divides it."""
+    if block <= tile:
+        return tile // block * block
+    return max(d for d in range(1, tile + 1) if block % d == 0)
 
 
 def _work_dtype(problem):
@@ -369,6 +378,20 @@ class _Masks:
         keep = keep.reshape(nb, -1, problem.group, *keep.shape[2:]) if h > 1 else keep[:, :, None]
         return _TileMask(~keep)
 
+    def settled(self, tiles, chunk):
+        """``tiles`` as their elements make them: a partial tile whose element mask hides nothing is full, one that
+        hides everything is dropped. A partial block of a BlockMask larger than the tile holds such tiles, which
+        then take the path, hence give the bits, of the same elements asked for by window= or causal=. A mask
+        modifier decides apart (as in :meth:`every_row_sees_two`)."""
+        if self.problem.mods is not None and self.problem.mods.mask is not None:
+            return list(tiles)
+        out = []
+        for tile in tiles:
+            mask = None if tile.full else self._mask(tile, chunk)
+            if mask is None or not mask.none_seen:
+                out.append(replace(tile, full=True) if mask is not None and mask.none_hidden else tile)
+        return out
+
     def every_row_sees_two(self, tile, chunk):
         """Whether every row of ``tile`` sees at least two of its keys (then no row of it can see one key only). From
         the element mask, so that a BlockMask and window= of the same elements decide alike; False where a mask
@@ -406,6 +429,14 @@ class _TileMask:
     def __init__(self, hidden):
         hidden.flags.writeable = False
         self.hidden, self._cuts = hidden, {}
+
+    @functools.cached_property
+    def none_hidden(self):
+        return not self.hidden.any()
+
+    @functools.cached_property
+    def none_seen(self):
+        return bool(self.hidden.all())
 
     @functools.cached_property
     def two(self):
@@ -847,7 +878,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
 
     def item(work):
         chunk, i = work
-        tiles = _in_range(list(sched.row(i)), key_tiles, lay.block_k)
+        tiles = masks.settled(_in_range(list(sched.row(i)), key_tiles, lay.block_k), chunk)
         if not tiles:
             return
         prep = prepared(chunk)
@@ -981,7 +1012,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
 
     def column(t, chunk, dq_acc, parts):
         bs, hs = chunk
-        tiles = list(sched.column(t))
+        tiles = masks.settled(sched.column(t), chunk)
         if not tiles:
             return
         k0, k1 = tiles[0].k0, tiles[0].k1
