@@ -377,4 +377,11 @@ def test_unused_table_entries_are_not_read():
     """Entries past a sequence's used pages may hold anything (-1 padding): only used ones are checked."""
     table = np.array([[0, 1, -1, -1], [4, 5, 6, 7]], np.int32)
     k_cache, v_cache = PK.copy(), PV.copy()
-    cuflash.attention_with_kvcache(Q, k_cache, v_cache, cache_seqlens=LENS, k_new=KN, v_new=VN, block_table=table)
+    out = cuflash.attention_with_kvcache(Q, k_cache, v_cache, cache_seqlens=LENS, k_new=KN, v_new=VN,
+                                         block_table=table)
+    # the same call with those entries pointing at real (unused) pages: the same bits, the same cache
+    k_same, v_same = PK.copy(), PV.copy()
+    same = cuflash.attention_with_kvcache(Q, k_same, v_same, cache_seqlens=LENS, k_new=KN, v_new=VN,
+                                          block_table=np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int32))
+    assert np.array_equal(out, same)
+    assert np.array_equal(k_cache, k_same) and np.array_equal(v_cache, v_same)
