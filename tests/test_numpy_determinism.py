@@ -176,6 +176,39 @@ def test_single_threaded_nests_across_threads(restore_blas):
     assert process() == [2] * len(process())
 
 
+def test_an_interrupt_while_pinning_or_restoring_restores_the_setting(restore_blas, monkeypatch):
+    """A Ctrl-C lands where Python calls something: inside the pinning of a count it left OpenBLAS at one thread for
+    the rest of the process (the count was set, the context never entered); inside the restoring, the counts after
+    it. Here an interrupt right after each count change in turn, of a use of single_threaded."""
+    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
+    before = blas_threads()
+    counts = _blas._controllers()
+
+    def wrap(stop_at):
+        calls = [0]
+        for c in counts:
+            def counted(n, real=c.set):
+                calls[0] += 1
+                real(n)
+                if calls[0] == stop_at:
+                    raise KeyboardInterrupt
+            monkeypatch.setattr(c, "set", counted)
+        return calls
+
+    calls = wrap(0)  # a use without interrupt: how many changes it makes
+    with single_threaded():
+        pass
+    monkeypatch.undo()
+    assert calls[0] >= 2 and blas_threads() == before, "no BLAS count changed: nothing to interrupt"
+    for at in range(1, calls[0] + 1):
+        wrap(at)
+        with pytest.raises(KeyboardInterrupt):
+            with single_threaded():
+                pass
+        monkeypatch.undo()
+        assert blas_threads() == before and _blas._active == 0, f"interrupted after change {at} of {calls[0]}"
+
+
 @pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5", ""])
 def test_bad_num_threads_names_the_variable(monkeypatch, raw):
     monkeypatch.setenv("CUFLASH_NUM_THREADS", raw)

@@ -95,18 +95,27 @@ def blas_threads(per_thread=True) -> list[int]:
     return [c.get() for c in _controllers() if per_thread or not c.per_thread]
 
 
-def _pin(counts):
-    saved = [(c, c.get()) for c in counts]
-    for c, n in saved:
+def _pin(counts, saved):
+    """Set each count to 1, recording ``(count, what it was)`` in ``saved`` before changing it: an interrupt
+    half-way leaves in ``saved`` exactly what needs restoring."""
+    for c in counts:
+        n = c.get()
+        saved.append((c, n))
         if n != 1:
             c.set(1)
     return saved
 
 
 def _unpin(saved):
+    pending = None
     for c, n in reversed(saved):  # in reverse: MKL's two views of one count (see _controllers_of) unwind in turn
-        if n is not None and c.get() != n:
-            c.set(n)
+        try:
+            if n is not None and c.get() != n:
+                c.set(n)
+        except BaseException as exc:  # noqa: BLE001 - a Ctrl-C while restoring: restore the rest, then raise it
+            pending = pending or exc
+    if pending is not None:
+        raise pending
 
 
 @contextmanager
@@ -119,27 +128,33 @@ def single_threaded():
     """
     global _active, _saved
     counts = _controllers()
-    with _lock:
-        if _active == 0:
-            _saved = _pin([c for c in counts if not c.per_thread])
-        _active += 1
-    local = _pin([c for c in counts if c.per_thread])
-    try:
+    entered, local = False, []
+    try:  # every pin inside: a Ctrl-C in one (a call: where CPython raises it) left OpenBLAS pinned for good
+        with _lock:
+            if _active == 0:
+                _saved = []
+                _pin([c for c in counts if not c.per_thread], _saved)
+            _active += 1
+            entered = True  # no call between the two
+        _pin([c for c in counts if c.per_thread], local)
         yield
     finally:
-        _unpin(local)
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                _unpin(_saved)
-                _saved = []
+        try:
+            _unpin(local)
+        finally:
+            with _lock:
+                _active -= entered
+                if _active == 0:  # the last use (or the first, interrupted while pinning) restores
+                    saved, _saved = _saved, []
+                    _unpin(saved)
 
 
 @contextmanager
 def worker_single_threaded():
     """In a worker thread inside :func:`single_threaded`: pin the per-thread counts too."""
-    local = _pin([c for c in _controllers() if c.per_thread])
+    local = []
     try:
+        _pin([c for c in _controllers() if c.per_thread], local)
         yield
     finally:
         _unpin(local)
