@@ -768,3 +768,63 @@ def test_q_near_the_dtypes_largest_is_not_scaled_into_an_overflow(name, qv, kv, 
     if name != "float64":  # there the rule's own term magnitudes (|dS| |Q|, in float64) overflow: no bound to hold
         check_backward(cuflash.attention_backward, case, out, lse)
     assert np.isfinite(lse).all()
+
+
+def _nonfinite_case(name, rows):
+    """float64 problems where V's infinity or NaN meets a weight at the edge of the range (the reference is the naive
+    float64 computation): the NaN and inf of the output must be the reference's, the rest held to the rule."""
+    d = 4
+    q = np.zeros((1, rows, 1, d))
+    q[..., 0] = 1.0
+    if name == "nan-at-subnormal-weight":  # weight exp(-720): subnormal, not 0, in float64: NaN * w is NaN
+        k = np.zeros((1, 2, 1, d))
+        k[0, 0, 0, 0] = -720.0
+        v = np.ones((1, 2, 1, d))
+        v[0, 0, 0, 0] = np.nan
+    elif name == "inf-then-far-larger-max":  # a later tile 800 higher: the earlier weights are exactly 0
+        k = np.zeros((1, 1024, 1, d))
+        k[0, 512:, 0, 0] = 800.0
+        v = np.ones((1, 1024, 1, d))
+        v[0, 0, 0, 0] = np.inf
+    else:  # "inf-beside-v-near-max": one infinity must not switch off the scaling of V's finite values
+        rng = np.random.default_rng(0)
+        q, k = (0.1 * rng.standard_normal((1, 64, 1, d)) for _ in range(2))
+        v = np.ones((1, 64, 1, d))
+        v[..., 1] = np.finfo(np.float64).max / 8
+        v[0, 5, 0, 0] = np.inf
+    return q, k, v
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("name", ["nan-at-subnormal-weight", "inf-then-far-larger-max", "inf-beside-v-near-max"])
+def test_nonfinite_values_at_the_edges_of_the_range(name, rows):
+    """The clamp of exp made a subnormal weight 0 and dropped the NaN it carries; a rescale by alpha = 0 turned an
+    accumulated inf into NaN (inf * 0) where the reference, whose weight is exactly 0, is finite; an infinity in V
+    switched off the scaling of V near the dtype's largest, so the finite columns overflowed."""
+    q, k, v = _nonfinite_case(name, rows)
+    options = dict(scale=1.0) if name != "inf-beside-v-near-max" else {}
+    with np.errstate(all="ignore"):
+        out = cuflash.attention(q, k, v, backend="numpy", **options)
+        ref = reference.attention(q, k, v, **options)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+    with np.errstate(all="ignore"):  # the rule: against long double, 2x the naive float64 computation's error
+        exact = reference.attention(q, k, v, compute_dtype=np.longdouble, **options)
+    ruled = np.isfinite(ref) & np.isfinite(exact)
+    assert_attention_close(out[ruled], exact[ruled], ref[ruled])
+    # where long double still sees the infinity (its exp(-800) is no 0), float64's range decides: the naive float64
+    # computation's weight is exactly 0 there, and so is the backend's
+    np.testing.assert_array_equal(out[np.isfinite(ref) & ~ruled], ref[np.isfinite(ref) & ~ruled])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_row_that_sees_one_key_returns_its_value_exactly_beside_longer_rows(dtype):
+    """Row 0 of a causal sequence sees key 0 only: weight exp(0) = 1, the value exactly. Beside a shorter query
+    sequence (seqlens_q, bottom-right aligned: its rows reach the next key tile) the item switched to shift 0 after
+    its first tile and rescaled that row too, which then came back rounded in 13-14 of 64 elements."""
+    rng = np.random.default_rng(0)
+    n, d = 1024, 64
+    q, k, v = (rng.standard_normal((2, n, 1, d)).astype(dtype) for _ in range(3))
+    out = cuflash.attention(q, k, v, causal=True, seqlens_q=np.array([n, 600]), seqlens_k=np.array([n, n]),
+                            backend="numpy")
+    np.testing.assert_array_equal(out[0, 0, 0], v[0, 0, 0])

@@ -298,6 +298,8 @@ def _gemm_plan(a, b, out):
     count, (sa, sb, sc), outer = batch
     if count == 1:
         sc = m * tc[1]  # MKL checks stride_c >= ldc * m even for one matrix
+    elif sc < m * tc[1]:  # out's matrices interleave: MKL refuses the call (parameter 17) and writes nothing
+        return None
     offsets = [tuple(sum(i * st[j] for i, (_, st) in zip(index, outer)) for j in range(3))
                for index in itertools.product(*(range(size) for size, _ in outer))]  # [(0, 0, 0)] without outer axes
     return (ta[0], tb[0], m, n, k, ta[1], sa, tb[1], sb, tc[1], sc, count), offsets

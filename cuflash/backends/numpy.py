@@ -314,6 +314,8 @@ class _PerChunk:
             kv, bad = results[len(copy):len(copy) + len(norms)], results[len(copy) + len(norms):][:len(checks)]
             bounds = _Bounds(problem, rule, *kv, wt) if kv else None
             vmax, bad = bad[0], [not math.isfinite(bad[0])] + bad[1:]
+            if bad[0]:  # an infinity or NaN in V: the scale from the finite values (the rest stays as it is)
+                vmax = _largest_finite(v)
             return _Prepared(kt, bounds, bad[0], any(bad), v1, _v_scale(problem, wt, vmax))
 
         return _Together(copy + norms + checks + ones, finish)
@@ -715,6 +717,13 @@ def _largest(x) -> float:
     return math.nan if math.isnan(hi) or math.isnan(lo) else max(abs(hi), abs(lo))
 
 
+def _largest_finite(x) -> float:
+    """max |x| over the finite elements (0 for none): a temporary, for the rare V that is not finite."""
+    with np.errstate(invalid="ignore"):
+        finite = np.abs(x[np.isfinite(x)])
+    return float(finite.max()) if finite.size else 0.0
+
+
 def _v_scale(problem, wt, vmax: float) -> float:
     """The power of two the forward multiplies V by (and divides the output by): 1 unless FA2's unnormalized
     accumulator ``acc = sum_j exp(S_j - m) V_j`` (Alg. 1 line 10, divided by l only at line 12), up to
@@ -856,9 +865,12 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
 
-    def online(s, t, chunk, m_i, l_i, acc, u, bounds):
+    def online(s, t, chunk, m_i, l_i, acc, u, bounds, guarded):
         """FA2 Algorithm 1 lines 9-10 on the rows of one (strip of a) tile, in place: the running max ``m_i``,
-        ``P = exp(S - m_i)`` into ``s``, ``l_i`` and ``acc`` rescaled to the new max."""
+        ``P = exp(S - m_i)`` into ``s``, ``l_i`` and ``acc`` rescaled to the new max. ``guarded`` (V holds an
+        infinity or NaN): no clamping of ``exp`` (a subnormal weight of a NaN value is a NaN term, as in the
+        reference), and a rescale by ``alpha = 0`` empties ``acc`` (the earlier terms' weights are 0 now:
+        ``inf * 0`` must not turn them into a NaN)."""
         if modifiers is not None:
             modifiers.score(s, t, chunk)
             modifiers.mask(s, t, chunk)
@@ -869,11 +881,13 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         m_safe = np.where(np.isfinite(m_new), m_new, 0)
         s -= m_safe[..., None]
         normal = t.full and modifiers is None and u is not None and bounds.normal(u, m_safe)
-        _exp(s, rule, clamp=not normal)  # line 10
+        _exp(s, rule, clamp=not normal and not guarded)  # line 10
         alpha = rule.exp(m_i - m_safe)
         if not fold:  # else l_i is acc's last column
             l_i *= alpha
         acc *= alpha[..., None]
+        if guarded:
+            np.copyto(acc, 0, where=(alpha == 0)[..., None])
         m_i[...] = m_new
 
     def item(work):
@@ -924,7 +938,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                     _mask_scores(s, masks, t, chunk, fill=0.0)
                 else:
                     online(s, t, chunk, m_i[..., r], l_i[..., r], acc[..., r, :], None if u is None else u[..., r],
-                           bounds)
+                           bounds, guarded)
                 if not fold:
                     l_i[..., r] += s @ ones[:t.k1 - t.k0]  # l is of the undropped P: lse stays dropout-free
                 z = _dropout_scale(problem, t, chunk, wt)
@@ -932,8 +946,11 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                     s *= z
                 pv_r = _seen_product(s, v_j[..., t.k0:t.k1, :], guarded, pv[..., r, :], matmul)  # line 11
                 acc[..., r, :] += pv_r
-            if not fixed and n == 0 and len(tiles) > 1 and bounded and np.all(m_i > -np.inf):
-                fixed, alpha = True, rule.exp(m_i)  # from shift m_i to shift 0
+            # from shift m_i to shift 0, unless a row has seen one key only so far (l = 1): rescaled, its value
+            # would come back rounded, where one key returns exactly its value (a row of a shorter sequence in
+            # an item whose other rows see more tiles)
+            if not fixed and n == 0 and len(tiles) > 1 and bounded and np.all(m_i > -np.inf) and np.all(l_i != 1):
+                fixed, alpha = True, rule.exp(m_i)
                 if not fold:
                     l_i *= alpha
                 acc *= alpha[..., None]
@@ -1057,7 +1074,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                     np.minimum(s, 0, out=s)
                 normal = (tl.full and modifiers is None and bounds is not None
                           and bounds.normal(bounds.rows(qs_i), shift))
-                p = _exp(s, rule, clamp=not normal)
+                p = _exp(s, rule, clamp=not normal and not guarded)  # guarded: as the forward
                 if guarded:  # a row whose lse is NaN (it sees a NaN score) still has P = 0 where it sees nothing
                     if modifiers is not None:
                         modifiers.mask(p, tl, chunk, fill=0.0)
