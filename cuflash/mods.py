@@ -487,8 +487,9 @@ def _int_range(n: Node, values, extents, what, text):
     elif op == "var":
         top = extents["q_idx" if n.value == "q_len" else "kv_idx" if n.value == "kv_len" else n.value]
         r = (0, top) if n.value in LENGTH_VARS else (0, top - 1)
-    elif op == "scalar":
-        v = int(np.asarray(values[n.value])[()])
+    elif op == "scalar":  # a number or a 0-d array (CuPy's converts through .item() only)
+        v = values[n.value]
+        v = int(v.item() if hasattr(v, "item") else v)
         r = (v, v)
     elif op == "array":
         a = values[n.value[0]]
@@ -517,8 +518,9 @@ def _int_range(n: Node, values, extents, what, text):
     if r[0] < INT32[0] or r[1] > INT32[1]:
         shown = _cpp(n, lambda name, index: name if index is None else f"{name}[{', '.join(map(_show, index))}]")
         raise ValueError(f"{what}: the integer {shown} may reach {r[0] if r[0] < INT32[0] else r[1]} here, outside "
-                         f"int32 (the CUDA kernels' integers) in {text!r}; compute it in float (1.0 * x) or keep "
-                         f"the operands smaller")
+                         f"int32 (the CUDA kernels' integers) in {text!r} (bounds taken for each operand on its own, "
+                         f"over the problem's extents: cautious where operands are tied, as q_idx and q_len); "
+                         f"compute it in float (1.0 * x) or keep the operands smaller")
     return r
 
 

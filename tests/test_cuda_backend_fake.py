@@ -737,6 +737,10 @@ def test_modifier_operands_and_buffers_on_another_gpu_are_refused_before_any_lau
             cuflash.attention(q, k, v, out=elsewhere["buffer"])
         assert len(cp._launches) == n
         # a 0-d device scalar is a scalar, as a NumPy one
+        # an integer one too (the modifier's int32 bounds read it through .item(), as CuPy converts it)
+        three = cuflash.attention(q, k, v, mask_mod="kv_idx <= q_idx + t", mod_arrays={"t": cp.asarray(np.int32(3))})
+        assert np.array_equal(three.get(), cuflash.attention(q, k, v, mask_mod="kv_idx <= q_idx + t",
+                                                            mod_arrays={"t": 3}).get())
         half = cuflash.attention(q, k, v, score_mod="score * t", mod_arrays={"t": cp.asarray(np.float32(0.5))})
         same = cuflash.attention(q, k, v, score_mod="score * t", mod_arrays={"t": 0.5})
         assert half.device.id == 1 and np.array_equal(half.get(), same.get())

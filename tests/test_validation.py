@@ -263,3 +263,17 @@ def test_unknown_backend_lists_available():
         cuflash.attention(q, k, v, backend="NumPy")
     for name in ("numpy", "cuda", "emulate"):
         assert repr(name) in str(info.value)
+
+
+def test_a_scale_past_float32_is_refused_without_a_warning_naming_the_inputs_dtype():
+    """The check compared 1e39 with an np.float32 (a RuntimeWarning, an error under -W error, before the ValueError),
+    and named bfloat16 bits "uint16 inputs"."""
+    import warnings
+
+    q = np.zeros((1, 4, 1, 8), np.uint16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for option in ("scale", "softcap"):
+            with pytest.raises(ValueError, match=rf"{option} must be .* finite in float32 \(the working precision of "
+                                                 r"bfloat16 inputs\)"):
+                cuflash.attention(q, q, q, dtype="bfloat16", **{option: 1e39})

@@ -174,10 +174,13 @@ def layout(problem: Problem, block_q=None, block_k=None, elements=TILE_ELEMENTS)
 
 
 def _fitted(tile: int, block: int) -> int:
-    """The tile side nearest below ``tile`` that is a multiple of ``block`` (a smaller block) or divides it."""
+    """The tile side nearest below ``tile`` that is a multiple of ``block`` (a smaller block) or divides it, if that
+    keeps half the tile at least; else ``tile`` itself (exact too, its elements tested: a block of 1031 rows has no
+    divisor but 1 below 512, and 1-row tiles took 2400x the time)."""
     if block <= tile:
         return tile // block * block
-    return max(d for d in range(1, tile + 1) if block % d == 0)
+    divisor = max(d for d in range(1, tile + 1) if block % d == 0)
+    return divisor if 2 * divisor >= tile else tile
 
 
 def _work_dtype(problem):
@@ -385,8 +388,10 @@ class _Masks:
         hides everything is dropped. A partial block of a BlockMask larger than the tile holds such tiles, which
         then take the path, hence give the bits, of the same elements asked for by window= or causal=. A mask
         modifier decides apart (as in :meth:`every_row_sees_two`)."""
-        if self.problem.mods is not None and self.problem.mods.mask is not None:
-            return list(tiles)
+        bm = self.problem.block_mask
+        if bm is None or (bm.block[0] <= self.sched.block_q and bm.block[1] <= self.sched.block_k) or \
+                (self.problem.mods is not None and self.problem.mods.mask is not None):
+            return list(tiles)  # no tile lies inside a larger block: a partial tile has seen and hidden elements
         out = []
         for tile in tiles:
             mask = None if tile.full else self._mask(tile, chunk)

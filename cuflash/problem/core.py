@@ -348,10 +348,11 @@ def _working_real(value, name: str, dtype, form: str) -> float:
     except OverflowError:  # an int or Fraction past float64
         x = math.inf
     work = np.float64 if np.dtype(dtype) == np.float64 else np.float32
-    if not math.isfinite(x) or abs(x) > np.finfo(work).max:
+    if not math.isfinite(x) or abs(x) > float(np.finfo(work).max):  # compared as Python floats: no cast, no warning
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        inputs = "bfloat16" if np.dtype(dtype) == np.uint16 else np.dtype(dtype).name  # bits of dtype="bfloat16"
         raise ValueError(f"{name} must be {form} and finite in {np.dtype(work).name} (the working precision of "
-                         f"{np.dtype(dtype).name} inputs), got {shown}")
+                         f"{inputs} inputs), got {shown}")
     return x
 
 
