@@ -36,9 +36,13 @@ traced: ``causal``, ``scale``, ``window``, ``block_mask``, ``softcap``, ``score_
 arrays outside ``jit``), since cuflash does not differentiate them (a traced one raises ``TypeError`` rather than
 giving a silently zero gradient). Dropout needs an explicit ``seed``: a seed drawn inside ``jit`` would be one
 constant for every call. Under ``jax.vmap`` the mapped axis becomes a leading batch dimension
-(``vmap_method="broadcast_all"``); a ``block_mask`` or a ``mod_arrays`` entry indexed by the batch then has to
-cover the new batch size. Shapes, dtypes and options are validated when the function is traced (a ``TypeError``
-or ``ValueError`` naming the argument, as :func:`cuflash.attention` raises), not inside the callback.
+(``vmap_method="broadcast_all"``): a ``block_mask`` or a ``mod_arrays`` entry indexed by the batch then has to
+cover the new batch size, and a modifier's ``b`` counts over it (the flattened index of mapped and own batch
+dimensions, so ``b == 0`` holds in the first mapped slice only: a modifier that reads ``b`` is not per slice under
+``vmap``). Shapes, dtypes and options are validated when the function is traced (a ``TypeError`` or ``ValueError``
+naming the argument, as :func:`cuflash.attention` raises), not inside the callback; only what depends on the batch
+extent that ``vmap`` adds (a ``b``-indexed operand's shape, the int32 bounds of an expression reading ``b``) is
+checked in the callback, where JAX wraps cuflash's ``ValueError`` in its ``JaxRuntimeError``.
 """
 from __future__ import annotations
 
@@ -282,6 +286,9 @@ def _jax_array(name: str, a: Any) -> Any:
     if isinstance(a, np.ma.MaskedArray):
         raise TypeError(f"{name} is a numpy.ma.MaskedArray: cuflash would ignore its mask; pass a plain array")
     if isinstance(a, (np.ndarray, np.generic)) or (hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__")):
+        if callable(getattr(a, "is_neg", None)) and a.is_neg():  # as cuflash.interop refuses it
+            raise TypeError(f"{name}: this {type(a).__module__.split('.')[0]} tensor is negated lazily (is_neg()), "
+                            f"which DLPack does not carry: pass {name}.resolve_neg()")
         out = jnp.asarray(a)
         have = getattr(a, "dtype", None)
         want = have.name if isinstance(have, np.dtype) else str(have).rsplit(".", 1)[-1]  # torch.float64 -> float64

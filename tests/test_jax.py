@@ -142,6 +142,24 @@ def test_vmap_over_a_new_axis_and_of_the_gradient(callback):
             assert np.array_equal(np.asarray(g[i]), np.asarray(h))
 
 
+def test_under_vmap_a_modifiers_b_counts_the_flattened_batch(callback):
+    """As documented: the mapped axis joins the batch, so ``b`` is the flattened (mapped x own) index; the result
+    is cuflash.attention's over that whole batch, not f per slice (it silently differed from f(x[i]) before the
+    docstring said so)."""
+    x = jnp.asarray(_arrays((3, 2, 6, 2, 4), (3, 2, 6, 2, 4), seed=5)[0])
+    mask = "b == 0 or kv_idx <= q_idx"
+    got = jax.vmap(lambda a: cj.attention(a, a, a, mask_mod=mask))(x)
+    assert np.array_equal(np.asarray(got), cuflash.attention(*(np.asarray(x),) * 3, mask_mod=mask))
+
+
+def test_a_lazily_negated_torch_tensor_is_refused_naming_it():
+    torch = pytest.importorskip("torch")
+    q = torch._neg_view(torch.from_numpy(_arrays((1, 4, 1, 8), (1, 4, 1, 8))[0]))
+    assert q.is_neg()
+    with pytest.raises(TypeError, match=r"q: this torch tensor is negated lazily .* pass q.resolve_neg\(\)"):
+        cj.attention(q, q.resolve_neg(), q.resolve_neg())
+
+
 # ------------------------------------------------------------------------------------------------ options
 def test_layout_dv_seqlens_and_dropout_match_the_numpy_call(callback):
     """Options go through unchanged: each result equals cuflash.attention's on the same NumPy arrays, bitwise."""
