@@ -46,7 +46,7 @@ import numpy as np
 
 from .problem import _is_cupy
 
-__all__ = ["Edge", "device_kind"]
+__all__ = ["Edge", "device_kind", "refuse_lazy_negation"]
 
 #: DLPack device types (``DLDeviceType``) cuflash imports: CPU memory and CUDA memory
 _CPU_TYPES = {1: "cpu", 3: "cuda_host"}
@@ -177,9 +177,7 @@ class Edge:
         if not _is_foreign_array(a):
             return a, _library(a), None, None  # not an array: array_module refuses it, naming it
         library = _library(a)
-        if callable(getattr(a, "is_neg", None)) and a.is_neg():  # DLPack hands over the memory, not the flag
-            raise TypeError(f"{name}: this {library} tensor is negated lazily (is_neg()), which DLPack does not "
-                            f"carry: its memory holds -{name}; pass {name}.resolve_neg()")
+        refuse_lazy_negation(name, a)
         if hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__"):
             try:
                 kind, _ = device_kind(a)
@@ -227,6 +225,14 @@ class Edge:
         cupy = _cupy("the arrays")
         with cupy.cuda.Device(self.device_id):
             yield
+
+
+def refuse_lazy_negation(name: str, a: Any) -> None:
+    """A PyTorch tensor negated lazily (``is_neg()``: ``z.conj().imag``) is a TypeError naming it: DLPack hands over
+    its memory, not the flag, so it would be read as ``-a`` (and an ``out=`` so flagged written as ``-out``)."""
+    if callable(getattr(a, "is_neg", None)) and a.is_neg():
+        raise TypeError(f"{name}: this {_library(a)} tensor is negated lazily (is_neg()), which DLPack does not "
+                        f"carry: its memory holds -{name}; pass {name}.resolve_neg()")
 
 
 def _is_foreign_array(a: Any) -> bool:

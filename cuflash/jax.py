@@ -67,6 +67,7 @@ except ImportError:  # JAX older than 0.7
 from . import _layout, api
 from .blockmask import BlockMask
 from .dropout import needs_seed
+from .interop import refuse_lazy_negation
 from .problem import make_problem
 
 __all__ = ["attention", "CALLBACK"]
@@ -283,12 +284,9 @@ def _device_arrays(ctx: Any, buffers: Sequence[Any]) -> Iterator[list[Any]]:
 def _jax_array(name: str, a: Any) -> Any:
     if isinstance(a, jax.Array):
         return a
-    if isinstance(a, np.ma.MaskedArray):
-        raise TypeError(f"{name} is a numpy.ma.MaskedArray: cuflash would ignore its mask; pass a plain array")
+    _refuse_masked(name, a)
     if isinstance(a, (np.ndarray, np.generic)) or (hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__")):
-        if callable(getattr(a, "is_neg", None)) and a.is_neg():  # as cuflash.interop refuses it
-            raise TypeError(f"{name}: this {type(a).__module__.split('.')[0]} tensor is negated lazily (is_neg()), "
-                            f"which DLPack does not carry: pass {name}.resolve_neg()")
+        refuse_lazy_negation(name, a)
         out = jnp.asarray(a)
         have = getattr(a, "dtype", None)
         want = have.name if isinstance(have, np.dtype) else str(have).rsplit(".", 1)[-1]  # torch.float64 -> float64
@@ -299,6 +297,11 @@ def _jax_array(name: str, a: Any) -> Any:
             raise _cast_error(name, want, out.dtype)
         return out
     raise TypeError(f"{name} must be a jax.Array (or an array JAX converts), got {type(a).__name__}")
+
+
+def _refuse_masked(name: str, a: Any) -> None:
+    if isinstance(a, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray: cuflash would ignore its mask; pass a plain array")
 
 
 def _host(a: Any) -> np.ndarray:
@@ -319,8 +322,7 @@ def _concrete(name: str, a: Any) -> Any:
         raise TypeError(f"{name} must be a concrete array (NumPy, or a JAX array outside jit): cuflash does not "
                         f"differentiate it, and under jit/grad/vmap a traced {name} would get a silently zero "
                         f"gradient; close over a NumPy array instead")
-    if isinstance(a, np.ma.MaskedArray):
-        raise TypeError(f"{name} is a numpy.ma.MaskedArray: cuflash would ignore its mask; pass a plain array")
+    _refuse_masked(name, a)
     if not isinstance(a, (np.ndarray, np.generic, jax.Array)):
         raise TypeError(f"{name} must be an array (NumPy or JAX) or a number, got {type(a).__name__}")
     return np.asarray(a)

@@ -279,6 +279,12 @@ def _is_scalar(value) -> bool:
     return isinstance(value, numbers.Number) or (hasattr(value, "ndim") and value.ndim == 0)
 
 
+def scalar_value(value):
+    """The Python number a scalar operand holds: a number, or a 0-d NumPy or CuPy array (CuPy's converts only
+    through ``.item()``)."""
+    return value.item() if hasattr(value, "item") else value
+
+
 def _scalar_type(value) -> str:
     if isinstance(value, bool):
         return "bool"
@@ -487,9 +493,8 @@ def _int_range(n: Node, values, extents, what, text):
     elif op == "var":
         top = extents["q_idx" if n.value == "q_len" else "kv_idx" if n.value == "kv_len" else n.value]
         r = (0, top) if n.value in LENGTH_VARS else (0, top - 1)
-    elif op == "scalar":  # a number or a 0-d array (CuPy's converts through .item() only)
-        v = values[n.value]
-        v = int(v.item() if hasattr(v, "item") else v)
+    elif op == "scalar":
+        v = int(scalar_value(values[n.value]))
         r = (v, v)
     elif op == "array":
         a = values[n.value[0]]

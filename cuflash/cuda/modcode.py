@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..mods import Node
+from ..mods import Node, scalar_value
 from . import params
 
 _VARS = "int b, int h, int q_idx, int kv_idx, int q_len, int kv_len, const Params& p"
@@ -184,11 +184,6 @@ def _device_array(xp, a, t: str, real: str = "float", margin_axes=()):
     return conv, strides
 
 
-def _item(x):
-    """The Python number a scalar operand holds: a number, a 0-d NumPy or CuPy array (CuPy's converts only so)."""
-    return x.item() if hasattr(x, "item") else x
-
-
 def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") -> tuple[tuple, tuple]:
     """``(ModArgs value without dbias, arrays it points to)`` for :func:`cuflash.cuda.params.pack`; ``dbias`` and
     ``real`` as given to :func:`render` (the slots are the struct's)."""
@@ -203,7 +198,7 @@ def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") 
             keep.append(conv)
             continue
         if index is None:  # a float scalar of the float64 kernels: one float64 element, read with zero strides
-            conv = xp.asarray(np.asarray([_item(p.values[name])], dtype=np.float64))
+            conv = xp.asarray(np.asarray([scalar_value(p.values[name])], dtype=np.float64))
             arrays[k] = (params.address(conv), (0, 0, 0, 0))
             keep.append(conv)
             continue
@@ -218,7 +213,7 @@ def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") 
         keep.append(conv)
     scalars = {"scalars": [0.0] * params.MOD_SCALARS, "iscalars": [0] * params.MOD_SCALARS}
     for name, (which, k) in s.scalars.items():
-        value = _item(p.values[name])
+        value = scalar_value(p.values[name])
         scalars[which][k] = value
     return (arrays, scalars["scalars"], scalars["iscalars"], 0, (0, 0, 0, 0)), tuple(keep)
 
