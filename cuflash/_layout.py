@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
+
 from .options import LAYOUTS
 from .problem import array_module
 
@@ -60,9 +62,9 @@ def unpack(packed: Any, name: str, n: int, layout: Any) -> tuple[Any, ...]:
     return tuple(packed[pack_index(i, axis, packed.ndim)] for i in range(n))
 
 
-def pad_last(a: Any, width: int) -> Any:
-    """``a`` with its last axis zero-padded to ``width`` (a copy)."""
-    xp = array_module(a, names=("array",))
+def pad_last(a: Any, width: int, name: str) -> Any:
+    """``a`` (the argument ``name``) with its last axis zero-padded to ``width`` (a copy)."""
+    xp = array_module(a, names=(name,))
     padded = xp.zeros(tuple(a.shape[:-1]) + (width,), dtype=a.dtype)
     padded[..., :a.shape[-1]] = a
     return padded
@@ -80,14 +82,23 @@ def pad_head_dims(q: Any, k: Any, v: Any, options: Mapping[str, Any]
         return q, k, v, kw, None
     if (q.ndim < 3 or not q.ndim == k.ndim == v.ndim or tuple(k.shape[:-1]) != tuple(v.shape[:-1])
             or q.shape[-1] != k.shape[-1] or v.shape[-1] == k.shape[-1] or min(k.shape[-1], v.shape[-1]) < 1
-            or not q.dtype == k.dtype == v.dtype):
+            or not _native_order(q.dtype) == _native_order(k.dtype) == _native_order(v.dtype)):
         return q, k, v, kw, None
     d, dv = int(k.shape[-1]), int(v.shape[-1])
     if kw.get("scale") is None:
         kw["scale"] = 1.0 / math.sqrt(d)
     if dv < d:
-        v = pad_last(v, d)
+        v = pad_last(v, d, "v")
     else:
-        q, k = pad_last(q, dv), pad_last(k, dv)
+        q, k = pad_last(q, dv, "q"), pad_last(k, dv, "k")
     return q, k, v, kw, dv
+
+
+def _native_order(dtype: Any) -> Any:
+    """``dtype`` in the machine's byte order: a big-endian q beside native k and v is one dtype (validation
+    converts it)."""
+    try:
+        return np.dtype(dtype).newbyteorder("=")
+    except (TypeError, ValueError):
+        return dtype
 

@@ -213,10 +213,10 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
     with edge.device():
         qb, kb, vb = (_layout.to_bshd(a, layout) for a in (q, k, v))
         qp, kp, vp, kw, dv = _layout.pad_head_dims(qb, kb, vb, natives_opts)
-        problem = make_problem(qp, kp, vp, **kw)
+        problem = make_problem(qp, kp, vp, layout=layout, **kw)
         want = tuple(q.shape[:-1]) + (v.shape[-1],)
         if out_buf is not None:
-            check_buffer("out", out_buf, want, q.dtype, problem.xp, {"q": q, "k": k, "v": v})
+            check_buffer("out", out_buf, want, problem.dtype, problem.xp, dict(watched(dict(q=q, k=k, v=v), natives_opts)))
         result, lse = backends.select(problem, backend).forward(problem)
         o = problem.unflatten(result, problem.q.shape[1:])
         if dv is not None:
@@ -391,12 +391,13 @@ def _backward(edge: Edge, arrays: tuple[Any, ...], options: dict[str, Any], buff
                     raise ValueError(f"{name} must have shape {tuple(q.shape[:-1]) + (dv_width,)} (q's shape with "
                                      f"v's head_dim), got {tuple(a.shape)}")
             if vp is not vb:  # v was padded: so are dout and out, with zeros (zero gradient contributions)
-                doutb, outb = (_layout.pad_last(a, qb.shape[-1]) if hasattr(a, "shape") else a for a in (doutb, outb))
-        problem = make_problem(qp, kp, vp, **kw)
-        dout_f, out_f, lse_f = check_backward(problem, doutb, outb, lse)
+                doutb, outb = (_layout.pad_last(a, qb.shape[-1], name) if hasattr(a, "shape") else a
+                               for name, a in (("dout", doutb), ("out", outb)))
+        problem = make_problem(qp, kp, vp, layout=layout, **kw)
+        dout_f, out_f, lse_f = check_backward(problem, doutb, outb, lse, layout)
         if return_dbias and (problem.mods is None or problem.mods.bias_shape is None):
             raise ValueError("return_dbias=True needs bias=: there is no bias to differentiate")
-        _check_grad_buffers(buffers, problem.xp, q, k, v, dout, out, lse, packed, layout)
+        _check_grad_buffers(buffers, problem, (q, k, v, dout, out, lse), options, packed, layout)
         module = backends.select(problem, backend)
         grads = module.backward(problem, dout_f, out_f, lse_f, deterministic=deterministic, dbias=return_dbias)
         shapes = (problem.q.shape[1:], problem.k.shape[1:], problem.v.shape[1:])
@@ -442,9 +443,12 @@ def _place_grads(edge: Edge, grads: tuple[Any, Any, Any], buffers: dict[str, Any
     return single("dq", gq), single("dk", gk), single("dv", gv)
 
 
-def _check_grad_buffers(buffers: dict[str, Any], xp: Any, q: Any, k: Any, v: Any, dout: Any, out: Any, lse: Any,
+def _check_grad_buffers(buffers: dict[str, Any], problem: Any, arrays: tuple[Any, ...], options: Mapping[str, Any],
                         packed: Optional[str], layout: str) -> None:
-    inputs = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
+    """The gradient buffers: of the gradients' dtype (q's, in the machine's byte order), each sharing memory with no
+    input, option array (a bias, offsets, ``mod_arrays``) or other buffer."""
+    q, k, v = arrays[:3]
+    inputs = dict(watched(dict(zip(("q", "k", "v", "dout", "out", "lse"), arrays)), options))
     axis = _layout.pack_axis(layout)
     want = {"dq": tuple(q.shape), "dk": tuple(k.shape), "dv": tuple(v.shape)}
     if packed == "qkv":
@@ -456,7 +460,7 @@ def _check_grad_buffers(buffers: dict[str, Any], xp: Any, q: Any, k: Any, v: Any
         buf = buffers.get(name)
         if buf is None:
             continue
-        check_buffer(name, buf, shape, q.dtype, xp, {**inputs, **checked})
+        check_buffer(name, buf, shape, problem.dtype, problem.xp, {**inputs, **checked})
         checked[name] = buf
 
 

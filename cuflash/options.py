@@ -42,7 +42,8 @@ _OPTIONS_DOC = """
         ALiBi (FlashAttention-2's convention): adds ``-slope[h] * |i + Lk - Lq - j|``.
     softcap : float > 0, optional
         Soft-capping (FlashAttention-2's convention): a score ``s`` becomes ``softcap * tanh(s / softcap)``
-        (first of the modifiers, right after the scale).
+        (first of the modifiers, right after the scale). At least the smallest normal number of the working
+        precision (float32's 1.2e-38; float64's for float64 inputs): a smaller cap is 0 there, or flushed to 0.
     score_mod : str, optional
         A score modifier written once as a Python expression over ``score, b, h, q_idx, kv_idx, q_len,
         kv_len`` and the names of ``mod_arrays`` (:mod:`cuflash.mods` gives the grammar), e.g.

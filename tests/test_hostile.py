@@ -85,3 +85,94 @@ def test_vjp_detects_in_place_changes(changed):
 def test_dropout_mask_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         cuflash.dropout_mask(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ review 2026-11-27
+def test_result_buffers_must_not_overlap_option_arrays():
+    """``out=`` (and ``dq=``) over the caller's bias would overwrite it before the backward reads it again."""
+    q, k, v = _qkv()
+    bias = np.zeros((2, 2, 40, 40), np.float32)
+    inside = bias.reshape(-1)[:q.size].reshape(q.shape)  # q's shape and dtype, in the bias's memory
+    with pytest.raises(ValueError, match="out shares memory with bias"):
+        cuflash.attention(q, k, v, bias=bias, out=inside)
+    o, lse = cuflash.attention(q, k, v, bias=bias, return_lse=True)
+    with pytest.raises(ValueError, match="dq shares memory with bias"):
+        cuflash.attention_backward(o, q, k, v, o, lse, bias=bias, dq=inside)
+    assert not bias.any()  # nothing was written
+    assert cuflash.attention(q, k, v, bias=bias, out=np.empty_like(inside)) is not None  # a buffer of its own: fine
+
+
+@pytest.mark.parametrize("p", [pytest.param(__import__("fractions").Fraction(10**17 - 1, 10**17), id="fraction"),
+                               pytest.param(np.nextafter(np.longdouble(1), np.longdouble(0)), id="longdouble")])
+def test_dropout_p_that_rounds_to_one_is_refused(p):
+    """Below 1 as given, 1.0 as the float64 every backend computes with: refused naming dropout_p (it divided by
+    1 - p = 0 inside the backend)."""
+    if float(p) != 1.0:
+        pytest.skip("this platform's longdouble is float64: no value below 1 rounds to 1")
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"dropout_p must lie in \[0, 1\)"):
+        cuflash.attention(q, k, v, dropout_p=p, seed=1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        cuflash.reference.attention(q, k, v, dropout_p=p, dropout_mask=np.ones((2, 2, 40, 40), bool))
+
+
+@pytest.mark.parametrize("dtype,cap,ok", [(np.float32, 1e-40, False), (np.float16, 1e-39, False),
+                                          (np.float32, 2e-38, True), (np.float64, 1e-300, True),
+                                          (np.float64, 1e-310, False)])
+def test_softcap_below_the_smallest_normal_is_refused(dtype, cap, ok):
+    """A cap that is 0 (or subnormal, flushed on a GPU) in the working precision gave 0/0 = NaN for a zero score."""
+    q, k, v = _qkv(dtype=dtype)
+    q[0, 0] = 0  # zero scores
+    if not ok:
+        with pytest.raises(ValueError, match="softcap must be a real > 0"):
+            cuflash.attention(q, k, v, softcap=cap)
+        return
+    out = cuflash.attention(q, k, v, softcap=cap)
+    want = cuflash.reference.attention(q, k, v, softcap=cap)
+    assert np.isfinite(out).all() and np.isfinite(want).all()
+
+
+def test_big_endian_q_with_its_own_value_head_dim():
+    """head_dim_v != head_dim with a byte-swapped q: the same result as native q (it was refused as "k and v must
+    have the same shape")."""
+    q, k, v = _qkv()
+    v = v[..., :8].copy()
+    want = cuflash.attention(q, k, v, return_lse=True)
+    got = cuflash.attention(q.astype(q.dtype.newbyteorder()), k, v, return_lse=True)
+    for a, b in zip(got, want):
+        assert np.array_equal(a, b)
+    out = np.empty_like(want[0])  # native order: the result's dtype, taken as out= too
+    assert cuflash.attention(q.astype(q.dtype.newbyteorder()), k, v, out=out) is out
+
+
+@pytest.mark.parametrize("k_shape,v_shape,match", [
+    ((2, 40, 2, 16), (2, 40, 2, 8), None),  # head_dim_v of its own: fine
+    ((2, 40, 2, 16), (2, 41, 2, 16), "same seqlen_k and heads_kv"),
+])
+def test_messages_show_the_callers_layout(k_shape, v_shape, match):
+    """With layout="bhsd" a wrong shape is reported as the caller passed it, not transposed."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 2, 40, 16)).astype(np.float32)
+    k = rng.standard_normal(k_shape).astype(np.float32).transpose(0, 2, 1, 3).copy()  # (b, h, s, d)
+    v = rng.standard_normal(v_shape).astype(np.float32).transpose(0, 2, 1, 3).copy()
+    if match is None:
+        cuflash.attention(q, k, v, layout="bhsd")
+        return
+    with pytest.raises(ValueError, match=match) as info:
+        cuflash.attention(q, k, v, layout="bhsd")
+    assert str(tuple(k.shape)) in str(info.value) and str(tuple(v.shape)) in str(info.value)
+    o, lse = cuflash.attention(q, q, q, layout="bhsd", return_lse=True)
+    with pytest.raises(ValueError, match=r"dout must have q's shape \(2, 2, 40, 16\), got \(2, 2, 39, 16\)"):
+        cuflash.attention_backward(o[:, :, :39], q, q, q, o, lse, layout="bhsd")
+
+
+def test_padding_for_head_dim_v_names_the_argument():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="^v is a numpy.ma.MaskedArray"):
+        cuflash.attention(q, k, np.ma.masked_array(v[..., :8]))
+
+
+def test_masked_seqlens_are_refused():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="seqlens_k is a numpy.ma.MaskedArray"):
+        cuflash.attention(q, k, v, seqlens_k=np.ma.masked_array([9, 5], mask=[0, 1]))

@@ -310,7 +310,14 @@ def _check_element_type(q, dtype):
     return "bfloat16"
 
 
-def _check_qkv(q, k, v, element_type):
+def _shown(shape, layout: str) -> tuple:
+    """A shape of the (..., seqlen, heads, head_dim) arrays that validation sees, as the caller passed it: a
+    ``layout="bhsd"`` array is read through a view with its seqlen and heads axes swapped."""
+    shape = tuple(shape)
+    return shape if layout == "bshd" or len(shape) < 3 else shape[:-3] + (shape[-2], shape[-3], shape[-1])
+
+
+def _check_qkv(q, k, v, element_type, layout="bshd"):
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim < 3:
             raise ValueError(f"{name} must have shape (..., seqlen, heads, head_dim), got ndim={a.ndim}")
@@ -320,19 +327,23 @@ def _check_qkv(q, k, v, element_type):
         raise ValueError(
             f"batch dimensions of q, k, v must be identical (no broadcasting), "
             f"got {q.shape[:-3]}, {k.shape[:-3]}, {v.shape[:-3]}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (..., seqlen_k, heads_kv, head_dim), "
-                         f"got k {k.shape} and v {v.shape}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same seqlen_k and heads_kv, got k {_shown(k.shape, layout)} and "
+                         f"v {_shown(v.shape, layout)}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"head_dim of q ({q.shape[-1]}) and k/v ({k.shape[-1]}) must match")
-    if q.shape[-1] < 1 or q.shape[-2] < 1 or k.shape[-2] < 1:
-        raise ValueError(f"heads and head_dim must be >= 1, got q {q.shape}, k {k.shape}")
-    if q.shape[-2] % k.shape[-2]:
-        raise ValueError(f"heads of q ({q.shape[-2]}) must be a multiple of heads of k/v ({k.shape[-2]})")
+        raise ValueError(f"head_dim of q ({q.shape[-1]}) and k ({k.shape[-1]}) must match")
     dts = {dtype_name(a.dtype) for a in (q, k, v)}
     if len(dts) > 1:
         raise TypeError(f"q, k, v must share one dtype, got {dtype_name(q.dtype)}, "
                         f"{dtype_name(k.dtype)}, {dtype_name(v.dtype)}")
+    if min(q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]) < 1:
+        raise ValueError(f"heads and head_dim must be >= 1, got q {_shown(q.shape, layout)}, k "
+                         f"{_shown(k.shape, layout)}, v {_shown(v.shape, layout)}")
+    if k.shape != v.shape:  # a head_dim_v of its own is taken by cuflash.attention (padded), not here
+        raise ValueError(f"k and v must have the same shape (..., seqlen_k, heads_kv, head_dim) here, got k "
+                         f"{_shown(k.shape, layout)} and v {_shown(v.shape, layout)}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"heads of q ({q.shape[-2]}) must be a multiple of heads of k/v ({k.shape[-2]})")
     if element_type not in FLOAT_DTYPES:
         raise TypeError(f"q, k, v must be floating point ({', '.join(FLOAT_DTYPES)}; uint16 bfloat16 bits "
                         f"with dtype='bfloat16'), got {q.dtype}")
@@ -389,6 +400,7 @@ def _check_seqlens(x, name, batch_shape, full, xp):
         return None
     if not (isinstance(x, np.ndarray) or _is_cupy(x)):
         raise TypeError(f"{name} must be an integer array of shape {batch_shape}, got {type(x).__name__}")
+    array_module(x, names=(name,))  # a masked array is refused (its mask would be dropped), as for q, k, v
     if x.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an integer array of shape {batch_shape}, got dtype {x.dtype}")
     if tuple(x.shape) != tuple(batch_shape):
@@ -403,12 +415,16 @@ def check_dropout(dropout_p, seed, what="dropout_p"):
     """``(p, seed)`` validated: ``p`` a real in [0, 1), ``seed`` None or an int in [0, 2**64)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{what} must be a float in [0, 1), got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:  # NaN fails this too (compared as it is: float() of a huge int overflows)
-        raise ValueError(f"{what} must lie in [0, 1), got {dropout_p}")
+    try:  # checked as the float every backend computes with: 1 - 2**-60 (a Fraction, a longdouble) is 1.0 there
+        p = float(dropout_p)
+    except OverflowError:  # an int or Fraction past float64
+        p = math.inf
+    if not 0.0 <= p < 1.0:  # NaN fails this too
+        raise ValueError(f"{what} must lie in [0, 1) (as a float64), got {dropout_p!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                              or not 0 <= seed < 2**64):
         raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
-    return float(dropout_p), (None if seed is None else int(seed))
+    return p, (None if seed is None else int(seed))
 
 
 def _check_precision(precision, element_type: str) -> str:
@@ -423,12 +439,13 @@ def _check_precision(precision, element_type: str) -> str:
 def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=None,
                  seqlens_q=None, seqlens_k=None, dropout_p=0.0, seed=None, dtype=None, bias=None,
                  alibi_slopes=None, softcap=None, score_mod=None, mask_mod=None, mod_arrays=None,
-                 precision="ieee") -> Problem:
-    """Validate the forward arguments and return the normalized :class:`Problem`."""
+                 precision="ieee", layout="bshd") -> Problem:
+    """Validate the forward arguments and return the normalized :class:`Problem`. ``q``, ``k``, ``v`` are in the
+    (..., seqlen, heads, head_dim) form; ``layout`` is the caller's, for the shapes that errors show."""
     xp = array_module(q, k, v, names=("q", "k", "v"))
     q, k, v = native(q), native(k), native(v)
     element_type = _check_element_type(q, dtype)
-    _check_qkv(q, k, v, element_type)
+    _check_qkv(q, k, v, element_type, layout)
     precision = _check_precision(precision, element_type)
     n_batch = q.ndim - 3
     batch_shape = tuple(q.shape[:n_batch])
@@ -534,8 +551,10 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
     score = None
     if softcap is not None:
         cap = _working_real(softcap, "softcap", like.dtype, "a real > 0 or None")
-        if not cap > 0:
-            raise ValueError(f"softcap must be a real > 0 or None, got {softcap!r}")
+        tiny = float(np.finfo(np.float64 if np.dtype(like.dtype) == np.float64 else np.float32).tiny)
+        if not cap >= tiny:  # below the working precision's smallest normal: 0 there, or 0 where the GPU flushes
+            raise ValueError(f"softcap must be a real > 0 or None, at least {tiny:.3g} (the smallest normal number "
+                             f"of the working precision), got {softcap!r}")
         internal["cuflash_softcap"] = cap
         score = mods.parse(mods.SOFTCAP, kind="score", arrays=internal, internal=True)
     bias_shape = None
@@ -567,8 +586,9 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
     return mods.Modifiers(score, mask, {**values, **internal}, bias_shape)
 
 
-def check_backward(problem: Problem, dout, out, lse):
-    """Validate the backward's extra arrays against the forward problem; return them flattened."""
+def check_backward(problem: Problem, dout, out, lse, layout="bshd"):
+    """Validate the backward's extra arrays against the forward problem; return them flattened. ``layout``: the
+    caller's, for the shapes that errors show."""
     xp = array_module(dout, out, lse, names=("dout", "out", "lse"))
     dout, out, lse = native(dout), native(out), native(lse)
     if xp is not problem.xp:
@@ -576,7 +596,7 @@ def check_backward(problem: Problem, dout, out, lse):
     want = problem.batch_shape + problem.q.shape[1:]
     for name, a in (("dout", dout), ("out", out)):
         if tuple(a.shape) != want:
-            raise ValueError(f"{name} must have q's shape {want}, got {tuple(a.shape)}")
+            raise ValueError(f"{name} must have q's shape {_shown(want, layout)}, got {_shown(a.shape, layout)}")
         if a.dtype != problem.dtype:
             raise TypeError(f"{name} must have q's dtype {problem.dtype}, got {a.dtype}")
     want_lse = problem.batch_shape + (problem.heads_q, problem.seqlen_q)
