@@ -230,7 +230,7 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
         lse_caller = edge.export(lse)
     if return_residual:
         saved = (q, k, v, o, lse)
-        seen = watched(dict(q=q, k=k, v=v, out=o), natives_opts)
+        seen = watched(dict(q=q, k=k, v=v, out=o, lse=lse), natives_opts)
         residual = AttentionResidual(out_caller, lse_caller, MappingProxyType(dict(options)), packed, backend,
                                      saved, MappingProxyType(natives_opts),
                                      tuple(fingerprint(a) for _, a in seen), edge, seen)
@@ -472,7 +472,7 @@ def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> tuple[Array, 
     ``deterministic`` of :func:`attention_backward`. Built on :class:`AttentionResidual` (``vjp.residual``): it
     keeps references to ``q``, ``k``, ``v``, ``out`` and the lse (nothing of size N², no copies), and like
     PyTorch's autograd it detects a later in-place change: ``vjp`` raises ``ValueError`` when ``q``, ``k``, ``v``,
-    ``out`` or an array option (``bias``, ``seqlens_q``, a ``mod_arrays`` value, ...) no longer hold the values the
+    ``out``, the lse or an array option (``bias``, ``seqlens_q``, a ``mod_arrays`` value, ...) no longer hold the values the
     forward saw (a fingerprint of each is taken now and checked then; :func:`fingerprint`). With dropout and no
     seed, one is drawn and kept for the backward (read it back as ``vjp.seed``).
     """

@@ -20,7 +20,7 @@ class AttentionResidual:
 
     It carries the forward's ``out`` and ``lse`` (in the caller's array type), every option of the forward
     (``options``; a drawn dropout seed filled in), references to ``q``, ``k``, ``v`` (no copies; nothing of
-    size N²) and a fingerprint of ``q``, ``k``, ``v``, ``out`` and the array options taken after the forward:
+    size N²) and a fingerprint of ``q``, ``k``, ``v``, ``out``, ``lse`` and the array options taken after the forward:
     ``attention_backward(dout, residual)`` cannot be given options other than the forward's, and raises
     ``ValueError`` when one of those arrays was changed in place since (as PyTorch's autograd does). The name
     is JAX's (``jax.vjp``'s residuals, ``jax.nn.dot_product_attention(..., return_residual=True)``).
@@ -95,18 +95,21 @@ def _is_array(x: Any) -> bool:
 
 
 _CHUNK = 1 << 20
+_MIX = 0x9E3779B97F4A7C15  # odd: multiplying by it is invertible modulo 2**64
 _WEIGHTS: dict[int, Any] = {}  # device id -> the weights of fingerprint(), on that device
 
 
 def fingerprint(a: Any) -> tuple[Any, ...]:
     """Shape, strides, dtype and a position-sensitive checksum of an array's bits: CRC-32 of a NumPy array's
-    bytes (1.6 GB/s here); for a CuPy array, on its device, ``sum_i bits16[i] * w[i]`` in float64 over fixed
-    pseudo-random weights ``w`` (1 Mi-element chunks, summed on the device: one read-back per array;
-    ``bits8`` where the byte count is odd). Any change of values (an edit, a permutation) changes it, short
-    of a deliberate collision."""
+    bytes (1.6 GB/s here); for a CuPy array, on its device, ``sum_i bits16[i] * w[i]`` modulo 2**64 over fixed
+    pseudo-random odd weights ``w`` (``bits8`` where the byte count is odd), chunk sums of 1 Mi elements combined
+    as ``total * MIX + chunk`` (so that chunks do not commute); one read-back per array. Integer arithmetic: a
+    change ``delta`` of one element changes the sum by ``delta * w[i]``, never 0 modulo 2**64 for an odd weight
+    (a float64 sum lost a one-bit change below half an ulp of the total). Any change of values (an edit, a
+    permutation) changes it, short of a deliberate collision."""
     xp = array_module(a, names=("array",))
     flat = xp.ascontiguousarray(a).reshape(-1).view(xp.uint8)
-    total: float
+    total: int
     if xp is np:
         total = zlib.crc32(memoryview(flat))
     else:
@@ -114,9 +117,13 @@ def fingerprint(a: Any) -> tuple[Any, ...]:
         key = a.device.id
         with xp.cuda.Device(key):  # the weights live on the array's device, whichever is current
             if key not in _WEIGHTS:
-                _WEIGHTS[key] = xp.asarray(np.random.default_rng(0).random(_CHUNK))
-            w = _WEIGHTS[key]
-            chunks = (flat[start:start + _CHUNK].astype(xp.float64) for start in range(0, flat.size, _CHUNK))
-            total = float(sum((part @ w[:part.size] for part in chunks), xp.zeros((), xp.float64)))
+                odd = np.random.default_rng(0).integers(0, 2**63, _CHUNK, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+                _WEIGHTS[key] = xp.asarray(odd)
+            w, mix = _WEIGHTS[key], xp.full(1, _MIX, xp.uint64)
+            acc = xp.zeros(1, xp.uint64)  # 1-element arrays: uint64 arithmetic that wraps, as on the device
+            for start in range(0, flat.size, _CHUNK):
+                part = flat[start:start + _CHUNK].astype(xp.uint64)
+                acc = acc * mix + (part * w[:part.size]).sum(dtype=xp.uint64)
+            total = int(acc.get()[0])
     return tuple(a.shape), tuple(a.strides), str(a.dtype), total
 

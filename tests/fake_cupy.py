@@ -204,6 +204,14 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
 
         __radd__ = __add__
 
+        def __mul__(self, other):  # element-wise, on the device (integers wrap, as in CUDA)
+            return self._same(np.asarray(self._a * _operand(other, self._dev)))
+
+        __rmul__ = __mul__
+
+        def sum(self, axis=None, dtype=None, keepdims=False):  # a device reduction (0-d for axis=None)
+            return self._same(np.asarray(self._a.sum(axis=axis, dtype=dtype, keepdims=keepdims)))
+
         def __float__(self):  # CuPy synchronizes and copies a 0-d result to the host
             return float(self._a)
 

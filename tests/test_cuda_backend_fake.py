@@ -383,8 +383,8 @@ def test_the_device_fingerprint_sees_every_change_and_reads_back_once(cp, monkey
 
     monkeypatch.setattr(residual, "_CHUNK", 4)
     reads = []
-    real_float = cp.ndarray.__float__
-    monkeypatch.setattr(cp.ndarray, "__float__", lambda self: reads.append(1) or real_float(self))
+    real_get = cp.ndarray.get
+    monkeypatch.setattr(cp.ndarray, "get", lambda self, *a, **k: reads.append(1) or real_get(self, *a, **k))
     for host in (np.array([True, False, True]), np.arange(11, dtype=np.float32), np.arange(7, dtype=np.int8)):
         a = cp.asarray(host)
         reads.clear()
@@ -395,6 +395,22 @@ def test_the_device_fingerprint_sees_every_change_and_reads_back_once(cp, monkey
             changed[i] = not changed[i] if host.dtype == bool else changed[i] + 1
             assert residual.fingerprint(cp.asarray(changed)) != before, (host.dtype, i)
         assert residual.fingerprint(cp.asarray(host)) == before
+        assert residual.fingerprint(cp.asarray(np.roll(host, 1))) != before  # the same values, moved
+
+
+def test_the_device_fingerprint_sees_a_one_bit_change_in_a_large_array(cp):
+    """The lowest bit of one float16 among 2 Mi (two chunks): a float64 weighted sum of the 16-bit words lost it
+    below half an ulp of its total; the sum modulo 2**64 with odd weights cannot."""
+    from cuflash import residual
+
+    host = np.random.default_rng(3).standard_normal(1 << 21).astype(np.float16)
+    before = residual.fingerprint(cp.asarray(host))
+    for i in (0, 12345, (1 << 20) + 7, (1 << 21) - 1):
+        changed = host.copy()
+        changed.view(np.uint16)[i] ^= 1
+        assert residual.fingerprint(cp.asarray(changed)) != before, i
+    halves = np.concatenate([host[1 << 20:], host[:1 << 20]])  # the two chunks swapped
+    assert residual.fingerprint(cp.asarray(halves)) != before
 
 
 def test_several_batch_dimensions(cp):

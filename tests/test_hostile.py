@@ -176,3 +176,38 @@ def test_masked_seqlens_are_refused():
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="seqlens_k is a numpy.ma.MaskedArray"):
         cuflash.attention(q, k, v, seqlens_k=np.ma.masked_array([9, 5], mask=[0, 1]))
+
+
+@pytest.mark.parametrize("backend,variable", [("numpy", "CUFLASH_BLAS"), ("emulate", "CUFLASH_EMULATE_SCHEDULE"),
+                                              ("emulate", "CUFLASH_EMULATE_STACK_KIB")])
+def test_a_kvcache_call_refused_for_the_environment_leaves_the_cache(backend, variable, monkeypatch):
+    """The environment is checked before the new tokens are appended (it was read after: the cache was written)."""
+    monkeypatch.setenv(variable, "bogus")
+    q = np.ones((1, 1, 2, 64), np.float16)
+    kc, vc, kn = np.zeros((1, 8, 2, 64), np.float16), np.zeros((1, 8, 2, 64), np.float16), q.copy()
+    with pytest.raises(ValueError, match=variable):
+        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([3], np.int32), k_new=kn, v_new=kn,
+                                       backend=backend)
+    assert not kc.any() and not vc.any()
+
+
+def test_an_in_place_change_of_the_residuals_lse_is_detected():
+    q, k, v = _qkv()
+    out, res = cuflash.attention(q, k, v, causal=True, return_residual=True)
+    cuflash.attention_backward(out, res)
+    res.lse[...] += 1.0
+    with pytest.raises(ValueError, match="lse was modified in place"):
+        cuflash.attention_backward(out, res)
+
+
+def test_empty_result_buffers_and_caches_are_accepted():
+    """NumPy gives an empty array zero strides: it was refused as "a broadcast or stride-tricks view"."""
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    buf = z(0, 4, 2, 16)
+    assert cuflash.attention(z(0, 4, 2, 16), z(0, 4, 2, 16), z(0, 4, 2, 16), out=buf) is buf
+    out, res = cuflash.attention(z(0, 4, 2, 16), z(0, 4, 2, 16), z(0, 4, 2, 16), return_residual=True)
+    dq = z(0, 4, 2, 16)
+    assert cuflash.attention_backward(out, res, dq=dq)[0] is dq
+    got = cuflash.attention_with_kvcache(z(0, 1, 4, 32), z(0, 16, 2, 32), z(0, 16, 2, 32),
+                                         cache_seqlens=np.zeros(0, np.int32), k_new=z(0, 1, 2, 32), v_new=z(0, 1, 2, 32))
+    assert got.shape == (0, 1, 4, 32)

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..merge import merge_parts
 from ..problem import KVCacheProblem, VarlenProblem, stats_dtype
+from ._blas import products
 from .numpy import BLOCK_K, _Scratch, _threads, _work_dtype, backward_work, forward_work, run_many
 
 #: Bytes of keys and values gathered from a paged cache (or upcast) per batch of sequences of forward_kvcache:
@@ -110,7 +111,8 @@ def forward_kvcache(problem: KVCacheProblem):
     wt = _work_dtype(problem)
     out = np.zeros(problem.q.shape, dtype=problem.dtype)
     lse = np.full((problem.batch, problem.heads_q, problem.seqlen_q), -np.inf, dtype=wt)
-    _threads()  # CUFLASH_NUM_THREADS refused (if it is) before the append: a refused call leaves the caches alone
+    _threads()  # CUFLASH_NUM_THREADS and CUFLASH_BLAS refused (if they are) before the append: a refused call
+    products()  # leaves the caches alone
     append_kvcache(problem)
     scratch = _Scratch()
     live = _live(np.full(problem.batch, problem.seqlen_q), problem.lengths_k)

@@ -150,6 +150,8 @@ def check_one_place_per_element(name: str, a: Any, what: str) -> None:
 def _self_overlap(a) -> bool:
     """Whether two elements of ``a`` may share memory: its axes of more than one element, by stride, must each step
     past all that the smaller ones span (a sufficient test: a layout it cannot prove counts as overlapping)."""
+    if a.size == 0:  # no elements (NumPy gives an empty array zero strides)
+        return False
     span = a.itemsize
     for stride, n in sorted((abs(st), n) for n, st in zip(a.shape, a.strides) if n > 1):
         if stride < span:
