@@ -292,6 +292,9 @@ def _scalar_type(value) -> str:
         return "int"
     if isinstance(value, numbers.Real):
         return "float"
+    if not hasattr(value, "dtype"):  # a complex number, a string, ...
+        raise TypeError(f"mod_arrays entries must be arrays or real scalars (bool, int, float), got "
+                        f"{type(value).__name__}")
     return _type_of_dtype(value.dtype)
 
 

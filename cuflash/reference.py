@@ -84,7 +84,8 @@ def _scores(p, q, k):
     if p.mods is not None:
         values = _host_values(p)
         if p.mods.score is not None:
-            s_mod = r(p.mods.score.evaluate(_env(p, s), values, q.dtype))
+            # an expression that reads none of score, b, h (``"q_idx * 0.1"``) has fewer axes than S
+            s_mod = r(np.array(np.broadcast_to(p.mods.score.evaluate(_env(p, s), values, q.dtype), s.shape)))
         if p.mods.mask is not None:
             keep = keep & p.mods.mask.evaluate(_env(p), values)
     return s, s_mod, keep

@@ -236,3 +236,20 @@ def test_modifier_arguments_are_validated(kw, exc, match):
     q, k, v, _ = _qkv()
     with pytest.raises(exc, match=match):
         cuflash.problem.make_problem(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("score_mod", ["where(kv_idx <= q_idx, 0.0, -inf)", "q_idx * 0.1", "1.0"])
+def test_reference_takes_score_mods_that_do_not_read_the_score(score_mod):
+    """An expression without score, b or h has fewer axes than S: the reference broadcast failed on it (reshape
+    error) where the backends take it; the NumPy backend is held to the reference by the rule."""
+    from cuflash.testing import Case, check_forward
+
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 70, 2, 32)).astype(np.float32) for _ in range(4))
+    case = Case(q, k, v, dout, {"score_mod": score_mod})
+    check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, backend="numpy", **o), case)
+
+
+def test_mod_arrays_entries_of_no_real_type_are_refused_by_blockmask():
+    with pytest.raises(TypeError, match="mod_arrays entries must be arrays or real scalars"):
+        cuflash.BlockMask.from_mask_mod("kv_idx <= q_idx + a", seqlen_q=64, mod_arrays={"a": 2 + 1j})
