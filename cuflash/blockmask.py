@@ -93,6 +93,9 @@ class BlockMask:
         The operands ``member`` reads (host arrays; names unique to this mask).
     """
 
+    #: the index variables (``b``, ``h``) a from_mask_mod rule reads but was classified at 0 only (built for 1)
+    _pinned = frozenset()
+
     def __init__(self, grid, *, block=DEFAULT_BLOCK, seqlen_q=None, seqlen_k=None):
         grid = _host_array(grid, "grid")
         if grid.dtype != np.bool_:
@@ -293,7 +296,16 @@ class BlockMask:
         """Any mask expression of the modifier language (see ``attention(mask_mod=...)``), classified block by
         block once (FlexAttention's ``create_block_mask``): O(Sq·Sk) evaluations now, in query-block chunks,
         then skipped blocks cost nothing and full ones no element test. ``batch``/``heads``: 1 when the mask
-        does not read ``b``/``h`` (the grid then broadcasts), else the problem's flattened batch / heads."""
+        does not read ``b``/``h`` (the grid then broadcasts), else the problem's flattened batch / heads (a mask
+        that reads ``b``/``h`` built for 1 is refused by a problem with more).
+
+        ``q_len``/``kv_len`` in the rule are this mask's own ``seqlen_q``/``seqlen_k``, fixed when it is built
+        (not each sequence's ``seqlens_q``/``seqlens_k`` as in ``mask_mod=``): a BlockMask is aligned at its own
+        lengths, and every backend, the kernels included, reads these numbers.
+
+        Floats in the rule are computed in the working precision of the problem's inputs (float32, float64 for
+        float64 inputs), which the mask does not know: a block is full or skipped only when it is so in float32
+        and in float64 alike, else partial (its elements are then tested in the working precision)."""
         sq, sk = _lengths(seqlen_q, seqlen_k)
         batch, heads = _check_count(batch, "batch", 1), _check_count(heads, "heads", 1)
         arrays = {n: _host_array(v, f"mod_arrays[{n!r}]") if not isinstance(v, numbers.Number) else v
@@ -303,21 +315,32 @@ class BlockMask:
         name = f"cuflash_m{next(_ids)}_"  # the operands' names unique to this mask (masks combine)
         rule = rule.renamed({n: name + n for n in arrays})
         values = {name + n: v for n, v in arrays.items()}
+        # q_len, kv_len: this mask's lengths, as int operands (one compiled rule for every length)
+        lengths = {"q_len": sq, "kv_len": sk}
+        rule = rule.bound({v: name + v for v in lengths})
+        read = {o.name for o in rule.operands}
+        values.update({name + v: n for v, n in lengths.items() if name + v in read})
         bq, bk = _check_block(block)
         nq, nk = _cdiv(sq, bq), _cdiv(sk, bk)
         states = np.zeros((batch, heads, nq, nk), dtype=np.int8)
         env = dict(b=np.arange(batch).reshape(-1, 1, 1, 1), h=np.arange(heads).reshape(1, -1, 1, 1),
-                   kv_idx=np.arange(sk).reshape(1, 1, 1, -1), q_len=sq, kv_len=sk)
+                   kv_idx=np.arange(sk).reshape(1, 1, 1, -1))
+        precisions = (np.float32, np.float64) if rule.uses_float else (np.float64,)
         for i in range(nq):
             rows = np.arange(i * bq, min((i + 1) * bq, sq))
-            keep = np.broadcast_to(rule.evaluate(dict(env, q_idx=rows.reshape(1, 1, -1, 1)), values),
-                                   (batch, heads, rows.size, sk))
-            pad = np.zeros((batch, heads, rows.size, nk * bk), dtype=bool)
-            pad[..., :sk] = keep
-            cnt = pad.reshape(batch, heads, rows.size, nk, bk).sum(axis=(2, 4))
             area = rows.size * np.minimum(bk, sk - np.arange(nk) * bk)
-            states[:, :, i] = np.where(cnt == area, FULL, np.where(cnt > 0, PARTIAL, SKIP))
-        return cls._make(states, (bq, bk), sq, sk, rule, values)
+            full, some = True, False
+            for dtype in precisions:
+                keep = np.broadcast_to(rule.evaluate(dict(env, q_idx=rows.reshape(1, 1, -1, 1)), values, dtype),
+                                       (batch, heads, rows.size, sk))
+                pad = np.zeros((batch, heads, rows.size, nk * bk), dtype=bool)
+                pad[..., :sk] = keep
+                cnt = pad.reshape(batch, heads, rows.size, nk, bk).sum(axis=(2, 4))
+                full, some = full & (cnt == area), some | (cnt > 0)
+            states[:, :, i] = np.where(full, FULL, np.where(some, PARTIAL, SKIP))
+        mask = cls._make(states, (bq, bk), sq, sk, rule, values)
+        mask._pinned = frozenset(v for v, n in (("b", batch), ("h", heads)) if n == 1 and rule.reads(v))
+        return mask
 
     # ---------------------------------------------------------------- combining
     def _combine(self, other: "BlockMask", op: str) -> "BlockMask":
@@ -335,8 +358,10 @@ class BlockMask:
         else:
             states = np.where((a == FULL) | (b == FULL), FULL, np.where((a == SKIP) & (b == SKIP), SKIP, PARTIAL))
         member = mods.combine(op, self.member, other.member)
-        return self._make(states.astype(np.int8), self.block, self.seqlen_q, self.seqlen_k,
+        mask = self._make(states.astype(np.int8), self.block, self.seqlen_q, self.seqlen_k,
                           values={**self.values, **other.values}, member=member)
+        mask._pinned = self._pinned | other._pinned
+        return mask
 
     def __and__(self, other):
         return self._combine(other, "and")
@@ -364,20 +389,34 @@ class BlockMask:
         """Fraction of blocks computed (not skipped): FA1's sparsity ``s`` (Proposition 4)."""
         return float(self.grid.mean()) if self.states.size else 0.0
 
-    def keep(self, b, h, q_idx, kv_idx):
-        """Whether elements are kept, vectorized over broadcastable index arrays."""
+    def keep(self, b, h, q_idx, kv_idx, dtype=None):
+        """Whether elements are kept, vectorized over broadcastable index arrays.
+
+        ``dtype``: the working precision of the problem (float32 for float16/bfloat16/float32 inputs, float64 for
+        float64 inputs), in which the rule's floats are computed, as every backend does. None: a rule without
+        floats as it is; one with floats must give the same elements in float32 and float64, else ValueError
+        (pass the problem's working precision)."""
         env = dict(b=np.asarray(b), h=np.asarray(h), q_idx=np.asarray(q_idx), kv_idx=np.asarray(kv_idx),
                    q_len=self.seqlen_q, kv_len=self.seqlen_k)
-        return np.asarray(self.member.evaluate(env, self.values), dtype=bool)
+        if dtype is not None:
+            return np.asarray(self.member.evaluate(env, self.values, dtype), dtype=bool)
+        keep = np.asarray(self.member.evaluate(env, self.values, np.float64), dtype=bool)
+        if self.member.uses_float and \
+                not np.array_equal(keep, np.asarray(self.member.evaluate(env, self.values, np.float32), dtype=bool)):
+            raise ValueError("this mask's rule keeps other elements in float32 than in float64: pass dtype=, the "
+                             "working precision of the problem (float32 for float16/bfloat16/float32 inputs, float64 "
+                             "for float64 inputs)")
+        return keep
 
-    def to_dense(self, seqlen_q=None, seqlen_k=None):
-        """The element mask ``(batch|1, heads|1, Sq, Sk)`` (O(N²): for references and tests)."""
+    def to_dense(self, seqlen_q=None, seqlen_k=None, dtype=None):
+        """The element mask ``(batch|1, heads|1, Sq, Sk)`` (O(N²): for references and tests); ``dtype``: the
+        working precision of the rule's floats (see :meth:`keep`)."""
         sq = self.seqlen_q if seqlen_q is None else seqlen_q
         sk = self.seqlen_k if seqlen_k is None else seqlen_k
         gb, gh = self.states.shape[:2]
         return np.broadcast_to(self.keep(np.arange(gb).reshape(-1, 1, 1, 1), np.arange(gh).reshape(1, -1, 1, 1),
-                                         np.arange(sq).reshape(1, 1, -1, 1), np.arange(sk).reshape(1, 1, 1, -1)),
-                               (gb, gh, sq, sk))
+                                         np.arange(sq).reshape(1, 1, -1, 1), np.arange(sk).reshape(1, 1, 1, -1),
+                                         dtype), (gb, gh, sq, sk))
 
     def check_fits(self, batch, heads, seqlen_q, seqlen_k):
         """Raise ``ValueError`` unless this mask matches a problem of the given sizes."""
@@ -388,6 +427,12 @@ class BlockMask:
         if b not in (1, batch) or h not in (1, heads):
             raise ValueError(f"block_mask grid leading dims must be (1 or batch={batch}, 1 or heads={heads}), "
                              f"got ({b}, {h})")
+        # a from_mask_mod rule that reads b (h) built for batch=1 (heads=1) was classified at b = 0 (h = 0) only, and
+        # its grid broadcasts (NumPy and the reference then evaluated it at b = 0 everywhere, the kernels at each b)
+        for var, size, what in (("b", batch, "batch"), ("h", heads, "heads")):
+            if var in self._pinned and size != 1:
+                raise ValueError(f"block_mask's rule reads {var} but was built for {what}=1; this problem has "
+                                 f"{what} {size}: build it with {what}={size}")
 
     # ---------------------------------------------------------------- display
     def __repr__(self):

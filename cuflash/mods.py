@@ -349,6 +349,30 @@ class Expr:
                            key=lambda o: o.name))
         return Expr(self.text, self.kind, ren(self.root), ops)
 
+    def bound(self, names: dict) -> "Expr":
+        """The same expression with the variables of ``names`` (``q_len``/``kv_len``) read as the int scalar operands
+        ``names[var]`` instead (``BlockMask.from_mask_mod`` fixes the lengths its rule reads to the mask's own)."""
+        def bind(n: Node) -> Node:
+            if n.op == "var" and n.value in names:
+                return Node("scalar", "int", value=names[n.value])
+            value = (bind(n.value[0]),) + n.value[1:] if n.op == "bits" else n.value
+            return Node(n.op, n.type, tuple(bind(a) for a in n.args), value)
+
+        read = [v for v in names if _uses(self.root, v)]
+        ops = {o.name: o for o in self.operands}
+        ops.update({names[v]: Operand(names[v], "int") for v in read})
+        return Expr(self.text, self.kind, bind(self.root), tuple(sorted(ops.values(), key=lambda o: o.name)))
+
+    def reads(self, var: str) -> bool:
+        """Whether the expression depends on the index variable ``var`` (``b``, ``h``, ...): read as a variable, or
+        as an index of an array operand."""
+        return _reads_var(self.root, var)
+
+    @property
+    def uses_float(self) -> bool:
+        """Whether the expression computes in floats (its value may then depend on the working precision)."""
+        return _any_float(self.root)
+
     def check_against(self, values: dict, extents: dict, what: str):
         """The expression against a problem of ``extents`` (``b``, ``h``, ``q_idx``, ``kv_idx``): every array
         operand is read at the problem's own indices, so its shape must be their extents exactly, and every
@@ -430,6 +454,20 @@ def _uses(n: Node, name: str) -> bool:
     """Whether ``n`` reads the variable ``name`` (or the array operand ``name``)."""
     return (n.op == "var" and n.value == name) or (n.op == "array" and n.value[0] == name) or \
         (n.op == "bits" and _uses(n.value[0], name)) or any(_uses(a, name) for a in n.args)
+
+
+def _reads_var(n: Node, var: str) -> bool:
+    if n.op == "var" and n.value == var:
+        return True
+    if n.op == "array" and any(i == var or (isinstance(i, tuple) and i[0] == var) for i in n.value[1]):
+        return True
+    if n.op == "bits" and _reads_var(n.value[0], var):
+        return True
+    return any(_reads_var(a, var) for a in n.args)
+
+
+def _any_float(n: Node) -> bool:
+    return n.type == "float" or (n.op == "bits" and _any_float(n.value[0])) or any(_any_float(a) for a in n.args)
 
 
 def _substitute(n: Node, inner: Node) -> Node:

@@ -77,7 +77,7 @@ def _scores(p, q, k):
     dtype; visibility is the element rule, the BlockMask and the mask modifier, (B, Hkv|1, G|1, Sq, Sk)."""
     r = _rounder(q.dtype)
     s = r(q.dtype.type(p.scale) * _mm(q, np.swapaxes(k, -1, -2)))
-    keep = p.visible_mask()  # (B, Hq|1, Sq, Sk)
+    keep = p.visible_mask()  # (B, Hq|1, Sq, Sk); a BlockMask rule's floats in the inputs' working precision
     heads = (1, 1) if keep.shape[1] == 1 else (p.heads_kv, p.group)
     keep = keep.reshape((keep.shape[0],) + heads + keep.shape[2:])
     s_mod = s
@@ -87,7 +87,8 @@ def _scores(p, q, k):
             # an expression that reads none of score, b, h (``"q_idx * 0.1"``) has fewer axes than S
             s_mod = r(np.array(np.broadcast_to(p.mods.score.evaluate(_env(p, s), values, q.dtype), s.shape)))
         if p.mods.mask is not None:
-            keep = keep & p.mods.mask.evaluate(_env(p), values)
+            # in the working precision of the inputs, whatever the compute dtype: the mask defines the problem
+            keep = keep & p.mods.mask.evaluate(_env(p), values, stats_dtype(p.dtype))
     return s, s_mod, keep
 
 

@@ -280,11 +280,12 @@ class Schedule:
         return full
 
     # ---------------------------------------------------------------- element masks
-    def element_mask(self, tile: Tile, batch=None, heads=None):
+    def element_mask(self, tile: Tile, batch=None, heads=None, dtype=None):
         """Boolean ``(B|len(batch), Hm|1, i1-i0, k1-k0)`` visibility inside a tile.
 
         ``batch``: indices of the sequences wanted (default all); ``heads``: indices of the query
-        heads wanted, used only when the BlockMask has one grid per head.
+        heads wanted, used only when the BlockMask has one grid per head; ``dtype``: the working precision of the
+        BlockMask rule's floats (:meth:`BlockMask.keep`).
         """
         i = np.arange(tile.i0, tile.i1)[None, None, :, None]
         j = np.arange(tile.k0, tile.k1)[None, None, None, :]
@@ -297,7 +298,7 @@ class Schedule:
             gb, gh = bm.states.shape[:2]
             b = (np.arange(gb) if batch is None or gb == 1 else np.asarray(batch))[:, None, None, None]
             h = (np.arange(gh) if heads is None or gh == 1 else np.asarray(heads))[None, :, None, None]
-            keep = keep & bm.keep(b, h, i, j)
+            keep = keep & bm.keep(b, h, i, j, dtype)
         return keep
 
 

@@ -4,6 +4,7 @@ combines with the element masks of attention."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -441,3 +442,72 @@ def test_plan_rounds_tiles_to_mask_blocks():
     want = dense_attention(q, k, v, bm.to_dense(), 1 / np.sqrt(8))
     mag = reference.term_magnitudes(q, k, v, block_mask=bm)["out"]
     np.testing.assert_allclose(out, want, rtol=0, atol=2 * np.finfo(np.float64).eps * mag)
+
+
+# ---------------------------------------------------------------------------------------------- from_mask_mod's rule
+@pytest.mark.parametrize("rule, f32, f64", [
+    # 15.9999999 is 16.0 in float32: key 16 dropped in float32, kept in float64 (key block 1 full in float64 only)
+    ("1.0 * kv_idx > 15.9999999", lambda j: j > 16, lambda j: j >= 16),
+    # ... kept in float32, dropped in float64 (key block 1 skipped in float64 only)
+    ("1.0 * kv_idx <= 15.9999999", lambda j: j <= 16, lambda j: j <= 15),
+], ids=["full_in_float64_only", "skipped_in_float64_only"])
+def test_from_mask_mod_classifies_in_float32_and_float64(rule, f32, f64):
+    """A BlockMask does not know the problem's precision: a block is full or skipped only where float32 and float64
+    agree, else partial, its elements then tested in the working precision (classified in float64 alone, the block
+    kept key 16 in float32, or hid it, whatever mask_mod= of the same text does)."""
+    bm = BlockMask.from_mask_mod(rule, seqlen_q=32, block=(16, 16))
+    np.testing.assert_array_equal(bm.states[0, 0], [[2 if f64(0) else 0, 1]] * 2)
+    j = np.broadcast_to(np.arange(32), (32, 32))
+    np.testing.assert_array_equal(bm.to_dense(dtype=np.float32)[0, 0], f32(j))
+    np.testing.assert_array_equal(bm.to_dense(dtype=np.float64)[0, 0], f64(j))
+    with pytest.raises(ValueError, match="other elements in float32 than in float64: pass dtype="):
+        bm.to_dense()
+    for dtype in (np.float32, np.float64):
+        q, k, v = _qkv(32, 32, dtype=dtype)
+        np.testing.assert_array_equal(reference.attention(q, k, v, block_mask=bm),
+                                      reference.attention(q, k, v, mask_mod=rule))
+        check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, **o),
+                      Case(q, k, v, q, dict(block_mask=bm)))
+
+
+def test_from_mask_mod_reads_its_own_lengths():
+    """q_len / kv_len in a BlockMask's rule are the mask's seqlen_q / seqlen_k, fixed when it is built: the rule below
+    is BlockMask.causal's at those lengths, whatever seqlens_q / seqlens_k the call passes (the kernels read each
+    sequence's lengths, NumPy and the reference the mask's)."""
+    bm = BlockMask.from_mask_mod("kv_idx <= q_idx + kv_len - q_len", seqlen_q=40, seqlen_k=56, block=(16, 16))
+    np.testing.assert_array_equal(bm.to_dense(), BlockMask.causal(40, 56, block=(16, 16)).to_dense())
+    # what the kernels do: the member evaluated with a sequence's own q_len / kv_len gives the same elements
+    i, j = np.arange(40)[:, None], np.arange(56)[None, :]
+    env = dict(b=np.zeros(1, int), h=np.zeros(1, int), q_idx=i, kv_idx=j, q_len=25, kv_len=30)
+    np.testing.assert_array_equal(bm.member.evaluate(env, bm.values), bm.to_dense()[0, 0])
+    q, k, v = _qkv(40, 56, dtype=np.float32)
+    lengths = dict(seqlens_q=np.array([40, 25]), seqlens_k=np.array([56, 30]))
+    np.testing.assert_array_equal(reference.attention(q, k, v, block_mask=bm, **lengths),
+                                  reference.attention(q, k, v, mask_mod="kv_idx <= q_idx + 16", **lengths))
+
+
+@pytest.mark.parametrize("rule, axis, built, size", [
+    ("b == 0 and kv_idx <= q_idx", "batch", 1, 2),
+    ("h == 1 or kv_idx <= q_idx", "heads", 1, 2),
+    ("w[b, kv_idx] > 0", "batch", 1, 2),
+])
+def test_a_rule_reading_b_or_h_is_built_for_the_problems_batch_or_heads(rule, axis, built, size):
+    """A rule that reads b (h) built for batch=1 (heads=1) is refused by a problem with more, naming the axis: its grid
+    broadcasts, but NumPy and the reference evaluated it at b = 0 (h = 0) everywhere, the kernels at the real one."""
+    q, k, v = _qkv(32, 32, hq=2, hkv=2, dtype=np.float32)
+    arrays = {"w": np.ones((1, 32), np.int32)} if "w[" in rule else None
+    bm = BlockMask.from_mask_mod(rule, seqlen_q=32, block=(16, 16), mod_arrays=arrays)
+    var = "b" if axis == "batch" else "h"
+    msg = (f"block_mask's rule reads {var} but was built for {axis}={built}; this problem has {axis} {size}: "
+           f"build it with {axis}={size}")
+    wide = BlockMask(np.ones((2, 2, 2, 2), bool), block=(16, 16))  # a grid of the problem's batch and heads
+    for mask in (bm, bm & BlockMask.causal(32, block=(16, 16)), wide | bm):
+        for call in (cuflash.attention, reference.attention):
+            with pytest.raises(ValueError, match=re.escape(msg)):
+                call(q, k, v, block_mask=mask)
+    if arrays is None:  # built for the problem: taken, and the same as mask_mod=
+        fitted = BlockMask.from_mask_mod(rule, seqlen_q=32, block=(16, 16), **{axis: size})
+        np.testing.assert_array_equal(reference.attention(q, k, v, block_mask=fitted),
+                                      reference.attention(q, k, v, mask_mod=rule))
+    # a rule that reads neither still broadcasts
+    cuflash.attention(q, k, v, block_mask=BlockMask.from_mask_mod("kv_idx <= q_idx", seqlen_q=32, block=(16, 16)))

@@ -230,3 +230,56 @@ def test_numpy_scalars_are_numbers_in_mod_arrays():
         mask = "c or kv_idx <= q_idx" if isinstance(same, bool) else "kv_idx < 3 * c + 1"
         np.testing.assert_array_equal(cuflash.attention(q, k, v, mask_mod=mask, mod_arrays={"c": scalar}),
                                       cuflash.attention(q, k, v, mask_mod=mask, mod_arrays={"c": same}))
+
+
+# ---------------------------------------------------------------------------------------------- working precision
+#: float arithmetic a precision changes: in float32 q_idx + 1e-7 == q_idx for q_idx >= 1, in float64 it is larger
+_NEAR = "1.0 * q_idx + 0.0000001 > kv_idx"
+#: ... and with it a mask whose rows >= 1 see nothing in float32 (each sees its own key in float64)
+_NEAR_DIAG = _NEAR + " and kv_idx >= q_idx"
+
+
+def _near_keep(dtype, n, diag):
+    """The mask of _NEAR / _NEAR_DIAG over n x n in ``dtype``'s arithmetic."""
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    keep = i.astype(dtype) + dtype(1e-7) > j.astype(dtype)
+    return keep & (j >= i) if diag else keep
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("diag", [False, True], ids=["near", "near_diag"])
+@pytest.mark.parametrize("how", ["mask_mod", "from_mask_mod"])
+@pytest.mark.parametrize("fn", [numpy_fwd, pytest.param(emulated, marks=[needs_emulator, pytest.mark.emulate])],
+                         ids=["numpy", "emulate"])
+def test_mask_floats_are_in_the_working_precision(fn, how, diag, dtype):
+    """A mask expression's floats are the working precision of the inputs (float32, float64 for float64 inputs) on
+    every backend and in the reference, whatever its compute dtype, and in a BlockMask.from_mask_mod's partial blocks:
+    the same elements seen everywhere (NumPy and the reference computed mask_mod in float64, the kernels in float32)."""
+    n = 64
+    mm = _NEAR_DIAG if diag else _NEAR
+    case = make_case(1, n, n, 2, 2, 32, dtype, seed=3)
+    if how == "mask_mod":
+        case = Case(case.q, case.k, case.v, case.dout, dict(mask_mod=mm))
+    else:
+        case = Case(case.q, case.k, case.v, case.dout,
+                    dict(block_mask=BlockMask.from_mask_mod(mm, seqlen_q=n, block=(16, 16))))
+    out, lse = check_forward(fn, case)
+    unseen = ~_near_keep(dtype, n, diag).any(axis=-1)  # rows that see nothing: lse -inf
+    assert (unseen.any() if diag and dtype == np.float32 else not unseen.any())
+    np.testing.assert_array_equal(np.isneginf(lse), np.broadcast_to(unseen, lse.shape))
+    _, ref_lse = reference.attention(case.q, case.k, case.v, return_lse=True, **case.options)
+    np.testing.assert_array_equal(np.isneginf(ref_lse), np.broadcast_to(unseen, ref_lse.shape))
+
+
+@pytest.mark.parametrize("fn", [numpy_fwd, pytest.param(emulated, marks=[needs_emulator, pytest.mark.emulate])],
+                         ids=["numpy", "emulate"])
+def test_from_mask_mod_lengths_and_batch_on_every_backend(fn):
+    """A BlockMask rule's q_len / kv_len are the mask's own lengths on every backend (the kernels read each sequence's
+    seqlens_q / seqlens_k, NumPy and the reference the mask's), and a rule that reads b built for the problem's batch
+    gives each sequence its own b."""
+    lengths = dict(seqlens_q=np.array([64, 40], np.int32), seqlens_k=np.array([48, 30], np.int32))
+    bm = BlockMask.from_mask_mod("kv_idx <= q_idx + kv_len - q_len", seqlen_q=64, seqlen_k=48, block=(16, 16))
+    check_forward(fn, make_case(2, 64, 48, 2, 2, 32, np.float32, seed=4, block_mask=bm, **lengths))
+    bm = BlockMask.from_mask_mod("b == 0 and kv_idx <= q_idx", seqlen_q=64, batch=2, block=(16, 16))
+    out, lse = check_forward(fn, make_case(2, 64, 64, 2, 2, 32, np.float32, seed=5, block_mask=bm))
+    assert np.isneginf(lse[1]).all() and not np.isneginf(lse[0]).any()

@@ -104,6 +104,27 @@ def test_padding_is_never_read_emulated():
     check_backward(_backward("emulate", (do, q, k, v)), clean, out, lse)
 
 
+@pytest.mark.parametrize("poison_out", [False, True], ids=["lse", "lse_and_out"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_the_backward_reads_no_out_or_lse_of_padding_rows_numpy(dtype, poison_out):
+    """lse (and out) rows past seqlens_q poisoned (a NaN lse there, beside a finite out, made every P of the row NaN,
+    and through P^T dO and dS^T Q every dK and dV of the sequence): the same gradients, bit for bit, as from the
+    forward's own. (A non-finite out sends the call down the guarded path, which masked them already.)"""
+    rng = np.random.default_rng(5)
+    q, k, v, do = (rng.standard_normal((2, 70, 2, 16)).astype(dtype) for _ in range(4))
+    opts = dict(seqlens_q=np.array([50, 3], np.int32), seqlens_k=np.array([70, 40], np.int32))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, backend="numpy", **opts)
+    clean = cuflash.attention_backward(do, q, k, v, out, lse, backend="numpy", **opts)
+    past = np.arange(70) >= opts["seqlens_q"][:, None]  # (B, Sq)
+    out_p = _poisoned(out, past[:, :, None, None], rng) if poison_out else out
+    lse_p = _poisoned(lse, past[:, None, :], rng)
+    lse_p[past[:, None, :].repeat(2, axis=1)] = np.nan  # NaN in every padding row's lse (the harshest of the three)
+    with np.errstate(invalid="ignore"):
+        poisoned = cuflash.attention_backward(do, q, k, v, out_p, lse_p, backend="numpy", **opts)
+    for name, a, b in zip(("dq", "dk", "dv"), poisoned, clean):
+        assert np.array_equal(a, b, equal_nan=True), name
+
+
 def _seers(p, j):
     """Rows (B, Hq, Sq) that see key ``j`` of every batch entry and head."""
     return p.visible_mask()[..., j]

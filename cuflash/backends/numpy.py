@@ -378,7 +378,8 @@ class _Masks:
         problem = self.problem
         bs, hs = chunk
         heads = np.arange(problem.heads_q).reshape(problem.heads_kv, problem.group)[hs].reshape(-1)
-        keep = self.sched.element_mask(tile, batch=np.arange(problem.batch)[bs], heads=heads)  # (nb, Hm|1, bq, bk)
+        # (nb, Hm|1, bq, bk); a BlockMask rule's floats in the working precision, as in the kernels
+        keep = self.sched.element_mask(tile, batch=np.arange(problem.batch)[bs], heads=heads, dtype=_work_dtype(problem))
         nb, h = keep.shape[:2]
         keep = keep.reshape(nb, -1, problem.group, *keep.shape[2:]) if h > 1 else keep[:, :, None]
         return _TileMask(~keep)
@@ -529,7 +530,7 @@ class _Mods:
         """The mask modifier: scores it removes become -inf (every tile, before the row max), or their
         probabilities 0 (``fill=0``, after ``exp``)."""
         if self.mods.mask is not None:
-            keep = self.mods.mask.evaluate(self.env(tile, chunk), self.mods.values)
+            keep = self.mods.mask.evaluate(self.env(tile, chunk), self.mods.values, self.wt)  # working precision
             np.copyto(s, fill, where=~np.broadcast_to(keep, s.shape))
 
     def factor(self, expr, s0, tile, chunk):
@@ -984,6 +985,94 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     return _Work([(int(lo[i] - hi[i]), (chunk, i)) for chunk in lay.chunks for i in rows], item, finish)
 
 
+def _largest_row(x, wt) -> float:
+    """log2 of an upper bound on the largest row norm ``|x_i|`` of ``x`` (last axis), and so on its largest element:
+    one einsum pass in ``wt`` (as :meth:`_Bounds.largest_norm`), raised to what squares lose in the subnormals; where
+    the squares overflow, or ``x`` is not finite, ``sqrt(d)`` times the largest finite element (-inf: no element)."""
+    if x.size == 0:
+        return -math.inf
+    d, fi = x.shape[-1], np.finfo(wt)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = float(np.sqrt(np.einsum("...d,...d->...", x, x).max()))
+    if math.isfinite(r):
+        return math.log2(max(r, math.sqrt(d * float(fi.tiny))))
+    m = _largest(x)
+    m = m if math.isfinite(m) else _largest_finite(x)
+    return math.log2(m) + 0.5 * math.log2(d) if m > 0 else -math.inf
+
+
+class _GradShifts:
+    """Powers of two that keep the backward's intermediates in range where only the gradients need be: ``(ec, eq,
+    ek)``, all 0 (nothing changes) unless a bound says that some intermediate
+    could overflow although the gradients fit: V or dO near the dtype's largest (dP = dO V^T and dP - D overflow,
+    dS = P (dP - D) fits), or Q or K near it with ``|scale| < 1`` (the sums of dS Q and dS K, multiplied by the
+    scale only at the end).
+
+    With ``a, b, x, y`` the largest row norm of dO, V, Q, K and ``z = 1/(1 - dropout)`` (O_i an average of
+    rows of V, times z at most; Cauchy-Schwarz; the rows of P sum to 1):
+
+    - ``|dP_ij| z, |D_i|, |dP_ij z - D_i|, |dS_ij| <= C = 2 a b z`` (every partial sum of the products too);
+    - ``|sum_i dS_ij Q_i| <= Sq (H/Hkv) x C`` (the rows of the group's heads), ``|sum_j dS_ij K_j| <= y C``
+      (2 y C with room for P's rounding).
+
+    ``ec`` brings C to ``2^(e_max - 4)`` at most, ``eq`` and ``ek`` the two sums. The backward then takes dO at
+    ``2^-ec`` in dP and D (Alg. 2 lines 13, 14; dV keeps dO as it is), Q at ``2^(ec - eq)`` in dK's sums and K at
+    ``2^(ec - ek)`` in dQ's, and multiplies dK by ``scale 2^eq``, dQ by ``scale 2^ek`` (:func:`_unscale`) and dbias
+    by ``2^ec``. Powers of two are exact but for elements pushed into the subnormals, some ``2^-250`` of the largest
+    terms at most (each shift is the least that fits), so a call that needs none is bitwise what it was and one that
+    does differs only where it would have overflowed. Float16 inputs (at most 65504) never need one: no pass. Else
+    one einsum pass over Q, K, V and dO, in blocks of rows that the first items of every worker share (as
+    :class:`_PerChunk`; 1.2 ms for four 2048 x 8 x 64 float32 arrays on one core, 10x that per block of heads):
+    the shifts depend only on the data, never on the threads."""
+
+    def __init__(self, problem, wt, q, k, v, do):
+        """``q, k, v, do``: (B, S, H, D) in ``wt`` (the rows lie together: einsum reads them 1.7x faster than
+        through the grouped view)."""
+        self.problem, self.wt = problem, wt
+        self._together = None
+        if problem.dtype.kind == "f":  # the inputs' own largest element bounds every row norm: no pass
+            big = math.log2(float(np.finfo(problem.dtype).max))
+            if self.shifts(*(big + 0.5 * math.log2(max(t.shape[-1], 1)) for t in (do, v, q, k))) == (0, 0, 0):
+                return
+        arrays = (do, v, q, k)
+        spans = [_key_parts(x.shape[1]) for x in arrays]
+        parts = [functools.partial(_largest_row, x[:, s0:s1], wt) for x, sp in zip(arrays, spans) for s0, s1 in sp]
+        ends = np.cumsum([len(sp) for sp in spans]).tolist()
+
+        def finish(results):
+            return self.shifts(*(max(results[e0:e1], default=-math.inf) for e0, e1 in zip([0] + ends[:-1], ends)))
+
+        self._together = _Together(parts, finish)
+
+    def shifts(self, a, b, x, y):
+        """From log2 of the row norms."""
+        problem, fi = self.problem, np.finfo(self.wt)
+        over = lambda bound: max(0, math.ceil(bound - (fi.maxexp - 4))) if bound > -math.inf else 0  # noqa: E731
+        chain = 1 + a + b - math.log2(1.0 - problem.dropout_p)
+        return (over(chain), over(chain + math.log2(max(problem.seqlen_q * problem.group, 1)) + x),
+                over(chain + 1 + y))
+
+    def __call__(self):
+        return (0, 0, 0) if self._together is None else self._together()
+
+
+def _unscale(x, scale, shift):
+    """``x * scale * 2^shift`` in place (:class:`_GradShifts`): by ``scale`` itself when ``shift`` is 0 (the
+    unscaled code's rounding), else by ``scale 2^shift`` where that is a normal number of the dtype (one rounding as
+    well), else by ``scale`` and then ``2^shift``."""
+    if shift == 0:
+        x *= scale
+        return x
+    f = math.ldexp(float(scale), shift)
+    fi = np.finfo(x.dtype)
+    if fi.tiny <= abs(f) <= fi.max:
+        x *= x.dtype.type(f)
+    else:
+        x *= scale
+        np.ldexp(x, shift, out=x)
+    return x
+
+
 def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, schedule=None,
              deterministic=False, dbias=False):
     """FA2 Algorithm 2: ``(dq, dk, dv)`` by recomputing P from ``lse``; no N×N buffer.
@@ -1005,13 +1094,19 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     do = _grouped(dout, problem, wt)
     o = _grouped(out, problem, wt)
     lse_r = np.asarray(lse, dtype=np.float64).reshape(q.shape[:-1]) / (LN2 * rule.bits)  # in the rule's base
-    lse_r = np.where(np.isneginf(lse_r), np.inf, lse_r).astype(wt)  # rows that saw nothing: P = exp(-inf) = 0
+    # rows that saw nothing (-inf), and padding rows past a sequence's length whatever they hold (padding is never
+    # read: a NaN there made every P of the row NaN): P = exp(S - inf) = 0
+    padding = np.arange(problem.seqlen_q) >= problem.lengths[0][:, None]  # (B, Sq)
+    lse_r = np.where(np.isneginf(lse_r) | padding[:, None, None, :], np.inf, lse_r).astype(wt)
     # P = exp(S - lse) <= 1, but past 2^p (p: the dtype's mantissa bits) the lse's rounding exceeds 1 and S - lse
     # may come out far above 0: exp overflows (float32 from |lse| ~ 2^30 in base 2), and inf * 0 makes gradients NaN.
     # There the arguments are clamped at 0 (a pass per tile, only for such huge scores): finite gradients, as
     # accurate as a float32 lse allows.
     coarse = bool(np.abs(lse_r[np.isfinite(lse_r)]).max(initial=0) >= 2.0 ** np.finfo(wt).nmant)
     big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
+    # dO, and Q and K in the sums of dS Q and dS K, at powers of two where an intermediate could overflow
+    bshd = lambda x, y: x if x.dtype == wt else _ungroup(y)  # noqa: E731  (the inputs, or the upcast copies)
+    grad_shifts = _GradShifts(problem, wt, bshd(problem.q, q), bshd(problem.k, k), bshd(problem.v, v), bshd(dout, do))
     matmul = products()
     prepared = _PerChunk(problem, rule, q, k, v, wt, matmul, also=(do, big_d))
     dk = np.zeros(k.shape, dtype=wt)
@@ -1039,6 +1134,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
             return
         k0, k1 = tiles[0].k0, tiles[0].k1
         prep = prepared(chunk)
+        ec, eq, ek = grad_shifts()
         # guarded (see _seen_product): some input of the block is not finite; then also P = 0, dS = 0 where unseen
         kt, bounds, guarded = prep.kt, prep.bounds, prep.any_nonfinite
         k_j, kt_j, v_j = k[bs, hs, :, k0:k1, :], kt[..., k0:k1], v[bs, hs, :, k0:k1, :]
@@ -1059,6 +1155,11 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
         with np.errstate(invalid="ignore") if guarded else contextlib.nullcontext():
             for tl in tiles:
                 q_i, do_i = q[bs, hs, :, tl.i0:tl.i1, :], do[bs, hs, :, tl.i0:tl.i1, :]
+                d_i = big_d[bs, hs, :, tl.i0:tl.i1]
+                dop_i = do_i
+                if ec:  # D from the scaled dO too (the unscaled one may have overflowed)
+                    dop_i = np.ldexp(do_i, -ec)
+                    d_i = np.einsum("...d,...d->...", dop_i, o[bs, hs, :, tl.i0:tl.i1, :])
                 tile_shape = shape + (tl.i1 - tl.i0, k1 - k0)
                 s = scratch.get("s", tile_shape, wt)
                 qs_i = q_i if rule.fold is None else q_i * rule.fold
@@ -1086,8 +1187,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                     _mask_scores(p, masks, tl, chunk, fill=0.0)
                 z = _dropout_scale(problem, tl, chunk, wt)
                 dv_j += _seen_product(np.swapaxes(p if z is None else p * z, -1, -2), do_i, guarded, matmul=matmul)
-                d_i = big_d[bs, hs, :, tl.i0:tl.i1]
-                dp = matmul(_stacked(do_i, -d_i, -1, scratch, "do1") if fold_d else do_i, vt_j,
+                dp = matmul(_stacked(dop_i, -d_i, -1, scratch, "do1") if fold_d else dop_i, vt_j,
                             out=scratch.get("dp", tile_shape, wt))  # line 13 (and 14 with fold_d: dP - D)
                 if z is not None:
                     dp *= z  # dP of the dropped P, back through the keep-mask
@@ -1102,12 +1202,14 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                     if part is not None:
                         modifiers.dbias(ds, s0, tl, chunk, part, guarded)
                     modifiers.backprop(ds, s0, tl, chunk)
-                dq_acc[..., tl.i0:tl.i1, :] += _seen_product(ds, k_j, guarded, matmul=matmul)
-                dk_j += _seen_product(np.swapaxes(ds, -1, -2), q_i, guarded, matmul=matmul)
-        dk[bs, hs, :, k0:k1, :] = dk_j.sum(axis=2, keepdims=True) * scale
+                dq_acc[..., tl.i0:tl.i1, :] += _seen_product(ds, k_j if ek == ec else np.ldexp(k_j, ec - ek),
+                                                             guarded, matmul=matmul)
+                dk_j += _seen_product(np.swapaxes(ds, -1, -2), q_i if eq == ec else np.ldexp(q_i, ec - eq),
+                                      guarded, matmul=matmul)
+        dk[bs, hs, :, k0:k1, :] = _unscale(dk_j.sum(axis=2, keepdims=True), scale, eq)
         dv[bs, hs, :, k0:k1, :] = dv_j.sum(axis=2, keepdims=True)
         if part is not None:
-            parts.append((k0, k1, part))
+            parts.append((k0, k1, np.ldexp(part, ec, out=part) if ec else part))
 
     # Key tiles are dealt round-robin to a fixed number of dQ accumulators (O(N·d) each), summed
     # in a fixed order: dQ is bitwise the same whatever the thread count or schedule.
@@ -1132,7 +1234,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
             db[b_at, h_at, :, slice(k0, k1) if db.shape[3] > 1 else slice(None)] += part
 
     def finish():
-        dq[...] *= scale
+        _unscale(dq, scale, grad_shifts()[2])
         cast = lambda x: _ungroup(x).astype(problem.dtype, copy=False)  # noqa: E731
         grads = cast(dq), cast(dk), cast(dv)
         return grads + (db,) if dbias else grads

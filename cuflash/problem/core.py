@@ -277,7 +277,7 @@ class Problem:
         keep = visible(i, j, len_q[:, None, None, None], len_k[:, None, None, None],
                        self.window_left, self.window_right)
         if self.block_mask is not None:
-            keep = keep & self.block_mask.to_dense(self.seqlen_q, self.seqlen_k)
+            keep = keep & self.block_mask.to_dense(self.seqlen_q, self.seqlen_k, dtype=stats_dtype(self.dtype))
         return keep
 
     def unflatten(self, x, tail):
