@@ -136,9 +136,19 @@ struct BlockInfo : SeqRows {
 
   // Interior tiles need no element mask: every valid row sees every key of the tile. The others are the
   // boundary tiles of FA2's split loop (causal diagonal, window edges, ragged key tail).
-  __device__ __forceinline__ bool needs_mask(int n_block) const {
+  //
+  // score_mod (Mods::kScore, a compile-time constant at every call): a tile holding rows past len_q (padding, or past the array)
+  // is a boundary tile too. Those rows are never read, but their scores are computed, and a score modifier there (a
+  // NaN bias in the padding, score / w[q_idx] on the zero margin) can make them NaN. Unmasked, the NaN survives the
+  // zeroing of those rows, a multiply (Alg. 1 line 12: acc * 1/l with 1/l = 0), and in the backward
+  // P = exp2(S - L) is NaN despite L = +inf (Alg. 2 line 13), which P^T dO and dS^T Q carry into every dV_j, dK_j
+  // (lines 16, 21). Masked to -inf they give P = 0. Only the last query tile of a sequence pays, and only with a
+  // score modifier: the plain kernels are left as they are (the float32 ones sit at their register cap; with the
+  // zero-filled Q rows their padding scores are 0, NaN only for an infinite key).
+  __device__ __forceinline__ bool needs_mask(int n_block, bool score_mod) const {
     const int j0 = n_block * Traits::kBlockN;
-    return !vis.all_visible(row_begin, row_begin + Traits::kBlockM, j0, j0 + Traits::kBlockN);
+    return (score_mod && row_begin + Traits::kBlockM > len_q) ||
+           !vis.all_visible(row_begin, row_begin + Traits::kBlockM, j0, j0 + Traits::kBlockN);
   }
 };
 

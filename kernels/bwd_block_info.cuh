@@ -44,10 +44,14 @@ struct BwdBlockInfo : SeqRows {
     }
   }
 
-  // Interior tiles need no element mask (the split loop of FA2, as in the forward).
-  __device__ __forceinline__ bool needs_mask(int m_block) const {
+  // Interior tiles need no element mask (the split loop of FA2, as in the forward). With a score modifier
+  // (score_mod), a query tile holding rows past len_q is a boundary tile (BlockInfo::needs_mask says why):
+  // unmasked, a NaN score there makes P^T = exp2(S^T - L) NaN despite L = +inf, and dV_j += P^T dO_i,
+  // dK_j += dS^T Q_i (Alg. 2 lines 16, 21) carry it into every key of the tile.
+  __device__ __forceinline__ bool needs_mask(int m_block, bool score_mod) const {
     const int i0 = m_block * Traits::kBlockM;
-    return !vis.all_visible(i0, i0 + Traits::kBlockM, key_begin, key_begin + Traits::kBlockN);
+    return (score_mod && i0 + Traits::kBlockM > len_q) ||
+           !vis.all_visible(i0, i0 + Traits::kBlockM, key_begin, key_begin + Traits::kBlockN);
   }
 };
 

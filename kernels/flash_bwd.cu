@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kWarps * 32, (BwdTraits<T, kHeadDim, kBlockM, 
     const int key_row0 = blk.key_begin + 16 * key_group;
     gemm_qk<SdP>(S, no_frags, sK_warp, sQ + q_col0 * Tr::kStride, lane);
     modify_scores<Mods, true, Mods::kScore>(S, S0, key_row0, row0 + q_col0, lane, pos, p);
-    if (partial || blk.needs_mask(m) || Mods::kMask) {
+    if (partial || blk.needs_mask(m, Mods::kScore) || Mods::kMask) {
       mask_scores<Mods, true>(S, key_row0, row0 + q_col0, lane, blk.vis, partial, pos, p);
     }
     // Lines 13-21 for this tile, compiled twice: with dropout (kDrop) and without, picked by a uniform branch per
@@ -368,8 +368,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) flash_bwd_dq_kernel(const __gr
     __syncthreads();  // K_j, V_j (and Q_i, dO_i) are in smem; every warp is done with the previous K_j
 
     float S[kMTiles][Tr::kNTilesS][4], S0[kMTiles][Tr::kNTilesS][4];  // the forward's S, bit for bit (scores.cuh)
-    score_tile<Tr, Mods, Mods::kScore>(S, S0, no_frags, sQ_warp, sK, lane, blk.needs_mask(n), partial,
-                                       blk.row_begin + warp_row, key0, blk.vis, pos, p);
+    score_tile<Tr, Mods, Mods::kScore>(S, S0, no_frags, sQ_warp, sK, lane, blk.needs_mask(n, Mods::kScore),
+                                       partial, blk.row_begin + warp_row, key0, blk.vis, pos, p);
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll

@@ -234,7 +234,7 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_kernel(const __g
       wide::warp_gemm<M, 1, kNTS, kHeadDim>(S, wide::RowMajor<T, kLd>{sK_warp}, wide::ColMajor<T, kLd>{sQ + q_col0 * kLd},
                                             lane);
       wide::modify_scores<Mods, true, Mods::kScore, kTM>(S, S0, key_row0, row0 + q_col0, lane, pos, p);
-      if (partial || blk.needs_mask(m) || Mods::kMask) {
+      if (partial || blk.needs_mask(m, Mods::kScore) || Mods::kMask) {
         wide::mask_scores<Mods, true, kTM>(S, key_row0, row0 + q_col0, lane, blk.vis, partial, pos, p);
       }
 #pragma unroll
@@ -403,7 +403,7 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_bwd_wide_dq_kernel(const 
     wide::warp_gemm<M, kMT, kNTS, kHeadDim>(S, wide::RowMajor<T, kLd>{sQ + warp_row * kLd}, wide::ColMajor<T, kLd>{sK},
                                             lane);
     wide::modify_scores<Mods, false, Mods::kScore, kTM>(S, S0, row0, key0, lane, pos, p);
-    if (partial || blk.needs_mask(n) || Mods::kMask) {
+    if (partial || blk.needs_mask(n, Mods::kScore) || Mods::kMask) {
       wide::mask_scores<Mods, false, kTM>(S, row0, key0, lane, blk.vis, partial, pos, p);
     }
 #pragma unroll

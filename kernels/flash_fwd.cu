@@ -113,8 +113,8 @@ __global__ void __launch_bounds__(kWarps * 32) flash_fwd_kernel(const __grid_con
 
     // Line 8: S = Q_i K_j^T * scale * log2(e), the element mask on boundary tiles only (scores.cuh).
     float S[kMTiles][Traits::kNTilesS][4];
-    score_tile<Traits, Mods>(S, S, q_frags, sQ_warp, sK, lane, blk.needs_mask(n), partial, blk.row_begin + warp_row,
-                             key0, blk.vis, pos, p);
+    score_tile<Traits, Mods>(S, S, q_frags, sQ_warp, sK, lane, blk.needs_mask(n, Mods::kScore), partial,
+                             blk.row_begin + warp_row, key0, blk.vis, pos, p);
 
     arch::cp_async_wait<0>();
     __syncthreads();  // V_j is in smem; every warp is done with K_j

@@ -116,7 +116,7 @@ __global__ void CUFLASH_WIDE_BOUNDS(kWarps * 32) flash_fwd_wide_kernel(const __g
     wide::warp_gemm<M, kMT, kNTS, kHeadDim>(S, wide::RowMajor<T, kLd>{sQ + warp_row * kLd},
                                             wide::ColMajor<T, kLd>{sK}, lane);
     wide::modify_scores<Mods, false, false, kTM>(S, S, row0, key0, lane, pos, p);
-    if (partial || blk.needs_mask(n) || Mods::kMask) {
+    if (partial || blk.needs_mask(n, Mods::kScore) || Mods::kMask) {
       wide::mask_scores<Mods, false, kTM>(S, row0, key0, lane, blk.vis, partial, pos, p);
     }
 

@@ -70,8 +70,12 @@ struct OnlineSoftmax {
         const float m_use = (m_new == neg_inf() || m_new == -neg_inf()) ? 0.f : m_new;
         // Rescale only when the max moved (exp2(0) = 1 would change nothing); on the causal diagonal and for
         // smooth score distributions most tiles leave the max alone and skip kNTilesO*2 multiplies per row.
+        // alpha from m_new, not m_use: here m_new > m_old >= -inf, so m_new is finite or +inf, and +inf gives
+        // alpha = exp2(m_old - inf) = 0 (the old terms are nothing beside the infinite one). exp2(m_old - 0)
+        // overflows to +inf from m_old = 128, and a thread whose share l_i is still 0 (its columns masked) made
+        // 0 * inf = NaN, so l = NaN and lse = NaN instead of +inf (Alg. 1 line 10: l = e^(m_old - m_new) l + ...).
         if (m_new != m_i[row]) {
-          const float alpha = exp2f(m_i[row] - m_use);  // m_old = -inf: alpha = 0, acc and l are still 0
+          const float alpha = exp2f(m_i[row] - m_new);  // m_old = -inf: alpha = 0, acc and l are still 0
           l_i[row] *= alpha;
 #pragma unroll
           for (int nd = 0; nd < Traits::kNTilesO; ++nd) {

@@ -45,7 +45,10 @@ struct OnlineSoftmax {
         // an infinite score (+inf) likewise, as the float64 reference: lse = +inf, not NaN
         const T m_use = (m_new == R::neg_inf() || m_new == -R::neg_inf()) ? T(0) : m_new;
         if (m_new != m_i[row]) {  // rescale only when the max moved
-          const T alpha = R::ex(m_i[row] - m_use);
+          // m_new > m_old >= -inf here, so m_new is finite or +inf: alpha from m_new, and +inf gives ex(-inf) = 0.
+          // ex(m_old - m_use) with m_use = 0 overflowed for a large m_old, and a zero share l_i became 0 * inf = NaN
+          // (lse NaN instead of +inf); softmax.cuh says more.
+          const T alpha = R::ex(m_i[row] - m_new);
           l_i[row] *= alpha;
 #pragma unroll
           for (int nd = 0; nd < Tr::kNTilesO; ++nd) {
