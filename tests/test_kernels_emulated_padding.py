@@ -105,14 +105,19 @@ def test_infinite_score_after_a_large_one_gives_lse_inf(dt):
     _check_inf_row(emulated(q, k, v, **opts), want)
 
 
-@pytest.mark.parametrize("dt", ALL, ids=ids)
-def test_infinite_score_after_a_large_one_without_modifier(dt):
-    d = 32
-    q = np.ones((1, 2, 1, d), dt)
+def _infinite_key(dt, sq, large_at, d=32):
+    """q, k, v of one head: key 0 scores +inf, key ``large_at`` 1000 (visited first: key tiles run last to first)."""
+    q = np.ones((1, sq, 1, d), dt)
     k = np.zeros((1, 130, 1, d), dt)
     v = k + 1
     k[0, 0, 0, 0] = np.inf
-    k[0, 129, 0, :] = 1000 / np.sqrt(d)  # score 1000
+    k[0, large_at, 0, :] = 1000 / np.sqrt(d)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dt", ALL, ids=ids)
+def test_infinite_score_after_a_large_one_without_modifier(dt):
+    q, k, v = _infinite_key(dt, 2, 129)
     want = cuflash.attention(q, k, v, return_lse=True, backend="numpy")
     _check_inf_row(emulated(q, k, v), want)
 
@@ -120,12 +125,7 @@ def test_infinite_score_after_a_large_one_without_modifier(dt):
 @pytest.mark.parametrize("dt", [np.float16, np.float32], ids=ids)
 def test_infinite_score_after_a_large_one_split_kv(dt):
     # The same inside one split of the KV-cache forward (flash-decoding), then merged by the combine kernel.
-    d = 32
-    q = np.ones((1, 1, 1, d), dt)
-    k = np.zeros((1, 130, 1, d), dt)
-    v = k + 1
-    k[0, 0, 0, 0] = np.inf
-    k[0, 100, 0, :] = 1000 / np.sqrt(d)
+    q, k, v = _infinite_key(dt, 1, 100)
     lens = np.array([130], np.int32)
     want = cuflash.attention_with_kvcache(q, k.copy(), v.copy(), cache_seqlens=lens, return_lse=True, backend="numpy")
     for splits in (1, 2):
