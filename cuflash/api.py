@@ -216,7 +216,8 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
         problem = make_problem(qp, kp, vp, layout=layout, **kw)
         want = tuple(q.shape[:-1]) + (v.shape[-1],)
         if out_buf is not None:
-            check_buffer("out", out_buf, want, problem.dtype, problem.xp, dict(watched(dict(q=q, k=k, v=v), natives_opts)))
+            inputs = dict(watched(dict(q=q, k=k, v=v), natives_opts))  # the option arrays too (a bias, offsets)
+            check_buffer("out", out_buf, want, problem.dtype, problem.xp, inputs)
         result, lse = backends.select(problem, backend).forward(problem)
         o = problem.unflatten(result, problem.q.shape[1:])
         if dv is not None:
@@ -472,9 +473,9 @@ def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> tuple[Array, 
     ``deterministic`` of :func:`attention_backward`. Built on :class:`AttentionResidual` (``vjp.residual``): it
     keeps references to ``q``, ``k``, ``v``, ``out`` and the lse (nothing of size N², no copies), and like
     PyTorch's autograd it detects a later in-place change: ``vjp`` raises ``ValueError`` when ``q``, ``k``, ``v``,
-    ``out``, the lse or an array option (``bias``, ``seqlens_q``, a ``mod_arrays`` value, ...) no longer hold the values the
-    forward saw (a fingerprint of each is taken now and checked then; :func:`fingerprint`). With dropout and no
-    seed, one is drawn and kept for the backward (read it back as ``vjp.seed``).
+    ``out``, the lse or an array option (``bias``, ``seqlens_q``, a ``mod_arrays`` value, ...) no longer hold the
+    values the forward saw (a fingerprint of each is taken now and checked then; :func:`fingerprint`). With dropout
+    and no seed, one is drawn and kept for the backward (read it back as ``vjp.seed``).
     """
     for name in ("return_lse", "return_residual"):
         if name in options:

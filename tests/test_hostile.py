@@ -209,5 +209,6 @@ def test_empty_result_buffers_and_caches_are_accepted():
     dq = z(0, 4, 2, 16)
     assert cuflash.attention_backward(out, res, dq=dq)[0] is dq
     got = cuflash.attention_with_kvcache(z(0, 1, 4, 32), z(0, 16, 2, 32), z(0, 16, 2, 32),
-                                         cache_seqlens=np.zeros(0, np.int32), k_new=z(0, 1, 2, 32), v_new=z(0, 1, 2, 32))
+                                         cache_seqlens=np.zeros(0, np.int32), k_new=z(0, 1, 2, 32),
+                                         v_new=z(0, 1, 2, 32))
     assert got.shape == (0, 1, 4, 32)

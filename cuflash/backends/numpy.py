@@ -379,7 +379,8 @@ class _Masks:
         bs, hs = chunk
         heads = np.arange(problem.heads_q).reshape(problem.heads_kv, problem.group)[hs].reshape(-1)
         # (nb, Hm|1, bq, bk); a BlockMask rule's floats in the working precision, as in the kernels
-        keep = self.sched.element_mask(tile, batch=np.arange(problem.batch)[bs], heads=heads, dtype=_work_dtype(problem))
+        keep = self.sched.element_mask(tile, batch=np.arange(problem.batch)[bs], heads=heads,
+                                       dtype=_work_dtype(problem))
         nb, h = keep.shape[:2]
         keep = keep.reshape(nb, -1, problem.group, *keep.shape[2:]) if h > 1 else keep[:, :, None]
         return _TileMask(~keep)
