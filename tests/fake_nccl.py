@@ -273,8 +273,8 @@ def add_math(monkeypatch, fake):
     monkeypatch.setattr(nd, "__hash__", None, raising=False)
     monkeypatch.setattr(nd, "__neg__", lambda self: wrap(-self._a, self._dev), raising=False)
     for name in ("max", "sum"):
-        monkeypatch.setattr(nd, name, lambda self, axis=None, keepdims=False, _f=getattr(np, name):
-                            wrap(_f(self._a, axis=axis, keepdims=keepdims), self._dev), raising=False)
+        monkeypatch.setattr(nd, name, lambda self, axis=None, keepdims=False, _f=getattr(np, name), **kw:
+                            wrap(_f(self._a, axis=axis, keepdims=keepdims, **kw), self._dev), raising=False)
     monkeypatch.setattr(nd, "__float__", lambda self: float(self._a), raising=False)
 
     def set_(self, arr, stream=None):  # CuPy's host-to-device copy into an existing array

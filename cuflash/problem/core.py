@@ -422,7 +422,7 @@ def check_dropout(dropout_p, seed, what="dropout_p"):
     except OverflowError:  # an int or Fraction past float64
         p = math.inf
     if not 0.0 <= p < 1.0:  # NaN fails this too
-        raise ValueError(f"{what} must lie in [0, 1) (as a float64), got {dropout_p!r}")
+        raise ValueError(f"{what} must lie in [0, 1), got {dropout_p!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                              or not 0 <= seed < 2**64):
         raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
