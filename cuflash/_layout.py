@@ -6,10 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Optional, Sequence
 
-import numpy as np
-
 from .options import LAYOUTS
-from .problem import array_module
+from .problem import array_module, dtype_name
 
 
 def check_layout(layout: Any) -> str:
@@ -82,7 +80,7 @@ def pad_head_dims(q: Any, k: Any, v: Any, options: Mapping[str, Any]
         return q, k, v, kw, None
     if (q.ndim < 3 or not q.ndim == k.ndim == v.ndim or tuple(k.shape[:-1]) != tuple(v.shape[:-1])
             or q.shape[-1] != k.shape[-1] or v.shape[-1] == k.shape[-1] or min(k.shape[-1], v.shape[-1]) < 1
-            or not _native_order(q.dtype) == _native_order(k.dtype) == _native_order(v.dtype)):
+            or len({dtype_name(a.dtype) for a in arrays}) > 1):  # the name: a big-endian q is q's dtype too
         return q, k, v, kw, None
     d, dv = int(k.shape[-1]), int(v.shape[-1])
     if kw.get("scale") is None:
@@ -92,13 +90,4 @@ def pad_head_dims(q: Any, k: Any, v: Any, options: Mapping[str, Any]
     else:
         q, k = pad_last(q, dv, "q"), pad_last(k, dv, "k")
     return q, k, v, kw, dv
-
-
-def _native_order(dtype: Any) -> Any:
-    """``dtype`` in the machine's byte order: a big-endian q beside native k and v is one dtype (validation
-    converts it)."""
-    try:
-        return np.dtype(dtype).newbyteorder("=")
-    except (TypeError, ValueError):
-        return dtype
 

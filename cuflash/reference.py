@@ -14,12 +14,10 @@ measured against, so that the naive float64 computation has an error to compare 
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import _layout
-from .problem import check_backward, make_problem, stats_dtype
+from .problem import as_float, check_backward, make_problem, stats_dtype
 
 
 #: ``compute_dtype`` of the naive TF32 computation
@@ -318,16 +316,9 @@ def rounding(dtype) -> float:
     return 2.0 ** -7 if np.dtype(dtype).name == "bfloat16" else float(np.finfo(dtype).eps)
 
 
-def _as_float(x) -> float:
-    try:
-        return float(x)
-    except OverflowError:  # an int past float64
-        return math.inf
-
-
 def _apply_dropout(x, p, mask, dropout_p, drop_nonfinite=False):
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)) \
-            or not 0.0 <= _as_float(dropout_p) < 1.0:  # as the float it computes with (longdouble 1 - 2**-60 is 1.0)
+            or not 0.0 <= as_float(dropout_p) < 1.0:  # as the float it computes with (longdouble 1 - 2**-60 is 1.0)
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if mask is None:
         if dropout_p:

@@ -351,15 +351,21 @@ def _check_qkv(q, k, v, element_type, layout="bshd"):
                         f"with dtype='bfloat16'), got {q.dtype}")
 
 
+def as_float(value) -> float:
+    """``float(value)``, with an int or Fraction past float64 as inf (Python raises OverflowError): a real option is
+    checked as the float64 every backend computes with."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def _working_real(value, name: str, dtype, form: str) -> float:
     """A real option (scale, softcap) as the float the computation uses: finite in float64 and in the working
     precision of ``dtype`` (float32 but for float64 inputs), where it would otherwise turn into inf."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {form}, got {type(value).__name__}")
-    try:
-        x = float(value)
-    except OverflowError:  # an int or Fraction past float64
-        x = math.inf
+    x = as_float(value)
     work = np.float64 if np.dtype(dtype) == np.float64 else np.float32
     if not math.isfinite(x) or abs(x) > float(np.finfo(work).max):  # compared as Python floats: no cast, no warning
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
@@ -417,10 +423,7 @@ def check_dropout(dropout_p, seed, what="dropout_p"):
     """``(p, seed)`` validated: ``p`` a real in [0, 1), ``seed`` None or an int in [0, 2**64)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{what} must be a float in [0, 1), got {type(dropout_p).__name__}")
-    try:  # checked as the float every backend computes with: 1 - 2**-60 (a Fraction, a longdouble) is 1.0 there
-        p = float(dropout_p)
-    except OverflowError:  # an int or Fraction past float64
-        p = math.inf
+    p = as_float(dropout_p)  # 1 - 2**-60 (a Fraction, a longdouble) is 1.0 there
     if not 0.0 <= p < 1.0:  # NaN fails this too
         raise ValueError(f"{what} must lie in [0, 1), got {dropout_p!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
