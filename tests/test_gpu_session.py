@@ -204,6 +204,9 @@ def test_dry_run_sanitize_runs_every_tool_over_the_kernel_cases(tmp_path):
     for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
         assert f"==== compute-sanitizer --tool {tool}" in report
     assert report.count("f16-d64-causal: ok") == 5  # the warm-up and each tool ran the cases
+    log = (out / "session.txt").read_text()
+    assert "racecheck rc=0, ========= RACECHECK SUMMARY: 0 hazards" in log  # its own summary line, quoted
+    assert "memcheck rc=0, ========= ERROR SUMMARY: 0 errors" in log
 
 
 @needs_emulator
