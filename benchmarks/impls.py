@@ -407,10 +407,15 @@ def model_io_bytes(case: Case, impl: Impl) -> Optional[int]:
         return None
     from cuflash.io_cost import io_cost
 
-    try:
+    from .environment import gpu_info
+
+    try:  # the rows of this GPU's compute capability (specs.ARCH_TILES), or the swept tile
+        prefix = "bwd_" if case.op == "bwd" else ""
+        tile = ({f"{prefix}block_q": case.tile[0], f"{prefix}block_k": case.tile[1]} if case.tile
+                else dict(block_k=case.block_k or None))
         cost = io_cost(seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, head_dim=case.head_dim, batch=case.batch,
                        heads=case.heads, dtype=case.dtype, op=case.op, causal=case.causal, density=case.density,
-                       block_k=case.block_k if case.block_k else None)
+                       cc=int(gpu_info()["compute_capability"]), **tile)
     except (ImportError, ValueError, TypeError):
         return None
     return cost.tiled if impl.io_model == "tiled" else cost.standard

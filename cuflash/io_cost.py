@@ -84,13 +84,14 @@ def _sizes(dtype) -> _Sizes:
     return _Sizes(item, 8 if name == "float64" else 4)
 
 
-def default_tiles(head_dim: int, op: str = "fwd") -> tuple[int, int]:
-    """``(query rows, keys)`` per tile of the CUDA kernel for ``head_dim``: the forward's
-    ``(block_m, block_n)`` from THE tile table, or the backward main kernel's (a thread block owns
-    ``block_n`` keys and visits query tiles of ``block_m`` rows)."""
+def default_tiles(head_dim: int, op: str = "fwd", cc: int = 80) -> tuple[int, int]:
+    """``(query rows, keys)`` per tile of the CUDA kernel for ``head_dim`` on a GPU of compute capability
+    ``cc``: the forward's ``(block_m, block_n)`` from THE tile table, or the backward main kernel's (a thread
+    block owns ``block_n`` keys and visits query tiles of ``block_m`` rows)."""
     from .cuda import specs
 
-    spec = specs.select("fwd" if op == "fwd" else "bwd", "float16", head_dim)
+    cc = _check_cc(cc)
+    spec = specs.select("fwd" if op == "fwd" else "bwd", "float16", head_dim, specs.SMEM_LIMIT[cc], cc=cc)
     return spec.block_m, spec.block_n
 
 
@@ -184,7 +185,8 @@ def _tile_extent(n: int, block: int) -> np.ndarray:
 def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, batch: int = 1, heads: int = 1,
             dtype="float16", op: str = "fwd", causal: bool = False, window=None, block_mask=None,
             density: Optional[float] = None, block_q: Optional[int] = None, block_k: Optional[int] = None,
-            bwd_block_q: Optional[int] = None, bwd_block_k: Optional[int] = None, order: str = "fa2") -> IOCost:
+            bwd_block_q: Optional[int] = None, bwd_block_k: Optional[int] = None, order: str = "fa2",
+            cc: int = 80) -> IOCost:
     """HBM bytes of standard attention and of the tiled kernels for one attention call.
 
     Parameters
@@ -208,6 +210,8 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
         backward kernel's tile table.
     order : {"fa2", "fa1"}
         Loop order of the tiled forward: FA2's (the cuflash kernel) or Algorithm 1's (Theorem 2).
+    cc : {80, 86, 89, 90}
+        Compute capability whose tile table row gives the default tiles (the H100's, 90, has rows of its own).
 
     Returns
     -------
@@ -220,6 +224,7 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
     _check_args(op=op, order=order, density=density, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
                 batch=batch, heads=heads)
+    _check_cc(cc)
     tile_sizes = dict(block_q=block_q, block_k=block_k, bwd_block_q=bwd_block_q, bwd_block_k=bwd_block_k)
     _check_args(op=op, order=order, density=None, **{n: t for n, t in tile_sizes.items() if t is not None})
     if block_mask is not None and not isinstance(block_mask, BlockMask):
@@ -231,13 +236,13 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
     masked = causal or window is not None or block_mask is not None or density is not None
     std, tiled, tiles, visited = {}, {}, {}, {}
     if op in ("fwd", "fwd_bwd"):
-        bq, bk = _tiles(head_dim, "fwd", block_q, block_k)
+        bq, bk = _tiles(head_dim, "fwd", block_q, block_k, cc)
         visit, rows, cols = _tiling(bq, bk, **shape)
         std.update(_per_bh(_standard_fwd(seqlen_q, seqlen_k, head_dim, sizes, masked), n_bh, "fwd: "))
         tiled.update(_prefixed(_tiled_fwd(visit, n_bh, rows, cols, head_dim, sizes, order), "fwd: "))
         tiles["fwd"], visited["fwd"] = (bq, bk), (int(round(float(visit.sum()))), n_bh * visit.size)
     if op in ("bwd", "fwd_bwd"):
-        bq, bk = _tiles(head_dim, "bwd", bwd_block_q, bwd_block_k)
+        bq, bk = _tiles(head_dim, "bwd", bwd_block_q, bwd_block_k, cc)
         visit, rows, cols = _tiling(bq, bk, **shape)
         std.update(_per_bh(_standard_bwd(seqlen_q, seqlen_k, head_dim, sizes), n_bh, "bwd: "))
         tiled.update(_prefixed(_tiled_bwd(visit, n_bh, rows, cols, head_dim, sizes), "bwd: "))
@@ -248,6 +253,15 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
     tiled = {k: int(round(b)) for k, b in tiled.items()}
     return IOCost(op=op, standard=sum(std.values()), tiled=sum(tiled.values()), tiles=tiles, visited=visited,
                   standard_ledger=std, tiled_ledger=tiled)
+
+
+def _check_cc(cc) -> int:
+    from .cuda.specs import SMEM_LIMIT
+
+    if isinstance(cc, bool) or not isinstance(cc, (int, np.integer)) or int(cc) not in SMEM_LIMIT:
+        raise ValueError(f"cc must be a compute capability the kernels know ({', '.join(map(str, SMEM_LIMIT))}), "
+                         f"got {cc!r}")
+    return int(cc)
 
 
 def _check_args(*, op, order, density, **sizes):
@@ -263,9 +277,9 @@ def _check_args(*, op, order, density, **sizes):
         raise ValueError(f"density must be a number in [0, 1], got {density!r}")
 
 
-def _tiles(head_dim, op, block_q, block_k) -> tuple[int, int]:
+def _tiles(head_dim, op, block_q, block_k, cc) -> tuple[int, int]:
     if block_q is None or block_k is None:
-        dq, dk = default_tiles(head_dim, op)
+        dq, dk = default_tiles(head_dim, op, cc)
         block_q, block_k = block_q or dq, block_k or dk
     return int(block_q), int(block_k)
 

@@ -36,6 +36,21 @@ def test_standard_forward_is_4Nd_plus_4N2_elements():
     assert masked.standard - cost.standard == 2 * n * n * 2  # the mask pass reads and writes S
 
 
+def test_default_tiles_are_those_the_gpu_runs():
+    """io_cost's default tiles are the forward row the kernels select on that compute capability (the H100's own
+    head_dim 128 row, specs.ARCH_TILES): its K/V re-reads follow that row's block_m."""
+    from cuflash.cuda import specs
+
+    for cc_, limit in specs.SMEM_LIMIT.items():
+        spec = specs.select("fwd", "float16", 128, limit, cc=cc_)
+        assert io_cost(seqlen_q=4096, head_dim=128, cc=cc_).tiles["fwd"] == (spec.block_m, spec.block_n)
+    h100, a100 = (io_cost(seqlen_q=4096, head_dim=128, cc=c) for c in (90, 80))
+    assert h100.tiles["fwd"] != a100.tiles["fwd"] and h100.tiled != a100.tiled
+    for bad in (75, 90.0, True, "90"):
+        with pytest.raises(ValueError, match="cc must be a compute capability"):
+            io_cost(seqlen_q=128, head_dim=64, cc=bad)
+
+
 def test_algorithm1_order_is_theorem2_ledger_with_real_tiles():
     n, d, br, bc = 1000, 64, 64, 128  # ragged last tiles on both sides
     cost = io_cost(seqlen_q=n, head_dim=d, dtype="float32", block_q=br, block_k=bc, order="fa1")

@@ -27,14 +27,38 @@ def test_every_head_dim_has_a_tile_that_fits():
     for family in specs.TILES:
         for dtype in specs.CTYPES:
             for d in range(1, 257):
-                for limit in specs.SMEM_LIMIT.values():
+                for cc_, limit in specs.SMEM_LIMIT.items():
                     try:
-                        spec = specs.select(family, dtype, d, limit)
+                        spec = specs.select(family, dtype, d, limit, cc=cc_)
                     except ValueError as exc:  # the one hole of the table, said in the message
                         assert (family, limit, d > 192) == ("bwd", 99 * 1024, True), exc
                         assert "needs an A100/H100-class GPU" in str(exc)
                         continue
                     assert spec.head_dim >= d and spec.smem_bytes <= limit, (family, dtype, d, limit, spec)
+
+
+def test_arch_rows_run_on_their_gpu_only():
+    """specs.ARCH_TILES: the H100's own forward row for head_dim 128 (measured faster there) is what an sm_90 GPU
+    selects, plain and with a modifier, and what the compile check holds to sm_90; A100 and the 99 KB GPUs keep the
+    table's rows, and every backend family is untouched."""
+    assert specs.ARCH_TILES, "no per-GPU rows: this test would check nothing"
+    for (family, d, arch), tile in specs.ARCH_TILES.items():
+        want = (tile.block_m, tile.block_n, tile.warps)
+        for head_dim in (d - 1, d):  # a padded head dim runs the native row too
+            for modified in (False, True):
+                got = specs.select(family, "float16", head_dim, specs.SMEM_LIMIT[arch], modified=modified, cc=arch)
+                assert (got.block_m, got.block_n, got.warps) == want
+        for other, limit in specs.SMEM_LIMIT.items():
+            if other != arch:
+                got = specs.select(family, "float16", d, limit, cc=other)
+                assert (got.block_m, got.block_n, got.warps) != want
+        on_arch = specs.specs_by_arch()[arch]
+        assert any((s.family, s.head_dim, s.block_m, s.block_n, s.warps) == (family, d, *want) for s in on_arch)
+        assert any((s.family, s.head_dim, s.block_m, s.block_n, s.warps) == (family, d, *want)
+                   for s in specs.all_specs((family,)))
+        modded = [s for _, _, chosen, _ in cc._jobs((arch,), sources=(specs.SOURCES[family],))
+                  for s in chosen if s.mods != "cuflash::NoMods"]
+        assert any((s.family, s.head_dim, s.block_m, s.block_n, s.warps) == (family, d, *want) for s in modded)
 
 
 def test_name_expression_and_limits():

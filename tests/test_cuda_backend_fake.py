@@ -103,8 +103,8 @@ def names(launches):
     return [re.sub(r", cuflash::(NoMods|Mods_[0-9a-f]+)>$", ">", launch.name) for launch in launches]
 
 
-def bwd_names(dtype, d, deterministic, max_smem=227 * 1024):
-    main, dq = specs.select("bwd", dtype, d, max_smem), specs.select("dq", dtype, d, max_smem)
+def bwd_names(dtype, d, deterministic, max_smem=227 * 1024, cc=90):
+    main, dq = specs.select("bwd", dtype, d, max_smem, cc=cc), specs.select("dq", dtype, d, max_smem, cc=cc)
     preprocess, convert = specs.helper_names(dtype)
     return names(type("L", (), {"name": n}) for n in (preprocess, main.name_expression,
                                                          dq.name_expression if deterministic else convert))
@@ -263,7 +263,7 @@ def test_fake_enforces_cuda_rules(cp):
 def test_forward_feature(cp, name):
     case = FEATURES[name]
     check_forward(gpu_forward(cp), case)
-    spec = specs.select("fwd", "float16", case.q.shape[-1], 227 * 1024)
+    spec = specs.select("fwd", "float16", case.q.shape[-1], 227 * 1024, cc=90)
     assert names(cp._launches) == names([type("L", (), {"name": spec.name_expression})])
     launch = cp._launches[0]
     assert launch.stream is cp.cuda.Stream.null and launch.device == 0
@@ -339,7 +339,7 @@ def test_backward_feature(cp, name, deterministic):
     dq, dk, dv = cases.check_backward(gpu_backward(cp, deterministic), case, out, lse)
     assert dq.dtype == dk.dtype == dv.dtype == np.float16
     assert names(cp._launches[n:]) == bwd_names("float16", case.q.shape[-1], deterministic)
-    main = specs.select("bwd", "float16", case.q.shape[-1], 227 * 1024)
+    main = specs.select("bwd", "float16", case.q.shape[-1], 227 * 1024, cc=90)
     assert cp._launches[n + 1].shared_mem == main.smem_bytes and cp._launches[n + 1].block == (main.threads, 1, 1)
 
 
@@ -515,8 +515,9 @@ def test_compile_cache_and_shared_memory_opt_in(cp):
         for deterministic in (False, True):
             cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
     assert len(cp._launches) == 2 * (1 + 3 + 3)
-    fwd = specs.select("fwd", "float16", 128, 227 * 1024)
-    main, dq_spec = specs.select("bwd", "float16", 128, 227 * 1024), specs.select("dq", "float16", 128, 227 * 1024)
+    fwd = specs.select("fwd", "float16", 128, 227 * 1024, cc=90)
+    main, dq_spec = (specs.select("bwd", "float16", 128, 227 * 1024, cc=90),
+                     specs.select("dq", "float16", 128, 227 * 1024, cc=90))
     module = (*specs.helper_names("float16"), main.name_expression, dq_spec.name_expression)
     # one forward module, one backward module holding all four kernels (both dQ modes share it)
     fwd_module, bwd_module = modules(cp)
@@ -533,7 +534,7 @@ def test_compile_cache_and_shared_memory_opt_in(cp):
 
 
 def test_small_kernels_do_not_opt_in(cp):
-    spec = specs.select("fwd", "float16", 64, 227 * 1024)
+    spec = specs.select("fwd", "float16", 64, 227 * 1024, cc=90)
     assert spec.smem_bytes <= 48 * 1024
     assert function(spec).max_dynamic_shared_size_bytes == 48 * 1024
 
@@ -586,7 +587,7 @@ def test_smaller_shared_memory_gpu(make_fake):
 def test_warmup_compiles_once(cp):
     err = io.StringIO()
     done = cuda.warmup(dtypes=(np.float16, "bfloat16"), head_dims=(59, 64, 128), file=err)
-    want = [specs.select("fwd", dt, d, 227 * 1024) for dt in ("float16", "bfloat16") for d in (64, 128)]
+    want = [specs.select("fwd", dt, d, 227 * 1024, cc=90) for dt in ("float16", "bfloat16") for d in (64, 128)]
     assert done == want
     assert [m.name_expressions for m in modules(cp)] == [(s.name_expression,) for s in want]
     assert "4/4 done" in err.getvalue() and "cuflash warmup [" in err.getvalue()
@@ -620,8 +621,9 @@ def test_warmup_on_threads_compiles_the_same_modules_once(cp):
 
 def test_warmup_backward_compiles_each_backward_family_once(cp):
     done = cuda.warmup(dtypes=("float16",), head_dims=(59, 64, 128), backward=True, progress=False)
-    fwd = [specs.select("fwd", "float16", d, 227 * 1024) for d in (64, 128)]
-    bwd = [(specs.select("bwd", "float16", d, 227 * 1024), specs.select("dq", "float16", d, 227 * 1024))
+    fwd = [specs.select("fwd", "float16", d, 227 * 1024, cc=90) for d in (64, 128)]
+    bwd = [(specs.select("bwd", "float16", d, 227 * 1024, cc=90),
+            specs.select("dq", "float16", d, 227 * 1024, cc=90))
            for d in (64, 128)]
     assert done == [fwd[0], bwd[0], fwd[1], bwd[1]]
     assert len(modules(cp)) == 4  # two forward specs, two backward families (each one RawModule of 4 kernels)
@@ -645,7 +647,7 @@ def test_varlen_forward_and_backward(cp, deterministic):
     dev = [cp.asarray(a) for a in (q, k, v, dout, cq, ck)]
     out, lse = cuflash.attention_varlen(*dev[:3], dev[4], dev[5], return_lse=True, **options)
     launch = cp._launches[-1]
-    fwd = specs.select("fwd", "float16", 40, 227 * 1024)
+    fwd = specs.select("fwd", "float16", 40, 227 * 1024, cc=90)
     assert launch.grid == (-(-70 // fwd.block_m), 4, 4)
     assert inside(pointer(launch, "cu_seqlens_q"), dev[4]) and inside(pointer(launch, "cu_seqlens_k"), dev[5])
     assert int(fake_cupy._field(launch.args[0], "q.batch_stride")) == 0
@@ -655,7 +657,7 @@ def test_varlen_forward_and_backward(cp, deterministic):
     grads = cuflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, dev[4], dev[5], deterministic=deterministic,
                                               **options)
     assert names(cp._launches[n:]) == bwd_names("float16", 40, deterministic)
-    main = specs.select("bwd", "float16", 40, 227 * 1024)
+    main = specs.select("bwd", "float16", 40, 227 * 1024, cc=90)
     assert cp._launches[n + 1].grid == (-(-40 // main.block_n), 2, 4)
     # the same launches as backend="emulate" in the same mode (the emulator's atomics run in one order): bitwise
     want = cuflash.attention_varlen_backward(dout, q, k, v, want_out, want_lse, cq, ck, backend="emulate",
@@ -716,7 +718,7 @@ def test_kvcache_forward_and_split_combine(cp, paged):
         out, lse = cuflash.attention_with_kvcache(cp.asarray(q), k_dev, v_dev, cache_seqlens=cp.asarray(lens),
                                                   k_new=cp.asarray(k_new), v_new=cp.asarray(v_new),
                                                   block_table=table, num_splits=splits, return_lse=True)
-        fwd = specs.select("fwd", "float16", 40, 227 * 1024)
+        fwd = specs.select("fwd", "float16", 40, 227 * 1024, cc=90)
         assert [launch.grid for launch in cp._launches[n:]] == [(1, 4, 2 * splits)] + ([(1, 4, 2)] if splits > 1
                                                                                        else [])
         if paged:

@@ -111,8 +111,8 @@ def test_vjp_with_dropout_and_softcap_in_float64(cp):
 def test_warmup_compiles_the_wide_families(cp):
     done = cuda.warmup(dtypes=("float32", "float64"), head_dims=(64,), backward=True, precision="3xtf32",
                        progress=False)
-    f32 = [specs.select(f, "float32", 64, 227 * 1024, math="3xtf32") for f in ("wfwd", "wbwd", "wdq")]
-    f64 = [specs.select(f, "float64", 64, 227 * 1024, math="dmma") for f in ("wfwd", "wbwd", "wdq")]
+    f32 = [specs.select(f, "float32", 64, 227 * 1024, cc=90, math="3xtf32") for f in ("wfwd", "wbwd", "wdq")]
+    f64 = [specs.select(f, "float64", 64, 227 * 1024, cc=90, math="dmma") for f in ("wfwd", "wbwd", "wdq")]
     assert done == [f32[0], (f32[1], f32[2]), f64[0], (f64[1], f64[2])]
     assert len(modules(cp)) == 4
     assert specs.helper_names("float64")[0] in modules(cp)[-1].name_expressions

@@ -246,11 +246,12 @@ def warmup(dtypes=tuple(specs.CTYPES), head_dims=specs.NATIVE_HEAD_DIMS, *, back
         math = specs.wide_math(dt, precision, cc) if wide else ""
         f, b, q = ("wfwd", "wbwd", "wdq") if wide else ("fwd", "bwd", "dq")
         for d in head_dims:
-            fwd = specs.select(f, dt, d, max_smem, math=math)
+            fwd = specs.select(f, dt, d, max_smem, math=math, cc=cc)
             jobs.setdefault(fwd, ((fwd.name_expression,), fwd))
             if backward:
                 try:
-                    pair = specs.select(b, dt, d, max_smem, math=math), specs.select(q, dt, d, max_smem, math=math)
+                    pair = (specs.select(b, dt, d, max_smem, math=math, cc=cc),
+                            specs.select(q, dt, d, max_smem, math=math, cc=cc))
                 except ValueError:
                     continue
                 module = (*specs.helper_names(dt), pair[0].name_expression, pair[1].name_expression)

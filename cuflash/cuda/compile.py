@@ -177,7 +177,8 @@ def _jobs(archs, sources=None):
             for real in ("float", "double"):
                 dtypes = ("float16",) if real == "float" else ()
                 dtypes += ("float32",) if real == "float" else ("float64",)
-                picked = {replace(specs.select(s.family, s.dtype, s.head_dim, limit, modified=True, math=s.math),
+                picked = {replace(specs.select(s.family, s.dtype, s.head_dim, limit, modified=True, math=s.math,
+                                               cc=arch),
                                   mods=mods[real][0]): limit for s, limit in chosen.items() if s.dtype in dtypes}
                 if picked:
                     modded.update(picked)

@@ -225,7 +225,7 @@ def _forward_spec(problem, spec, max_smem: int, cc: int):
     run the problem's dtype and head dim."""
     d = problem.q.shape[-1]
     spec = spec or specs.select("wfwd" if is_wide(problem) else "fwd", problem.element_type, d, max_smem,
-                                math=math_of(problem, cc))
+                                math=math_of(problem, cc), cc=cc)
     if spec.dtype != problem.element_type or spec.head_dim < d:
         raise ValueError(f"kernel {spec} cannot run a {problem.element_type} problem of head_dim {d}")
     return spec
@@ -284,8 +284,8 @@ def backward_specs(problem, max_smem: int, cc: int = 80) -> tuple[specs.KernelSp
     modified = problem.mods is not None and problem.mods.score is not None
     bwd, dq = ("wbwd", "wdq") if is_wide(problem) else ("bwd", "dq")
     math = math_of(problem, cc)
-    return (specs.select(bwd, t, d, max_smem, modified=modified, math=math),
-            specs.select(dq, t, d, max_smem, modified=modified, math=math))
+    return (specs.select(bwd, t, d, max_smem, modified=modified, math=math, cc=cc),
+            specs.select(dq, t, d, max_smem, modified=modified, math=math, cc=cc))
 
 
 def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max_smem: int = specs.SMEM_LIMIT[80],

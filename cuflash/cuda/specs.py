@@ -265,6 +265,16 @@ TILES: dict[str, dict[int, tuple[Tile, Optional[Tile]]]] = {
 }
 
 
+#: rows measured faster on one compute capability, tried there before the table's rows: (family, native head_dim,
+#: compute capability) -> row. Only from a GPU run's tile sweep (``benchmarks.run``'s fig4_tiles, every candidate
+#: timed side by side in one run, benchmarks/cases.py's TILE_CANDIDATES); A100 and the 99 KB GPUs keep TILES.
+ARCH_TILES: dict[tuple[str, int, int], Tile] = {
+    ("fwd", 128, 90): Tile(64, 128, 4, "H100 (2026-11-27, float16, N = 4096, not causal): 2.15 ms against the "
+                                       "(128, 64, 8) row's 2.75 and (128, 32, 4)'s 2.16; 16 rows/warp, acc 64 + S 64 "
+                                       "regs, 225 regs (234 with a modifier) on sm_90; 85 KB smem, two blocks per SM"),
+}
+
+
 #: rows that replace a table row when a score modifier is compiled in (it keeps the unmodified scores S0 in registers
 #: for the backward's chain rule): only where the plain row would spill.
 MODIFIED_TILES: dict[tuple[str, int], Tile] = {
@@ -436,16 +446,19 @@ def _table(family: str, math: str = "") -> dict:
 
 
 def select(family: str, dtype: str, head_dim: int, max_smem: int = SMEM_LIMIT[80], *,
-           modified: bool = False, math: str = "") -> KernelSpec:
-    """The specialization of ``family`` the dispatcher runs for ``dtype`` and a (true) ``head_dim`` on a GPU
-    allowing ``max_smem`` bytes of shared memory per block (``modified``: with a score modifier compiled in;
-    ``math``: the wide families' arithmetic, :func:`wide_math`). ``dtype`` was validated by the backend."""
+           modified: bool = False, math: str = "", cc: int = 80) -> KernelSpec:
+    """The specialization of ``family`` the dispatcher runs for ``dtype`` and a (true) ``head_dim`` on a GPU of
+    compute capability ``cc`` allowing ``max_smem`` bytes of shared memory per block (``modified``: with a score
+    modifier compiled in; ``math``: the wide families' arithmetic, :func:`wide_math`). ``dtype`` was validated by
+    the backend."""
     d = native_head_dim(head_dim)
     if family in WIDE_FAMILIES and (math not in MATHS or MATHS[math][0] != dtype):
         raise ValueError(f"the {family} kernels need a math for {dtype} ({', '.join(MATHS)}), got {math!r}")
     rows = _table(family, math)[d]
     if modified and (family, d) in MODIFIED_TILES:
         rows = (MODIFIED_TILES[family, d],) + rows[1:]
+    elif family in TILES and (family, d, cc) in ARCH_TILES:
+        rows = (ARCH_TILES[family, d, cc],) + rows
     for tile in rows:
         if tile is not None and _spec(family, dtype, d, tile, math).smem_bytes <= max_smem:
             return _spec(family, dtype, d, tile, math)
@@ -468,7 +481,8 @@ def all_specs(families=FAMILIES) -> list[KernelSpec]:
     for family in families:
         for dtype, math in _variants(family):
             for d in NATIVE_HEAD_DIMS:
-                for tile in _table(family, math)[d]:
+                arch_rows = tuple(t for (f, hd, _), t in ARCH_TILES.items() if (f, hd) == (family, d))
+                for tile in arch_rows + _table(family, math)[d]:
                     if tile is not None:
                         out.setdefault(_spec(family, dtype, d, tile, math))
     return list(out)
@@ -486,7 +500,7 @@ def specs_by_arch() -> dict[int, dict[KernelSpec, int]]:
                 for dtype, math in _variants(family, cc):
                     for d in NATIVE_HEAD_DIMS:
                         try:
-                            spec = select(family, dtype, d, limit, math=math)
+                            spec = select(family, dtype, d, limit, math=math, cc=cc)
                         except ValueError:  # head_dim 256 backward on 99 KB GPUs
                             continue
                         chosen[spec] = min(chosen.get(spec, limit), limit)
