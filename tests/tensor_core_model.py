@@ -46,24 +46,31 @@ def dot_rz(c, products, bits=24, floor=False):
     return np.nextafter(f, np.float32(0)) if abs(float(f)) > abs(s) else f
 
 
-def rz(a, b, c, bits=24, block=8, floor=False):
+def rz(a, b, c, bits=24, block=8, floor=False, c_apart=False):
+    """``c_apart``: the products summed among themselves first (aligned to the largest product), that sum rounded
+    toward zero to float32 and then added to C by :func:`dot_rz`: a product tree with C joining at its root."""
     ta, tb, c = _terms(a, b, c)
 
     def dot(i, j):
         acc, p = c[i, j], ta[i] * tb[:, j]
         for k0 in range(0, len(p), block):
-            acc = dot_rz(acc, p[k0:k0 + block], bits, floor)
+            part = p[k0:k0 + block]
+            if c_apart:
+                part = [dot_rz(np.float32(0), part, bits, floor)]
+            acc = dot_rz(acc, part, bits, floor)
         return acc
 
     return np.array([[dot(i, j) for j in range(tb.shape[1])] for i in range(ta.shape[0])], np.float32)
 
 
 #: the models the GPU test compares the hardware with: name -> D = model(A, B, C)
+#: (The first run of the GPU test, H100 2026-11-27, matched no model in all 128 elements; 26 and 27 bits over 8
+#: products came closest, 119-123. Hence the wider grids and the products summed apart from C.)
 MODELS = {"round to nearest": rn, "emulator (24 bits, 8 products)": rz,
-          **{f"{bits} bits, {block} products{', floor' if floor else ''}":
-             (lambda a, b, c, bits=bits, block=block, floor=floor: rz(a, b, c, bits, block, floor))
-             for bits in (24, 25, 26, 27) for block in (8, 4) for floor in (False, True)
-             if (bits, block, floor) != (24, 8, False)}}
+          **{f"{bits} bits, {block} products{', floor' if floor else ''}{', C apart' if apart else ''}":
+             (lambda a, b, c, bits=bits, block=block, floor=floor, apart=apart: rz(a, b, c, bits, block, floor, apart))
+             for bits in (24, 25, 26, 27, 28, 29, 30) for block in (8, 4) for floor in (False, True)
+             for apart in (False, True) if (bits, block, floor, apart) != (24, 8, False, False)}}
 
 
 def operands(seed):

@@ -40,9 +40,12 @@ def test_tf32_mma_rounds_as_the_emulators_tensor_core_model(seed):
     a, b, c = model.operands(seed)
     d = _mma_on_gpu(a, b, c)
     matches = {name: int((d == fn(a, b, c)).sum()) for name, fn in model.MODELS.items()}
+    best = sorted(matches.items(), key=lambda item: -item[1])[:6]
     print("elements matching each model (of 128):", matches, "rows 14, 15:", d[14:, 0])
+    # the GPU's D bit for bit (operands: model.operands(seed)), so that a model can be fitted here, without a GPU
+    print(f"seed {seed} D as float32 bits:", " ".join(f"{x:08x}" for x in d.view("uint32").ravel()))
     emulator = "emulator (24 bits, 8 products)"
     assert matches[emulator] == d.size, (
         f"the GPU's TF32 mma differs from the emulator's model (kernels/emulate/arch_emulated.h, tc_sum_rz) in "
-        f"{d.size - matches[emulator]} of {d.size} elements; elements matching each model: {matches}; "
+        f"{d.size - matches[emulator]} of {d.size} elements; the closest models: {best}; "
         f"C = +-1 plus 0.75 ulp gave {d[14:, 0]}")

@@ -130,6 +130,30 @@ def test_mma_tf32_in_hw_math_sums_as_the_tensor_core(seed):
     assert not np.array_equal(d, tensor_core_model.rn(a, b, c))
 
 
+def test_tensor_core_models_on_a_wide_grid_are_exact_sums_rounded_toward_zero():
+    """tests/tensor_core_model.py, which the GPU test compares the hardware with: on a 48-bit grid nothing is
+    truncated (9 terms of 2 x 11-bit products and C), so rz is the exact sum rounded toward zero once, and with
+    ``c_apart`` the products' exact sum rounded so first, then added to C and rounded again."""
+    from cuflash.reference import round_tf32
+
+    def toward_zero(x):  # x a Fraction: the float32 of largest magnitude not above |x| (compared exactly)
+        f = np.float32(float(x))
+        return np.nextafter(f, np.float32(0)) if abs(Fraction(float(f))) > abs(x) else f
+
+    a, b, c = tensor_core_model.operands(3)
+    ta, tb = round_tf32(a).astype(np.float64), round_tf32(b).astype(np.float64)
+    exact = [[(Fraction(float(c[i, j])), [Fraction(float(ta[i, k] * tb[k, j])) for k in range(8)])
+              for j in range(8)] for i in range(16)]
+    want = np.array([[toward_zero(cc + sum(p)) for cc, p in row] for row in exact], np.float32)
+    apart = np.array([[toward_zero(cc + Fraction(float(toward_zero(sum(p))))) for cc, p in row] for row in exact],
+                     np.float32)
+    np.testing.assert_array_equal(tensor_core_model.rz(a, b, c, bits=48), want)
+    np.testing.assert_array_equal(tensor_core_model.rz(a, b, c, bits=48, c_apart=True), apart)
+    assert not np.array_equal(want, apart)  # the operands tell the two apart
+    models = tensor_core_model.MODELS
+    assert len({tuple(fn(a, b, c).view(np.uint32).ravel()) for fn in models.values()}) > len(models) // 2
+
+
 def test_mma_tf32_distinguishes_every_fragment_position():
     a = np.zeros((16, 8), np.float32)
     a[np.arange(16), np.arange(16) % 8] = 1 + (np.arange(16) >= 8)
