@@ -511,3 +511,27 @@ def test_a_rule_reading_b_or_h_is_built_for_the_problems_batch_or_heads(rule, ax
                                       reference.attention(q, k, v, mask_mod=rule))
     # a rule that reads neither still broadcasts
     cuflash.attention(q, k, v, block_mask=BlockMask.from_mask_mod("kv_idx <= q_idx", seqlen_q=32, block=(16, 16)))
+
+
+# ------------------------------------------------------------------------------------------------ derived, once
+def test_derived_is_computed_once_and_again_after_a_change_in_place():
+    """BlockMask.derived keeps what the kernels derive from a mask (tile lists, device operands) for every later
+    call with it, and derives it again when the states or an operand were changed in place (unfrozen first)."""
+    rule = BlockMask.from_mask_mod("kv_idx <= q_idx + t[q_idx]", seqlen_q=64, seqlen_k=64, block=(16, 16),
+                                   mod_arrays={"t": np.arange(64)})
+    for mask in (BlockMask(np.tril(np.ones((4, 4), bool)), block=(16, 16)), rule):
+        made = []
+
+        def make():
+            made.append(1)
+            return len(made)
+
+        assert [mask.derived("k", make) for _ in range(3)] == [1, 1, 1]
+        assert mask.derived("other", make) == 2  # one entry per key
+        arrays = [a for a in mask.values.values() if isinstance(a, np.ndarray)]
+        assert any(a is mask.states for a in arrays) and (mask is not rule or len(arrays) == 2)
+        for a in arrays:
+            a.setflags(write=True)
+            a.flat[0] += 1
+            n = len(made)
+            assert mask.derived("k", make) == n + 1 == mask.derived("k", make)  # derived again, then kept

@@ -125,10 +125,14 @@ def _mask_arg(xp, bm, block_q: int, block_k: int, transposed: bool):
     ``transposed``: the backward's main kernel)."""
     if bm is None:
         return (0, 0, 0, 0, 0), ()
-    kept, full = tiling.mask_tiles(bm, block_q, block_k)
-    if transposed:
-        kept, full = kept.transpose(0, 1, 3, 2), full.transpose(0, 1, 3, 2)
-    counts, lists = (xp.asarray(a) for a in tile_lists(kept, full))
+
+    def make():
+        kept, full = tiling.mask_tiles(bm, block_q, block_k)
+        if transposed:
+            kept, full = kept.transpose(0, 1, 3, 2), full.transpose(0, 1, 3, 2)
+        return modcode.settled(xp, tuple(xp.asarray(a) for a in tile_lists(kept, full)))
+
+    counts, lists = bm.derived(("tile lists", modcode.device_key(xp), block_q, block_k, transposed), make)
     gb, gh, n_tiles = counts.shape
     value = (params.address(counts), params.address(lists), gh * n_tiles if gb > 1 else 0,
              n_tiles if gh > 1 else 0, lists.shape[-1])

@@ -184,6 +184,31 @@ def _device_array(xp, a, t: str, real: str = "float", margin_axes=()):
     return conv, strides
 
 
+def _converted(block_mask, key, xp, make):
+    """``make()``: an operand on the device, kept on the BlockMask when it is one of the mask's own (its states, its
+    rule's arrays; :meth:`~cuflash.BlockMask.derived`), converted again on every call when it is the caller's
+    (``mod_arrays``, which may change between calls)."""
+    name = key[0] if isinstance(key, tuple) else key
+    if block_mask is None or name not in block_mask.values:
+        return make()
+    return block_mask.derived(("operand", device_key(xp), key), lambda: settled(xp, make()))
+
+
+def settled(xp, value):
+    """``value`` once the copies that made it are done: a copy from pageable host memory may still be in flight
+    when CuPy returns, ordered only on the current stream, and a kept array is read later from any stream."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+    return value
+
+
+def device_key(xp):
+    """Where ``xp``'s new arrays live: the array module with None for NumPy (the emulator), else with the current
+    CuPy device's id (the module too: a device array is valid only for the CuPy that made it, as the tests' fakes
+    show)."""
+    return xp, (None if xp is np else xp.cuda.Device().id)
+
+
 def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") -> tuple[tuple, tuple]:
     """``(ModArgs value without dbias, arrays it points to)`` for :func:`cuflash.cuda.params.pack`; ``dbias`` and
     ``real`` as given to :func:`render` (the slots are the struct's)."""
@@ -193,7 +218,7 @@ def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") 
     keep = []
     for (name, index), k in s.arrays.items():
         if index == "table":  # packed bits: raw bytes, row stride in stride[0]
-            conv = xp.ascontiguousarray(xp.asarray(p.values[name]))
+            conv = _converted(block_mask, name, xp, lambda: xp.ascontiguousarray(xp.asarray(p.values[name])))
             arrays[k] = (params.address(conv), (conv.strides[0], 0, 0, 0))
             keep.append(conv)
             continue
@@ -204,7 +229,8 @@ def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") 
             continue
         margin = [axis for axis, var in enumerate(index)
                   if (var[0] if isinstance(var, tuple) else var) in ("q_idx", "kv_idx")]
-        conv, strides = _device_array(xp, p.values[name], s.types[name], real, margin)
+        conv, strides = _converted(block_mask, (name, s.types[name], real, tuple(margin)), xp,
+                                   lambda: _device_array(xp, p.values[name], s.types[name], real, margin))
         by_var = [0, 0, 0, 0]
         for axis, var in enumerate(index):
             if var is not None:
