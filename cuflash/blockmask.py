@@ -134,6 +134,11 @@ class BlockMask:
             memo[key] = (checksum, make())
         return memo[key][1]
 
+    def __getstate__(self) -> dict:
+        """Pickle and deepcopy without :meth:`derived`'s entries: they hold device arrays and array modules, and a
+        copy derives its own."""
+        return {name: value for name, value in self.__dict__.items() if name != "_derived"}
+
     def _checksum(self) -> tuple:
         parts = [zlib.crc32(np.ascontiguousarray(self.states).view(np.uint8))]
         for name, value in sorted(self.values.items()):

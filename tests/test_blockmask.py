@@ -535,3 +535,19 @@ def test_derived_is_computed_once_and_again_after_a_change_in_place():
             a.flat[0] += 1
             n = len(made)
             assert mask.derived("k", make) == n + 1 == mask.derived("k", make)  # derived again, then kept
+
+
+def test_a_mask_used_by_a_backend_still_pickles_and_copies():
+    """derived()'s entries (device arrays, array modules) are a cache: pickle and deepcopy leave them behind, and the
+    copy computes the same attention."""
+    import copy
+    import pickle
+
+    mask = BlockMask.from_mask_mod("kv_idx <= q_idx + t[q_idx]", seqlen_q=64, seqlen_k=64, block=(16, 16),
+                                   mod_arrays={"t": np.arange(64) % 7})
+    q, k, v = (np.random.default_rng(i).standard_normal((1, 64, 2, 32)).astype(np.float32) for i in range(3))
+    out = cuflash.attention(q, k, v, block_mask=mask, backend="emulate")
+    assert mask.__dict__.get("_derived")  # the backend kept its tile lists on the mask
+    for twin in (pickle.loads(pickle.dumps(mask)), copy.deepcopy(mask)):
+        assert "_derived" not in twin.__dict__ and np.array_equal(twin.states, mask.states)
+        assert np.array_equal(cuflash.attention(q, k, v, block_mask=twin, backend="emulate"), out)
