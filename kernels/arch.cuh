@@ -22,6 +22,11 @@
 //                                   Fragments for mma.m16n8k8"): four tf32 (b32) of A, two of B, four fp32 of C/D
 //   to_tf32(x) -> uint32_t          cvt.rna.tf32.f32: x rounded to 10 mantissa bits, ties away from zero, as the
 //                                   b32 bit pattern the tf32 mma takes (low 13 bits zero)
+// The backward's dQ workspace:
+//   red_add_f32x2(p, a, b)          p[0] += a, p[1] += b as global reductions (no return value); p 8-byte aligned.
+//                                   sm_90: one red.global.add.v2.f32 (PTX ISA 8.1), a lane's 8 bytes in one
+//                                   request (the first H100 profile: scalar reductions filled 16 of the 32 bytes
+//                                   of each sector); before sm_90: two red.global.add.f32
 #pragma once
 
 #if defined(__CUDACC_RTC__)
@@ -149,6 +154,15 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
 }
 
 #endif  // !CUFLASH_EMULATE

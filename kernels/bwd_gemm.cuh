@@ -96,9 +96,9 @@ __device__ __forceinline__ void dq_atomic(float* dq_tile, long long row_stride, 
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int col = d0 + 8 * nt + 2 * (lane & 3);
-          if (col < cols_valid) {  // cols_valid is a multiple of 8
-            atomicAdd(dst + col, acc[nt][2 * half]);
-            atomicAdd(dst + col + 1, acc[nt][2 * half + 1]);
+          if (col < cols_valid) {  // cols_valid is a multiple of 8; col is even and the workspace's strides are
+                                   // multiples of its padded head dim: 8-byte aligned
+            arch::red_add_f32x2(dst + col, acc[nt][2 * half], acc[nt][2 * half + 1]);
           }
         }
       }

@@ -348,6 +348,16 @@ __device__ __forceinline__ void cp_async_wait() {
   f->copies.resize(kept);
 }
 
+// One fiber runs at a time, so the two adds are atomic here; the checks are the vector reduction's: global memory,
+// 8-byte aligned.
+__device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
+  if (reinterpret_cast<uintptr_t>(p) % 8)
+    ::cuflash_emu::fail("red.global.add.v2.f32: address %p is not 8-byte aligned", p);
+  if (::cuflash_emu::in_shared(p, 8)) ::cuflash_emu::fail("red.global.add.v2.f32: address %p is in shared memory", p);
+  p[0] += a;
+  p[1] += b;
+}
+
 }  // namespace arch
 }  // namespace cuflash
 

@@ -1,5 +1,5 @@
-"""Emulated twins of kernels/arch.cuh against NumPy: mma.m16n8k16, ldmatrix, cp.async, pack2, and the wide kernels'
-mma.m8n8k4 .f64, mma.m16n8k8 .tf32 and cvt.rna.tf32.f32."""
+"""Emulated twins of kernels/arch.cuh against NumPy: mma.m16n8k16, ldmatrix, cp.async, pack2, red_add_f32x2, and the
+wide kernels' mma.m8n8k4 .f64, mma.m16n8k8 .tf32 and cvt.rna.tf32.f32."""
 from fractions import Fraction
 
 import numpy as np
@@ -281,3 +281,19 @@ def test_bank_conflicts_are_counted(chunks):
     assert stats.ldmatrix_requests == 4 and stats.cp_async_requests == 4
     assert stats.ldmatrix_wavefronts == stats.cp_async_wavefronts == 4 * np.gcd(chunks, 8)
     assert stats.conflict_free == (chunks % 2 == 1)
+
+
+def test_red_add_f32x2_adds_both_and_checks_its_address():
+    """The dQ workspace's reduction (red.global.add.v2.f32 on sm_90): 32 threads add (i, -i) into 4 pairs, and an
+    address off the 8-byte grid is an error, as on the GPU."""
+    from cuflash.emulate import EmulationError
+
+    p = np.zeros(10, np.float32)
+    emu.launch(spec("arch_tests.cu", "red_add_kernel", (p, np.int32(32), np.int32(0)), block=(32, 1, 1)))
+    want = np.zeros(10, np.float32)
+    for i in range(32):
+        want[2 * (i % 4)] += i
+        want[2 * (i % 4) + 1] -= i
+    np.testing.assert_array_equal(p, want)
+    with pytest.raises(EmulationError, match="not 8-byte aligned"):
+        emu.launch(spec("arch_tests.cu", "red_add_kernel", (p, np.int32(1), np.int32(1)), block=(1, 1, 1)))

@@ -151,3 +151,8 @@ extern "C" __global__ void bank_kernel(const uint16_t* src, int stride) {
   uint32_t r[4];
   cuflash::arch::ldmatrix_x4(r, &s[l * stride]);
 }
+
+// red_add_f32x2 at p + offset: each of `n` threads adds (i, -i) to the pair at 2 * i (offset 1: misaligned).
+extern "C" __global__ void red_add_kernel(float* p, int n, int offset) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) cuflash::arch::red_add_f32x2(p + offset + 2 * (i % 4), i, -i);
+}
