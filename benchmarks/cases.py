@@ -179,13 +179,14 @@ class SuiteSpec:
     wide_seqlens: tuple = ()        # the float32/float64 figure (GPU only): seqlens, ops, head_dim
     wide_ops: tuple = ("fwd",)
     wide_head_dim: int = 64
-    # the CUDA tile sweep: per (op, head_dim), the tiles (block_m, block_n, warps) to time, the table's row first
-    # (each passes the compile check: no spill, register headroom); empty: sweep block_ks over the table's row
+    # the CUDA tile sweep: per (op, head_dim), the tiles (block_m, block_n, warps) to time, the A100 table's row
+    # first (each passes the compile check: no spill, register headroom; on an H100 the row it runs, ARCH_TILES',
+    # is among them); empty: sweep block_ks over the row this GPU runs
     tile_candidates: tuple = ()
 
 
-#: float16 tiles to time beside the table's row (first), per op and head_dim 64 and 128: the first H100 run measured
-#: the table's rows at 0.58-0.81 (forward d64), 0.36-0.71 (forward d128) and 0.38-0.62 (backward) of
+#: float16 tiles to time beside the A100 table's row (first), per op and head_dim 64 and 128: the first H100 run
+#: measured the table's rows at 0.58-0.81 (forward d64), 0.36-0.71 (forward d128) and 0.38-0.62 (backward) of
 #: FlashAttention-2's speed. Each passes the compile check on sm_80 and sm_90 (registers of 255 on sm_80/sm_90, no
 #: spill, headroom): forward d64 (128, 128, 8) 178/183, (64, 128, 4) 178/177, (64, 64, 4) 156/154; forward d128
 #: (128, 32, 4) 242/243 (32 rows per warp, as FA2: each K/V fragment feeds two m-tiles), (128, 128, 8) 219/222,

@@ -84,6 +84,16 @@ def _build_cuflash_kvcache(case: Case, x: Inputs):
     return run, device_sync(case.device)
 
 
+def _dispatched(op: str, dtype: str, head_dim: int):
+    """The specialization the dispatcher runs for ``op`` on the current GPU: its compute capability and shared-memory
+    opt-in pick the tile table's row (an H100 has rows of its own, ``specs.ARCH_TILES``)."""
+    from cuflash.backends.cuda import _device
+    from cuflash.cuda import specs
+
+    _, cc, max_smem = _device()
+    return specs.select(op, dtype, head_dim, max_smem, cc=cc)
+
+
 def _tile_run(case: Case, x: Inputs) -> Callable:
     """Forward with an explicit key-tile size: the NumPy backend's ``block_k``; on CUDA the tile
     table's specialization with ``block_n = block_k`` (or the whole ``case.tile``), through the backend's
@@ -97,9 +107,8 @@ def _tile_run(case: Case, x: Inputs) -> Callable:
 
         return lambda: backend.forward(problem, block_k=case.block_k)
     from cuflash.backends import cuda as backend
-    from cuflash.cuda import specs
 
-    table = specs.select(case.op, case.dtype, case.head_dim)
+    table = _dispatched(case.op, case.dtype, case.head_dim)
     if case.tile is not None:
         spec = replace(table, block_m=case.tile[0], block_n=case.tile[1], warps=case.tile[2])  # KernelSpec validates
     else:
@@ -407,15 +416,20 @@ def model_io_bytes(case: Case, impl: Impl) -> Optional[int]:
         return None
     from cuflash.io_cost import io_cost
 
-    from .environment import gpu_info
-
-    try:  # the rows of this GPU's compute capability (specs.ARCH_TILES), or the swept tile
+    try:  # the tiles this GPU runs (the float16 rows, as io_cost's defaults), or the swept one
+        tiles = {}
+        for op, prefix in (("fwd", ""), ("bwd", "bwd_")):
+            if case.op in (op, "fwd_bwd"):
+                spec = _dispatched(op, "float16", case.head_dim)
+                tiles[prefix + "block_q"], tiles[prefix + "block_k"] = spec.block_m, spec.block_n
         prefix = "bwd_" if case.op == "bwd" else ""
-        tile = ({f"{prefix}block_q": case.tile[0], f"{prefix}block_k": case.tile[1]} if case.tile
-                else dict(block_k=case.block_k or None))
+        if case.tile:
+            tiles[prefix + "block_q"], tiles[prefix + "block_k"] = case.tile[:2]
+        elif case.block_k:
+            tiles["block_k"] = case.block_k
         cost = io_cost(seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, head_dim=case.head_dim, batch=case.batch,
                        heads=case.heads, dtype=case.dtype, op=case.op, causal=case.causal, density=case.density,
-                       cc=int(gpu_info()["compute_capability"]), **tile)
+                       **tiles)
     except (ImportError, ValueError, TypeError):
         return None
     return cost.tiled if impl.io_model == "tiled" else cost.standard

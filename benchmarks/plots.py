@@ -137,7 +137,7 @@ def _plot_tiles(plt, payload):
         ax.barh(range(len(rows)), [r["tflops"] for r in rows], color=[_color("cuflash")] * len(rows))
         ax.set_yticks(range(len(rows)), names, fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("TFLOP/s (block_m x block_n x warps; the table's row first per op and head_dim)")
+        ax.set_xlabel("TFLOP/s (block_m x block_n x warps; the A100 table's row first per op and head_dim)")
         ax.grid(alpha=0.3, axis="x")
         return _finish(fig, payload, 9)
     _lines(ax, records, x="block_k", y="ms", label=lambda r: f"cuflash d={r['head_dim']}")

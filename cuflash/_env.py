@@ -72,7 +72,8 @@ VARIABLES: dict[str, Variable] = {
         "numpy (NumPy's own BLAS), auto: mkl when installed"),
     "CUFLASH_EMULATE_ARCH": Variable(
         lambda raw: int(_choice("80", "86", "89", "90")(raw)), "80, 86, 89 or 90", 80,
-        "the GPU whose shared-memory limit picks the tile table row under backend='emulate'"),
+        "the GPU whose compute capability and shared-memory limit pick the tile table row "
+        "(and the float64 arithmetic) under backend='emulate'"),
     "CUFLASH_EMULATE_SCHEDULE": Variable(
         _choice("forward", "reverse", "random"), "forward, reverse or random", "forward",
         "order in which the emulator runs a block's threads between barriers"),

@@ -20,8 +20,8 @@ but do not move a BlockMask's diagonal (``causal=``/``window=`` do follow them).
 """
 from __future__ import annotations
 
-import itertools
 import numbers
+import uuid
 import zlib
 from typing import Optional
 
@@ -31,7 +31,12 @@ from . import mods
 
 DEFAULT_BLOCK = (128, 128)
 SKIP, PARTIAL, FULL = 0, 1, 2
-_ids = itertools.count()
+
+
+def _prefix() -> str:
+    """Operand names unique to one mask, across processes too: masks built in forked workers, or pickled, meet in
+    ``&`` and ``|``, whose operands must not overwrite each other's (a per-process counter gave both the same)."""
+    return f"cuflash_m{uuid.uuid4().hex}_"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -116,8 +121,11 @@ class BlockMask:
         if _cdiv(self.seqlen_q, self.block[0]) != nq or _cdiv(self.seqlen_k, self.block[1]) != nk:
             raise ValueError(f"grid {self.states.shape[2:]} does not cover seqlen_q={self.seqlen_q}, "
                              f"seqlen_k={self.seqlen_k} in blocks of {self.block}")
+        # the mask is a value: its operand arrays are its own (from_mask_mod copies the caller's) and read-only,
+        # which lets derived() trust what it kept without reading them again
+        values = {n: _frozen(v) if isinstance(v, np.ndarray) else v for n, v in values.items()}
         if member is None:
-            grid_name = f"cuflash_m{next(_ids)}_states"
+            grid_name = _prefix() + "states"
             values = {**values, grid_name: self.states}
             member = mods.grid_member(grid_name, self.states.shape, self.block, rule)
         self.member, self.values = member, values
@@ -126,13 +134,17 @@ class BlockMask:
         """``make()`` for ``key``, computed on the first call with this mask and kept on it: what every call with the
         mask derives again (the kernels' tile lists, device copies of its operands). FlexAttention's pattern:
         ``create_block_mask`` once, attention many times (the H100 run spent about 2 ms a call re-deriving them). A
-        mask is a value (frozen copies), and each entry holds a checksum of the states and operands it came from: a
-        change in place (after ``setflags(write=True)``) derives it again rather than using it stale."""
+        mask is a value: its states and operands are read-only copies, and while they stay read-only an entry is used
+        as it is. Whoever makes one writeable (``setflags(write=True)``) makes every later call check a CRC of them
+        against the entry's and derive it again on a change; an array changed and made read-only again in between
+        two calls is not seen (build a new mask instead)."""
         memo = self.__dict__.setdefault("_derived", {})
-        checksum = self._checksum()
-        if key not in memo or memo[key][0] != checksum:
-            memo[key] = (checksum, make())
-        return memo[key][1]
+        arrays = [self.states] + [v for v in self.values.values() if isinstance(v, np.ndarray)]
+        checksum = None if not any(a.flags.writeable for a in arrays) else self._checksum()
+        entry = memo.get(key)
+        if entry is None or entry[0] != checksum:
+            memo[key] = entry = (checksum, make())
+        return entry[1]
 
     def __getstate__(self) -> dict:
         """Pickle and deepcopy without :meth:`derived`'s entries: they hold device arrays and array modules, and a
@@ -209,7 +221,7 @@ class BlockMask:
         sched = Schedule(sq, sk, bq, bk, left=left, right=right)
         states = np.where(sched.full_grid(), FULL, np.where(sched.kept_grid(), PARTIAL, SKIP)).astype(np.int8)
         conds, values = [], {}
-        name = f"cuflash_m{next(_ids)}_"
+        name = _prefix()
         # as kv_idx - q_idx: with lengths below 2**30 that difference fits the kernels' 32-bit int, q_idx + hi may
         # not (a right bound near seqlen_q + seqlen_k wrapped to negative and hid every key of the row)
         if left is not None:
@@ -238,7 +250,7 @@ class BlockMask:
         inside = (lo >= a) & (hi <= b)
         touch = (hi > a) & (lo < b)
         cut = np.where(inside, FULL, np.where(touch, PARTIAL, SKIP)).astype(np.int8)
-        name = f"cuflash_m{next(_ids)}_"
+        name = _prefix()
         values = {name + "a": a, name + "b": b}
         rule = mods.parse(f"{name}a <= kv_idx < {name}b", kind="mask", arrays=values, internal=True)
         cols = self._make(np.broadcast_to(cut, self.states.shape[2:]), self.block, self.seqlen_q, self.seqlen_k,
@@ -260,7 +272,7 @@ class BlockMask:
         meet = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
         same = (q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
         states = np.where(same, FULL, np.where(meet, PARTIAL, SKIP)).astype(np.int8)[:, None]
-        name = f"cuflash_m{next(_ids)}_"
+        name = _prefix()
         batch = dq.shape[0] > 1
         values = {name + "q": dq if batch else dq[0], name + "k": dk if batch else dk[0]}
         index = "b, " if batch else ""
@@ -313,7 +325,7 @@ class BlockMask:
         slot = np.full(states.shape, -1, dtype=np.int32)
         slot[partial] = np.arange(int(partial.sum()), dtype=np.int32)
         bits = np.packbits(blocks[partial].reshape(-1, bq * bk), axis=-1, bitorder="little")
-        name = f"cuflash_m{next(_ids)}_"
+        name = _prefix()
         values = {name + "slot": slot, name + "bits": bits.reshape(-1, _cdiv(bq * bk, 8))}
         rule = mods.dense_bits(name + "slot", name + "bits", slot.shape, (bq, bk))
         return cls._make(states, (bq, bk), sq, sk, rule, values)
@@ -336,11 +348,11 @@ class BlockMask:
         and in float64 alike, else partial (its elements are then tested in the working precision)."""
         sq, sk = _lengths(seqlen_q, seqlen_k)
         batch, heads = _check_count(batch, "batch", 1), _check_count(heads, "heads", 1)
-        arrays = {n: _host_array(v, f"mod_arrays[{n!r}]") if not isinstance(v, numbers.Number) else v
-                  for n, v in (mod_arrays or {}).items()}
+        arrays = {n: np.array(_host_array(v, f"mod_arrays[{n!r}]")) if not isinstance(v, numbers.Number) else v
+                  for n, v in (mod_arrays or {}).items()}  # copies: a caller's later change must not reach the mask
         rule = mods.parse(mask_mod, kind="mask", arrays=arrays, what="mask_mod")
         rule.check_against(arrays, {"b": batch, "h": heads, "q_idx": sq, "kv_idx": sk}, "mask_mod")
-        name = f"cuflash_m{next(_ids)}_"  # the operands' names unique to this mask (masks combine)
+        name = _prefix()  # the operands' names unique to this mask (masks combine)
         rule = rule.renamed({n: name + n for n in arrays})
         values = {name + n: v for n, v in arrays.items()}
         # q_len, kv_len: this mask's lengths, as int operands (one compiled rule for every length)
@@ -386,6 +398,9 @@ class BlockMask:
         else:
             states = np.where((a == FULL) | (b == FULL), FULL, np.where((a == SKIP) & (b == SKIP), SKIP, PARTIAL))
         member = mods.combine(op, self.member, other.member)
+        clash = [n for n in self.values.keys() & other.values.keys() if self.values[n] is not other.values[n]]
+        if clash:  # unique names (_prefix) make this unreachable short of a hand-made mask
+            raise ValueError(f"the masks name different operands alike ({', '.join(sorted(clash))}): build them anew")
         mask = self._make(states.astype(np.int8), self.block, self.seqlen_q, self.seqlen_k,
                           values={**self.values, **other.values}, member=member)
         mask._pinned = self._pinned | other._pinned

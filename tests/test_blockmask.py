@@ -551,3 +551,46 @@ def test_a_mask_used_by_a_backend_still_pickles_and_copies():
     for twin in (pickle.loads(pickle.dumps(mask)), copy.deepcopy(mask)):
         assert "_derived" not in twin.__dict__ and np.array_equal(twin.states, mask.states)
         assert np.array_equal(cuflash.attention(q, k, v, block_mask=twin, backend="emulate"), out)
+
+
+def test_a_mask_is_its_own_value_and_names_its_operands_uniquely(monkeypatch):
+    """from_mask_mod copies the caller's arrays (a later change of theirs does not reach the mask, whose states were
+    classified from the old values); operand names are unique across processes, so a mask built in another process
+    (a forked data-loader worker, unpickled) combines with one built here without either overwriting the other's
+    operands (a per-process counter named both cuflash_m0_...); and a read-only mask is never read again to check
+    what derived() kept."""
+    import pickle
+    import subprocess
+    import sys
+
+    t = (np.arange(64) % 5).astype(np.int32)
+    rule = "kv_idx <= q_idx + t[q_idx]"
+    mask = BlockMask.from_mask_mod(rule, seqlen_q=64, seqlen_k=64, block=(16, 16), mod_arrays={"t": t})
+    keep = mask.to_dense()
+    t += 40  # the caller's array, changed after the mask was built
+    assert np.array_equal(mask.to_dense(), keep)
+    assert all(not v.flags.writeable for v in mask.values.values() if isinstance(v, np.ndarray))
+
+    code = ("import pickle, sys, numpy as np; from cuflash import BlockMask; "
+            "sys.stdout.buffer.write(pickle.dumps(BlockMask.from_mask_mod('kv_idx >= q_idx - w[q_idx]', seqlen_q=64,"
+            " block=(16, 16), mod_arrays={'w': np.full(64, 3, np.int32)})))")
+    theirs = pickle.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout)
+    both = mask & theirs
+    want = keep & theirs.to_dense()
+    assert np.array_equal(both.to_dense(), want) and want.any() and not want.all()
+    q = np.random.default_rng(0).standard_normal((1, 64, 1, 16))
+
+    def naive(x):  # the truth, from the dense mask alone
+        s = np.where(want.reshape(64, 64), x @ x.T / 4, -np.inf)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        return (p / p.sum(axis=1, keepdims=True)) @ x
+
+    out = cuflash.attention(q, q, q, block_mask=both)[0, :, 0]
+    assert_attention_close(out, naive(q[0, :, 0].astype(np.longdouble)), naive(q[0, :, 0]))
+
+    checks = []
+    monkeypatch.setattr(BlockMask, "_checksum", lambda self: checks.append(1) or ())
+    for _ in range(3):
+        cuflash.attention(q.astype(np.float32), q.astype(np.float32), q.astype(np.float32), block_mask=both,
+                          backend="emulate")
+    assert checks == []

@@ -820,3 +820,40 @@ def test_a_block_mask_is_derived_once_per_device_and_a_callers_array_every_call(
                 assert out.device.id == device
                 assert_attention_close(out, *expected[call == 2], name=f"device {device}, call {call}")
         assert len(derivations) == device + 1  # one derivation per device, none for the later calls
+
+
+def test_a_block_mask_is_kept_per_stream_without_synchronizing(cp, monkeypatch):
+    """What a mask keeps is made and read in one stream's order: a copy from pageable host memory may still be in
+    flight when CuPy returns, and memory freed with the mask goes back to the pool of the stream that made it. So
+    one set per stream, and no synchronization (a mask built anew for every batch must not stall the host)."""
+    from cuflash import BlockMask, tiling
+
+    rng = np.random.default_rng(1)
+    q, k, v = (cp.asarray(rng.standard_normal((1, 48, 2, 32)).astype(np.float16)) for _ in range(3))
+    mask = BlockMask(np.tril(np.ones((3, 3), bool)), block=(16, 16))
+    derivations = []
+    real_mask_tiles = tiling.mask_tiles
+    monkeypatch.setattr(tiling, "mask_tiles", lambda *a: derivations.append(a[1:]) or real_mask_tiles(*a))
+    syncs = cp._syncs
+    outs = []
+    for stream in (cp.cuda.Stream(), cp.cuda.Stream(), cp.cuda.Stream.null):
+        with stream:
+            for _ in range(2):
+                outs.append(cuflash.attention(q, k, v, block_mask=mask))
+    assert cp._syncs == syncs and len(derivations) == 3  # once per stream, never waiting on the device
+    assert all(np.array_equal(o.get(), outs[0].get()) for o in outs)
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(20, 5)),
+                                     dict(score_mod="score * 0.5 + kv_idx % 3"), dict(causal=True, p=0.2)], ids=str)
+def test_the_h100_row_runs_the_features_at_head_dim_128(cp, options):
+    """specs.ARCH_TILES: the H100's own head_dim 128 forward row (64 x 128 x 4 warps) under masks, a score modifier
+    and dropout, forward and backward, against the float64 reference (the feature cases reach it only unmasked)."""
+    shape = (1, 150, 170, 2, 1, 128, np.float16)
+    case = cases.dropout_case(*shape, seed=3, **options) if "p" in options else make_case(*shape, **options)
+    check_forward(gpu_forward(cp), case)
+    row = specs.ARCH_TILES["fwd", 128, 90]
+    assert any(f"flash_fwd_kernel<__half, 128, {row.block_m}, {row.block_n}, {row.warps}," in launch.name
+               for launch in cp._launches)
+    out, lse = gpu_forward(cp)(case.q, case.k, case.v, **case.options)
+    cases.check_backward(gpu_backward(cp, False), case, out, lse)

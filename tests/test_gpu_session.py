@@ -192,6 +192,33 @@ def test_cuda_tile_sweep_launches_the_swept_kernel(monkeypatch, request):
     assert {launch.name for launch in cp._launches} == {replace(table, block_n=32).name_expression}
 
 
+@needs_emulator
+def test_cuda_tile_sweep_and_io_model_use_the_rows_of_this_gpu(monkeypatch, request):
+    """On an H100 (the fake's default) the head_dim 128 forward runs its own row (specs.ARCH_TILES): the key-tile
+    sweep varies that row's block_n, and the IO model counts the tile that ran."""
+    from dataclasses import replace
+
+    import fake_cupy_bench
+    from benchmarks import cases, impls, inputs, run, timing
+    from cuflash.backends import cuda
+    from cuflash.cuda import specs
+    from cuflash.io_cost import io_cost
+
+    cp = fake_cupy_bench.make()
+    for name, module in fake_cupy_bench.modules(cp).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    cuda._memoized.cache_clear()
+    request.addfinalizer(cuda._memoized.cache_clear)
+    assert cuda._device()[1] == 90
+    h100 = specs.select("fwd", "float16", 128, specs.SMEM_LIMIT[90], cc=90)
+    assert (h100.block_m, h100.block_n) != (specs.select("fwd", "float16", 128).block_m, 128)
+    case = cases.Case("tiles", "cuda", "fwd", "float16", 1, 1, 128, 128, 128, block_k=32)
+    record = run.measure(case, impls.IMPLS["cuflash"], inputs.make_inputs(case), timing=timing.TIMINGS["smoke"])
+    assert {launch.name for launch in cp._launches} == {replace(h100, block_n=32).name_expression}
+    want = io_cost(seqlen_q=128, head_dim=128, heads=1, dtype="float16", block_q=h100.block_m, block_k=32)
+    assert record.io_bytes == want.tiled
+
+
 # ------------------------------------------------------------------------------------------------ sanitize, profile
 @needs_emulator
 def test_dry_run_sanitize_runs_every_tool_over_the_kernel_cases(tmp_path):

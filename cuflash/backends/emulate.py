@@ -34,12 +34,14 @@ def available():
 
 
 def _max_smem() -> int:
-    """The shared-memory limit of the GPU being emulated (``CUFLASH_EMULATE_ARCH``): it picks the tile table row."""
+    """The shared-memory limit of the GPU being emulated (``CUFLASH_EMULATE_ARCH``): with :func:`_cc` it picks the
+    tile table row."""
     return specs.SMEM_LIMIT[_env.get("CUFLASH_EMULATE_ARCH")]
 
 
 def _cc() -> int:
-    """The compute capability being emulated (``CUFLASH_EMULATE_ARCH``): it picks the float64 arithmetic."""
+    """The compute capability being emulated (``CUFLASH_EMULATE_ARCH``): it picks the float64 arithmetic and, with
+    :func:`_max_smem`, the tile table row (an H100's own rows: ``specs.ARCH_TILES``)."""
     return _env.get("CUFLASH_EMULATE_ARCH")
 
 

@@ -130,7 +130,7 @@ def _mask_arg(xp, bm, block_q: int, block_k: int, transposed: bool):
         kept, full = tiling.mask_tiles(bm, block_q, block_k)
         if transposed:
             kept, full = kept.transpose(0, 1, 3, 2), full.transpose(0, 1, 3, 2)
-        return modcode.settled(xp, tuple(xp.asarray(a) for a in tile_lists(kept, full)))
+        return tuple(xp.asarray(a) for a in tile_lists(kept, full))
 
     counts, lists = bm.derived(("tile lists", modcode.device_key(xp), block_q, block_k, transposed), make)
     gb, gh, n_tiles = counts.shape
@@ -238,7 +238,8 @@ def _forward_spec(problem, spec, max_smem: int, cc: int):
 def forward_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80],
                    spec: Optional[specs.KernelSpec] = None, cc: int = 80) -> ForwardLaunch:
     """The forward kernel's launch for ``problem`` (CuPy or NumPy arrays alike); allocates ``out``/``lse``.
-    ``cc``: the GPU's compute capability (picks the float64 arithmetic, :func:`cuflash.cuda.specs.wide_math`)."""
+    ``cc``: the GPU's compute capability (picks the float64 arithmetic, :func:`cuflash.cuda.specs.wide_math`, and
+    with ``max_smem`` the tile table row)."""
     xp = problem.xp
     b, sq, hq, d = problem.q.shape
     spec = _forward_spec(problem, spec, max_smem, cc)

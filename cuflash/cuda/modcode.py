@@ -191,22 +191,18 @@ def _converted(block_mask, key, xp, make):
     name = key[0] if isinstance(key, tuple) else key
     if block_mask is None or name not in block_mask.values:
         return make()
-    return block_mask.derived(("operand", device_key(xp), key), lambda: settled(xp, make()))
-
-
-def settled(xp, value):
-    """``value`` once the copies that made it are done: a copy from pageable host memory may still be in flight
-    when CuPy returns, ordered only on the current stream, and a kept array is read later from any stream."""
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
-    return value
+    return block_mask.derived(("operand", device_key(xp), key), make)
 
 
 def device_key(xp):
-    """Where ``xp``'s new arrays live: the array module with None for NumPy (the emulator), else with the current
-    CuPy device's id (the module too: a device array is valid only for the CuPy that made it, as the tests' fakes
-    show)."""
-    return xp, (None if xp is np else xp.cuda.Device().id)
+    """Where and in which order ``xp``'s new arrays are made: NumPy (the emulator), or the current CuPy device and
+    stream. Per stream, so that what is kept is copied and read in one stream's order (a copy from pageable host
+    memory may still be in flight when CuPy returns) and goes back to that stream's memory pool only after its
+    kernels, with no synchronization. The module too: a device array is valid only for the CuPy that made it (the
+    tests' fakes)."""
+    if xp is np:
+        return xp, None, None
+    return xp, xp.cuda.Device().id, xp.cuda.get_current_stream().ptr
 
 
 def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") -> tuple[tuple, tuple]:

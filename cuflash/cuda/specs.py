@@ -231,7 +231,7 @@ TILES: dict[str, dict[int, tuple[Tile, Optional[Tile]]]] = {
         96: (Tile(128, 64, 8, "32 rows/warp (acc 96 + S 64) spills on sm_90; 16 rows/warp x 8 warps keeps the "
                               "128-row tile (K/V reuse across 8 warps); 53 KB smem"), None),
         128: (Tile(128, 64, 8, "32 rows/warp needs acc 128 + S 64 and spills; 8 warps x 16 rows; 70 KB smem so "
-                               "two blocks fit on A100/H100"), None),
+                               "two blocks fit on A100 (the H100 runs ARCH_TILES' row)"), None),
         192: (Tile(128, 64, 8, "acc 96 + S 32 regs at 16 rows/warp (214/222 regs on sm_80/sm_90); 100 KB smem"),
               Tile(64, 64, 4, "the 128-row tile needs 100 KB > 99 KB; 64 rows x 4 warps: 75 KB, 220/228 regs")),
         256: (Tile(128, 32, 8, "acc 128 regs at 16 rows/warp; 64-key tiles reach 247 (nvcc 13: 255) of 255 "
