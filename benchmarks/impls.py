@@ -84,14 +84,16 @@ def _build_cuflash_kvcache(case: Case, x: Inputs):
     return run, device_sync(case.device)
 
 
-def _dispatched(op: str, dtype: str, head_dim: int):
+def _dispatched(op: str, dtype: str, head_dim: int, precision: str = "ieee"):
     """The specialization the dispatcher runs for ``op`` on the current GPU: its compute capability and shared-memory
-    opt-in pick the tile table's row (an H100 has rows of its own, ``specs.ARCH_TILES``)."""
+    opt-in pick the tile table's row (an H100 has rows of its own, ``specs.ARCH_TILES``; the float32/float64
+    families, ``w*``, by the arithmetic ``precision`` and the GPU select)."""
     from cuflash.backends.cuda import _device
     from cuflash.cuda import specs
 
     _, cc, max_smem = _device()
-    return specs.select(op, dtype, head_dim, max_smem, cc=cc)
+    math = specs.wide_math(dtype, precision, cc) if op in specs.WIDE_FAMILIES else ""
+    return specs.select(op, dtype, head_dim, max_smem, cc=cc, math=math)
 
 
 def _tile_run(case: Case, x: Inputs) -> Callable:
@@ -416,11 +418,15 @@ def model_io_bytes(case: Case, impl: Impl) -> Optional[int]:
         return None
     from cuflash.io_cost import io_cost
 
-    try:  # the tiles this GPU runs (the float16 rows, as io_cost's defaults), or the swept one
+    wide = case.dtype in ("float32", "float64")
+    if wide and case.op != "fwd":
+        return None  # the ledger's backward is the float16 kernel's (dQ by atomics); the wide one has a dQ pass
+    try:  # the tiles this GPU runs (the float16 rows, or the float32/float64 forward's), or the swept one
         tiles = {}
         for op, prefix in (("fwd", ""), ("bwd", "bwd_")):
             if case.op in (op, "fwd_bwd"):
-                spec = _dispatched(op, "float16", case.head_dim)
+                spec = (_dispatched("wfwd", case.dtype, case.head_dim, case.precision) if wide
+                        else _dispatched(op, "float16", case.head_dim))
                 tiles[prefix + "block_q"], tiles[prefix + "block_k"] = spec.block_m, spec.block_n
         prefix = "bwd_" if case.op == "bwd" else ""
         if case.tile:

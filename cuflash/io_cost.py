@@ -77,6 +77,8 @@ class _Sizes:
 
 
 def _sizes(dtype) -> _Sizes:
+    if dtype is None:  # np.dtype(None) is float64
+        raise ValueError("dtype must be float16, bfloat16, float32 or float64, got None")
     name = "bfloat16" if str(dtype) in ("bfloat16", "bf16") else np.dtype(dtype).name
     if name not in ("float16", "bfloat16", "float32", "float64"):
         raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}")
@@ -130,9 +132,10 @@ def _standard_bwd(sq, sk, d, s: _Sizes) -> dict:
             "dK = dS^T Q: read dS, Q; write dK": (nn + sq * d + sk * d) * s.x}
 
 
-def _tiled_fwd(visit, n_bh, rows, cols, d, s: _Sizes, order: str) -> dict:
+def _tiled_fwd(visit, n_bh, rows, cols, kv_seen, d, s: _Sizes, order: str) -> dict:
     """Tiled forward. ``visit``: (nq, nk) visit counts summed over the ``n_bh`` (batch, head)
-    pairs (fractional under a ``density``); ``rows``/``cols``: real tile heights/widths."""
+    pairs (fractional under a ``density``); ``rows``/``cols``: real tile heights/widths; ``kv_seen``: key rows of
+    the tiles some query tile visits, summed over the pairs."""
     pairs_rows = float((visit * rows[:, None]).sum())   # Σ over visited pairs of the query tile height
     pairs_cols = float((visit * cols[None, :]).sum())   # Σ over visited pairs of the key tile width
     sq = n_bh * float(rows.sum())
@@ -142,22 +145,22 @@ def _tiled_fwd(visit, n_bh, rows, cols, d, s: _Sizes, order: str) -> dict:
                 "write O": sq * d * s.x,
                 "write lse": sq * s.f}
     # Algorithm 1: a key tile is loaded once per (batch, head) if any query tile visits it.
-    kv_rows = float(np.minimum(visit.sum(axis=0), n_bh) @ cols)
-    return {"read K, V (once per key tile)": 2 * kv_rows * d * s.x,
+    return {"read K, V (once per key tile)": 2 * kv_seen * d * s.x,
             "read Q, O per visited tile": 2 * pairs_rows * d * s.x,
             "read m, l per visited tile": 2 * pairs_rows * s.f,
             "write O per visited tile": pairs_rows * d * s.x,
             "write m, l per visited tile": 2 * pairs_rows * s.f}
 
 
-def _tiled_bwd(visit, n_bh, rows, cols, d, s: _Sizes) -> dict:
+def _tiled_bwd(visit, n_bh, rows, cols, kv_seen, d, s: _Sizes) -> dict:
     """FA2 backward as ``kernels/flash_bwd.cu`` runs it: a preprocess pass, a thread block per key
-    tile streaming the query tiles that see it (dQ added to an fp32 workspace by atomics), and a
-    pass converting the workspace to dQ."""
+    tile streaming the query tiles that see it (dQ added to an fp32 workspace by atomics; K_j, V_j loaded only
+    when some query tile does), and a pass converting the workspace to dQ. dK, dV are written for every key (zeros
+    where no query sees it)."""
     sq, sk = n_bh * float(rows.sum()), n_bh * float(cols.sum())
     pairs_rows = float((visit * rows[:, None]).sum())
     return {"preprocess: read dO, O, lse; write D, L, zero dQ acc": 2 * sq * d * s.x + 3 * sq * s.f + sq * d * s.f,
-            "read K, V": 2 * sk * d * s.x,
+            "read K, V (key tiles some query tile sees)": 2 * kv_seen * d * s.x,
             "read Q, dO per visited tile": 2 * pairs_rows * d * s.x,
             "read L, D per visited tile": 2 * pairs_rows * s.f,
             "dQ acc: read+write per visited tile": 2 * pairs_rows * d * s.f,
@@ -229,23 +232,29 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
     _check_args(op=op, order=order, density=None, **{n: t for n, t in tile_sizes.items() if t is not None})
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a cuflash.BlockMask or None, got {type(block_mask).__name__}")
+    if block_mask is not None and density is not None:
+        raise ValueError("density stands for a block mask's fraction of visited tiles: give block_mask or density, "
+                         "not both")
+    if order != "fa2" and op == "bwd":
+        raise ValueError(f"order is the forward's loop order; op='bwd' has one (FA2's), got order={order!r}")
     left, right = _check_window(window, causal, seqlen_q + seqlen_k)  # the causal bool checked there too
     sizes, n_bh = _sizes(dtype), batch * heads
     shape = dict(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, left=left, right=right,
                  block_mask=block_mask, density=density)
-    masked = causal or window is not None or block_mask is not None or density is not None
+    # the standard algorithm's mask pass: for a rule that masks something (window=(None, None) masks nothing)
+    masked = left is not None or right is not None or block_mask is not None or density is not None
     std, tiled, tiles, visited = {}, {}, {}, {}
     if op in ("fwd", "fwd_bwd"):
         bq, bk = _tiles(head_dim, "fwd", block_q, block_k, cc)
-        visit, rows, cols = _tiling(bq, bk, **shape)
+        visit, rows, cols, kv_seen = _tiling(bq, bk, **shape)
         std.update(_per_bh(_standard_fwd(seqlen_q, seqlen_k, head_dim, sizes, masked), n_bh, "fwd: "))
-        tiled.update(_prefixed(_tiled_fwd(visit, n_bh, rows, cols, head_dim, sizes, order), "fwd: "))
+        tiled.update(_prefixed(_tiled_fwd(visit, n_bh, rows, cols, kv_seen, head_dim, sizes, order), "fwd: "))
         tiles["fwd"], visited["fwd"] = (bq, bk), (int(round(float(visit.sum()))), n_bh * visit.size)
     if op in ("bwd", "fwd_bwd"):
         bq, bk = _tiles(head_dim, "bwd", bwd_block_q, bwd_block_k, cc)
-        visit, rows, cols = _tiling(bq, bk, **shape)
+        visit, rows, cols, kv_seen = _tiling(bq, bk, **shape)
         std.update(_per_bh(_standard_bwd(seqlen_q, seqlen_k, head_dim, sizes), n_bh, "bwd: "))
-        tiled.update(_prefixed(_tiled_bwd(visit, n_bh, rows, cols, head_dim, sizes), "bwd: "))
+        tiled.update(_prefixed(_tiled_bwd(visit, n_bh, rows, cols, kv_seen, head_dim, sizes), "bwd: "))
         tiles["bwd"], visited["bwd"] = (bq, bk), (int(round(float(visit.sum()))), n_bh * visit.size)
     if op != "fwd_bwd":  # one op: drop the "fwd: " / "bwd: " prefixes
         std = {k.split(": ", 1)[1]: b for k, b in std.items()}
@@ -285,11 +294,21 @@ def _tiles(head_dim, op, block_q, block_k, cc) -> tuple[int, int]:
 
 
 def _tiling(block_q, block_k, *, batch, heads, seqlen_q, seqlen_k, left, right, block_mask, density):
-    """``(visits (nq, nk) summed over batch and heads, query tile heights, key tile widths)``."""
+    """``(visits (nq, nk) summed over batch and heads, query tile heights, key tile widths, key rows seen)``: the
+    last, summed over the (batch, head) pairs, the rows of the key tiles that some query tile of that pair visits
+    (a key tile no query sees is never loaded; under a ``density``, the expected count with each pair kept
+    independently)."""
     keep = _visited(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_q=block_q,
                     block_k=block_k, left=left, right=right, block_mask=block_mask)
-    visit = _visit_counts(keep, batch * heads, density)
-    return visit, _tile_extent(seqlen_q, block_q), _tile_extent(seqlen_k, block_k)
+    n_bh = batch * heads
+    visit = _visit_counts(keep, n_bh, density)
+    cols = _tile_extent(seqlen_k, block_k)
+    if density is None:
+        seen = keep.any(axis=2).astype(np.float64)  # (Bm|1, Hm|1, nk)
+    else:
+        seen = 1.0 - (1.0 - float(density)) ** keep.sum(axis=2)
+    kv_seen = float((seen @ cols).sum()) * (n_bh // (keep.shape[0] * keep.shape[1]))
+    return visit, _tile_extent(seqlen_q, block_q), cols, kv_seen
 
 
 def _per_bh(ledger: dict, n_bh: int, prefix: str) -> dict:

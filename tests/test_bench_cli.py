@@ -100,6 +100,42 @@ def test_block_sparse_scales_tiled_kv_traffic_by_density():
     assert sparse.standard > dense.standard  # standard attention still materializes everything (+ mask pass)
 
 
+def test_key_tiles_no_query_sees_are_never_loaded():
+    """The backward loads K_j, V_j only for a key tile some query tile sees (kernels/flash_bwd.cu), and Algorithm 1
+    loads a key tile once per (batch, head) that visits it: counted per (batch, head), not from visits summed over
+    heads. Hand counts: a window of (0, 0) at Sq = 128, Sk = 1024 sees keys 896-1023 only (2 tiles of 64); a per-head
+    BlockMask keeps key block 0 in head 0 and key block 1 in head 1 (one tile of 64 keys each)."""
+    d = 64
+    cost = io_cost(op="bwd", seqlen_q=128, seqlen_k=1024, head_dim=d, window=(0, 0), bwd_block_q=64, bwd_block_k=64)
+    assert cost.tiled_ledger["read K, V (key tiles some query tile sees)"] == 2 * 128 * d * 2
+    assert cost.tiled_ledger["write dK, dV"] == 2 * 1024 * d * 2  # zeros for the keys no query sees
+    grid = np.zeros((2, 2, 2), bool)
+    grid[0, :, 0] = grid[1, :, 1] = True
+    mask = BlockMask.from_grid(grid, block=(64, 64))
+    fa1 = io_cost(seqlen_q=128, head_dim=d, heads=2, dtype="float32", block_q=64, block_k=64, block_mask=mask,
+                  order="fa1")
+    assert fa1.tiled_ledger["read K, V (once per key tile)"] == 2 * (64 + 64) * d * 4
+    dense = io_cost(seqlen_q=128, head_dim=d, heads=2, dtype="float32", block_q=64, block_k=64, order="fa1")
+    assert dense.tiled_ledger["read K, V (once per key tile)"] == 2 * 2 * 128 * d * 4
+    half = io_cost(seqlen_q=128, head_dim=d, heads=2, dtype="float32", block_q=64, block_k=64, order="fa1",
+                   density=0.5)  # each key tile kept by one of its 2 query tiles with probability 1 - 0.5**2
+    assert half.tiled_ledger["read K, V (once per key tile)"] == 0.75 * dense.tiled_ledger[
+        "read K, V (once per key tile)"]
+
+
+def test_io_cost_refuses_what_it_would_count_wrong():
+    mask = BlockMask.from_grid(np.ones((2, 2), bool), block=(64, 64))
+    with pytest.raises(ValueError, match="block_mask or density, not both"):
+        io_cost(seqlen_q=128, head_dim=64, block_mask=mask, density=0.5)
+    with pytest.raises(ValueError, match="order is the forward's loop order"):
+        io_cost(seqlen_q=128, head_dim=64, op="bwd", order="fa1")
+    with pytest.raises(ValueError, match="got None"):
+        io_cost(seqlen_q=128, head_dim=64, dtype=None)
+    # a window that masks nothing adds no mask pass to the standard algorithm
+    assert io_cost(seqlen_q=128, head_dim=64, window=(None, None)).standard == io_cost(seqlen_q=128,
+                                                                                        head_dim=64).standard
+
+
 def test_fwd_bwd_is_the_sum_and_defaults_come_from_the_tile_table():
     kw = dict(seqlen_q=512, head_dim=128, batch=2, heads=4, causal=True)
     fwd, bwd, both = (io_cost(op=op, **kw) for op in ("fwd", "bwd", "fwd_bwd"))
@@ -116,7 +152,7 @@ def test_backward_ledger_counts_query_tiles_per_key_block():
     cost = io_cost(seqlen_q=n, head_dim=d, op="bwd", dtype="float16", bwd_block_q=64, bwd_block_k=128)
     nk = n // 128
     assert cost.tiles == {"bwd": (64, 128)} and cost.visited["bwd"] == (16 * nk, 16 * nk)
-    assert cost.tiled_ledger["read K, V"] == 2 * n * d * 2                  # once per key block
+    assert cost.tiled_ledger["read K, V (key tiles some query tile sees)"] == 2 * n * d * 2                  # once per key block
     assert cost.tiled_ledger["read Q, dO per visited tile"] == nk * 2 * n * d * 2
     assert cost.tiled_ledger["dQ acc: read+write per visited tile"] == nk * 2 * n * d * 4
 

@@ -217,6 +217,14 @@ def test_cuda_tile_sweep_and_io_model_use_the_rows_of_this_gpu(monkeypatch, requ
     assert {launch.name for launch in cp._launches} == {replace(h100, block_n=32).name_expression}
     want = io_cost(seqlen_q=128, head_dim=128, heads=1, dtype="float16", block_q=h100.block_m, block_k=32)
     assert record.io_bytes == want.tiled
+    # float32/float64: the forward's own tile; no figure for their backward, which the ledger does not describe
+    for dtype, precision in (("float64", "ieee"), ("float32", "tf32")):
+        wide = specs.select("wfwd", dtype, 64, specs.SMEM_LIMIT[90], cc=90, math=specs.wide_math(dtype, precision, 90))
+        fwd = cases.Case("wide", "cuda", "fwd", dtype, 1, 2, 4096, 4096, 64, precision=precision)
+        want = io_cost(seqlen_q=4096, head_dim=64, heads=2, dtype=dtype, block_q=wide.block_m, block_k=wide.block_n)
+        assert impls.model_io_bytes(fwd, impls.IMPLS["cuflash"]) == want.tiled
+        assert impls.model_io_bytes(cases.Case("wide", "cuda", "bwd", dtype, 1, 2, 4096, 4096, 64,
+                                               precision=precision), impls.IMPLS["cuflash"]) is None
 
 
 # ------------------------------------------------------------------------------------------------ sanitize, profile
