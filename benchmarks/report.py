@@ -60,7 +60,7 @@ LATER_FIELDS = {"tile": None}
 #: the types each record field may hold, from Record's annotations (Optional: null too; see _fits)
 RECORD_TYPES = {name: typing.get_args(hint) or (hint,) for name, hint in typing.get_type_hints(Record).items()}
 #: the file-level fields every figure JSON holds, with their JSON types
-FILE_FIELDS = {"figure": str, "commit": str, "date": str, "device": dict, "mode": str, "records": list,
+FILE_FIELDS = {"figure": str, "title": str, "commit": str, "date": str, "device": dict, "mode": str, "records": list,
                "skipped": list, "failed": list}
 #: file-level fields added later, with the value an older file means (2026-11-26: failed)
 LATER_FILE_FIELDS = {"failed": []}
@@ -134,6 +134,8 @@ def load_figure(path: Path, fig: str) -> dict:
         payload = json.loads(path.read_text())
     except ValueError as exc:  # JSONDecodeError (e.g. a file cut short by a kill), UnicodeDecodeError
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    except OSError as exc:  # a folder, a file this user cannot read
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if not isinstance(payload, dict):
         raise ValueError(f"{path}: not a JSON object")
     for name, value in LATER_FILE_FIELDS.items():  # a file written before the field existed
@@ -145,6 +147,9 @@ def load_figure(path: Path, fig: str) -> dict:
         raise ValueError(f"{path}: the fields {bad} are missing or not of their type")
     if payload["figure"] != fig:
         raise ValueError(f"{path}: holds figure {payload['figure']!r}, not {fig!r}")
+    for name in ("skipped", "failed"):
+        if not all(isinstance(e, dict) and isinstance(e.get("reason"), str) for e in payload[name]):
+            raise ValueError(f"{path}: a '{name}' entry is not an object with a 'reason' string")
     for rec in payload["records"]:
         if not isinstance(rec, dict):
             raise ValueError(f"{path}: a record is not a JSON object")

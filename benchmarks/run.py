@@ -175,9 +175,20 @@ def replot(folder: Path) -> int:
     if not by_fig:
         print(f"no result JSON in {folder}", file=sys.stderr)
         return 1
-    written = write_plots(by_fig, folder)
+    try:
+        written = write_plots(by_fig, folder)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OSError) as exc:  # values the schema lets through
+        print(f"error: {folder}: its results cannot be plotted ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 1
     print(f"wrote {len(written)} plots to {folder}")
     return 0
+
+
+def _folder(text: str) -> Path:
+    """A folder argument: Path("") is ".", so an empty one would write the results into the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a folder, got an empty string")
+    return Path(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -191,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="every figure at full size (on a GPU: fits one 10-minute call)")
     mode.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
                       help="the quick code paths at toy sizes (tests, CI, a dry run of gpu_session.sh)")
-    p.add_argument("--out", type=Path, default=None, help="result folder (default benchmarks/results/<device>/)")
+    p.add_argument("--out", type=_folder, default=None, help="result folder (default benchmarks/results/<device>/)")
     p.add_argument("--replace", action="store_true",
                    help="remove the figures of another run (commit, device, mode) from --out first (without it, "
                         "such figures are an error: a results folder holds one run)")
@@ -209,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="commit to record when this tree is no git checkout (a device machine's copy; 7 to 40 hex "
                         "digits); in a checkout git's HEAD is recorded, and --commit must be a prefix of it")
     p.add_argument("--no-plot", action="store_true", help="write JSON only")
-    p.add_argument("--replot", type=Path, default=None, metavar="DIR",
+    p.add_argument("--replot", type=_folder, default=None, metavar="DIR",
                    help="only redraw the PNGs of the result JSON files in DIR, measuring nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(mode="quick")
@@ -284,6 +295,13 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.replot is not None:
+        given = [flag for flag, value, default in (
+            ("--full/--smoke", args.mode, "quick"), ("--out", args.out, None), ("--replace", args.replace, False),
+            ("--device", args.device, "auto"), ("--require-device", args.require_device, None),
+            ("--only", args.only, None), ("--impl", args.impl, None), ("--time-limit", args.time_limit, None),
+            ("--commit", args.commit, None), ("--no-plot", args.no_plot, False)) if value != default]
+        if given:  # each would be silently ignored: --replot measures nothing and redraws DIR's figures
+            parser.error(f"--replot DIR redraws DIR's figures and takes no other options, got {', '.join(given)}")
         return replot(args.replot)
     device = _device(args, parser)
     figures = _names(args.only, FIGURES, "figure(s)", parser)
@@ -292,6 +310,10 @@ def main(argv=None) -> int:
         parser.error(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     info = environment.gpu_info() if device == "cuda" else environment.cpu_info()
     cases = [c for c in suite(device, args.mode) if figures is None or c.figure in figures]
+    if not cases:
+        print(f"error: no case of --{args.mode} {'--only ' + args.only + ' ' if args.only else ''}runs on {device}; "
+              f"nothing measured", file=sys.stderr)
+        return 1
     limit = DEFAULT_TIME_LIMIT[args.mode] if args.time_limit is None else args.time_limit
     out_dir = args.out or Path("benchmarks") / "results" / environment.device_slug(info)
     commit, dirty = _commit(args, parser)
@@ -308,6 +330,11 @@ def main(argv=None) -> int:
                        deadline=None if limit is None else t0 + limit,
                        checkpoint=lambda r: write_results(payloads(r, meta=meta(partial=True)), out_dir, plots=False))
     final = meta(partial=True) if result.interrupted else meta()
+    if not (result.records or result.failures or result.interrupted):  # no JSON to point at: say why here, fail
+        reasons = sorted({e["reason"] for _, e in result.skipped})
+        print(f"error: nothing was measured ({len(result.skipped)} pairs skipped: {'; '.join(reasons[:5]) or '-'}"
+              f"{'; ...' if len(reasons) > 5 else ''}); nothing written to {out_dir}", file=sys.stderr)
+        return 1
     print(table(result))
     written = write_results(payloads(result, meta=final), out_dir, plots=not args.no_plot)
     print(f"\n{len(result.records)} records in {final['seconds']} s; wrote {len(written)} files to {out_dir}")

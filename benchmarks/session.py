@@ -156,7 +156,13 @@ def _finish(args) -> int:
     out = Path(args.out)
     session = {}
     if args.probe and Path(args.probe).exists():
-        session.update(json.loads(Path(args.probe).read_text()))
+        try:  # this script's own file, but a kill can leave it cut short: checked before it is taken up
+            facts = json.loads(Path(args.probe).read_text())
+            if not isinstance(facts, dict):
+                raise ValueError("not a JSON object")
+            session.update(facts)
+        except (ValueError, OSError) as exc:
+            session["probe_unreadable"] = f"{args.probe}: {exc}"
     if args.junit and Path(args.junit).exists():
         session["tests"] = junit_summary(Path(args.junit))
     for item in args.set:

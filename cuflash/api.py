@@ -14,14 +14,12 @@ import functools
 from types import MappingProxyType
 from typing import Any, Literal, Mapping, Optional, Sequence, Union, overload
 
-import numpy as np
-
 from . import _layout, backends
 from .blockmask import BlockMask
 from .dropout import fresh_seed, needs_seed
 from .interop import Edge
 from .options import DEFAULTS, LAYOUTS, OPTIONS, Array, Layout, Precision, fill_doc, native_options
-from .problem import check_backward, check_buffer, check_dropout, make_problem
+from .problem import check_backward, check_buffer, check_dropout, check_flags, make_problem
 from .residual import AttentionResidual, fingerprint, watched
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "attention_qkvpacked", "attention_kvpacked",
@@ -197,9 +195,7 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
              return_residual: bool, out: Optional[Array], backend: Optional[str], packed: Optional[str],
              caller: tuple[Any, ...]) -> Any:
     """The forward of every public form, on NumPy/CuPy arrays in the caller's layout."""
-    for name, flag in (("return_lse", return_lse), ("return_residual", return_residual)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    check_flags(return_lse=return_lse, return_residual=return_residual)
     if return_lse and return_residual:
         raise TypeError("return_lse and return_residual are exclusive: the residual carries the lse "
                         "(residual.lse)")
@@ -324,9 +320,7 @@ def attention_backward(dout: Array, q: Union[Array, AttentionResidual], k: Optio
         Only with ``return_dbias``: summed over the dimensions ``bias`` broadcasts; last in the tuple.
     """
     given = {name: value for name, value in locals().items() if name in OPTIONS}
-    for name, flag in (("deterministic", deterministic), ("return_dbias", return_dbias)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    check_flags(deterministic=deterministic, return_dbias=return_dbias)
     buffers = {"dq": dq, "dk": dk, "dv": dv, "dqkv": dqkv, "dkv": dkv}
     if isinstance(q, AttentionResidual):
         return _backward_residual(dout, q, given, (k, v, out, lse), buffers, deterministic=deterministic,
@@ -482,8 +476,7 @@ def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> tuple[Array, 
             raise TypeError(f"attention_vjp does not take {name}: the lse is kept inside vjp (vjp.residual)")
     options = dict(options)
     deterministic = options.pop("deterministic", False)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    check_flags(deterministic=deterministic)
     out, residual = attention(q, k, v, return_residual=True, **options)
     return out, Vjp(residual, bool(deterministic))
 

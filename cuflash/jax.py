@@ -68,7 +68,7 @@ from . import _layout, api
 from .blockmask import BlockMask
 from .dropout import needs_seed
 from .interop import refuse_lazy_negation
-from .problem import make_problem
+from .problem import check_flags, make_problem
 
 __all__ = ["attention", "CALLBACK"]
 
@@ -123,8 +123,7 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: Optional[f
     """
     static = dict(causal=causal, scale=scale, window=window, block_mask=block_mask, softcap=softcap,
                   score_mod=score_mod, mask_mod=mask_mod, dropout_p=dropout_p, seed=seed, layout=layout)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    check_flags(deterministic=deterministic)
     if needs_seed(dropout_p, seed):
         raise ValueError("cuflash.jax.attention needs an explicit seed with dropout_p > 0: a seed drawn here would "
                          "be one constant for every call of a jitted function (pass seed=int, e.g. from your PRNG)")

@@ -12,9 +12,9 @@ from typing import Any, Optional
 
 from . import backends
 from .interop import Edge
-from .problem import make_kvcache_problem
+from .problem import check_flags, make_kvcache_problem
 from .options import native_options
-from .varlen import _ARRAY_OPTIONS, _check_flags
+from .varlen import _ARRAY_OPTIONS
 
 Array = Any
 
@@ -93,7 +93,7 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
     ...                                      causal=True)
     >>> lens += 1                                       # the caller advances the lengths
     """
-    _check_flags(return_lse=return_lse)
+    check_flags(return_lse=return_lse)
     edge = Edge()
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new}
     natives = {name: edge.data(name, a) for name, a in arrays.items()}  # writability: make_kvcache_problem

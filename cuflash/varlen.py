@@ -14,13 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-import numpy as np
-
 from . import backends
 from .dropout import fresh_seed, needs_seed
 from .interop import Edge
 from .options import native_options
-from .problem import check_dropout, check_varlen_backward, make_varlen_problem
+from .problem import check_dropout, check_flags, check_varlen_backward, make_varlen_problem
 from .residual import fingerprint, watched
 
 Array = Any
@@ -75,12 +73,6 @@ _OPTIONS = ("max_seqlen_q", "max_seqlen_k", "causal", "scale", "window", "bias",
 _ARRAY_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_table", "bias", "alibi_slopes")
 
 
-def _check_flags(**flags: Any) -> None:
-    for name, flag in flags.items():
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-
-
 def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
                      max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, causal: bool = False,
                      scale: Optional[float] = None, window: Optional[tuple[Optional[int], Optional[int]]] = None,
@@ -121,7 +113,7 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     >>> q = np.random.default_rng(0).standard_normal((22, 4, 64), dtype=np.float32)
     >>> out = cuflash.attention_varlen(q, q[:, :2], q[:, :2], cu, cu, causal=True)
     """
-    _check_flags(return_lse=return_lse)
+    check_flags(return_lse=return_lse)
     options = {name: value for name, value in locals().items() if name in _OPTIONS}
     drawn = needs_seed(dropout_p, seed)
     if drawn:
@@ -175,7 +167,7 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
     dk, dv : arrays, shape ``(total_k, heads_kv, head_dim)``, q's dtype
         A kv head's gradients sum those of its query heads.
     """
-    _check_flags(deterministic=deterministic, return_dbias=return_dbias)
+    check_flags(deterministic=deterministic, return_dbias=return_dbias)
     if return_dbias:
         raise ValueError("return_dbias is not supported by attention_varlen_backward yet: each sequence reads its own "
                          "corner of the bias, and their gradients are not gathered into bias's shape; use "
@@ -240,7 +232,7 @@ def attention_varlen_vjp(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_s
     options = dict(options)
     deterministic = options.pop("deterministic", False)
     backend = options.pop("backend", None)
-    _check_flags(deterministic=deterministic)
+    check_flags(deterministic=deterministic)
     if needs_seed(options.get("dropout_p", 0.0), options.get("seed")):
         options["seed"] = fresh_seed()
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, return_lse=True, backend=backend, **options)

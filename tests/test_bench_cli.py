@@ -767,3 +767,39 @@ def test_numpy_benchmark_case_forward_and_backward(monkeypatch):
     assert rec["passes"] == "forward+backward"
     assert set(rec["ms"]) == {"cuflash"} | openblas  # no naive backward, no floor
     assert rec["skipped"] == {"naive": "no backward"}
+
+
+def test_replot_takes_no_other_option_and_plots_only_what_fits(tmp_path, capsys):
+    """--replot measures nothing: another option beside it was silently ignored (a usage error now); values the
+    schema lets through but the plots cannot use (no title, a skipped entry without its reason, a density of null
+    in the block-sparse figure, a folder where a figure file should be) are one error line, not a traceback."""
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--replot", str(tmp_path), "--only", "product", "--no-plot"])
+    assert exc.value.code == 2 and "takes no other options, got --only, --no-plot" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--out", "", "--smoke"])
+    assert exc.value.code == 2 and "must name a folder" in capsys.readouterr().err
+    payload = json.loads((COMMITTED / "fig3_blocksparse.json").read_text())
+    for change, match in ((lambda p: p.pop("title"), r"\['title'\] are missing"),
+                          (lambda p: p["skipped"].append({"impl": "x"}), "'skipped' entry is not an object with a"),
+                          (lambda p: p["records"][0].update(density=None), "cannot be plotted")):
+        broken = json.loads(json.dumps(payload))
+        change(broken)
+        (tmp_path / "fig3_blocksparse.json").write_text(json.dumps(broken))
+        assert run.main(["--replot", str(tmp_path)]) == 1
+        assert re.search(match, capsys.readouterr().err)
+    (tmp_path / "fig3_blocksparse.json").unlink()
+    (tmp_path / "product.json").mkdir()
+    assert run.main(["--replot", str(tmp_path)]) == 1 and "cannot be read" in capsys.readouterr().err
+
+
+def test_a_run_that_measures_nothing_fails_and_says_why(tmp_path, capsys):
+    """No case to run (the float32/float64 figure is GPU only) or every pair skipped (a time limit of a nanosecond)
+    wrote no JSON and exited 0, its table pointing at a JSON that did not exist."""
+    assert run.main(SMOKE + ["--device", "cpu", "--only", "wide", "--out", str(tmp_path / "r")]) == 1
+    assert "error: no case of --smoke --only wide runs on cpu" in capsys.readouterr().err
+    assert run.main(SMOKE + ["--device", "cpu", "--only", "decode", "--time-limit", "1e-9",
+                             "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert "error: nothing was measured" in err and "time limit" in err
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())

@@ -176,6 +176,16 @@ def test_check_reports_missing_cupy(monkeypatch):
     assert cc.check(out=out) == -1 and "compile check not run: CuPy with NVRTC is needed" in out.getvalue()
 
 
+def test_check_without_a_host_compiler_is_not_run(monkeypatch):
+    """The params layout is checked with g++: without one the check is "not run" (exit 2), not a traceback."""
+    import shutil
+
+    _need_cupy()
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    out = io.StringIO()
+    assert cc.check(out=out) == -1 and "compile check not run: no host C++ compiler" in out.getvalue()
+
+
 def test_benchmark_tile_candidates_pass_the_compile_check():
     """benchmarks/cases.py's TILE_CANDIDATES (the CUDA tile sweep times them beside the table's rows): each compiles
     for sm_80 and sm_90 as the table's rows must, so that a GPU run spends its minutes timing, not failing."""

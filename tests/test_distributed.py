@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import cuflash
 import cuflash.distributed as dist
 from cuflash.distributed import comm as comms
 from cuflash.distributed.cost import busy_fraction, min_local_seqlen, ring_step, table
@@ -182,6 +183,25 @@ def test_table_and_errors():
         ring_step(10, heads=1, head_dim=8, op="both", flops_per_s=1, bytes_per_s=1)
     with pytest.raises(ValueError, match="dtype must be one of"):
         ring_step(10, heads=1, head_dim=8, dtype="int8", flops_per_s=1, bytes_per_s=1)
+    # every argument checked: a rate of 0 divided by zero, a negative one never ended min_local_seqlen's search
+    for kw, error, match in ((dict(flops_per_s=-1e12), ValueError, "flops_per_s must be a finite number > 0"),
+                             (dict(bytes_per_s=0), ValueError, "bytes_per_s must be"),
+                             (dict(heads=0), ValueError, "heads must be an int > 0"),
+                             (dict(heads_kv=3), ValueError, r"heads \(8\) must be a multiple of heads_kv \(3\)"),
+                             (dict(causal="no"), TypeError, "causal must be a bool"),
+                             (dict(latency_s=-1.0), ValueError, "latency_s must be a finite number >= 0")):
+        args = {**dict(heads=8, head_dim=64, flops_per_s=1e12, bytes_per_s=1e9), **kw}
+        with pytest.raises(error, match=match):
+            min_local_seqlen(**args)
+    with pytest.raises(ValueError, match="seqlen_local must be an int > 0"):
+        ring_step(-100, heads=8, head_dim=64, flops_per_s=1e12, bytes_per_s=1e9)
+    # dtypes as NumPy spells them; the float64 backward sends float64 dK, dV accumulators (ring.py)
+    kw = dict(heads=8, head_dim=64, flops_per_s=1e12, bytes_per_s=1e9)
+    assert ring_step(100, dtype=np.float16, **kw).bytes_sent == ring_step(100, dtype="float16", **kw).bytes_sent
+    assert ring_step(100, dtype="float64", op="bwd", **kw).bytes_sent == 2 * 100 * 8 * 64 * (8 + 8)
+    done = subprocess.run([sys.executable, "-m", "cuflash.distributed", "--heads", "8"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "unrecognized arguments" in done.stderr
 
 
 # ------------------------------------------------------------------------------------------- adapters
@@ -214,6 +234,43 @@ def test_bad_local_input_raises_before_the_communicator_is_touched():
         dist.ring_attention_backward(q, q, q, q, q, np.zeros((2, 4), np.float32), Untouchable(), deterministic=1)
     with pytest.raises(TypeError, match="does not take return_lse"):
         dist.ring_attention_vjp(q, q, q, Untouchable(), return_lse=True)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):  # now, not when vjp() is called
+        dist.ring_attention_vjp(q, q, q, Untouchable(), deterministic="yes")
+    for bad, error in (([[0.0]], TypeError), (np.ma.masked_array(q), TypeError)):
+        for layout in ("contiguous", "zigzag"):  # both layouts check x (contiguous sliced it silently)
+            with pytest.raises(error, match="x must be a numpy.ndarray|x is a numpy.ma.MaskedArray"):
+                dist.shard_sequence(bad, 2, 0, layout=layout)
+    with pytest.raises(TypeError, match=r"parts\[0\] must be a numpy.ndarray"):
+        dist.unshard_sequence([[[0.0]], [[0.0]]], layout="contiguous")
+
+
+def test_ring_backward_takes_a_numpy_bool(monkeypatch):
+    """deterministic=np.True_ was refused by the ring ("must be a bool, got bool") and taken by attention_backward."""
+    thread_comms(monkeypatch)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((6, 2, 8))
+
+    def rank(_, comm):
+        out, lse = dist.ring_attention(q, q, q, comm, return_lse=True)
+        return dist.ring_attention_backward(q, q, q, q, out, lse, comm, deterministic=np.True_)
+
+    out, lse = cuflash.attention(q, q, q, return_lse=True)
+    want = cuflash.attention_backward(q, q, q, q, out, lse, deterministic=True)
+    for g, w in zip(run_threads(1, rank)[0], want):
+        np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-15)
+
+
+def test_an_intercommunicator_is_refused():
+    class Intercomm:  # what mpi4py's Intercomm answers; its Allgather returns the other group's values
+        __module__ = "mpi4py.MPI"
+        Isend = Get_rank = None
+
+        def Is_inter(self):  # noqa: N802 - mpi4py's name
+            return True
+
+    q = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(TypeError, match="intracommunicator .* got an intercommunicator"):
+        dist.ring_attention(q, q, q, Intercomm())
 
 
 def test_importing_needs_neither_mpi4py_nor_cupy():

@@ -163,6 +163,19 @@ def test_nccl_communicator_of_another_gpu_is_refused(world):
     assert q is not None
 
 
+def test_arrays_of_another_gpu_are_refused_before_any_transfer(world):
+    """q, k, v on GPU 0 with the current device (and communicator) GPU 1: refused before the metadata exchange; it
+    failed inside NCCL on that rank only, and the other ranks waited for it."""
+    fake, w, nccl = world(2)
+    q0 = fake.asarray(np.zeros((8, 2, 32), np.float16))
+    with fake.cuda.Device(1):
+        comm = nccl.NcclCommunicator(1, device=1)
+        calls = len(w.calls) if hasattr(w, "calls") else None
+        with pytest.raises(ValueError, match="q is on GPU 0 but the current device is GPU 1"):
+            dist.ring_attention(q0, q0, q0, comm)
+        assert calls is None or len(w.calls) == calls
+
+
 def test_gather_sequence_over_nccl(world):
     fake, w, nccl = world(3)
     x = np.arange(2 * 23 * 3, dtype=np.float32).reshape(2, 23, 3)

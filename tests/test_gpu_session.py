@@ -352,6 +352,18 @@ def test_session_json_keeps_text_as_text(tmp_path):
     assert facts["status"] == 143 and facts["dry_run"] is False
 
 
+def test_a_cut_probe_file_is_reported_not_taken_up(tmp_path):
+    """finish reads the probe's JSON back: cut short by a kill, it is named in session.json (it was a traceback, and
+    gpu_session.sh fell back to a two-field session.json)."""
+    from benchmarks import session as sess
+
+    probe, out = tmp_path / "probe.json", tmp_path / "session.json"
+    probe.write_text('{"python": "3.12", "cupy"')
+    assert sess.main(["finish", "--out", str(out), "--probe", str(probe), "--set", "status=0"]) == 0
+    facts = json.loads(out.read_text())
+    assert "probe.json" in facts["probe_unreadable"] and facts["status"] == 0 and "python" not in facts
+
+
 def test_junit_counts_named_cases_and_refuses_a_cut_report(tmp_path):
     """An interrupted xdist run leaves nameless <testcase time="0.000"/> entries (the first H100 report had 11): they
     ran nothing. A report cut short fails the check instead of crashing it."""

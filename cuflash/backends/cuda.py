@@ -21,7 +21,7 @@ from ..cuda import launch as launches
 from ..cuda import specs
 from ..cuda.compile import KERNEL_OPTIONS
 from ..cuda.source import kernel_source
-from ..problem import Problem
+from ..problem import Problem, check_current_device
 
 MIN_CC = 80
 #: what this backend computes (checked once, by cuflash.backends.select)
@@ -117,14 +117,8 @@ def available():
 
 
 def _check_devices(problem: Problem, **more):
-    """Every array (q, k, v and ``more``) on the current device: the kernels launch there, and CuPy checks (and
-    enables) peer access for its own kernels but not for raw ones, so another GPU's buffer would be an illegal
-    address, a sticky error that ends the process's CUDA context."""
-    dev = _device()[0]
-    for name, a in dict(q=problem.q, k=problem.k, v=problem.v, **more).items():
-        if a.device.id != dev:
-            raise ValueError(f"{name} is on GPU {a.device.id} but the current device is GPU {dev}: call cuflash "
-                             f"inside `with cupy.cuda.Device({a.device.id}):`")
+    """Every array (q, k, v and ``more``) on the current device (:func:`cuflash.problem.check_current_device`)."""
+    check_current_device(_device()[0], q=problem.q, k=problem.k, v=problem.v, **more)
 
 
 def run(launch: launches.LaunchSpec):

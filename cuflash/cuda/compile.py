@@ -195,7 +195,11 @@ def check(archs=(80, 90), out=sys.stdout, sources=None) -> int:
         print(f"compile check not run: {exc}", file=out)
         return -1
     t0 = time.time()
-    layout = check_host_layout()
+    try:
+        layout = check_host_layout()
+    except FileNotFoundError as exc:  # "not run" (-1), not a failing row: the check needs a host C++ compiler too
+        print(f"compile check not run: {exc}; install g++ (the params layout is checked with it)", file=out)
+        return -1
     print(f"params layout (host compiler, every offset): {'ok' if layout is None else 'FAILED'}", file=out)
     if layout is not None:
         print(layout, file=out)

@@ -42,6 +42,8 @@ def transport(comm, xp):
     if is_mpi(comm):
         if not (hasattr(comm, "Isend") and hasattr(comm, "Get_rank")):
             raise TypeError(f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
+        if comm.Is_inter():  # its Get_size is its own group's, its Allgather returns the other group's values
+            raise TypeError("comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got an intercommunicator")
         return MpiTransport(comm, xp)
     if is_nccl(comm):
         if xp.__name__ != "cupy":

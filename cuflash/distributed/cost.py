@@ -4,7 +4,7 @@ A model, not a measurement. Per ring step, each rank sends one K/V block to its 
 ``n`` local queries to the ``m`` keys of the block it holds (Liu et al. 2023, section 3, make the same count):
 
 * bytes sent per step: ``2·B·m·Hkv·D·b`` (K and V in the input dtype, ``b`` bytes per element); the backward
-  also sends the block's dK and dV accumulators, ``2·B·m·Hkv·D·4`` (float32);
+  also sends the block's dK and dV accumulators, ``2·B·m·Hkv·D·4`` (float32; float64 for float64 inputs, 8);
 * FLOPs per step: ``4·B·Hq·n·m·D·f`` for the forward (``Q Kᵀ`` and ``P V``, two FLOPs per multiply-add), ``2.5×``
   that for the backward (``Q Kᵀ`` recomputed, ``dV``, ``dP``, ``dQ``, ``dK``: FA2's count), where ``f`` is the
   fraction of the block the rank must compute: 1 without a mask; under a causal mask 1/2 on every rank and step
@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
+
+from ..problem import check_flags
 
 #: Assumed per-GPU, one-direction bandwidths (bytes/s) and per-message latencies (s) of common interconnects. They
 #: are round datasheet-level numbers for the model, not measurements.
@@ -60,13 +64,31 @@ class RingStep:
         return max(self.comm_s, self.compute_s)
 
 
-def _check(op, layout, dtype):
+def _check(op, layout, dtype, **numbers):
+    """``numbers``: name -> (value, smallest allowed, whether it must be an int); a rate of 0 or below would divide
+    by zero or never end min_local_seqlen's search."""
+    for name, (value, low, integral) in numbers.items():
+        kinds = (int, np.integer) if integral else (int, float, np.integer, np.floating)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds) or not (
+                value >= low if name == "latency_s" else value > low) or not math.isfinite(value):
+            what = "an int" if integral else "a finite number"
+            raise ValueError(f"{name} must be {what} {'>=' if name == 'latency_s' else '>'} {low}, got {value!r}")
     if op not in ("fwd", "bwd"):
         raise ValueError(f"op must be 'fwd' or 'bwd', got {op!r}")
     if layout not in ("contiguous", "zigzag"):
         raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
-    if str(dtype) not in _BYTES:
+    if _dtype_name(dtype) not in _BYTES:
         raise ValueError(f"dtype must be one of {', '.join(_BYTES)}, got {dtype!r}")
+
+
+def _dtype_name(dtype) -> str:
+    """``"float16"`` for "float16", np.float16 or np.dtype("float16"); bfloat16 by name (ml_dtypes' too)."""
+    if str(dtype) in _BYTES:
+        return str(dtype)
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
 
 
 def busy_fraction(causal: bool, layout: str) -> float:
@@ -99,10 +121,17 @@ def ring_step(seqlen_local, *, heads, head_dim, heads_kv=None, batch=1, dtype="b
     -------
     RingStep
     """
-    _check(op, layout, dtype)
     hkv = heads if heads_kv is None else heads_kv
+    check_flags(causal=causal)  # a string such as "no" was read as causal
+    _check(op, layout, dtype, seqlen_local=(seqlen_local, 0, True), heads=(heads, 0, True), heads_kv=(hkv, 0, True),
+           head_dim=(head_dim, 0, True), batch=(batch, 0, True), flops_per_s=(flops_per_s, 0, False),
+           bytes_per_s=(bytes_per_s, 0, False), latency_s=(latency_s, 0, False))
+    if heads % hkv:
+        raise ValueError(f"heads ({heads}) must be a multiple of heads_kv ({hkv}): query heads share key/value heads")
     n = int(seqlen_local)
-    elem = _BYTES[str(dtype)] + (4 if op == "bwd" else 0)  # the backward also sends float32 dK, dV
+    name = _dtype_name(dtype)
+    # the backward also sends the dK, dV accumulators: float32, float64 for float64 inputs (ring.py)
+    elem = _BYTES[name] + ((8 if name == "float64" else 4) if op == "bwd" else 0)
     sent = 2 * batch * n * hkv * head_dim * elem
     flops = 4.0 * batch * heads * n * n * head_dim * busy_fraction(causal, layout) * (_BWD_FLOPS if op == "bwd" else 1)
     return RingStep(sent, flops, latency_s + sent / bytes_per_s, flops / flops_per_s)
@@ -115,6 +144,7 @@ def min_local_seqlen(*, heads, head_dim, heads_kv=None, batch=1, dtype="bfloat16
     Solves ``a·n² >= c·n + latency`` with ``a`` the seconds of computation per ``n²`` and ``c`` the seconds of
     transfer per ``n`` (see :func:`ring_step` for the parameters).
     """
+    _check(op, layout, dtype, latency_s=(latency_s, 0, False))
     one = ring_step(1, heads=heads, head_dim=head_dim, heads_kv=heads_kv, batch=batch, dtype=dtype, causal=causal,
                     layout=layout, op=op, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s)
     a, c = one.compute_s, one.comm_s

@@ -105,11 +105,11 @@ def shard_sequence(x, size, rank, *, layout="contiguous", axis=-3):
         ``x`` restricted to :func:`local_segments` along ``axis``: a view for ``"contiguous"``, a new array for
         ``"zigzag"`` (two chunks concatenated).
     """
+    xp = _module(x)  # for either layout: a list or a masked array is refused, not sliced
     axis = _axis(x, axis)
     segments = local_segments(x.shape[axis], size, rank, layout=layout)
     if len(segments) == 1:
         return _take(x, axis, *segments[0])
-    xp = _module(x)
     return xp.concatenate([_take(x, axis, a, b) for a, b in segments], axis=axis)
 
 
@@ -134,8 +134,8 @@ def unshard_sequence(parts, *, layout="contiguous", axis=-3):
     if not parts:
         raise ValueError("parts must hold one array per rank, got none")
     check_layout(layout)
+    xp = _module(parts[0], "parts[0]")
     axis = _axis(parts[0], axis)
-    xp = _module(parts[0])
     for rank, part in enumerate(parts):  # one library, dtype and rank count; no mask to drop
         if _module(part, f"parts[{rank}]") is not xp or part.dtype != parts[0].dtype or part.ndim != parts[0].ndim:
             raise TypeError(f"parts[{rank}] must be a {xp.__name__} array of dtype {parts[0].dtype} and "

@@ -65,7 +65,8 @@ import numpy as np
 from .. import backends
 from ..residual import fingerprint
 from ..merge import merge_parts
-from ..problem import _check_window, array_module, check_backward, make_problem, stats_dtype
+from ..problem import (_check_window, array_module, check_backward, check_current_device, check_flags, make_problem,
+                       stats_dtype)
 from . import comm as comms
 from .layout import check_layout, chunk_bounds
 
@@ -157,8 +158,7 @@ def ring_attention(q, k, v, comm, *, causal=False, window=None, scale=None, retu
     lse : array, shape ``(..., heads, local_seqlen_q)``, float32 (float64 for float64 input)
         Only when ``return_lse``.
     """
-    if not isinstance(return_lse, (bool, np.bool_)):  # before any communication, as every argument
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_flags(return_lse=return_lse)  # before any communication, as every argument
     s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
                backend=backend, what="forward")
     if s.method == "ulysses":
@@ -208,6 +208,7 @@ def ring_attention_vjp(q, k, v, comm, **options):
         raise TypeError("ring_attention_vjp does not take return_lse: the lse is kept inside vjp")
     options = dict(options)
     deterministic = options.pop("deterministic", False)
+    check_flags(deterministic=deterministic)  # now, as attention_vjp does: not after the forward's communication
     out, lse = ring_attention(q, k, v, comm, return_lse=True, **options)
     saved = {"q": q, "k": k, "v": v, "out": out}
     prints = {name: fingerprint(a) for name, a in saved.items()}
@@ -228,6 +229,8 @@ def _setup(q, k, v, comm, *, causal, window, scale, layout, method, backend, wha
     """Validate locally, then agree with the other ranks on lengths and options (one small all-gather)."""
     array_module(q, k, v, names=("q", "k", "v"), foreign=False)  # NumPy or CuPy only here: the error says so
     problem = make_problem(q, k, v, causal=causal, window=window, scale=scale)
+    if problem.xp is not np:  # before any transfer: a NCCL send from another GPU fails on this rank only
+        check_current_device(problem.xp.cuda.Device().id, q=q, k=k, v=v)
     check_layout(layout)
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
@@ -393,8 +396,7 @@ def _completed_on_error(handles):
 # ------------------------------------------------------------------------------------------------ backward
 def _backward(dout, q, k, v, out, lse, comm, *, causal=False, window=None, scale=None, layout="contiguous",
               method="ring", deterministic=False, backend=None, changed=()):
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    check_flags(deterministic=deterministic)
     saved = {}
 
     def check(problem):

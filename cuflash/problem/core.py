@@ -188,6 +188,24 @@ def _overlap(a, b) -> bool:
     return a_lo < b_hi and b_lo < a_hi
 
 
+def check_current_device(device: int, **arrays: Any) -> None:
+    """Every CuPy array of ``arrays`` on GPU ``device``, the current one: kernels launch and transfers run there,
+    and CuPy checks (and enables) peer access for its own kernels but not for raw ones or NCCL, so another GPU's
+    buffer would be an illegal address (a sticky error that ends the process's CUDA context) or a failed transfer
+    that leaves the other ranks waiting."""
+    for name, a in arrays.items():
+        if a is not None and _is_cupy(a) and a.device.id != device:
+            raise ValueError(f"{name} is on GPU {a.device.id} but the current device is GPU {device}: call cuflash "
+                             f"inside `with cupy.cuda.Device({a.device.id}):`")
+
+
+def check_flags(**flags: Any) -> None:
+    """Each keyword a bool (NumPy's too): TypeError naming the first that is not."""
+    for name, flag in flags.items():
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+
+
 def dtype_name(dtype) -> str:
     """Canonical name of an array dtype (``ml_dtypes.bfloat16`` → ``"bfloat16"``)."""
     return np.dtype(dtype).name
