@@ -289,22 +289,25 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     if p.mods is not None and p.mods.score is not None:
         dscore = np.broadcast_to(p.mods.dscore.evaluate(_env(p, s0), _host_values(p)), prob.shape)  # may be 0-d
         slope = float(np.abs(dscore[prob > 0]).max(initial=0))
-    mags = {"out": (prob @ np.abs(vg)).max(initial=0)}
+    # _mm_seen, where: a NaN or infinity no row sees (padding past seqlens) must not reach a magnitude as 0 * inf
+    pv = _mm_seen(prob, np.abs(vg))
+    mags = {"out": pv.max(initial=0)}
     if dout is not None:
         b, sq, hq, d = p.q.shape
         do = p.host_float(dout, np.float64).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
         # dS = P∘(dP − D) cancels (exactly, for a single key), and so may the sums dP = dO·Vᵀ and
         # D = rowsum(dO∘O): the magnitudes of all their terms bound the rounding.
-        dp_terms = np.abs(do) @ np.swapaxes(np.abs(vg), -1, -2)
-        d_terms = (np.abs(do) * (prob @ np.abs(vg))).sum(axis=-1, keepdims=True)
-        ds = prob * (dp_terms + d_terms)
+        with np.errstate(invalid="ignore", over="ignore"):
+            dp_terms = np.abs(do) @ np.swapaxes(np.abs(vg), -1, -2)
+            d_terms = (np.abs(do) * pv).sum(axis=-1, keepdims=True)
+            ds = np.where(prob > 0, prob * (dp_terms + d_terms), 0.0)
         if p.mods is not None and p.mods.bias_shape is not None:
             mags["dbias"] = ds.max(initial=0) * float(np.abs(p.mods.dbias.evaluate(
                 _env(p, s0), _host_values(p))).max(initial=1))
         ds = ds * slope
-        mags["dq"] = abs(p.scale) * (ds @ np.abs(kg)).max(initial=0)
-        mags["dk"] = abs(p.scale) * (np.swapaxes(ds, -1, -2) @ np.abs(qg)).sum(axis=2).max(initial=0)
-        mags["dv"] = (np.swapaxes(prob, -1, -2) @ np.abs(do)).sum(axis=2).max(initial=0)
+        mags["dq"] = abs(p.scale) * _mm_seen(ds, np.abs(kg)).max(initial=0)
+        mags["dk"] = abs(p.scale) * _mm_seen(np.swapaxes(ds, -1, -2), np.abs(qg)).sum(axis=2).max(initial=0)
+        mags["dv"] = _mm_seen(np.swapaxes(prob, -1, -2), np.abs(do)).sum(axis=2).max(initial=0)
     mags = {name: float(x) * cond / (1.0 - dropout_p) for name, x in mags.items()}
     mags["lse"] = 1.0 + exponent
     return mags

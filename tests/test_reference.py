@@ -275,6 +275,48 @@ def test_term_magnitudes_of_a_bias_masking_with_minus_inf():
     check_backward(cuflash.attention_backward, case, out, lse)
 
 
+def test_the_rule_is_not_disarmed_by_a_naive_overflow_nor_by_python_O():
+    """A naive float16 computation that overflows somewhere (a long row sum, one large score) gave an infinite
+    naive error, and the check passed anything; under python -O the bare asserts checked nothing; a backward fn
+    returning fewer gradients had the missing ones go unchecked."""
+    import subprocess
+    import sys
+
+    from cuflash.testing import Case, assert_attention_close, check_backward
+
+    ref = np.array([1.0, 2.0, 3.0])
+    baseline = np.array([np.inf, 2.001, np.nan], np.float16)
+    with pytest.raises(AssertionError, match="max error 5.000e-01 exceeds"):
+        assert_attention_close(np.array([1.0, 2.5, 3.0]), ref, baseline)
+    assert_attention_close(np.array([1.0, 2.0005, 3.0]), ref, baseline)  # within 2x the finite naive errors
+    code = ("import numpy as np; from cuflash.testing import assert_attention_close as c\n"
+            "try: c(np.array([np.nan]), np.ones(1), np.ones(1))\n"
+            "except AssertionError as e: print('raised:', e)")
+    done = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True)
+    assert "raised: out: NaN in the result" in done.stdout
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 5, 1, 4)) for _ in range(4))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(AssertionError, match=r"fn must return \(dq, dk, dv\), got 1 values"):
+        check_backward(lambda *a, **o: cuflash.attention_backward(*a, **o)[:1], Case(q, k, v, dout), out, lse)
+
+
+def test_term_magnitudes_ignore_what_no_row_sees():
+    """NaN and infinities past seqlens_k (padding, never read) made the magnitudes NaN (0 * inf in P @ |V|), and
+    check_forward/check_backward failed correct results with a NaN floor."""
+    from cuflash.testing import Case, check_backward, check_forward
+
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal((1, 6, 2, 4)) for _ in range(4))
+    v[0, 5, 0, 1], k[0, 4, 1, 2] = np.nan, np.inf  # keys 4 and 5: past seqlens_k = 4
+    options = dict(seqlens_k=np.array([4], np.int32))
+    mags = reference.term_magnitudes(q, k, v, dout, **options)
+    assert all(np.isfinite(m) for m in mags.values()), mags
+    case = Case(q, k, v, dout, options)
+    out, lse = check_forward(lambda *a, **o: cuflash.attention(*a, **o, return_lse=True), case)
+    check_backward(cuflash.attention_backward, case, out, lse)
+
+
 def test_the_reference_takes_layout_as_cuflash_does():
     """Every option of cuflash.attention, layout="bhsd" too (it died inside make_problem): the results are those
     of the bshd arrays, in the caller's layout."""
