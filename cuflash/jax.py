@@ -36,10 +36,13 @@ traced: ``causal``, ``scale``, ``window``, ``block_mask``, ``softcap``, ``score_
 arrays outside ``jit``), since cuflash does not differentiate them (a traced one raises ``TypeError`` rather than
 giving a silently zero gradient). Dropout needs an explicit ``seed``: a seed drawn inside ``jit`` would be one
 constant for every call. Under ``jax.vmap`` the mapped axis becomes a leading batch dimension
-(``vmap_method="broadcast_all"``): a ``block_mask`` or a ``mod_arrays`` entry indexed by the batch then has to
-cover the new batch size, and a modifier's ``b`` counts over it (the flattened index of mapped and own batch
-dimensions, so ``b == 0`` holds in the first mapped slice only: a modifier that reads ``b`` is not per slice under
-``vmap``). Shapes, dtypes and options are validated when the function is traced (a ``TypeError`` or ``ValueError``
+(``vmap_method="broadcast_all"``: one call for every slice): a ``block_mask`` or a ``mod_arrays`` entry indexed by
+the batch then has to cover the new batch size, and a modifier's ``b`` counts over it (the flattened index of mapped
+and own batch dimensions, so ``b == 0`` holds in the first mapped slice only: a modifier that reads ``b`` is not per
+slice under ``vmap``). With dropout or per-batch ``alibi_slopes`` (shape ``(*batch, heads)``), both keyed by the
+batch index, the slices run one by one (``vmap_method="sequential"``), so that ``vmap(f)(x)[i] == f(x[i])`` holds.
+The functions and callbacks of each configuration of static options are made once and reused (up to 64
+configurations): a call outside ``jit`` compiles only the first time. Shapes, dtypes and options are validated when the function is traced (a ``TypeError`` or ``ValueError``
 naming the argument, as :func:`cuflash.attention` raises), not inside the callback; only what depends on the batch
 extent that ``vmap`` adds (a ``b``-indexed operand's shape, the int32 bounds of an expression reading ``b``) is
 checked in the callback, where JAX wraps cuflash's ``ValueError`` in its ``JaxRuntimeError``.
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
@@ -139,20 +143,65 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: Optional[f
         if bias.ndim < rank:
             bias = jnp.reshape(bias, (1,) * (rank - bias.ndim) + tuple(bias.shape))
     _validate(q, k, v, seqlens_q, seqlens_k, bias, static, host)
-    call = _Call(static, host, bool(deterministic), backend)
+    call = _Call.of(static, host, bool(deterministic), backend)
     return call.function(seqlens_q is not None, seqlens_k is not None, bias is not None)(
         q, k, v, seqlens_q, seqlens_k, bias)
 
 
+def _key(value: Any) -> Any:
+    """A hashable stand-in for a static option or a concrete host array (by value: a host array changed in place
+    between calls is another configuration); a BlockMask by identity (it is a value: read-only, :class:`_Call` keeps
+    it alive)."""
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, Mapping):
+        return ("mapping",) + tuple(sorted((k, _key(v)) for k, v in value.items()))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__,) + tuple(_key(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
 # ------------------------------------------------------------------------------------------------ the custom_vjp
 class _Call:
-    """One configuration of static options: its custom_vjp function and the callbacks it runs."""
+    """One configuration of static options: its custom_vjp functions and the callbacks they run, made once and
+    kept (:meth:`of`): JAX caches compiled callbacks by the callable's identity, so new ones at every call outside
+    ``jit`` compiled again each time and kept every copy (20 ms and 1.4 MB a call)."""
+
+    _made: "OrderedDict[Any, _Call]" = OrderedDict()
+    _limit = 64  # configurations kept (least recently used dropped first)
 
     def __init__(self, static: dict[str, Any], host: dict[str, Any], deterministic: bool,
                  backend: Optional[str]) -> None:
         self.static, self.host, self.deterministic, self.backend = static, host, deterministic, backend
+        self._functions: dict[Any, Callable[..., Any]] = {}
+        self._callbacks: dict[Any, Callable[..., Any]] = {}
+        # Under vmap the mapped axis joins the batch (one callback for every slice) unless something is keyed by
+        # the batch index that a slice alone would number otherwise: the dropout mask, per-batch ALiBi slopes.
+        slopes = host["alibi_slopes"]
+        per_slice = bool(static["dropout_p"]) or (slopes is not None and np.ndim(slopes) > 1)
+        self.vmap_method = "sequential" if per_slice else "broadcast_all"
+
+    @classmethod
+    def of(cls, static: dict[str, Any], host: dict[str, Any], deterministic: bool,
+           backend: Optional[str]) -> "_Call":
+        key = (_key(static), _key(host), deterministic, backend)
+        call = cls._made.pop(key, None) or cls(static, host, deterministic, backend)
+        cls._made[key] = call
+        while len(cls._made) > cls._limit:
+            cls._made.popitem(last=False)
+        return call
 
     def function(self, has_sq: bool, has_sk: bool, has_bias: bool) -> Callable[..., Any]:
+        key = (has_sq, has_sk, has_bias)
+        if key not in self._functions:
+            self._functions[key] = self._make_function()
+        return self._functions[key]
+
+    def _make_function(self) -> Callable[..., Any]:
         @jax.custom_vjp
         def f(q: Any, k: Any, v: Any, sq: Any, sk: Any, bias: Any) -> Any:
             return self.forward(q, k, v, sq, sk, bias)[0]
@@ -188,7 +237,8 @@ class _Call:
             outs[1][...] = result[1]
             return None
 
-        return _run(compute, shapes, (q, k, v) + tuple(a for a in (sq, sk, bias) if a is not None))
+        return self._run(("fwd", tuple(present)), compute, shapes,
+                         (q, k, v) + tuple(a for a in (sq, sk, bias) if a is not None))
 
     # -------------------------------------------------------------------------------------- backward
     def backward(self, q: Any, k: Any, v: Any, sq: Any, sk: Any, bias: Any, out: Any, lse: Any,
@@ -218,7 +268,8 @@ class _Call:
                 outs[3][...] = grads[3]
             return None
 
-        got = _run(compute, shapes, (q, k, v, out, lse, dout) + tuple(a for a in (sq, sk, bias) if a is not None))
+        got = self._run(("bwd", tuple(present)), compute, shapes,
+                        (q, k, v, out, lse, dout) + tuple(a for a in (sq, sk, bias) if a is not None))
         return tuple(got) + ((None,) if bias is None else ())
 
     def _host_for(self, q: Any) -> dict[str, Any]:
@@ -234,21 +285,30 @@ class _Call:
                     name: cupy.asarray(a) if isinstance(a, np.ndarray) else a for name, a in arrays.items()}}
 
 
+    def _run(self, which: tuple, compute: Callable[..., Any], shapes: Sequence[Any],
+             args: Sequence[Any]) -> Sequence[Any]:
+        """Run ``compute(*arrays, outs=...)`` from XLA: with ``buffer_callback``, on XLA's buffers (``outs``: the
+        output buffers, written in place); with ``pure_callback``, on host arrays (``outs=None``: it returns
+        them). The callable handed to JAX is made once per (``which``, shapes) and reused: ``compute`` of a later
+        trace does the same (it depends on ``which`` and this configuration only)."""
+        key = (which, tuple((tuple(sh.shape), np.dtype(sh.dtype).str) for sh in shapes), CALLBACK)
+        if CALLBACK == "buffer" and _buffer_callback is not None:
+            if key not in self._callbacks:
+                def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
+                    with _device_arrays(ctx, list(ins) + list(outs)) as arrays:
+                        compute(*arrays[:len(ins)], outs=arrays[len(ins):])
+
+                self._callbacks[key] = _buffer_callback(callback, tuple(shapes), vmap_method=self.vmap_method)
+            return list(self._callbacks[key](*args))
+        if key not in self._callbacks:
+            def host(*ins: Any) -> Any:
+                return tuple(compute(*(np.asarray(a) for a in ins), outs=None))
+
+            self._callbacks[key] = host
+        return list(jax.pure_callback(self._callbacks[key], tuple(shapes), *args, vmap_method=self.vmap_method))
+
+
 # ------------------------------------------------------------------------------------------------ callbacks
-def _run(compute: Callable[..., Any], shapes: Sequence[Any], args: Sequence[Any]) -> Sequence[Any]:
-    """Run ``compute(*arrays, outs=...)`` from XLA: with ``buffer_callback``, on XLA's buffers (``outs``: the
-    output buffers, written in place); with ``pure_callback``, on host arrays (``outs=None``: it returns them)."""
-    if CALLBACK == "buffer" and _buffer_callback is not None:
-        def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
-            with _device_arrays(ctx, list(ins) + list(outs)) as arrays:
-                compute(*arrays[:len(ins)], outs=arrays[len(ins):])
-
-        return list(_buffer_callback(callback, tuple(shapes), vmap_method="broadcast_all")(*args))
-
-    def host(*ins: Any) -> Any:
-        return tuple(compute(*(np.asarray(a) for a in ins), outs=None))
-
-    return list(jax.pure_callback(host, tuple(shapes), *args, vmap_method="broadcast_all"))
 
 
 class _StreamRef:
@@ -286,7 +346,11 @@ def _jax_array(name: str, a: Any) -> Any:
     _refuse_masked(name, a)
     if isinstance(a, (np.ndarray, np.generic)) or (hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__")):
         refuse_lazy_negation(name, a)
-        out = jnp.asarray(a)
+        try:
+            out = jnp.asarray(a)
+        except (TypeError, ValueError, RuntimeError) as exc:  # e.g. torch: requires grad, bfloat16 via NumPy
+            raise TypeError(f"{name} cannot become a jax.Array ({type(exc).__name__}: {exc}); pass a jax.Array or "
+                            f"a plain NumPy array (torch: tensor.detach(), a dtype NumPy has)") from None
         have = getattr(a, "dtype", None)
         want = have.name if isinstance(have, np.dtype) else str(have).rsplit(".", 1)[-1]  # torch.float64 -> float64
         # JAX without x64 makes int64 int32 (2**32 + 3 -> 3) and float64 float32: an integer array whose values
