@@ -284,8 +284,7 @@ class _Call:
                 "mod_arrays": None if arrays is None else {
                     name: cupy.asarray(a) if isinstance(a, np.ndarray) else a for name, a in arrays.items()}}
 
-
-    def _run(self, which: tuple, compute: Callable[..., Any], shapes: Sequence[Any],
+    def _run(self, which: tuple[Any, ...], compute: Callable[..., Any], shapes: Sequence[Any],
              args: Sequence[Any]) -> Sequence[Any]:
         """Run ``compute(*arrays, outs=...)`` from XLA: with ``buffer_callback``, on XLA's buffers (``outs``: the
         output buffers, written in place); with ``pure_callback``, on host arrays (``outs=None``: it returns
