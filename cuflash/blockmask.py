@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numbers
 import uuid
+from collections import OrderedDict
 import zlib
 from typing import Optional
 
@@ -30,6 +31,9 @@ import numpy as np
 from . import mods
 
 DEFAULT_BLOCK = (128, 128)
+#: entries BlockMask.derived keeps per mask (tile lists and operands per device, stream and tile size): enough for a
+#: forward and backward on a few streams, bounded for a caller that makes a stream per call
+_DERIVED_LIMIT = 32
 SKIP, PARTIAL, FULL = 0, 1, 2
 
 
@@ -138,12 +142,15 @@ class BlockMask:
         as it is. Whoever makes one writeable (``setflags(write=True)``) makes every later call check a CRC of them
         against the entry's and derive it again on a change; an array changed and made read-only again in between
         two calls is not seen (build a new mask instead)."""
-        memo = self.__dict__.setdefault("_derived", {})
+        memo = self.__dict__.setdefault("_derived", OrderedDict())
         arrays = [self.states] + [v for v in self.values.values() if isinstance(v, np.ndarray)]
         checksum = None if not any(a.flags.writeable for a in arrays) else self._checksum()
-        entry = memo.get(key)
+        entry = memo.pop(key, None)
         if entry is None or entry[0] != checksum:
-            memo[key] = entry = (checksum, make())
+            entry = (checksum, make())
+        memo[key] = entry  # most recently used last; the oldest go beyond _DERIVED_LIMIT (a stream per call)
+        while len(memo) > _DERIVED_LIMIT:
+            memo.popitem(last=False)
         return entry[1]
 
     def __getstate__(self) -> dict:

@@ -537,6 +537,18 @@ def test_derived_is_computed_once_and_again_after_a_change_in_place():
             assert mask.derived("k", make) == n + 1 == mask.derived("k", make)  # derived again, then kept
 
 
+def test_derived_keeps_a_bounded_number_of_entries():
+    """One entry per device, stream and tile size: a caller making a new stream for every call would have grown
+    the mask's memory without end; the least recently used entries go."""
+    from cuflash.blockmask import _DERIVED_LIMIT
+
+    mask = BlockMask(np.ones((2, 2), bool), block=(16, 16))
+    for key in range(3 * _DERIVED_LIMIT):
+        mask.derived(key, lambda: np.zeros(4))
+        mask.derived(0, lambda: 1 / 0)  # kept: used again each time, never recomputed
+    assert len(mask._derived) == _DERIVED_LIMIT and 0 in mask._derived and 1 not in mask._derived
+
+
 def test_a_mask_used_by_a_backend_still_pickles_and_copies():
     """derived()'s entries (device arrays, array modules) are a cache: pickle and deepcopy leave them behind, and the
     copy computes the same attention."""
