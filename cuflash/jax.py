@@ -42,8 +42,9 @@ and own batch dimensions, so ``b == 0`` holds in the first mapped slice only: a 
 slice under ``vmap``). With dropout or per-batch ``alibi_slopes`` (shape ``(*batch, heads)``), both keyed by the
 batch index, the slices run one by one (``vmap_method="sequential"``), so that ``vmap(f)(x)[i] == f(x[i])`` holds.
 The functions and callbacks of each configuration of static options are made once and reused (up to 64
-configurations): a call outside ``jit`` compiles only the first time. Shapes, dtypes and options are validated when the function is traced (a ``TypeError`` or ``ValueError``
-naming the argument, as :func:`cuflash.attention` raises), not inside the callback; only what depends on the batch
+configurations): a call outside ``jit`` compiles only the first time. Shapes, dtypes and options are validated
+when the function is traced (a ``TypeError`` or ``ValueError`` naming the argument, as :func:`cuflash.attention`
+raises), not inside the callback; only what depends on the batch
 extent that ``vmap`` adds (a ``b``-indexed operand's shape, the int32 bounds of an expression reading ``b``) is
 checked in the callback, where JAX wraps cuflash's ``ValueError`` in its ``JaxRuntimeError``.
 """

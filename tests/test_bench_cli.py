@@ -153,7 +153,7 @@ def test_backward_ledger_counts_query_tiles_per_key_block():
     cost = io_cost(seqlen_q=n, head_dim=d, op="bwd", dtype="float16", bwd_block_q=64, bwd_block_k=128)
     nk = n // 128
     assert cost.tiles == {"bwd": (64, 128)} and cost.visited["bwd"] == (16 * nk, 16 * nk)
-    assert cost.tiled_ledger["read K, V (key tiles some query tile sees)"] == 2 * n * d * 2                  # once per key block
+    assert cost.tiled_ledger["read K, V (key tiles some query tile sees)"] == 2 * n * d * 2  # once per key block
     assert cost.tiled_ledger["read Q, dO per visited tile"] == nk * 2 * n * d * 2
     assert cost.tiled_ledger["dQ acc: read+write per visited tile"] == nk * 2 * n * d * 4
 

@@ -4,7 +4,8 @@ A model, not a measurement. Per ring step, each rank sends one K/V block to its 
 ``n`` local queries to the ``m`` keys of the block it holds (Liu et al. 2023, section 3, make the same count):
 
 * bytes sent per step: ``2·B·m·Hkv·D·b`` (K and V in the input dtype, ``b`` bytes per element); the backward
-  also sends the block's dK and dV accumulators, ``2·B·m·Hkv·D·4`` (float32; float64 for float64 inputs, 8);
+  also sends the block's dK and dV accumulators, ``2·B·m·Hkv·D·4`` (float32; for float64 inputs float64, 8
+  bytes);
 * FLOPs per step: ``4·B·Hq·n·m·D·f`` for the forward (``Q Kᵀ`` and ``P V``, two FLOPs per multiply-add), ``2.5×``
   that for the backward (``Q Kᵀ`` recomputed, ``dV``, ``dP``, ``dQ``, ``dK``: FA2's count), where ``f`` is the
   fraction of the block the rank must compute: 1 without a mask; under a causal mask 1/2 on every rank and step
