@@ -188,6 +188,8 @@ class Schedule:
         """Key tile indices of query tile ``i`` and whether each is full: two arrays."""
         ts = np.arange(self.lo[i], self.hi[i])
         full = (ts >= self.full_lo[i]) & (ts < self.full_hi[i])
+        if len(self.len_q) == 1 and self._grid is None:  # one sequence, no BlockMask: the hull is exact
+            return ts, full
         kept = full.copy()
         kept[~full] = self._kept(np.full(int((~full).sum()), i), ts[~full])
         if self._grid is not None:

@@ -83,6 +83,60 @@ def test_mkl_matmul_is_matmul_for_every_layout(mkl, monkeypatch, dtype):
     assert min(calls_per_case) == 1 and max(calls_per_case) > 1, calls_per_case
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_add_product_accumulates_in_one_gemm(mkl, monkeypatch, dtype):
+    """``add_product``: ``out += a @ b`` through MKL's beta = 1 (one call, no temporary) for every layout, as accurate
+    as the product and a sum, and the same through NumPy's matmul and through MKL's fallbacks."""
+    lib, calls = mkl
+    monkeypatch.setattr(_blas, "MKL_MIN_MACS", 0)
+    matmul = _blas.products()
+    assert matmul is not np.matmul
+    rng = np.random.default_rng(2)
+    for name, a, b in _layouts(dtype):
+        shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+        out0 = rng.standard_normal(shape).astype(dtype)
+        exact = out0.astype(np.longdouble) + np.matmul(a.astype(np.longdouble), b.astype(np.longdouble))
+        naive = np.abs(out0 + np.matmul(a, b) - exact).max()
+        calls.clear()
+        out = out0.copy()
+        assert _blas.add_product(matmul, a, b, out) is out
+        assert sum(calls) == out[..., 0, 0].size, name
+        assert np.abs(out - exact).max() <= 2 * naive + np.finfo(dtype).tiny, name
+        ref = out0.copy()
+        assert np.array_equal(_blas.add_product(np.matmul, a, b, ref), out0 + np.matmul(a, b)), name
+    x, y = rng.standard_normal((3, 8, 5)).astype(dtype), rng.standard_normal((3, 5, 4)).astype(dtype)
+    out = np.ones((3, 8, 4), dtype)
+    calls.clear()
+    _blas._mkl_matmul(lib, x, y.astype(np.float16), out=out, beta=1.0)  # mixed dtypes: NumPy's product, then a sum
+    assert not calls and np.array_equal(out, 1 + np.matmul(x, y.astype(np.float16)))
+
+
+def test_guarded_added_product_keeps_the_unguarded_bits(mkl):
+    """The forward and backward add ``P V`` (``dS K``, ...) into their accumulators: where a row meets no infinity
+    or NaN, its bits are those of the call without one (a row must not learn of keys it does not see), and where
+    it does, the sum takes what the term makes of it (NaN where the sum so far is -inf)."""
+    from cuflash.backends.numpy import _seen_product
+
+    matmul = _blas.products()
+    rng = np.random.default_rng(3)
+    a = rng.random((2, 300, 260)).astype(np.float32)
+    a[:, :100, :3] = 0  # rows 0-99 do not see keys 0-2
+    b = rng.standard_normal((2, 260, 40)).astype(np.float32)
+    acc0 = rng.standard_normal((2, 300, 40)).astype(np.float32)
+    acc0[:, 150, :] = -np.inf
+    clean = _seen_product(a, b, False, acc0.copy(), matmul, add=True)
+    bad = b.copy()
+    bad[:, 0, :5], bad[:, 1, 5:10], bad[:, 2, 10] = np.inf, -np.inf, np.nan
+    with np.errstate(invalid="ignore"):  # as the backend calls it
+        got = _seen_product(a, bad, True, acc0.copy(), matmul, add=True)
+    assert np.array_equal(got[:, :100], clean[:, :100])
+    assert np.isnan(got[:, 100:, 10]).all() and np.array_equal(got[:, 100:, 11:], clean[:, 100:, 11:])
+    seen = np.r_[100:150, 151:300]
+    assert (got[:, seen, :5] == np.inf).all() and (got[:, seen, 5:10] == -np.inf).all()
+    assert np.isnan(got[:, 150, :10]).sum() == 2 * 5  # -inf + inf; -inf + -inf stays -inf
+    assert (got[:, 150, 5:10] == -np.inf).all()
+
+
 def test_mkl_matmul_hands_numpy_what_blas_cannot_read(mkl, monkeypatch):
     lib, calls = mkl
     monkeypatch.setattr(_blas, "MKL_MIN_MACS", 0)

@@ -308,15 +308,27 @@ def _gemm_plan(a, b, out):
 _plans: dict = {}
 
 
-def _mkl_matmul(mkl, a, b, out=None):
+def add_product(matmul, a, b, out):
+    """``out += a @ b`` with the backend's ``matmul`` (:func:`products`): through MKL one gemm with beta = 1, which
+    saves a pass over ``out`` and the product's temporary (its blocks of 256 inner terms then add into ``out`` in
+    turn: other last bits than a product and a sum, as accurate, as reproducible); NumPy's: the product, then the
+    sum."""
+    if matmul is np.matmul:
+        out += np.matmul(a, b)
+        return out
+    return matmul(a, b, out=out, beta=1.0)
+
+
+def _mkl_matmul(mkl, a, b, out=None, beta=0.0):
     """``np.matmul(a, b, out=out)`` through MKL's strided batch gemm (one call for the tiles of an item's heads) for
     float32/float64 operands that BLAS reads in place (one contiguous axis per matrix); anything else, and small
-    products, go to NumPy. Lean on purpose: the Python here holds the GIL that the worker threads share, so the
-    arguments other than the pointers are worked out once per layout (:func:`_gemm_plan`; 5 us a call then, not 12).
+    products, go to NumPy. ``beta=1``: ``out += a @ b`` (see :func:`add_product`). Lean on purpose: the Python here
+    holds the GIL that the worker threads share, so the arguments other than the pointers are worked out once per
+    layout (:func:`_gemm_plan`; 5 us a call then, not 12).
     """
     gemm = mkl.gemm.get(a.dtype)
     if gemm is None or b.dtype != a.dtype or a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
-        return np.matmul(a, b, out=out)
+        return _numpy_matmul(a, b, out, beta)
     if out is None:
         lead = a.shape[:-2] if a.shape[:-2] == b.shape[:-2] else np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         out = np.empty(lead + (a.shape[-2], b.shape[-1]), dtype=a.dtype)
@@ -327,9 +339,16 @@ def _mkl_matmul(mkl, a, b, out=None):
             _plans.clear()
         plan = _plans[key] = _gemm_plan(a, b, out) if out.shape[-2:] == (a.shape[-2], b.shape[-1]) else None
     if plan is None or np.may_share_memory(out, a) or np.may_share_memory(out, b):
-        return np.matmul(a, b, out=out)
+        return _numpy_matmul(a, b, out, beta)
     (ta, tb, m, n, k, lda, sa, ldb, sb, ldc, sc, count), offsets = plan
     pa, pb, pc = a.ctypes.data, b.ctypes.data, out.ctypes.data
     for oa, ob, oc in offsets:
-        gemm(_ROW_MAJOR, ta, tb, m, n, k, 1.0, pa + oa, lda, sa, pb + ob, ldb, sb, 0.0, pc + oc, ldc, sc, count)
+        gemm(_ROW_MAJOR, ta, tb, m, n, k, 1.0, pa + oa, lda, sa, pb + ob, ldb, sb, beta, pc + oc, ldc, sc, count)
+    return out
+
+
+def _numpy_matmul(a, b, out, beta):
+    if not beta:
+        return np.matmul(a, b, out=out)
+    out += np.matmul(a, b)
     return out

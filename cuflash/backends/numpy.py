@@ -35,7 +35,7 @@ from .. import _env
 from ..dropout import keep_mask
 from ..problem import Problem, stats_dtype, visible
 from ..tiling import Schedule, Tile
-from ._blas import products, single_threaded, worker_single_threaded
+from ._blas import add_product, products, single_threaded, worker_single_threaded
 
 #: Default tile of one head, measured on 2 cores (fp32, N = 4096, 4 heads, d = 64 and 128):
 #: see ``benchmarks/numpy_backend.py``.
@@ -290,9 +290,11 @@ class _PerChunk:
     products. So this O(N·d) preparation runs on the workers, one block beside another, instead of on one core before
     the pool starts (3.7 ms of a 70 ms causal forward at N = 4096 on 2 cores)."""
 
-    def __init__(self, problem, rule, q, k, v, wt, matmul, also=(), ones_column=False):
+    def __init__(self, problem, rule, q, k, v, wt, matmul, also=(), ones_column=False, forward=False):
+        """``forward``: the forward's preparation, which needs to know only whether V is finite (its products meet
+        only V's elements against zeros of P; its NumPy warnings are silenced whatever the inputs)."""
         self.problem, self.rule, self.q, self.k, self.v, self.wt, self.also = problem, rule, q, k, v, wt, also
-        self.matmul, self.ones_column = matmul, ones_column
+        self.matmul, self.ones_column, self.forward = matmul, ones_column, forward
         self.bounded = _Bounds.applies(problem)
         self._lock, self._made = threading.Lock(), {}
 
@@ -309,19 +311,36 @@ class _PerChunk:
         q, k, v = self.q[chunk], self.k[chunk], self.v[chunk]
         kt, copy = _keys_transposed(problem, k, self.matmul)
         norms = [functools.partial(_Bounds.largest_norm, x) for x in (k, v)] if self.bounded else []
-        checks = [functools.partial(_largest, v)] + [functools.partial(_nonfinite, x)
-                                                      for x in (q, k) + tuple(x[chunk] for x in self.also)]
+        # With the norms, V's largest row norm stands in for max|V| (the pass below only where it does not settle
+        # the question); the forward needs no other check.
+        exact = [] if self.bounded else [functools.partial(_largest, v)]
+        others = [] if self.forward else [functools.partial(_nonfinite, x)
+                                          for x in (q, k) + tuple(x[chunk] for x in self.also)]
         v1, ones = _with_ones(v) if self.ones_column else (None, [])
 
         def finish(results):
-            kv, bad = results[len(copy):len(copy) + len(norms)], results[len(copy) + len(norms):][:len(checks)]
+            kv = results[len(copy):len(copy) + len(norms)]
+            checks = results[len(copy) + len(norms):][:len(exact) + len(others)]
             bounds = _Bounds(problem, rule, *kv, wt) if kv else None
-            vmax, bad = bad[0], [not math.isfinite(bad[0])] + bad[1:]
-            if bad[0]:  # an infinity or NaN in V: the scale from the finite values (the rest stays as it is)
-                vmax = _largest_finite(v)
-            return _Prepared(kt, bounds, bad[0], any(bad), v1, _v_scale(problem, wt, vmax))
+            v_nonfinite, v_scale = _v_checks(problem, wt, v, kv[1] if kv else None, checks[0] if exact else None)
+            return _Prepared(kt, bounds, v_nonfinite, v_nonfinite or any(checks[len(exact):]), v1, v_scale)
 
-        return _Together(copy + norms + checks + ones, finish)
+        return _Together(copy + norms + exact + others + ones, finish)
+
+
+def _v_checks(problem, wt, v, vnorm, vmax):
+    """``(whether V holds an infinity or NaN, the power of two it runs at (:func:`_v_scale`))``, from ``vmax = max|V|``
+    (:func:`_largest`) or, where the bounds computed them instead, from V's largest row norms ``vnorm``: an upper
+    bound on max|V| (raised by the rounding of d squares) that settles both for every V but those near the dtype's
+    largest or not finite, where the exact pass decides as before (same results, one pass fewer)."""
+    if vmax is None:
+        bound = float(np.max(vnorm, initial=0.0)) * (1 + 2.0 ** -8)
+        if math.isfinite(bound) and _v_scale(problem, wt, bound) == 1.0:
+            return False, 1.0
+        vmax = _largest(v)
+    if not math.isfinite(vmax):  # an infinity or NaN in V: the scale from the finite values
+        return True, _v_scale(problem, wt, _largest_finite(v))
+    return False, _v_scale(problem, wt, vmax)
 
 
 #: Working dtypes whose forward sums the rows of P in the product when MKL runs it (:func:`_rowsum_in_pv`).
@@ -751,8 +770,10 @@ def _nonfinite(*arrays) -> bool:
     return any(not np.isfinite(x).all() for x in arrays)
 
 
-def _seen_product(a, b, guarded, out=None, matmul=np.matmul):
-    """``a @ b`` in which a zero of ``a`` contributes nothing, even against an infinity or NaN in ``b``.
+def _seen_product(a, b, guarded, out=None, matmul=np.matmul, add=False):
+    """``a @ b`` in which a zero of ``a`` contributes nothing, even against an infinity or NaN in ``b``; with
+    ``add``, ``out += a @ b`` (:func:`._blas.add_product`, the same way whether ``guarded`` or not: a result that
+    meets no non-finite term has the same bits either way).
 
     ``a`` is P or dS, zero exactly where an element is invisible (or its probability underflowed), and ``b`` holds
     rows of V, dO, K or Q. IEEE's ``0 * inf = NaN`` would let a key that a row does not see (a mask's, or padding
@@ -762,17 +783,21 @@ def _seen_product(a, b, guarded, out=None, matmul=np.matmul):
     non-finite term with a nonzero factor is set to what that term makes of it: +inf or -inf, or NaN for a NaN
     term or infinities of both signs (what any order of summation gives; a NaN in ``a`` propagates through BLAS).
     """
+    product = functools.partial(add_product, matmul) if add else (lambda x, y, out: matmul(x, y, out=out))
     if not guarded:
-        return matmul(a, b, out=out)
+        return product(a, b, out)
     finite = np.isfinite(b)
-    r = matmul(a, np.where(finite, b, 0), out=out)
+    r = product(a, np.where(finite, b, 0), out)
     if finite.all():
         return r
     pos, neg = (a > 0).astype(r.dtype), (a < 0).astype(r.dtype)
     up, down = (b == np.inf).astype(r.dtype), (b == -np.inf).astype(r.dtype)
     plus, minus = pos @ up + neg @ down > 0, pos @ down + neg @ up > 0  # terms that are +inf, -inf
     nan = ((a != 0).astype(r.dtype) @ np.isnan(b).astype(r.dtype) > 0) | (plus & minus) | np.isnan(r)  # a's NaN too
-    r[...] = np.where(nan, np.nan, np.where(plus, np.inf, np.where(minus, -np.inf, r)))
+    if add:  # out + inf: NaN where the sum so far is -inf, as the product's inf would make it
+        r[...] = np.where(nan, np.nan, np.where(plus, r + np.inf, np.where(minus, r - np.inf, r)))
+    else:
+        r[...] = np.where(nan, np.nan, np.where(plus, np.inf, np.where(minus, -np.inf, r)))
     return r
 
 
@@ -865,7 +890,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     rule = _exp_rule(problem, wt, q)
     matmul = products()  # NumPy's or MKL's (CUFLASH_BLAS), one choice for the whole call
     fold = _rowsum_in_pv(problem, wt, matmul)
-    prepared = _PerChunk(problem, rule, q, k, v, wt, matmul, ones_column=fold)
+    prepared = _PerChunk(problem, rule, q, k, v, wt, matmul, ones_column=fold, forward=True)
     out = np.zeros(q.shape, dtype=wt)
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
     ones = np.ones(lay.block_k, dtype=wt)
@@ -902,11 +927,10 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         tiles = masks.settled(_in_range(list(sched.row(i)), key_tiles, lay.block_k), chunk)
         if not tiles:
             return
-        prep = prepared(chunk)
         # non-finite inputs reach exactly the results that see them, without RuntimeWarnings on the way (as
-        # NumPy's own would come from the scores of rows and keys that are then masked)
-        with np.errstate(invalid="ignore") if prep.any_nonfinite else contextlib.nullcontext():
-            row_block(chunk, tiles, prep)
+        # NumPy's own would come from the scores of rows and keys that are then masked); finite ones raise none
+        with np.errstate(invalid="ignore"):
+            row_block(chunk, tiles, prepared(chunk))
 
     def row_block(chunk, tiles, prep):
         bs, hs = chunk
@@ -926,7 +950,6 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         d = q_i.shape[-1]
         acc = np.zeros(q_i.shape[:-1] + (d + fold,), dtype=wt)  # with fold, [O | l]: P [V | 1] = [P V | rowsum P]
         l_i = acc[..., d] if fold else np.zeros(q_i.shape[:-1], dtype=wt)
-        pv = scratch.get("pv", acc.shape, wt)
         v_j = prep.v1 if fold else v[bs, hs]
         if prep.v_scale != 1.0:  # V near the dtype's largest: run it scaled down (a copy; [V | 1]'s ones stay 1)
             v_j = v_j * np.concatenate([np.full(d, prep.v_scale, wt), np.ones(int(fold), wt)])
@@ -951,8 +974,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                 z = _dropout_scale(problem, t, chunk, wt)
                 if z is not None:
                     s *= z
-                pv_r = _seen_product(s, v_j[..., t.k0:t.k1, :], guarded, pv[..., r, :], matmul)  # line 11
-                acc[..., r, :] += pv_r
+                _seen_product(s, v_j[..., t.k0:t.k1, :], guarded, acc[..., r, :], matmul, add=True)  # line 11
             # from shift m_i to shift 0, unless a row has seen one key only so far (l = 1): rescaled, its value
             # would come back rounded, where one key returns exactly its value (a row of a shorter sequence in
             # an item whose other rows see more tiles)
@@ -963,7 +985,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                 acc *= alpha[..., None]
                 m_i = np.zeros_like(m_i)
         seen = l_i != 0  # a NaN sum propagates; only rows that saw no key get 0 and -inf
-        out[bs, hs, :, i0:i1, :] = acc[..., :d] / np.where(seen, l_i, 1)[..., None]
+        np.divide(acc[..., :d], np.where(seen, l_i, 1)[..., None], out=out[bs, hs, :, i0:i1, :])  # no temporary
         if prep.v_scale != 1.0:
             out[bs, hs, :, i0:i1, :] *= wt.type(1.0 / prep.v_scale)
         with np.errstate(divide="ignore"):
@@ -1187,7 +1209,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                         modifiers.mask(p, tl, chunk, fill=0.0)
                     _mask_scores(p, masks, tl, chunk, fill=0.0)
                 z = _dropout_scale(problem, tl, chunk, wt)
-                dv_j += _seen_product(np.swapaxes(p if z is None else p * z, -1, -2), do_i, guarded, matmul=matmul)
+                _seen_product(np.swapaxes(p if z is None else p * z, -1, -2), do_i, guarded, dv_j, matmul, add=True)
                 dp = matmul(_stacked(dop_i, -d_i, -1, scratch, "do1") if fold_d else dop_i, vt_j,
                             out=scratch.get("dp", tile_shape, wt))  # line 13 (and 14 with fold_d: dP - D)
                 if z is not None:
@@ -1203,10 +1225,10 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                     if part is not None:
                         modifiers.dbias(ds, s0, tl, chunk, part, guarded)
                     modifiers.backprop(ds, s0, tl, chunk)
-                dq_acc[..., tl.i0:tl.i1, :] += _seen_product(ds, k_j if ek == ec else np.ldexp(k_j, ec - ek),
-                                                             guarded, matmul=matmul)
-                dk_j += _seen_product(np.swapaxes(ds, -1, -2), q_i if eq == ec else np.ldexp(q_i, ec - eq),
-                                      guarded, matmul=matmul)
+                _seen_product(ds, k_j if ek == ec else np.ldexp(k_j, ec - ek), guarded, dq_acc[..., tl.i0:tl.i1, :],
+                              matmul, add=True)
+                _seen_product(np.swapaxes(ds, -1, -2), q_i if eq == ec else np.ldexp(q_i, ec - eq), guarded, dk_j,
+                              matmul, add=True)
         dk[bs, hs, :, k0:k1, :] = _unscale(dk_j.sum(axis=2, keepdims=True), scale, eq)
         dv[bs, hs, :, k0:k1, :] = dv_j.sum(axis=2, keepdims=True)
         if part is not None:
