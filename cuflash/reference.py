@@ -267,7 +267,8 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     ``dK = scale·dSᵀ Q``, ``dV = Pᵀ dO``. Rounding errors scale with these, not with the results,
     which may cancel to ~0. Every term also goes through ``P = exp(S - m)`` (or, in FlashAttention's backward,
     ``exp(S - lse)`` from the saved lse), whose relative condition number is ``|S - m|``: a rounding of the
-    arithmetic grows by up to ``max|S| + max|lse|`` on its way (S before and after a score modifier). That
+    arithmetic grows by up to ``max|S| + max|lse|`` on its way (S before and after a score modifier, and for S
+    itself the magnitude of its own terms, ``scale·|q|·|k|``, which it may cancel far below). That
     arithmetic runs in the statistics' dtype (float32 below float64: every backend upcasts 16-bit inputs), so
     each magnitude carries ``cond = 1 + (max|S| + max|lse|) · eps(stats) / eps(input)``, in roundings of the
     input's dtype: ``1 + max|S| + max|lse|`` for float32 and float64 inputs, about 1 for 16-bit ones. A score
@@ -282,7 +283,11 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     qg, kg, vg = _grouped(p, np.dtype(np.float64))
     prob, lse = _probabilities(p, qg, kg)
     s0, s1, _ = _scores(p, qg, kg)
-    s = np.where(prob > 0, np.maximum(np.abs(s0), np.abs(s1)), 0.0)  # a masked -inf score: inf * 0 would be NaN
+    # S = scale q·k is itself a sum whose terms may cancel (keys and queries of 1e4 whose score is 68): its rounding
+    # scales with scale·|q|·|k|, not with |S|
+    with np.errstate(invalid="ignore", over="ignore"):
+        s_terms = abs(p.scale) * _mm(np.abs(qg), np.swapaxes(np.abs(kg), -1, -2))
+    s = np.where(prob > 0, np.maximum(np.maximum(np.abs(s0), np.abs(s1)), s_terms), 0.0)  # -inf: inf * 0 is NaN
     exponent = s.max(initial=0) + np.abs(lse[np.isfinite(lse)]).max(initial=0)
     cond = 1.0 + exponent * rounding(stats_dtype(p.dtype)) / rounding(p.dtype)
     slope = 1.0

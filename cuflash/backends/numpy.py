@@ -278,7 +278,7 @@ class _Prepared:
     kt: np.ndarray                # K^T (see _keys_transposed)
     bounds: Optional["_Bounds"]  # None where they do not apply
     v_nonfinite: bool             # some element of V is not finite (the forward's _seen_product)
-    any_nonfinite: bool           # some element of Q, K, V or ``also`` is (the backward's _seen_product; no warnings)
+    any_nonfinite: bool           # some element of Q, K, V or ``also`` is (the backward's _seen_product; forward: V)
     v1: Optional[np.ndarray] = None  # [V | 1] where the forward folds the row sum into P V (_rowsum_in_pv)
     v_scale: float = 1.0          # a power of two the forward runs V at (:func:`_v_scale`)
 
