@@ -688,10 +688,10 @@ def _d(n: Node, wrt: str = "score") -> Node:
     if op == "*":
         return Node("+", "float", (Node("*", "float", (_d(args[0], wrt), args[1])),
                                    Node("*", "float", (args[0], _d(args[1], wrt)))))
-    if op == "/":
-        num = Node("-", "float", (Node("*", "float", (_d(args[0], wrt), args[1])),
-                                  Node("*", "float", (args[0], _d(args[1], wrt)))))
-        return Node("/", "float", (num, Node("*", "float", (args[1], args[1]))))
+    if op == "/":  # (da - (a/b) db) / b, not (da b - a db) / b^2: b^2 overflows where a/b does not (softcap 1e30)
+        db = _d(args[1], wrt)
+        num = _d(args[0], wrt) if _is(db, 0) else Node("-", "float", (_d(args[0], wrt), Node("*", "float", (n, db))))
+        return Node("/", "float", (num, args[1]))
     if op == "if":
         return Node("if", "float", (args[0], _d(args[1], wrt), _d(args[2], wrt)))
     if op == "call":

@@ -120,6 +120,20 @@ def test_derivative_matches_finite_differences(layers, x0):
     assert np.allclose(analytic[smooth], numeric[smooth], rtol=1e-5, atol=1e-6), text
 
 
+@pytest.mark.parametrize("text, want", [("cap * tanh(score / cap)", 1.0), ("score / cap", 1e-30),
+                                        ("(score * 3e20) / (3e20 + kv_idx)", 3e20 / (3e20 + np.arange(5)))])
+def test_derivative_of_a_quotient_does_not_square_the_divisor(text, want):
+    """d(a/b) as (da - (a/b) db) / b: the quotient rule's b^2 overflows float32 at |b| > 1.8e19 where a/b does not,
+    and softcap = 1e30 had a derivative of 0 (an infinite dS times 0: NaN gradients where the reference has
+    infinities)."""
+    cap = {"cap": np.array(1e30, np.float32)}  # an operand (as cuflash's own softcap): no constant folding
+    e = mods.parse(text, kind="score", arrays=cap)
+    score = np.broadcast_to(np.linspace(-2, 2, 25, dtype=np.float32).reshape(5, 5), (2, 3, 5, 5))
+    got = np.broadcast_to(e.derivative().evaluate(dict(_ENV, score=score), cap, np.float32), score.shape)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, np.broadcast_to(want, score.shape), rtol=4 * np.finfo(np.float32).eps)
+
+
 def test_derivative_with_respect_to_an_operand_and_composition():
     bias = {"cuflash_b": np.zeros((5, 5))}
     inner = mods.parse("score + cuflash_b[q_idx, kv_idx]", kind="score", arrays=bias, internal=True)
