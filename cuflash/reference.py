@@ -109,6 +109,11 @@ def _probabilities(p, q, k):
         # keep: a row with a NaN sum (it sees a NaN score) still has P = 0 where it sees nothing
         prob = r(np.where(seen & keep, e / np.where(seen, l, one), l.dtype.type(0)))
         lse = r(np.where(seen, m_safe + np.log(np.where(seen, l, one)), l.dtype.type(-np.inf))[..., 0])
+    # A row with a +inf score (lse = +inf): beside it every finite score's weight vanishes, and the infinite ones are
+    # inf/inf = NaN, which is what exp(S - lse) gives, as FlashAttention's backward recomputes P from the saved lse.
+    # e / l said NaN also for every finite score whose exp overflows: a NaN pattern that hung on the dtype's range.
+    top = np.isposinf(m)
+    prob = np.where(top & keep, np.where(np.isposinf(s), s.dtype.type(np.nan), s.dtype.type(0)), prob)
     return prob, lse
 
 

@@ -208,6 +208,26 @@ def test_reference_propagates_nan():
     assert np.isfinite(out[0, :5]).all() and np.isfinite(lse[0, 0, :5]).all()
 
 
+@pytest.mark.parametrize("backend", [None, "numpy"])
+def test_an_infinite_score_takes_every_weight_of_its_row(backend):
+    """A row with a +inf score has lse = +inf and NaN outputs; its P is exp(S - lse): NaN at the infinite score and 0
+    at the finite ones, also those whose exp overflows (a score of 1300 here), so that the backward's NaN pattern does
+    not hang on the dtype's range. The NumPy backend recomputes P from the saved lse the same way."""
+    q = np.array([[[[1.0, 0.0]]]])
+    k = np.array([[[[np.inf, 0.0]], [[1300.0 * np.sqrt(2.0), 0.0]], [[-2.0, 0.0]]]])
+    v = np.arange(6.0).reshape(1, 3, 1, 2)
+    dout = np.ones((1, 1, 1, 2))
+    with np.errstate(invalid="ignore", over="ignore"):
+        out, lse = reference.attention(q, k, v, return_lse=True)
+        if backend is None:
+            dq, dk, dv = reference.attention_backward(dout, q, k, v)
+        else:
+            dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, backend=backend)
+    assert np.isnan(out).all() and lse[0, 0, 0] == np.inf
+    assert np.isnan(dq).all() and np.isnan(dk[0, 0]).all() and np.isnan(dv[0, 0]).all()
+    assert np.array_equal(dk[0, 1:], np.zeros((2, 1, 2))) and np.array_equal(dv[0, 1:], np.zeros((2, 1, 2)))
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
 def test_compute_dtype_is_the_computation_dtype(dtype):
     """``compute_dtype`` is the naive computation in that dtype: results come back in it (the
