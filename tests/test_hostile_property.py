@@ -318,6 +318,11 @@ def hostile_backward_calls(draw):
     return arrays, options, spoiled, forward_refused
 
 
+def _kind(x):
+    """0 finite, 1 +inf, 2 -inf, 3 NaN, elementwise."""
+    return np.select([np.isnan(x), np.isposinf(x), np.isneginf(x)], [3, 1, 2], 0)
+
+
 def _assert_gradients_match_reference(grads, arrays, options, name):
     (q, k, v), opts = _reference_inputs(arrays, options)
     dout = _native(arrays["dout"])
@@ -335,11 +340,15 @@ def _assert_gradients_match_reference(grads, arrays, options, name):
         width = g.shape[-1]
         r, b, g = r[..., :width], b[..., :width], np.asarray(g, np.float64)
         nan = np.isnan(r)
-        assert np.array_equal(np.isnan(g), nan), f"{name}: NaN pattern of {what} differs from the reference"
-        # where the naive same-dtype computation is not finite (an infinity spoiled it) there is no yardstick:
-        # those elements are held to the reference's NaN/inf pattern only
-        skip = nan | (~np.isfinite(b) & np.isfinite(r))
-        assert np.isfinite(g[skip & ~nan]).all(), f"{name}: {what} not finite where the reference is"
+        # as in the forward: where the float64 and the same-dtype computations disagree about NaN or infinity (a
+        # weight that underflows to 0 in one precision and not in the other, huge scores, times an infinite value),
+        # either one's is right; everywhere else the reference's, exactly
+        unsure = _kind(r) != _kind(b)
+        assert np.array_equal(np.isnan(g) & ~unsure, nan & ~unsure), \
+            f"{name}: NaN pattern of {what} differs from the reference"
+        assert ((_kind(g) == _kind(r)) | (_kind(g) == _kind(b)))[unsure].all(), \
+            f"{name}: {what} is finite, infinite or NaN where neither the reference nor the naive computation is"
+        skip = nan | unsure
         assert_attention_close(np.where(skip, 0, g), np.where(skip, 0, r), np.where(skip, 0, b), mult=3,
                                name=f"{name} {what}", magnitude=mags[what])
 
