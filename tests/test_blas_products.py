@@ -30,7 +30,7 @@ def mkl(monkeypatch):
                 return None
             return lambda *args: (calls.append(args[-1]), fn(*args))[1]
 
-    counted = type("CountedMkl", (), {"gemm": Counting(lib.gemm), "local": lib.local})()
+    counted = type("CountedMkl", (), {"gemm": Counting(lib.gemm), "local": lib.local, "vml": lib.vml})()
     monkeypatch.setattr(_blas, "_load_mkl", lambda: (counted, None))
     # a plan decides MKL or NumPy once per layout: plans made under a test's MKL_MIN_MACS stay with the test
     monkeypatch.setattr(_blas, "_plans", {})
@@ -135,6 +135,30 @@ def test_guarded_added_product_keeps_the_unguarded_bits(mkl):
     assert (got[:, seen, :5] == np.inf).all() and (got[:, seen, 5:10] == -np.inf).all()
     assert np.isnan(got[:, 150, :10]).sum() == 2 * 5  # -inf + inf; -inf + -inf stays -inf
     assert (got[:, 150, 5:10] == -np.inf).all()
+
+
+@pytest.mark.parametrize("dtype, base", [(np.float32, 2), (np.float64, 0)])
+def test_normal_exp_is_exact_to_an_ulp_and_the_same_at_every_offset(mkl, monkeypatch, dtype, base):
+    """VML's exp2/exp for the backend's arguments with normal results: within 1 ulp of the exact value (NumPy's own
+    bound), each element's bits independent of where it sits in the array (the same scores in another tile or
+    strip give the same P), NumPy's where CUFLASH_BLAS=numpy."""
+    fn = _blas.normal_exp(dtype, base)
+    assert fn is not None
+    rng = np.random.default_rng(4)
+    x = (rng.random(20011) * (-120.0 if base == 2 else -700.0)).astype(dtype)
+    got = fn(x.copy())
+    exact = (np.exp2 if base == 2 else np.exp)(x.astype(np.longdouble))
+    assert (np.abs(got - exact) <= np.spacing(got).astype(np.longdouble)).all()
+    for offset in range(0, 33, 3):
+        for n in (1, 7, 16, 17, 63, 64, 65, 1001):
+            assert np.array_equal(fn(x[offset:offset + n].copy()), got[offset:offset + n]), (offset, n)
+    out = np.empty_like(x)
+    assert fn(x, out=out) is out and np.array_equal(out, got)
+    strided = x[::2]  # not contiguous: NumPy's
+    assert np.array_equal(fn(strided, out=np.empty_like(strided)),
+                          (np.exp2 if base == 2 else np.exp)(strided))
+    monkeypatch.setenv("CUFLASH_BLAS", "numpy")
+    assert _blas.normal_exp(dtype, base) is None
 
 
 def test_mkl_matmul_hands_numpy_what_blas_cannot_read(mkl, monkeypatch):

@@ -197,6 +197,13 @@ class _Mkl:
             fn.argtypes = [i, i, i, i, i, i, real, p, i, i, p, i, i, real, p, i, i, i]
             fn.restype = None
             self.gemm[np.dtype(dtype)] = fn
+        # VML's exp2 (float32, the base-2 softmax) and exp (float64), ILP64 names: (n, a, r, mode)
+        self.vml = {}
+        for key, name in (((np.dtype(np.float32), 2), "vmsExp2_64"), ((np.dtype(np.float64), 0), "vmdExp_64")):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [i, p, p, i], None
+                self.vml[key] = fn
         local = lib.MKL_Set_Num_Threads_Local  # returns the previous value; 0: follow the global count
         local.argtypes, local.restype = [ctypes.c_int], ctypes.c_int
 
@@ -228,6 +235,33 @@ def _mkl():
     if mkl is None and choice == "mkl":
         raise ValueError(f"environment variable CUFLASH_BLAS=mkl, but {why}; expected auto, numpy or mkl")
     return mkl
+
+
+#: VML_HA (results within 1 ulp: 0.57 measured against NumPy's 0.99) | VML_ERRMODE_IGNORE (no errno, no callback)
+_VML_MODE = 0x2 | 0x100
+
+
+def normal_exp(dtype, base):
+    """``exp2`` (``base=2``) or ``exp`` (``base=0``: e) in place for arguments whose results are all known to be
+    normal numbers (or inf, NaN): MKL VML's where ``CUFLASH_BLAS`` selects MKL, else None. VML takes 0.8x NumPy's
+    time for float32 ``exp2`` and 0.7x for float64 ``exp`` on a 2 x 512 x 512 tile here, but 4x NumPy's (50 ns an
+    element) where a result is subnormal or 0, hence only for arguments bounded away from there. One thread (the
+    worker's MKL count); its result depends only on the element (checked: the same bits at every offset and length
+    of the array)."""
+    mkl = _mkl()
+    fn = None if mkl is None else mkl.vml.get((np.dtype(dtype), base))
+    if fn is None:
+        return None
+
+    def exp(x, out=None):
+        out = x if out is None else out
+        if x.dtype != dtype or out.dtype != dtype or x.shape != out.shape or not (x.flags.c_contiguous and
+                                                                                 out.flags.c_contiguous):
+            return (np.exp2 if base == 2 else np.exp)(x, out=out)
+        fn(x.size, x.ctypes.data, out.ctypes.data, _VML_MODE)
+        return out
+
+    return exp
 
 
 def products():

@@ -35,7 +35,7 @@ from .. import _env
 from ..dropout import keep_mask
 from ..problem import Problem, stats_dtype, visible
 from ..tiling import Schedule, Tile
-from ._blas import add_product, products, single_threaded, worker_single_threaded
+from ._blas import add_product, normal_exp, products, single_threaded, worker_single_threaded
 
 #: Default tile of one head, measured on 2 cores (fp32, N = 4096, 4 heads, d = 64 and 128):
 #: see ``benchmarks/numpy_backend.py``.
@@ -611,6 +611,7 @@ class _Exp:
     log: Callable
     bits: float             # base-2 exponent per unit of score (1 for base 2, log2(e) for base e)
     floor: Optional[float] = None  # the smallest argument of ``exp`` with a normal result (see _exp)
+    normal: Optional[Callable] = None  # ``exp`` for arguments with normal results only (:func:`._blas.normal_exp`)
 
 
 def _exp_rule(problem, wt, q) -> _Exp:
@@ -619,11 +620,12 @@ def _exp_rule(problem, wt, q) -> _Exp:
         factor = wt.type(problem.scale * LOG2E)
         fold = _foldable(q, factor, wt)
         return _Exp(factor if fold else None, None if fold else factor, np.exp2, np.log2, 1.0,
-                    wt.type(np.finfo(wt).minexp))
+                    wt.type(np.finfo(wt).minexp), normal_exp(wt, 2) or np.exp2)
     scale = wt.type(problem.scale)
     exact = problem.scale != 0 and math.frexp(problem.scale)[0] in (0.5, -0.5) and _foldable(q, scale, wt)
     floor = wt.type(math.ceil(np.finfo(wt).minexp * LN2)) if wt == np.float64 else None
-    return _Exp(scale if exact else None, None if exact else scale, np.exp, np.log, LOG2E, floor)
+    return _Exp(scale if exact else None, None if exact else scale, np.exp, np.log, LOG2E, floor,
+                (normal_exp(wt, 0) if wt == np.float64 else None) or np.exp)
 
 
 def _foldable(q, factor, wt) -> bool:
@@ -637,7 +639,7 @@ def _foldable(q, factor, wt) -> bool:
     return not top * abs(float(factor)) > float(np.finfo(wt).max)
 
 
-def _exp(s, rule, clamp=True):
+def _exp(s, rule, clamp=True, normal=False):
     """``exp`` of shifted scores (all <= 0, or -inf) in place.
 
     NumPy's SIMD float32 ``exp2`` and float64 ``exp`` leave the vector path for every element whose
@@ -648,8 +650,14 @@ def _exp(s, rule, clamp=True):
     exactly 0 where the argument was at or below ``floor`` (masked scores included), and elsewhere a
     change below ``exp(floor)``, the smallest normal number, far under the rounding of a sum whose
     largest term is 1. Two passes, cheaper than the detour from a few per cent of such elements on.
+    ``normal``: the caller knows every result is a normal number (:class:`_Bounds`), whether or not an input is
+    infinite: then ``rule.normal`` (MKL's VML), whose detour costs more still. The clamped path keeps NumPy's
+    ``exp``: its results are those of the unclamped one that a call with an infinite input takes (a row that does
+    not see the infinity keeps its bits).
     """
-    if rule.floor is None or not clamp:  # float32 exp: no slow path
+    if normal:
+        return rule.normal(s, out=s)
+    if rule.floor is None or not clamp:
         return rule.exp(s, out=s)
     np.maximum(s, rule.floor, out=s)  # NaN stays NaN
     rule.exp(s, out=s)
@@ -913,7 +921,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         m_safe = np.where(np.isfinite(m_new), m_new, 0)
         s -= m_safe[..., None]
         normal = t.full and modifiers is None and u is not None and bounds.normal(u, m_safe)
-        _exp(s, rule, clamp=not normal and not guarded)  # line 10
+        _exp(s, rule, clamp=not normal and not guarded, normal=normal)  # line 10
         alpha = rule.exp(m_i - m_safe)
         if not fold:  # else l_i is acc's last column
             l_i *= alpha
@@ -962,7 +970,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
                 if shift0 and not fixed:
                     m_i[..., r] = 0  # these rows shift by 0 from here on; the switch below leaves them as they are
                 if shift0:  # line 10 with m_i = 0 (see _Bounds): every |S| is bounded, masked ones too
-                    rule.exp(s, out=s)
+                    rule.normal(s, out=s)  # and every exp(S) is a normal number
                     if modifiers is not None:
                         modifiers.mask(s, t, chunk, fill=0.0)
                     _mask_scores(s, masks, t, chunk, fill=0.0)
@@ -1203,7 +1211,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                     np.minimum(s, 0, out=s)
                 normal = (tl.full and modifiers is None and bounds is not None
                           and bounds.normal(bounds.rows(qs_i), shift))
-                p = _exp(s, rule, clamp=not normal and not guarded)  # guarded: as the forward
+                p = _exp(s, rule, clamp=not normal and not guarded, normal=normal)  # guarded: as the forward
                 if guarded:  # a row whose lse is NaN (it sees a NaN score) still has P = 0 where it sees nothing
                     if modifiers is not None:
                         modifiers.mask(p, tl, chunk, fill=0.0)
