@@ -348,8 +348,7 @@ def add_product(matmul, a, b, out):
     turn: other last bits than a product and a sum, as accurate, as reproducible); NumPy's: the product, then the
     sum."""
     if matmul is np.matmul:
-        out += np.matmul(a, b)
-        return out
+        return _numpy_matmul(a, b, out, 1.0)
     return matmul(a, b, out=out, beta=1.0)
 
 
@@ -382,6 +381,7 @@ def _mkl_matmul(mkl, a, b, out=None, beta=0.0):
 
 
 def _numpy_matmul(a, b, out, beta):
+    """NumPy's ``out = a @ b`` (beta 0) or ``out += a @ b`` (beta 1: the product, then the sum)."""
     if not beta:
         return np.matmul(a, b, out=out)
     out += np.matmul(a, b)

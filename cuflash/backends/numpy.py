@@ -791,11 +791,11 @@ def _seen_product(a, b, guarded, out=None, matmul=np.matmul, add=False):
     non-finite term with a nonzero factor is set to what that term makes of it: +inf or -inf, or NaN for a NaN
     term or infinities of both signs (what any order of summation gives; a NaN in ``a`` propagates through BLAS).
     """
-    product = functools.partial(add_product, matmul) if add else (lambda x, y, out: matmul(x, y, out=out))
     if not guarded:
-        return product(a, b, out)
+        return add_product(matmul, a, b, out) if add else matmul(a, b, out=out)
     finite = np.isfinite(b)
-    r = product(a, np.where(finite, b, 0), out)
+    b0 = np.where(finite, b, 0)
+    r = add_product(matmul, a, b0, out) if add else matmul(a, b0, out=out)
     if finite.all():
         return r
     pos, neg = (a > 0).astype(r.dtype), (a < 0).astype(r.dtype)
