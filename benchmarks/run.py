@@ -295,11 +295,11 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.replot is not None:
-        given = [flag for flag, value, default in (
-            ("--full/--smoke", args.mode, "quick"), ("--out", args.out, None), ("--replace", args.replace, False),
-            ("--device", args.device, "auto"), ("--require-device", args.require_device, None),
-            ("--only", args.only, None), ("--impl", args.impl, None), ("--time-limit", args.time_limit, None),
-            ("--commit", args.commit, None), ("--no-plot", args.no_plot, False)) if value != default]
+        defaults, flags = vars(parser.parse_args([])), {}
+        for action in parser._actions:  # the flags of each option, from the parser itself (none forgotten)
+            flags.setdefault(action.dest, []).extend(action.option_strings)
+        given = ["/".join(f for f in flags[dest] if f != "--quick") for dest, value in vars(args).items()
+                 if dest not in ("replot", "no_progress") and value != defaults[dest]]
         if given:  # each would be silently ignored: --replot measures nothing and redraws DIR's figures
             parser.error(f"--replot DIR redraws DIR's figures and takes no other options, got {', '.join(given)}")
         return replot(args.replot)

@@ -84,6 +84,13 @@ def _check_count(x, name, low=0) -> int:
     return int(x)
 
 
+
+def _same(x, y) -> bool:
+    """Whether two operands of one name hold the same values (the same array, or a copy of it)."""
+    x, y = np.asarray(x), np.asarray(y)
+    return x is y or (x.shape == y.shape and x.dtype == y.dtype
+                      and np.array_equal(x, y, equal_nan=x.dtype.kind in "fc"))
+
 class BlockMask:
     """A mask of (query, key) pairs with a block structure; see the module docstring.
 
@@ -405,8 +412,8 @@ class BlockMask:
         else:
             states = np.where((a == FULL) | (b == FULL), FULL, np.where((a == SKIP) & (b == SKIP), SKIP, PARTIAL))
         member = mods.combine(op, self.member, other.member)
-        clash = [n for n in self.values.keys() & other.values.keys() if self.values[n] is not other.values[n]]
-        if clash:  # unique names (_prefix) make this unreachable short of a hand-made mask
+        clash = [n for n in self.values.keys() & other.values.keys() if not _same(self.values[n], other.values[n])]
+        if clash:  # unique names (_prefix): only a hand-made mask; a copy or an unpickled mask holds the same values
             raise ValueError(f"the masks name different operands alike ({', '.join(sorted(clash))}): build them anew")
         mask = self._make(states.astype(np.int8), self.block, self.seqlen_q, self.seqlen_k,
                           values={**self.values, **other.values}, member=member)

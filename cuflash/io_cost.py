@@ -235,8 +235,6 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
     if block_mask is not None and density is not None:
         raise ValueError("density stands for a block mask's fraction of visited tiles: give block_mask or density, "
                          "not both")
-    if order != "fa2" and op == "bwd":
-        raise ValueError(f"order is the forward's loop order; op='bwd' has one (FA2's), got order={order!r}")
     left, right = _check_window(window, causal, seqlen_q + seqlen_k)  # the causal bool checked there too
     sizes, n_bh = _sizes(dtype), batch * heads
     shape = dict(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, left=left, right=right,
@@ -278,6 +276,8 @@ def _check_args(*, op, order, density, **sizes):
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if order != "fa2" and op == "bwd":
+        raise ValueError(f"order is the forward's loop order; op='bwd' has one (FA2's), got order={order!r}")
     for name, val in sizes.items():
         if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")

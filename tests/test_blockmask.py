@@ -606,3 +606,15 @@ def test_a_mask_is_its_own_value_and_names_its_operands_uniquely(monkeypatch):
         cuflash.attention(q.astype(np.float32), q.astype(np.float32), q.astype(np.float32), block_mask=both,
                           backend="emulate")
     assert checks == []
+
+
+def test_a_mask_combines_with_its_copy():
+    """A deep copy or an unpickled mask keeps its operands' names with arrays of the same values: combining it with
+    the original is the mask combined with itself (an identity check of the operands refused it)."""
+    import copy
+    import pickle
+
+    m = BlockMask.causal(256, 256)
+    for other in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        for a, b in ((m & other, m & m), (m | other, m | m)):
+            assert np.array_equal(a.states, b.states) and a.values.keys() == b.values.keys()

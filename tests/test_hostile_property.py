@@ -217,6 +217,18 @@ def _same_head_dims(q, k, v, opts):
     return q, k, v, opts
 
 
+def _kind(x):
+    """0 finite, 1 +inf, 2 -inf, 3 NaN, elementwise."""
+    return np.select([np.isnan(x), np.isposinf(x), np.isneginf(x)], [3, 1, 2], 0)
+
+
+def _magnitudes(arrays, opts):
+    """reference.term_magnitudes of the inputs with their spoiled (non-finite) values zeroed: the terms of every
+    finite result are finite (with them kept, the magnitudes were NaN and the floor fell back to max|ref|)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return reference.term_magnitudes(*(np.where(np.isfinite(a), a, 0).astype(a.dtype) for a in arrays), **opts)
+
+
 def _assert_matches_reference(got, arrays, options, name):
     (q, k, v), opts = _reference_inputs(arrays, options)
     if opts.get("dropout_p"):
@@ -229,8 +241,7 @@ def _assert_matches_reference(got, arrays, options, name):
     # the floor at the terms' magnitudes times the condition of exp (as the backward's below): "huge" keys make
     # scores of 1e4, whose one rounding moves the weights of keys a few units apart by 1e-3 of themselves, and a
     # naive computation that happens to round the top two scores alike is no yardstick for that
-    with np.errstate(invalid="ignore", over="ignore"):
-        mags = reference.term_magnitudes(*(np.where(np.isfinite(a), a, 0).astype(a.dtype) for a in (q, k, v)), **opts)
+    mags = _magnitudes((q, k, v), opts)
     for actual, want, base, what in zip(got, ref, naive, ("out", "lse")):
         actual = np.asarray(actual, np.float64)
         # NaN in, NaN out where the float64 reference has it (rows that read a NaN), and nowhere else; except where
@@ -239,6 +250,8 @@ def _assert_matches_reference(got, arrays, options, name):
         nan, unsure = np.isnan(want), np.isnan(want) != np.isnan(base)
         assert np.array_equal(np.isnan(actual) & ~unsure, nan & ~unsure), \
             f"{name}: NaN pattern of {what} differs from the reference"
+        assert ((_kind(actual) == _kind(want)) | (_kind(actual) == _kind(base)))[unsure].all(), \
+            f"{name}: {what} is finite, infinite or NaN where neither the reference nor the naive computation is"
         skip = nan | unsure
         assert_attention_close(np.where(skip, 0, actual), np.where(skip, 0, want), np.where(skip, 0, base),
                                mult=2, name=f"{name} {what}",
@@ -318,11 +331,6 @@ def hostile_backward_calls(draw):
     return arrays, options, spoiled, forward_refused
 
 
-def _kind(x):
-    """0 finite, 1 +inf, 2 -inf, 3 NaN, elementwise."""
-    return np.select([np.isnan(x), np.isposinf(x), np.isneginf(x)], [3, 1, 2], 0)
-
-
 def _assert_gradients_match_reference(grads, arrays, options, name):
     (q, k, v), opts = _reference_inputs(arrays, options)
     dout = _native(arrays["dout"])
@@ -331,11 +339,7 @@ def _assert_gradients_match_reference(grads, arrays, options, name):
         dout = _pad_last(dout, v.shape[-1])
     refs = reference.attention_backward(dout, q, k, v, **opts)
     bases = reference.attention_backward(dout, q, k, v, compute_dtype=q.dtype, **opts)
-    # the terms of every finite gradient element are finite: the magnitudes with the spoiled (non-finite) inputs
-    # zeroed bound them (with them kept, the magnitudes were NaN, and the floor fell back to max|ref|)
-    with np.errstate(invalid="ignore", over="ignore"):
-        mags = reference.term_magnitudes(*(np.where(np.isfinite(a), a, 0).astype(a.dtype) for a in (q, k, v, dout)),
-                                         **opts)
+    mags = _magnitudes((q, k, v, dout), opts)
     for what, g, r, b in zip(("dq", "dk", "dv"), grads, refs, bases):
         width = g.shape[-1]
         r, b, g = r[..., :width], b[..., :width], np.asarray(g, np.float64)

@@ -66,14 +66,15 @@ class RingStep:
 
 
 def _check(op, layout, dtype, **numbers):
-    """``numbers``: name -> (value, smallest allowed, whether it must be an int); a rate of 0 or below would divide
-    by zero or never end min_local_seqlen's search."""
-    for name, (value, low, integral) in numbers.items():
+    """``numbers``: name -> (value, bound, whether it must be an int, whether the bound itself is allowed); a rate of
+    0 or below would divide by zero or never end min_local_seqlen's search."""
+    for name, (value, low, integral, *inclusive) in numbers.items():
         kinds = (int, np.integer) if integral else (int, float, np.integer, np.floating)
+        closed = bool(inclusive and inclusive[0])
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds) or not (
-                value >= low if name == "latency_s" else value > low) or not math.isfinite(value):
+                value >= low if closed else value > low) or not math.isfinite(value):
             what = "an int" if integral else "a finite number"
-            raise ValueError(f"{name} must be {what} {'>=' if name == 'latency_s' else '>'} {low}, got {value!r}")
+            raise ValueError(f"{name} must be {what} {'>=' if closed else '>'} {low}, got {value!r}")
     if op not in ("fwd", "bwd"):
         raise ValueError(f"op must be 'fwd' or 'bwd', got {op!r}")
     if layout not in ("contiguous", "zigzag"):
@@ -126,7 +127,7 @@ def ring_step(seqlen_local, *, heads, head_dim, heads_kv=None, batch=1, dtype="b
     check_flags(causal=causal)  # a string such as "no" was read as causal
     _check(op, layout, dtype, seqlen_local=(seqlen_local, 0, True), heads=(heads, 0, True), heads_kv=(hkv, 0, True),
            head_dim=(head_dim, 0, True), batch=(batch, 0, True), flops_per_s=(flops_per_s, 0, False),
-           bytes_per_s=(bytes_per_s, 0, False), latency_s=(latency_s, 0, False))
+           bytes_per_s=(bytes_per_s, 0, False), latency_s=(latency_s, 0, False, True))
     if heads % hkv:
         raise ValueError(f"heads ({heads}) must be a multiple of heads_kv ({hkv}): query heads share key/value heads")
     n = int(seqlen_local)
@@ -145,7 +146,7 @@ def min_local_seqlen(*, heads, head_dim, heads_kv=None, batch=1, dtype="bfloat16
     Solves ``a·n² >= c·n + latency`` with ``a`` the seconds of computation per ``n²`` and ``c`` the seconds of
     transfer per ``n`` (see :func:`ring_step` for the parameters).
     """
-    _check(op, layout, dtype, latency_s=(latency_s, 0, False))
+    _check(op, layout, dtype, latency_s=(latency_s, 0, False, True))
     one = ring_step(1, heads=heads, head_dim=head_dim, heads_kv=heads_kv, batch=batch, dtype=dtype, causal=causal,
                     layout=layout, op=op, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s)
     a, c = one.compute_s, one.comm_s
