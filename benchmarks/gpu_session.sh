@@ -19,8 +19,10 @@
 # tests/test_gpu_session.py runs it in CI. PYTHON names the interpreter (default python3); GPU_SESSION_WORKERS the
 # pytest-xdist workers (default auto: one per core); GPU_SESSION_SECONDS the wall time the call allows (default 580,
 # inside the device tool's 600): every step's time limit is scaled from it, so that reports are written before the
-# call is killed. A kill the script sees (SIGINT, SIGTERM, SIGHUP) still writes session.json, with that signal's
-# status and each unfinished step as "unfinished"; the benchmark's files are packed into $OUT every 20 s.
+# call is killed. GPU_SESSION_BENCH_ARGS: more options for benchmarks.run, after the mode's own (e.g. "--only
+# throughput --impl cuflash,torch-flash"), so that a short lease measures what changed. A kill the script sees
+# (SIGINT, SIGTERM, SIGHUP) still writes session.json, with that signal's status and each unfinished step as
+# "unfinished"; the benchmark's files are packed into $OUT every 20 s.
 set -euo pipefail
 
 what="${1:-all}"
@@ -198,6 +200,9 @@ run_tests() {
 
 run_bench() {
     [ "$commit" = unknown ] || bench_args+=(--commit "$commit")
+    local extra=()
+    read -r -a extra <<< "${GPU_SESSION_BENCH_ARGS:-}"
+    bench_args+=("${extra[@]}")
     say "bench: benchmarks.run ${bench_args[*]} --device cuda --require-device cuda (SIGINT after ${t_bench}s)"
     local rc=0
     bench_rc=unfinished
