@@ -113,7 +113,9 @@ def git_commit(*, given: Optional[str] = None) -> tuple[str, Optional[bool]]:
     prefix of HEAD's sha (a ValueError otherwise, so that no run records a commit it did not measure). Where git
     cannot tell (a copy of the tree without ``.git``, e.g. on a device machine, knows its commit only from the
     caller), ``(given, None)`` if ``given`` looks like a commit (7 to 40 hex digits; a ValueError otherwise);
-    ``("unknown", None)`` when neither can tell."""
+    ``("unknown", None)`` when neither can tell. A dirty checkout whose HEAD is not ``given`` is a tree git cannot
+    name either (the device machine's copy carries the ``.git`` of the session's start under a newer tree: seen on
+    the H200 run of 2026-11-27), so ``given`` is recorded there too, with ``dirty`` None."""
     if given is not None and not re.fullmatch(r"[0-9a-fA-F]{7,40}", given):
         raise ValueError(f"--commit {given!r} does not look like a commit (7 to 40 hex digits)")
     given = given and given.lower()
@@ -121,6 +123,8 @@ def git_commit(*, given: Optional[str] = None) -> tuple[str, Optional[bool]]:
     if head is None:
         return given or "unknown", None
     sha, dirty = head
+    if given and not sha.startswith(given) and dirty:
+        return given, None
     if given and not sha.startswith(given):
         raise ValueError(f"--commit {given} is not this checkout's HEAD ({sha}); in a git checkout the commit "
                          f"comes from git: leave --commit out")

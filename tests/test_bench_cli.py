@@ -568,15 +568,34 @@ def test_commit_comes_from_git_in_a_checkout(tmp_path, capsys, monkeypatch):
     measure = run.run_cases
     monkeypatch.setattr(run, "run_cases", _no_measuring)
     other = ("1" if sha[0] == "0" else "0") + sha[1:]
+    git_head = environment._git_head
+    monkeypatch.setattr(environment, "_git_head", lambda: (sha, False))  # a clean checkout (a dirty one may differ)
     for given, match in ((other, "is not this checkout's HEAD"), ("not-a-commit", "does not look like a commit")):
         with pytest.raises(SystemExit) as exc:
             run.main(common + [given])
         assert exc.value.code == 2 and match in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(environment, "_git_head", git_head)
     monkeypatch.setattr(run, "run_cases", measure)
     assert run.main(common + [sha[:10].upper()]) == 0
     payload = json.loads((tmp_path / "out" / "fig5_decode.json").read_text())
     assert payload["commit"] == sha and isinstance(payload["dirty"], bool)
+
+
+def test_commit_of_a_dirty_checkout_is_the_callers(monkeypatch):
+    """A dirty tree under another commit's .git (a device machine's copy) records --commit, with dirty None; a clean
+    checkout still refuses a --commit that is not its HEAD."""
+    from benchmarks import environment
+
+    head = "ab" * 20
+    for dirty, expected in ((True, ("cd" * 20, None)), (False, ValueError)):
+        monkeypatch.setattr(environment, "_git_head", lambda dirty=dirty: (head, dirty))
+        if expected is ValueError:
+            with pytest.raises(ValueError, match="is not this checkout's HEAD"):
+                environment.git_commit(given="cd" * 20)
+        else:
+            assert environment.git_commit(given="CD" * 20) == expected
+        assert environment.git_commit(given=head[:9]) == (head, dirty)
 
 
 def test_commit_where_git_cannot_tell(tmp_path, capsys, monkeypatch):
