@@ -5,8 +5,10 @@ Why: on the first H100 run float32 ``precision="3xtf32"`` was 20x less accurate 
 emulator, then adding each product round-to-nearest, saw 1.2x. With the truncating model the emulator reproduced the
 trend (4.3x at 2048 keys), and the 3xTF32 products now sum apart (kernels/wide_mma.cuh). This test says whether
 the model is the hardware's: on a mismatch it reports how many elements each model of tests/tensor_core_model.py
-gets right (round to nearest; truncation to 24-27 bits of the largest term, toward zero or minus infinity, over the
-8 products at once or in two groups of 4), so that the next model is chosen from data.
+gets right (round to nearest; truncation to 22-27 fraction bits of the largest exponent, products normalized or not,
+toward zero or minus infinity, over the 8 products at once or in two groups of 4, C with them or apart), and prints
+D bit for bit, so that the next model is fitted from data. The emulator's model was fitted so, to an H200's D
+(2026-11-27).
 """
 from pathlib import Path
 
@@ -44,8 +46,8 @@ def test_tf32_mma_rounds_as_the_emulators_tensor_core_model(seed):
     print("elements matching each model (of 128):", matches, "rows 14, 15:", d[14:, 0])
     # the GPU's D bit for bit (operands: model.operands(seed)), so that a model can be fitted here, without a GPU
     print(f"seed {seed} D as float32 bits:", " ".join(f"{x:08x}" for x in d.view("uint32").ravel()))
-    emulator = "emulator (24 bits, 8 products)"
+    emulator = model.EMULATOR
     assert matches[emulator] == d.size, (
-        f"the GPU's TF32 mma differs from the emulator's model (kernels/emulate/arch_emulated.h, tc_sum_rz) in "
+        f"the GPU's TF32 mma differs from the emulator's model (kernels/emulate/arch_emulated.h, tc_dot_rz) in "
         f"{d.size - matches[emulator]} of {d.size} elements; the closest models: {best}; "
         f"C = +-1 plus 0.75 ulp gave {d[14:, 0]}")

@@ -8,6 +8,7 @@
 #pragma once
 #ifndef CUFLASH_EMULATE_ARCH_EMULATED_H_
 #define CUFLASH_EMULATE_ARCH_EMULATED_H_
+#include <algorithm>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -151,7 +152,7 @@ inline float tf32_operand(uint32_t bits) {
 // 2t, 2t+1. Products of two 11-bit significands are exact in fp32; the ISA leaves the accumulation order and
 // rounding unspecified ("at least single precision"). By default this emulation adds the 8 products to C in k
 // order, rounding to fp32 after each addition (no FMA: x86-64 g++ does not contract without -mfma). Under hw_math
-// it models the tensor core instead (tc_sum_rz): the first H100 run showed that 3xTF32, which accumulates many
+// it models the tensor core instead (tc_dot_rz): the first H100 run showed that 3xTF32, which accumulates many
 // small corrections into one C, loses 20x the accuracy of naive fp32 there and not in the round-to-nearest
 // emulation.
 struct MmaTf32In {
@@ -160,30 +161,32 @@ struct MmaTf32In {
   const float* c;
 };
 
-// One tensor-core dot product c + sum p[k] as Fasi, Higham, Mikaitis and Pranesh measured it on the A100 ("Numerical
-// behavior of NVIDIA tensor cores", PeerJ CS 2021): the products are exact, every term is aligned to the largest
-// one and truncated to its 24-bit grid (no guard bits), and the sum is normalized with round-toward-zero. The
-// terms are multiples of that grid, 9 of them each below 2^24 units, so their sum is exact in double; only the last
-// step rounds. (The products are formed in float: exact for tf32 operands except in the subnormal range, which the
-// hw_math mode flushes anyway.)
+// One tensor-core dot product c + sum a[k] b[k], as fitted bit for bit to an H200's mma .tf32 (2026-11-27, the GPU
+// test's 512 elements; tests/tensor_core_model.py, rz): the products are exact; each term is aligned to the largest
+// exponent E among C's (ilogb c) and the products' (ilogb a + ilogb b: the product's significand left unnormalized in
+// [1, 4)) and truncated toward zero to multiples of 2^(E - 25); the sum is normalized with round-toward-zero. Fasi,
+// Higham, Mikaitis and Pranesh ("Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021) found the truncation
+// and the final rounding on the A100; the width and the unnormalized exponents are the fit's. Every term is below
+// 2^(E + 2), 2^27 units: 9 of them sum exactly in double, so only the last step rounds. (The products are formed in
+// double, exact for tf32 operands; hw_math flushes subnormals anyway.)
 // Non-finite terms take the plain sum (NaN and infinities propagate as IEEE).
-inline float tc_sum_rz(float c, const float* p, int n) {
+inline float tc_dot_rz(float c, const float* a, const float* b, int n) {
+  constexpr int kFracBits = 25;
   double t[16];
+  int e = c != 0 ? std::ilogb(c) : INT32_MIN;
   t[0] = c;
-  int e = INT32_MIN;
-  for (int k = 0; k <= n; ++k) {
-    if (k) t[k] = p[k - 1];
-    if (!std::isfinite(t[k])) {
+  for (int k = 0; k < n; ++k) {
+    t[k + 1] = double(a[k]) * double(b[k]);
+    if (!std::isfinite(t[k + 1]) || !std::isfinite(c)) {
       double s = c;
-      for (int j = 0; j < n; ++j) s += p[j];
+      for (int j = 0; j < n; ++j) s += double(a[j]) * double(b[j]);
       return float(s);
     }
-    int ek;
-    if (t[k] != 0) std::frexp(t[k], &ek), e = ek > e ? ek : e;
+    if (t[k + 1] != 0) e = std::max(e, std::ilogb(a[k]) + std::ilogb(b[k]));
   }
   if (e == INT32_MIN) return c;  // all zero (keeps the sign of c)
   double s = 0;
-  for (int k = 0; k <= n; ++k) s += std::ldexp(std::trunc(std::ldexp(t[k], 24 - e)), e - 24);
+  for (int k = 0; k <= n; ++k) s += std::ldexp(std::trunc(std::ldexp(t[k], kFracBits - e)), e - kFracBits);
   float f = float(s);
   if (std::fabs(double(f)) > std::fabs(s)) f = std::nextafter(f, 0.0f);
   return f;
@@ -205,9 +208,9 @@ __attribute__((optimize("O3"))) inline void mma_tf32_fn(Fiber* const* lanes, uin
   if (::cuflash_emu::g.hw_math) {
     for (int i = 0; i < 16; ++i)
       for (int j = 0; j < 8; ++j) {
-        float p[8];
-        for (int k = 0; k < 8; ++k) p[k] = A[i][k] * B[k][j];
-        C[i][j] = tc_sum_rz(C[i][j], p, 8);
+        float b[8];
+        for (int k = 0; k < 8; ++k) b[k] = B[k][j];
+        C[i][j] = tc_dot_rz(C[i][j], A[i], b, 8);
       }
   } else {
     for (int i = 0; i < 16; ++i)
