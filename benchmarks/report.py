@@ -37,6 +37,7 @@ class Record:
     device: str = "cpu"
     repeats: int = 0
     calls_per_sample: int = 1
+    host_ms: Optional[float] = None  # CUDA: the host's time per call before the sync (benchmarks/timing.py)
 
     @classmethod
     def of(cls, case: Case, impl: str, timer: Timer, peak: Optional[int], io_bytes: Optional[int]) -> "Record":
@@ -50,13 +51,14 @@ class Record:
                    density=case.density, ms=round(ms, 6), tflops=round(case.flops / (ms * 1e-3) / 1e12, 4),
                    peak_bytes=peak, gbps=round(case.bytes / (ms * 1e-3) / 1e9, 3), io_bytes=io_bytes,
                    block_k=case.block_k, tile=list(case.tile) if case.tile else None, device=case.device,
-                   repeats=len(timer.samples),
-                   calls_per_sample=timer.calls)
+                   repeats=len(timer.samples), calls_per_sample=timer.calls,
+                   host_ms=round(timer.host_median_ms, 6) if case.device == "cuda" else None)
 
 
 RECORD_FIELDS = tuple(f.name for f in fields(Record))
-#: fields added after results were first committed, with the value an older record means (2026-11-26: tile)
-LATER_FIELDS = {"tile": None}
+#: fields added after results were first committed, with the value an older record means (2026-11-26: tile;
+#: 2026-11-27: host_ms)
+LATER_FIELDS = {"tile": None, "host_ms": None}
 #: the types each record field may hold, from Record's annotations (Optional: null too; see _fits)
 RECORD_TYPES = {name: typing.get_args(hint) or (hint,) for name, hint in typing.get_type_hints(Record).items()}
 #: the file-level fields every figure JSON holds, with their JSON types
@@ -212,11 +214,12 @@ def other_runs(folder: Path, run: tuple) -> dict:
 _COLUMNS = (("impl", 15, "{}"), ("op", 7, "{}"), ("dtype", 7, "{}"), ("B", 3, "{}"), ("H", 3, "{}"),
             ("Sq", 6, "{}"), ("Sk", 6, "{}"), ("d", 4, "{}"), ("causal", 6, "{}"), ("mask/bk", 9, "{}"),
             ("ms", 10, "{:.3f}"), ("TFLOP/s", 8, "{:.3g}"), ("GB/s", 8, "{:.3g}"), ("peak MB", 9, "{:.1f}"),
-            ("x cuflash", 9, "{:.2f}"))
+            ("x cuflash", 9, "{:.2f}"), ("host ms", 8, "{:.3f}"))
 
 
 def table(result: RunResult) -> str:
-    """The run as text: one block per figure; ``x cuflash`` is ms / cuflash's ms on the same case."""
+    """The run as text: one block per figure; ``x cuflash`` is ms / cuflash's ms on the same case; ``host ms`` (CUDA)
+    the host's time per call before the synchronization, ``-`` on the CPU."""
     ref = {_rkey(fig, r): r.ms for fig, r in result.records if r.impl == "cuflash"}
     head = " ".join(f"{name:>{w}}" for name, w, _ in _COLUMNS)
     out = []
@@ -244,7 +247,8 @@ def _row(r: Record, cuflash_ms: Optional[float]) -> str:
     mask = "x".join(map(str, r.tile)) if r.tile else ("-" if mask is None else f"{mask:g}")  # a whole tile: bm x bn x w
     vals = (r.impl, r.op, r.dtype, r.batch, r.heads, r.seqlen_q, r.seqlen_k, r.head_dim,
             "yes" if r.causal else "no", mask, r.ms, r.tflops, r.gbps,
-            None if r.peak_bytes is None else r.peak_bytes / 2**20, r.ms / cuflash_ms if cuflash_ms else None)
+            None if r.peak_bytes is None else r.peak_bytes / 2**20, r.ms / cuflash_ms if cuflash_ms else None,
+            r.host_ms)
     return " ".join(f"{'-' if v is None else fmt.format(v):>{w}}" for (_, w, fmt), v in zip(_COLUMNS, vals))
 
 

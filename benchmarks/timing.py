@@ -41,16 +41,22 @@ class Timer:
     def __init__(self, run: Callable, sync: Callable, *, device: str, calls: int = 1):
         self.run, self.sync, self.device, self.calls = run, sync, device, calls
         self.samples: list[float] = []
+        # CUDA: the host's share (launches return before the GPU finishes): where it nears ``samples``, the GPU
+        # waited on the host, and the time is the host's, not the kernels' (the short lengths of the GPU runs)
+        self.host_samples: list[float] = []
         if device == "cuda":
             import cupy
 
             self._events = (cupy.cuda.Event(), cupy.cuda.Event())
 
     def timed(self):
-        """The timed function: ``calls`` calls, then a synchronization."""
+        """The timed function: ``calls`` calls, then a synchronization. Records the host's time for the calls
+        alone (before the synchronization) in ``host_samples``, ms per call."""
         result = None
+        t0 = time.perf_counter()
         for _ in range(self.calls):
             result = self.run()
+        self.host_samples.append((time.perf_counter() - t0) * 1e3 / self.calls)
         self.sync(result)
 
     def sample(self) -> float:
@@ -75,6 +81,10 @@ class Timer:
     def median_ms(self) -> float:
         return float(np.median(self.samples))
 
+    @property
+    def host_median_ms(self) -> float:
+        return float(np.median(self.host_samples))
+
 
 def time_it(run: Callable, sync: Callable, *, device: str, timing: Timing) -> Timer:
     """Warm up, then sample until the budget is spent; returns the Timer (``median_ms``).
@@ -88,6 +98,7 @@ def time_it(run: Callable, sync: Callable, *, device: str, timing: Timing) -> Ti
     if device == "cuda":
         probe = timer.sample()
         timer.samples.clear()
+        timer.host_samples.clear()
         timer.calls = max(1, min(50, math.ceil(timing.min_sample_ms / max(probe, 1e-3))))
     spent = 0.0
     while len(timer.samples) < timing.min_repeats or (

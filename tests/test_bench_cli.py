@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -293,6 +294,16 @@ def test_timer_and_peak_on_cpu():
     assert len(timer.samples) == 3 and len(calls) == 4 and timer.median_ms >= 0
     peak = timing.first_call_peak(lambda: np.ones(1 << 20), lambda r=None: None, device="cpu", memory="pool")
     assert peak >= 8 << 20
+
+
+def test_the_host_time_excludes_the_synchronization():
+    """host_samples (the record's host_ms on CUDA) time the calls alone: the sync's time is in the sample, not in
+    the host's share (a GPU whose sample nears host_ms waited on the host)."""
+    timer = timing.Timer(lambda: time.sleep(0.002), lambda r=None: time.sleep(0.02), device="cpu", calls=2)
+    for _ in range(3):
+        timer.sample()
+    assert len(timer.host_samples) == len(timer.samples) == 3
+    assert all(2 <= h < s - 5 for h, s in zip(timer.host_samples, timer.samples))  # ms per call: 2+ and 2+ + 20/2
 
 
 def test_unavailable_and_late_pairs_are_skipped_with_a_reason():

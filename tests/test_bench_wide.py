@@ -46,7 +46,7 @@ def test_naive_backward_is_the_gradient(dtype):
 
 def test_records_carry_the_precision_and_the_targets_are_reported():
     class T:  # a timer's surface
-        median_ms, samples, calls = 2.0, [1], 1
+        median_ms, host_median_ms, samples, calls = 2.0, 0.5, [1], 1
 
     rec = [("wide", report.Record.of(cases.Case("wide", "cuda", "fwd", dt, 1, 32, n, n, 64, precision=pr), impl, T(),
                                      None, None))
