@@ -846,14 +846,22 @@ def test_a_block_mask_is_kept_per_stream_without_synchronizing(cp, monkeypatch):
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window=(20, 5)),
                                      dict(score_mod="score * 0.5 + kv_idx % 3"), dict(causal=True, p=0.2)], ids=str)
-def test_the_h100_row_runs_the_features_at_head_dim_128(cp, options):
-    """specs.ARCH_TILES: the H100's own head_dim 128 forward row (64 x 128 x 4 warps) under masks, a score modifier
-    and dropout, forward and backward, against the float64 reference (the feature cases reach it only unmasked)."""
+def test_the_h100_rows_run_the_features_at_head_dim_128(cp, options):
+    """specs.ARCH_TILES: the Hopper rows at head_dim 128, forward (64 x 128 x 4 warps) and backward (128 x 64 x 8,
+    without a modifier; with one the table's row), under masks, a score modifier and dropout, against the float64
+    reference (the feature cases reach them only unmasked)."""
     shape = (1, 150, 170, 2, 1, 128, np.float16)
     case = cases.dropout_case(*shape, seed=3, **options) if "p" in options else make_case(*shape, **options)
     check_forward(gpu_forward(cp), case)
-    row = specs.ARCH_TILES["fwd", 128, 90]
-    assert any(f"flash_fwd_kernel<__half, 128, {row.block_m}, {row.block_n}, {row.warps}," in launch.name
-               for launch in cp._launches)
+
+    def launched(family, row):
+        return any(f"flash_{family}_kernel<__half, 128, {row.block_m}, {row.block_n}, {row.warps},"
+                   in launch.name for launch in cp._launches)
+
+    assert launched("fwd", specs.ARCH_TILES["fwd", 128, 90])
     out, lse = gpu_forward(cp)(case.q, case.k, case.v, **case.options)
+    cp._launches.clear()
     cases.check_backward(gpu_backward(cp, False), case, out, lse)
+    modified = "score_mod" in options
+    assert launched("bwd", specs.ARCH_TILES["bwd", 128, 90]) is not modified
+    assert launched("bwd", specs.TILES["bwd"][128][0]) is modified
