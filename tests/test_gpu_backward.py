@@ -7,7 +7,6 @@ deterministic mode (bitwise equal across runs) and the attention_vjp round trip.
 """
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
 
 import cuflash
 from cuflash.cuda import specs
@@ -55,15 +54,14 @@ def check(case, deterministic=False):
     return check_backward(gpu_backward(deterministic), case, out, lse)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(attention_cases(dtypes=DTYPES, max_seqlen=300, max_head_dim=256, block_sizes=(16, 32, 64, 128, 256)))
+@gpu_support.sharded(attention_cases(dtypes=DTYPES, max_seqlen=300, max_head_dim=256,
+                                     block_sizes=(16, 32, 64, 128, 256)), max_examples=200, shards=8)
 def test_hypothesis_small(case):
     check(case, deterministic=bool(case.q.shape[-1] % 2))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-@given(attention_cases(dtypes=DTYPES, max_seqlen=2000, head_dims=(40, 59, 64, 111, 128, 256), max_batch_dims=1,
-                       block_sizes=(64, 128)))
+@gpu_support.sharded(attention_cases(dtypes=DTYPES, max_seqlen=2000, head_dims=(40, 59, 64, 111, 128, 256),
+                                     max_batch_dims=1, block_sizes=(64, 128)), max_examples=30, shards=2)
 def test_hypothesis_long(case):
     check(case)
 

@@ -10,7 +10,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
 
 import cuflash
 from cuflash.cuda import specs
@@ -64,8 +63,8 @@ def test_feature_with_dropout(name, case, dtype, deterministic):
     check(case, deterministic)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
-@given(attention_cases(dtypes=DTYPES, max_seqlen=600, max_head_dim=256, block_sizes=(16, 64, 128), dropout=True))
+@gpu_support.sharded(attention_cases(dtypes=DTYPES, max_seqlen=600, max_head_dim=256, block_sizes=(16, 64, 128),
+                                     dropout=True), max_examples=100, shards=4)
 def test_hypothesis_with_dropout(case):
     if not case.options.get("dropout_p"):
         case.options.update(dropout_p=0.5, seed=SEED)

@@ -28,8 +28,8 @@ def on_gpu(q, k, v, **options):
     return cp.asnumpy(out), cp.asnumpy(lse)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-@given(attention_cases(dtypes=DTYPES, max_seqlen=300, max_head_dim=256, block_sizes=(16, 32, 64, 128, 256)))
+@gpu_support.sharded(attention_cases(dtypes=DTYPES, max_seqlen=300, max_head_dim=256,
+                                     block_sizes=(16, 32, 64, 128, 256)), max_examples=300, shards=6)
 def test_hypothesis_small(case):
     check_forward(on_gpu, case)
 

@@ -398,3 +398,27 @@ def test_tree_hash_names_the_code_that_ran(tmp_path):
     assert sess.tree_hash(tree) == first
     (tree / "kernels/k.cuh").write_text("// changed")
     assert sess.tree_hash(tree) != first
+
+
+def test_a_sharded_property_spreads_its_examples_over_its_shards():
+    """gpu_support.sharded (the GPU suite's long properties, one per xdist worker): each shard a test of its own with
+    its share of the examples, drawn from its own seed, the same on every run."""
+    from hypothesis import strategies as st
+
+    import gpu_support
+
+    drawn = []
+    test = gpu_support.sharded(st.integers(0, 2**60), max_examples=12, shards=3)(drawn.append)
+    marks = [m for m in test.pytestmark if m.name == "parametrize"]
+    assert [m.args for m in marks] == [("shard", range(3))] and test.__name__ == "append"
+    runs = []
+    for _ in range(2):
+        drawn.clear()
+        per_shard = []
+        for shard in range(3):
+            test(shard)
+            per_shard.append(set(drawn))
+            drawn.clear()
+        runs.append(per_shard)
+    assert runs[0] == runs[1]  # a fixed seed per shard
+    assert all(1 <= len(s) <= 4 for s in runs[0]) and len(set.union(*runs[0])) > 4  # shares, and not the same draws
