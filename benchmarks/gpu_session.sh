@@ -262,7 +262,7 @@ run_profile() {  # ncu: throughput, occupancy, shared-memory bank conflicts and 
     find_tool ncu
     ncu="$tool_path"
     say "profile: ncu over benchmarks.kernel_cases ${profile_args[*]}"
-    timeout -s INT -k 10 "$t_profile" "$ncu" --target-processes all --kernel-name regex:flash_ --launch-count 24 \
+    timeout -s INT -k 10 "$t_profile" "$ncu" --target-processes all --kernel-name regex:flash_ --launch-count 36 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
         --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \

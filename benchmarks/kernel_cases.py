@@ -97,14 +97,29 @@ def small_cases() -> dict[str, Callable]:
     return cases
 
 
+def _sparse(xp, backend, *, density=1 / 16):
+    """The benchmark's block-sparse case (fig3_blocksparse): B 4, H 32, N 4096, d 64, 128 x 128 blocks, the same
+    number of kept blocks in every row (benchmarks.inputs.density_mask)."""
+    from .cases import Case
+    from .inputs import density_mask
+
+    case = Case("blocksparse", "cuda", "fwd", "float16", 4, 32, 4096, 4096, 64, density=density, mask_block=(128, 128))
+    _fwd_bwd(xp, backend, b=4, sq=4096, sk=4096, h=32, hkv=32, block_mask=density_mask(case, seed=0))
+
+
 def profile_cases() -> dict[str, Callable]:
     """The main kernels at the FlashAttention papers' benchmark shape (16k tokens: batch 4 x 4096, 16 heads),
-    float16: forward and backward, head_dim 64 and 128, causal and not (ncu takes the launches it is told to)."""
+    float16: forward and backward, head_dim 64 and 128, causal and not (ncu takes the launches it is told to); then
+    the two shapes where the H200 run's times held a fixed 0.67-0.90 ms a call at 4096 thread blocks (N = 512 at
+    batch 32, and block-sparse at density 1/16): ncu's kernel durations beside the benchmark's times say how much
+    of it is the kernels' own."""
     cases: dict[str, Callable] = {}
     for d in (64, 128):
         for causal in (False, True):
             cases[f"f16-d{d}-n4096{'-causal' if causal else ''}"] = lambda xp, be, d=d, c=causal: _fwd_bwd(
                 xp, be, b=4, sq=4096, sk=4096, h=2048 // d, hkv=2048 // d, d=d, causal=c)
+    cases["f16-d64-n512-b32"] = lambda xp, be: _fwd_bwd(xp, be, b=32, sq=512, sk=512, h=32, hkv=32)
+    cases["f16-d64-n4096-sparse16"] = _sparse
     return cases
 
 
