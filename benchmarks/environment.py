@@ -113,9 +113,10 @@ def git_commit(*, given: Optional[str] = None) -> tuple[str, Optional[bool]]:
     prefix of HEAD's sha (a ValueError otherwise, so that no run records a commit it did not measure). Where git
     cannot tell (a copy of the tree without ``.git``, e.g. on a device machine, knows its commit only from the
     caller), ``(given, None)`` if ``given`` looks like a commit (7 to 40 hex digits; a ValueError otherwise);
-    ``("unknown", None)`` when neither can tell. A dirty checkout whose HEAD is not ``given`` is a tree git cannot
-    name either (the device machine's copy carries the ``.git`` of the session's start under a newer tree: seen on
-    the H200 run of 2026-11-27), so ``given`` is recorded there too, with ``dirty`` None."""
+    ``("unknown", None)`` when neither can tell. One exception to git's word: a dirty checkout whose ``.git`` does not
+    know ``given`` at all (the device machine's copy carries the ``.git`` of the session's start under a newer tree,
+    seen on the H200 run of 2026-11-27) records ``given``, with ``dirty`` None; a ``given`` that git knows and that
+    is not HEAD is still refused."""
     if given is not None and not re.fullmatch(r"[0-9a-fA-F]{7,40}", given):
         raise ValueError(f"--commit {given!r} does not look like a commit (7 to 40 hex digits)")
     given = given and given.lower()
@@ -123,12 +124,21 @@ def git_commit(*, given: Optional[str] = None) -> tuple[str, Optional[bool]]:
     if head is None:
         return given or "unknown", None
     sha, dirty = head
-    if given and not sha.startswith(given) and dirty:
+    if given and not sha.startswith(given) and dirty and not _git_knows(given):
         return given, None
     if given and not sha.startswith(given):
         raise ValueError(f"--commit {given} is not this checkout's HEAD ({sha}); in a git checkout the commit "
                          f"comes from git: leave --commit out")
     return sha, dirty
+
+
+def _git_knows(commit: str) -> bool:
+    """Whether this checkout's git has ``commit`` (a prefix of one) among its objects."""
+    try:
+        return subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def _git_head() -> Optional[tuple[str, bool]]:

@@ -594,19 +594,24 @@ def test_commit_comes_from_git_in_a_checkout(tmp_path, capsys, monkeypatch):
 
 
 def test_commit_of_a_dirty_checkout_is_the_callers(monkeypatch):
-    """A dirty tree under another commit's .git (a device machine's copy) records --commit, with dirty None; a clean
-    checkout still refuses a --commit that is not its HEAD."""
+    """A dirty tree under a .git that does not know --commit (a device machine's copy) records --commit, with dirty
+    None; a clean checkout, or a dirty one whose git knows that other commit, still refuses it."""
     from benchmarks import environment
 
-    head = "ab" * 20
-    for dirty, expected in ((True, ("cd" * 20, None)), (False, ValueError)):
-        monkeypatch.setattr(environment, "_git_head", lambda dirty=dirty: (head, dirty))
+    sha = "ab" * 20
+    if environment._git_head() is None:
+        pytest.skip("this tree is no git checkout")
+    root = environment._git_head()[0]
+    assert environment._git_knows(root) and not environment._git_knows("0" * 39 + "1")
+    for dirty, known, expected in ((True, False, (sha, None)), (False, False, ValueError), (True, True, ValueError)):
+        monkeypatch.setattr(environment, "_git_head", lambda dirty=dirty: (root, dirty))
+        monkeypatch.setattr(environment, "_git_knows", lambda commit, known=known: known)
         if expected is ValueError:
             with pytest.raises(ValueError, match="is not this checkout's HEAD"):
-                environment.git_commit(given="cd" * 20)
+                environment.git_commit(given=sha)
         else:
-            assert environment.git_commit(given="CD" * 20) == expected
-        assert environment.git_commit(given=head[:9]) == (head, dirty)
+            assert environment.git_commit(given=sha.upper()) == expected
+        assert environment.git_commit(given=root[:9]) == (root, dirty)
 
 
 def test_commit_where_git_cannot_tell(tmp_path, capsys, monkeypatch):

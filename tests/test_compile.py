@@ -47,9 +47,11 @@ def test_arch_rows_run_on_their_gpu_only():
         plain_only = (family, d, arch) in specs.ARCH_PLAIN_ONLY
         table = specs.TILES[family][d][0]
         for head_dim in (d - 1, d):  # a padded head dim runs the native row too
-            for modified in (False, True):
-                got = specs.select(family, "float16", head_dim, specs.SMEM_LIMIT[arch], modified=modified, cc=arch)
-                expected = (table.block_m, table.block_n, table.warps) if modified and plain_only else want
+            # no modifier; a score modifier; mask code only (a mask modifier, a BlockMask)
+            for modified, plain in ((False, True), (True, False), (False, False)):
+                got = specs.select(family, "float16", head_dim, specs.SMEM_LIMIT[arch], modified=modified,
+                                   plain=plain, cc=arch)
+                expected = (table.block_m, table.block_n, table.warps) if plain_only and not plain else want
                 assert (got.block_m, got.block_n, got.warps) == expected
         for other, limit in specs.SMEM_LIMIT.items():
             if other != arch:

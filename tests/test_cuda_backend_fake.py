@@ -845,11 +845,12 @@ def test_a_block_mask_is_kept_per_stream_without_synchronizing(cp, monkeypatch):
 
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window=(20, 5)),
-                                     dict(score_mod="score * 0.5 + kv_idx % 3"), dict(causal=True, p=0.2)], ids=str)
+                                     dict(score_mod="score * 0.5 + kv_idx % 3"), dict(mask_mod="kv_idx <= q_idx + 16"),
+                                     dict(causal=True, p=0.2)], ids=str)
 def test_the_h100_rows_run_the_features_at_head_dim_128(cp, options):
     """specs.ARCH_TILES: the Hopper rows at head_dim 128, forward (64 x 128 x 4 warps) and backward (128 x 64 x 8,
-    without a modifier; with one the table's row), under masks, a score modifier and dropout, against the float64
-    reference (the feature cases reach them only unmasked)."""
+    without modifier code; with a score or mask modifier the table's row), under masks, modifiers and dropout,
+    against the float64 reference (the feature cases reach them only unmasked)."""
     shape = (1, 150, 170, 2, 1, 128, np.float16)
     case = cases.dropout_case(*shape, seed=3, **options) if "p" in options else make_case(*shape, **options)
     check_forward(gpu_forward(cp), case)
@@ -862,6 +863,6 @@ def test_the_h100_rows_run_the_features_at_head_dim_128(cp, options):
     out, lse = gpu_forward(cp)(case.q, case.k, case.v, **case.options)
     cp._launches.clear()
     cases.check_backward(gpu_backward(cp, False), case, out, lse)
-    modified = "score_mod" in options
+    modified = "score_mod" in options or "mask_mod" in options
     assert launched("bwd", specs.ARCH_TILES["bwd", 128, 90]) is not modified
     assert launched("bwd", specs.TILES["bwd"][128][0]) is modified

@@ -287,10 +287,11 @@ def backward_specs(problem, max_smem: int, cc: int = 80) -> tuple[specs.KernelSp
     """The (bwd, dq) specializations for ``problem`` on a GPU allowing ``max_smem`` bytes per block."""
     d, t = problem.head_dim, problem.element_type
     modified = problem.mods is not None and problem.mods.score is not None
+    plain = problem.mods is None and problem.block_mask is None  # no modifier code compiled in (_with_mods)
     bwd, dq = ("wbwd", "wdq") if is_wide(problem) else ("bwd", "dq")
     math = math_of(problem, cc)
-    return (specs.select(bwd, t, d, max_smem, modified=modified, math=math, cc=cc),
-            specs.select(dq, t, d, max_smem, modified=modified, math=math, cc=cc))
+    return (specs.select(bwd, t, d, max_smem, modified=modified, plain=plain, math=math, cc=cc),
+            specs.select(dq, t, d, max_smem, modified=modified, plain=plain, math=math, cc=cc))
 
 
 def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max_smem: int = specs.SMEM_LIMIT[80],

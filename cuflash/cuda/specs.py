@@ -278,8 +278,9 @@ ARCH_TILES: dict[tuple[str, int, int], Tile] = {
                                         "Without a modifier only (ARCH_PLAIN_ONLY)"),
 }
 
-#: the ARCH_TILES rows that a score modifier does not take (it keeps S0 in registers for the chain rule): there the
-#: table's row runs. ("bwd", 128, 90): 255 registers and 32 bytes spilled with the compile check's modifier.
+#: the ARCH_TILES rows that run only with no modifier code compiled in (no score or mask modifier, no BlockMask): any
+#: other call runs the table's row. ("bwd", 128, 90): 255 registers and 32 bytes spilled with the compile check's
+#: modifier, which the compile check holds the table's row to instead.
 ARCH_PLAIN_ONLY = frozenset({("bwd", 128, 90)})
 
 
@@ -454,18 +455,19 @@ def _table(family: str, math: str = "") -> dict:
 
 
 def select(family: str, dtype: str, head_dim: int, max_smem: int = SMEM_LIMIT[80], *,
-           modified: bool = False, math: str = "", cc: int = 80) -> KernelSpec:
+           modified: bool = False, plain: Optional[bool] = None, math: str = "", cc: int = 80) -> KernelSpec:
     """The specialization of ``family`` the dispatcher runs for ``dtype`` and a (true) ``head_dim`` on a GPU of
     compute capability ``cc`` allowing ``max_smem`` bytes of shared memory per block (``modified``: with a score
-    modifier compiled in; ``math``: the wide families' arithmetic, :func:`wide_math`). ``dtype`` was validated by
-    the backend."""
+    modifier compiled in; ``plain``: no modifier code at all, default ``not modified`` (:data:`ARCH_PLAIN_ONLY`);
+    ``math``: the wide families' arithmetic, :func:`wide_math`). ``dtype`` was validated by the backend."""
     d = native_head_dim(head_dim)
     if family in WIDE_FAMILIES and (math not in MATHS or MATHS[math][0] != dtype):
         raise ValueError(f"the {family} kernels need a math for {dtype} ({', '.join(MATHS)}), got {math!r}")
     rows = _table(family, math)[d]
     if modified and (family, d) in MODIFIED_TILES:
         rows = (MODIFIED_TILES[family, d],) + rows[1:]
-    elif family in TILES and (family, d, cc) in ARCH_TILES and not (modified and (family, d, cc) in ARCH_PLAIN_ONLY):
+    elif family in TILES and (family, d, cc) in ARCH_TILES and (
+            (not modified if plain is None else plain) or (family, d, cc) not in ARCH_PLAIN_ONLY):
         rows = (ARCH_TILES[family, d, cc],) + rows
     for tile in rows:
         if tile is not None and _spec(family, dtype, d, tile, math).smem_bytes <= max_smem:

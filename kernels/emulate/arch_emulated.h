@@ -169,7 +169,9 @@ struct MmaTf32In {
 // and the final rounding on the A100; the width and the unnormalized exponents are the fit's. Every term is below
 // 2^(E + 2), 2^27 units: 9 of them sum exactly in double, so only the last step rounds. (The products are formed in
 // double, exact for tf32 operands; hw_math flushes subnormals anyway.)
-// Non-finite terms take the plain sum (NaN and infinities propagate as IEEE).
+// Non-finite terms take the plain sum (NaN and infinities propagate as IEEE). A product beyond FLT_MAX, finite in
+// double, is a term like any other, and a sum beyond FLT_MAX rounds toward zero to FLT_MAX (the hardware's result
+// there is not measured; the float products of the model before 2026-11-27 made it inf).
 inline float tc_dot_rz(float c, const float* a, const float* b, int n) {
   constexpr int kFracBits = 25;
   double t[16];
