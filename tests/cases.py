@@ -71,6 +71,34 @@ def feature_cases(dtype=np.float16):
     return c
 
 
+def modifier_cases() -> dict:
+    """``{name: options}``: one case per modifier and mask kind, for ``make_case(2, 75, 75, 4, 2, d, dtype, **options)``
+    (GQA and awkward lengths; the arrays are shaped for 75 queries and keys and 4 query heads)."""
+    out = {}
+    rng = np.random.default_rng(11)
+    docs = np.sort(rng.integers(0, 4, 75))
+    out["bias_full"] = dict(bias=rng.standard_normal((2, 4, 75, 75)).astype(np.float32))
+    out["bias_per_key_broadcast"] = dict(bias=rng.standard_normal((75,)).astype(np.float32), causal=True)
+    out["bias_heads_rows"] = dict(bias=rng.standard_normal((4, 75, 1)).astype(np.float32), window=(20, 5))
+    out["alibi"] = dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32), causal=True)
+    out["softcap"] = dict(softcap=2.0)
+    out["score_mod"] = dict(score_mod="where(q_idx >= kv_idx, score, score - 1.5) + w[kv_idx]",
+                            mod_arrays={"w": rng.standard_normal(75).astype(np.float32)})
+    out["mask_mod"] = dict(mask_mod="d[q_idx] == d[kv_idx] and kv_idx <= q_idx", mod_arrays={"d": docs})
+    out["everything"] = dict(bias=rng.standard_normal((4, 75, 75)).astype(np.float32), softcap=5.0,
+                             alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4], np.float32), score_mod="score * 0.8",
+                             mask_mod="(q_idx + kv_idx) % 5 != 2", causal=True)
+    out["document_causal"] = dict(block_mask=BlockMask.document(docs, block=(16, 32)) &
+                                  BlockMask.causal(75, block=(16, 32)))
+    out["prefix_lm"] = dict(block_mask=BlockMask.prefix_lm(75, 30, block=(32, 16)))
+    out["dense_bits"] = dict(block_mask=BlockMask.from_dense(rng.random((2, 1, 75, 75)) < 0.3, block=(16, 16)))
+    out["mask_or"] = dict(block_mask=BlockMask.sliding_window(75, window=(10, 0), block=(16, 16)) |
+                          BlockMask.from_mask_mod("kv_idx < 4", seqlen_q=75, block=(16, 16)))
+    out["blockmask_and_bias"] = dict(block_mask=BlockMask.causal(75, block=(32, 32)),
+                                     bias=rng.standard_normal((1, 75, 75)).astype(np.float32))
+    return out
+
+
 # ================================================================================================ backward
 def _bf16_rule_works() -> bool:
     try:

@@ -13,7 +13,7 @@ from cuflash import BlockMask, reference
 from cuflash.testing import Case, attention_cases, check_backward, check_forward
 
 from emulated_support import emulated, emulated_backward
-from cases import make_case
+from cases import make_case, modifier_cases
 
 _emulate_ok, _why = cuflash.emulate.available()
 needs_emulator = pytest.mark.skipif(not _emulate_ok, reason=f"CPU emulation unavailable: {_why}")
@@ -27,34 +27,7 @@ def numpy_bwd(dout, q, k, v, out, lse, **options):
     return cuflash.attention_backward(dout, q, k, v, out, lse, **options)
 
 
-def _cases():
-    """One case per modifier and mask kind, with GQA and awkward lengths (float16: the kernels' dtype)."""
-    rng = np.random.default_rng(11)
-    base = dict(b=2, sq=75, sk=75, hq=4, hkv=2, d=40)
-    docs = np.sort(rng.integers(0, 4, 75))
-    yield "bias_full", dict(bias=rng.standard_normal((2, 4, 75, 75)).astype(np.float32))
-    yield "bias_per_key_broadcast", dict(bias=rng.standard_normal((75,)).astype(np.float32), causal=True)
-    yield "bias_heads_rows", dict(bias=rng.standard_normal((4, 75, 1)).astype(np.float32), window=(20, 5))
-    yield "alibi", dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32), causal=True)
-    yield "softcap", dict(softcap=2.0)
-    yield "score_mod", dict(score_mod="where(q_idx >= kv_idx, score, score - 1.5) + w[kv_idx]",
-                            mod_arrays={"w": rng.standard_normal(75).astype(np.float32)})
-    yield "mask_mod", dict(mask_mod="d[q_idx] == d[kv_idx] and kv_idx <= q_idx", mod_arrays={"d": docs})
-    yield "everything", dict(bias=rng.standard_normal((4, 75, 75)).astype(np.float32), softcap=5.0,
-                             alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4], np.float32), score_mod="score * 0.8",
-                             mask_mod="(q_idx + kv_idx) % 5 != 2", causal=True)
-    yield "document_causal", dict(block_mask=BlockMask.document(docs, block=(16, 32)) &
-                                  BlockMask.causal(75, block=(16, 32)))
-    yield "prefix_lm", dict(block_mask=BlockMask.prefix_lm(75, 30, block=(32, 16)))
-    yield "dense_bits", dict(block_mask=BlockMask.from_dense(rng.random((2, 1, 75, 75)) < 0.3, block=(16, 16)))
-    yield "mask_or", dict(block_mask=BlockMask.sliding_window(75, window=(10, 0), block=(16, 16)) |
-                          BlockMask.from_mask_mod("kv_idx < 4", seqlen_q=75, block=(16, 16)))
-    yield "blockmask_and_bias", dict(block_mask=BlockMask.causal(75, block=(32, 32)),
-                                     bias=rng.standard_normal((1, 75, 75)).astype(np.float32))
-    del base
-
-
-CASES = dict(_cases())
+CASES = modifier_cases()
 
 
 def _case(name, dtype=np.float16):

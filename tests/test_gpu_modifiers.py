@@ -1,0 +1,65 @@
+"""Score and mask modifiers and element-exact BlockMasks in the CUDA kernels on a real GPU (CuPy): skipped cleanly
+without CuPy or a usable GPU.
+
+The cases of tests/test_modifiers.py (bias with dbias, ALiBi, softcap, score_mod, mask_mod, everything at once,
+document/prefix-LM/dense-bit/combined BlockMasks), which the emulated kernels pass in CI, here on the hardware:
+forward and backward (dbias included), both dQ modes, float16 and bfloat16, at head_dim 40 (padded to 64) and 128
+(on sm_90 the backward's modified row, specs.ARCH_PLAIN_ONLY), against the float64 reference with the usual rules;
+then a sharded property over the shared strategy's modifiers. Until 2026-11-27 the GPU suite drew element-exact
+BlockMasks only: no score or mask modifier, bias, ALiBi, softcap or dbias had run in a kernel on a GPU.
+"""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.testing import attention_cases, check_backward, check_forward
+
+from cases import bf16, host, make_case, modifier_cases
+
+import gpu_support  # noqa: E402
+
+cp, pytestmark, DTYPES = gpu_support.setup()
+CASES = modifier_cases()
+
+
+def on_gpu(options):
+    """The case's options with its arrays on the device, as a CuPy user passes them (the kernels read bias, ALiBi
+    slopes and mod_arrays in place: a NumPy array there is a TypeError); a BlockMask stays as it is."""
+    def move(x):
+        return cp.asarray(x) if isinstance(x, np.ndarray) else x
+
+    return {k: ({n: move(a) for n, a in v.items()} if k == "mod_arrays" else move(v)) for k, v in options.items()}
+
+
+def gpu_forward(q, k, v, **options):
+    out, lse = cuflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True, **on_gpu(options))
+    assert isinstance(out, cp.ndarray) and out.dtype == q.dtype
+    return host(out), host(lse)
+
+
+def gpu_backward(deterministic):
+    def fn(dout, q, k, v, out, lse, **options):
+        grads = cuflash.attention_backward(*(cp.asarray(a) for a in (dout, q, k, v, out, lse)),
+                                           deterministic=deterministic, **on_gpu(options))
+        return tuple(host(g) for g in grads)
+
+    return fn
+
+
+def check(case, deterministic=False):
+    out, lse = check_forward(gpu_forward, case)
+    check_backward(gpu_backward(deterministic), case, out, lse)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("d", [40, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_modifier(name, dtype, d, deterministic):
+    check(make_case(2, 75, 75, 4, 2, d, bf16() if dtype == "bfloat16" else np.float16, **CASES[name]), deterministic)
+
+
+@gpu_support.sharded(attention_cases(dtypes=DTYPES, max_seqlen=300, max_head_dim=256, modifiers=True),
+                     max_examples=60, shards=4)
+def test_hypothesis_modifiers(case):
+    check(case, deterministic=bool(case.q.shape[-1] % 2))
