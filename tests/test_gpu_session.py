@@ -76,6 +76,17 @@ def test_dry_run_packs_what_a_gpu_session_would(tmp_path, golden_copy):
     assert {r["block_k"] for r in recs} == {32, 64} and all(r["impl"] == "cuflash" and r["device"] == "cuda"
                                                             for r in recs)
     assert [r["tile"] for r in recs] == [[128, 64, 4], [64, 32, 4]]  # the smoke suite's whole tiles, table's first
+    assert all(0 < r["host_ms"] <= r["ms"] for r in recs)  # the host's share of each call, before the sync
+
+
+@needs_emulator
+def test_bench_args_narrow_a_short_lease_to_what_changed(tmp_path):
+    """GPU_SESSION_BENCH_ARGS go after the mode's own options: the last --only wins."""
+    done, out = session(tmp_path, "bench", GPU_SESSION_BENCH_ARGS="--only decode")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "--only decode --device cuda" in (out / "session.txt").read_text()
+    with tarfile.open(out / "results.tar.gz") as tar:
+        assert {Path(n).name for n in tar.getnames() if n.endswith(".json")} == {"fig5_decode.json"}
 
 
 def test_missing_golden_vectors_fail_the_session(tmp_path):
