@@ -84,12 +84,12 @@ def _check_count(x, name, low=0) -> int:
     return int(x)
 
 
-
 def _same(x, y) -> bool:
     """Whether two operands of one name hold the same values (the same array, or a copy of it)."""
     x, y = np.asarray(x), np.asarray(y)
     return x is y or (x.shape == y.shape and x.dtype == y.dtype
                       and np.array_equal(x, y, equal_nan=x.dtype.kind in "fc"))
+
 
 class BlockMask:
     """A mask of (query, key) pairs with a block structure; see the module docstring.

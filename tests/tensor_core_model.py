@@ -89,7 +89,8 @@ def rz(a, b, c, frac_bits=25, unnormalized=True, block=8, floor=False, c_apart=F
 EMULATOR = "emulator (25 fraction bits, unnormalized products)"
 MODELS = {"round to nearest": rn, EMULATOR: rz,
           **{f"{bits} fraction bits, {'unnormalized' if unnorm else 'normalized'} products"
-             f"{f', {block} at a time' if block != 8 else ''}{', floor' if floor else ''}{', C apart' if apart else ''}":
+             f"{f', {block} at a time' if block != 8 else ''}{', floor' if floor else ''}"
+             f"{', C apart' if apart else ''}":
              (lambda a, b, c, bits=bits, unnorm=unnorm, block=block, floor=floor, apart=apart:
               rz(a, b, c, bits, unnorm, block, floor, apart))
              for bits in (22, 23, 24, 25, 26, 27) for unnorm in (True, False) for block in (8, 4)

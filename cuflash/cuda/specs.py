@@ -273,9 +273,9 @@ ARCH_TILES: dict[tuple[str, int, int], Tile] = {
                                        "(128, 64, 8) row's 2.74 and (128, 32, 4)'s 2.16; 16 rows/warp, acc 64 + S 64 "
                                        "regs, 225 regs (234 with a modifier) on sm_90; 85 KB smem, two blocks per SM"),
     ("bwd", 128, 90): Tile(128, 64, 8, "H200 (2026-11-27, float16, N = 4096, not causal): 8.51 ms against the "
-                                        "(64, 64, 8) row's 9.20; H100 (the same sweep, a run earlier): 11.47 against "
-                                        "11.57; 218 regs on sm_90 (224 on sm_80), 137 KB smem, one block per SM. "
-                                        "Without a modifier only (ARCH_PLAIN_ONLY)"),
+                                       "(64, 64, 8) row's 9.20; H100 (the same sweep, a run earlier): 11.47 against "
+                                       "11.57; 218 regs on sm_90 (224 on sm_80), 137 KB smem, one block per SM. "
+                                       "Without modifier code only (ARCH_PLAIN_ONLY)"),
 }
 
 #: the ARCH_TILES rows that run only with no modifier code compiled in (no score or mask modifier, no BlockMask): any
