@@ -6,6 +6,8 @@ the backend must actually use it when MKL is selected.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -111,13 +113,23 @@ def test_add_product_accumulates_in_one_gemm(mkl, monkeypatch, dtype):
     assert not calls and np.array_equal(out, 1 + np.matmul(x, y.astype(np.float16)))
 
 
-def test_guarded_added_product_keeps_the_unguarded_bits(mkl):
+@pytest.mark.parametrize("zeros", ["a", "b"])
+def test_guarded_added_product_keeps_the_unguarded_bits(mkl, zeros):
     """The forward and backward add ``P V`` (``dS K``, ...) into their accumulators: where a row meets no infinity
     or NaN, its bits are those of the call without one (a row must not learn of keys it does not see), and where
-    it does, the sum takes what the term makes of it (NaN where the sum so far is -inf)."""
-    from cuflash.backends.numpy import _seen_product
+    it does, the sum takes what the term makes of it (NaN where the sum so far is -inf). ``zeros="b"``: the same
+    product transposed, the zeros in the right operand (the backward's ``dV^T += dO^T P`` and ``dK^T += Q^T dS``)."""
+    from cuflash.backends.numpy import _seen_product as seen_product
 
     matmul = _blas.products()
+    t = functools.partial(np.swapaxes, axis1=-1, axis2=-2)
+
+    def _seen_product(a, b, guarded, acc, matmul, add):  # noqa: F811 - the product in the orientation asked for
+        if zeros == "a":
+            return seen_product(a, b, guarded, acc, matmul, add=add)
+        out = np.ascontiguousarray(t(acc))  # MKL writes only a row-major accumulator
+        return t(seen_product(t(b), t(a), guarded, out, matmul, add=add, zeros="b"))
+
     rng = np.random.default_rng(3)
     a = rng.random((2, 300, 260)).astype(np.float32)
     a[:, :100, :3] = 0  # rows 0-99 do not see keys 0-2
