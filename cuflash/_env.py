@@ -120,3 +120,12 @@ def check_all() -> None:
     """Parse every variable that is set (the command line's first step): a ValueError names the first bad one."""
     for name in VARIABLES:
         get(name)
+
+
+def worker_threads() -> int:
+    """The NumPy backend's worker threads (and those that check a residual's arrays): ``CUFLASH_NUM_THREADS``, else the
+    cores this process may use."""
+    n = get("CUFLASH_NUM_THREADS")
+    if n is not None:
+        return n
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -20,7 +20,7 @@ from .dropout import fresh_seed, needs_seed
 from .interop import Edge
 from .options import DEFAULTS, LAYOUTS, OPTIONS, Array, Layout, Precision, fill_doc, native_options
 from .problem import check_backward, check_buffer, check_dropout, check_flags, make_problem
-from .residual import AttentionResidual, fingerprint, watched
+from .residual import AttentionResidual, fingerprint, fingerprints, watched
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "attention_qkvpacked", "attention_kvpacked",
            "AttentionResidual", "Vjp", "fingerprint", "Array", "Layout", "Precision", "LAYOUTS", "OPTIONS", "DEFAULTS"]
@@ -230,7 +230,7 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
         seen = watched(dict(q=q, k=k, v=v, out=o, lse=lse), natives_opts)
         residual = AttentionResidual(out_caller, lse_caller, MappingProxyType(dict(options)), packed, backend,
                                      saved, MappingProxyType(natives_opts),
-                                     tuple(fingerprint(a) for _, a in seen), edge, seen)
+                                     fingerprints(a for _, a in seen), edge, seen)
         return out_caller, residual
     results: tuple[Any, ...] = (out_caller,)
     if return_lse:

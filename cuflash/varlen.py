@@ -19,7 +19,7 @@ from .dropout import fresh_seed, needs_seed
 from .interop import Edge
 from .options import native_options
 from .problem import check_dropout, check_flags, check_varlen_backward, make_varlen_problem
-from .residual import fingerprint, watched
+from .residual import fingerprints, watched
 
 Array = Any
 
@@ -206,7 +206,8 @@ class VarlenVjp:
         arrays = {n: edge.data(n, a) for n, a in zip(("q", "k", "v", "out"), self._arrays)}
         cu_q, cu_k = self._arrays[5:7]
         options = native_options(edge, dict(self._options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), _ARRAY_OPTIONS)
-        return tuple((name, fingerprint(a)) for name, a in watched(arrays, options))
+        seen = watched(arrays, options)
+        return tuple(zip((name for name, _ in seen), fingerprints(a for _, a in seen)))
 
     def __call__(self, dout: Array) -> tuple[Array, Array, Array]:
         for (name, now), (_, before) in zip(self._fingerprints(), self._prints):
