@@ -39,13 +39,13 @@ from ._blas import add_product, normal_exp, products, single_threaded, worker_si
 #: Default tile of one head, measured on 2 cores (fp32, N = 4096, 4 heads, d = 64 and 128):
 #: see ``benchmarks/numpy_backend.py``.
 BLOCK_Q, BLOCK_K = 512, 512
-#: Scores per work item of the forward over all its heads: the score buffer of one worker. Two heads'
-#: tiles: half the NumPy calls per score (each one releases and retakes the GIL, which the workers
-#: contend for between calls). Measured on 2 cores, fp32, 4 heads, against one head per item: 2-15%
-#: faster at N = 4096 with d = 64, within noise elsewhere; four heads, or one head's 512 x 1024 tiles,
-#: gain nothing more. Many small heads are batched up to this size, and a grouped-query head group
-#: too wide for it gets shorter query tiles.
-TILE_ELEMENTS = 2 * BLOCK_Q * BLOCK_K
+#: Scores per work item of the forward over all its heads: the score buffer of one worker. Four heads'
+#: tiles: a quarter of the NumPy calls per score (each one releases and retakes the GIL, which the workers
+#: contend for between calls; a causal diagonal tile's strips make four calls of each kind). Measured on 2
+#: cores, fp32, N = 4096, 4 heads: two heads per item 2-15% faster than one (d = 64); four 1-2% faster than
+#: two without a mask and 7-9% with causal=True (9 rounds each, 2026-11-27; float64 -3% to +4%). Many small
+#: heads are batched up to this size, and a grouped-query head group too wide for it gets shorter query tiles.
+TILE_ELEMENTS = 4 * BLOCK_Q * BLOCK_K
 #: The same for the backward, two heads' tiles too. It holds several buffers of this size per worker (P, dP,
 #: dropout's keep-mask). Measured on 2 cores, fp32, N = 4096, 4 heads, against one head per item (7 rounds): 5-7%
 #: faster at head_dim 64, within noise at 128.
