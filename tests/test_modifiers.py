@@ -42,6 +42,20 @@ def test_numpy_backend(name, dtype):
     check_backward(numpy_bwd, case, out, lse)
 
 
+@pytest.mark.parametrize("shape", [(1, 2, 300, 300), (300,), (2, 300, 1)], ids=["full", "per_key", "per_row"])
+def test_numpy_backward_strips_carry_dbias(shape):
+    """The NumPy backward runs a partial tile as row strips cut to the keys they see (``STRIP_ROWS`` rows): each
+    strip's share of dbias lands at its own rows and keys. 300 rows: the one 300 x 300 tile is cut, and with a left
+    window as well as causal, strips after the first start past the tile's first key."""
+    from cuflash.backends import numpy as nb
+
+    assert 300 > nb.STRIP_ROWS and 300 <= min(nb.BLOCK_Q, nb.BLOCK_K)  # guard: one partial tile, several strips
+    bias = np.random.default_rng(11).standard_normal(shape).astype(np.float32)
+    case = make_case(1, 300, 300, 2, 1, 32, np.float32, causal=True, window=(100, None), bias=bias)
+    out, lse = check_forward(numpy_fwd, case)
+    check_backward(numpy_bwd, case, out, lse)
+
+
 @needs_emulator
 @pytest.mark.emulate
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -287,12 +287,20 @@ class _PerBlock:
         self._make, self._lock, self._made = make, threading.Lock(), {}
 
     def __call__(self, chunk):
-        key = tuple((x.start, x.stop) for x in chunk)
         with self._lock:
-            together = self._made.get(key)
+            together = self._made.get(self._key(chunk))
             if together is None:
-                together = self._made[key] = _Together(*self._make(chunk))
+                together = self._made[self._key(chunk)] = _Together(*self._make(chunk))
         return together()
+
+    def release(self, chunk):
+        """Forget the block's work once no item needs it any more (its arrays are freed with the last reference)."""
+        with self._lock:
+            self._made.pop(self._key(chunk), None)
+
+    @staticmethod
+    def _key(chunk):
+        return tuple((x.start, x.stop) for x in chunk)
 
 
 def _per_chunk(problem, rule, q, k, v, wt, matmul, also=(), ones_column=False, forward=False) -> _PerBlock:
@@ -349,11 +357,12 @@ ROWSUM_IN_PV = ("float64",)
 
 def _rowsum_in_pv(problem, wt, matmul):
     """Whether the forward takes l (FA2 Alg. 1 line 10) as the last column of P [V | 1] instead of a ``gemv`` pass
-    over P. float64's 2 x 512 x 512 tile (4 MiB) outgrows the 2 MiB L2 of this machine's cores, so the ``gemv``
-    streams it from L3 (0.15 ms a tile, float32's 0.045); MKL's ``dgemm`` takes the 65th column for 0.06 ms. On
-    two threads (A/B in one process, N = 4096, 4 heads): float64 1-9% faster (one thread 3-7%); float32 up to 6%
-    slower, OpenBLAS within 2% either way: neither folds. Dropout scales P before the product and l is of the
-    undropped P, so it keeps the ``gemv``. [V | 1] is a copy of V per block of heads, O(N·d)."""
+    over P. float64's 2 x 512 x 512 tile (4 MiB when measured; four heads' 8 MiB now) outgrows the 2 MiB L2 of this
+    machine's cores, so the ``gemv`` streams it from L3 (0.15 ms a tile, float32's 0.045); MKL's ``dgemm`` takes the
+    65th column for 0.06 ms. On two threads (A/B in one process, N = 4096, 4 heads): float64 1-9% faster (one thread
+    3-7%); float32 up to 6% slower, OpenBLAS within 2% either way: neither folds. Dropout scales P before the
+    product and l is of the undropped P, so it keeps the ``gemv``. [V | 1] is a copy of V per block of heads,
+    O(N·d)."""
     return wt.name in ROWSUM_IN_PV and matmul is not np.matmul and not problem.dropout_p \
         and problem.seqlen_q * problem.group >= KT_COPY_ROWS  # decode-shaped: copying V would cost more
 
@@ -1321,6 +1330,9 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     def fold(work, result):  # in item order: dq = ((0 + slot 0) + slot 1) + ... per pair block; dbias likewise
         dq_part, parts = result
         dq[work[0]] += dq_part
+        if work[1] == slots - 1:  # the block's last item: its K^T and row operands (O(N·d) each) go now, not at the
+            prepared.release(work[0])  # end of the call (+65% of the backward's peak at B = 32, H = 32, N = 512)
+            row_operands.release(work[0])
         bs, hs = work[0]
         for k0, k1, part in parts:
             b_at = bs if db.shape[0] > 1 else slice(None)
