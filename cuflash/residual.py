@@ -6,7 +6,7 @@ from __future__ import annotations
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -101,7 +101,7 @@ _MIX = 0x9E3779B97F4A7C15  # odd: multiplying by it is invertible modulo 2**64
 _WEIGHTS: dict[int, Any] = {}  # device id -> the weights of fingerprint(), on that device
 
 
-def fingerprints(arrays) -> tuple[tuple[Any, ...], ...]:
+def fingerprints(arrays: Iterable[Any]) -> tuple[tuple[Any, ...], ...]:
     """:func:`fingerprint` of each of ``arrays``, the NumPy ones side by side on the NumPy backend's worker threads
     (``zlib.crc32`` releases the GIL: a residual's q, k, v and out, 4 MiB each, took 6.6 ms one after the other on
     this 2-core machine, before the backward's own work could start)."""

@@ -5,7 +5,8 @@ the forward and (a block of pairs, one dQ accumulator) for the backward; each it
 tiles of the schedule (:mod:`cuflash.tiling`) through one score buffer, so extra memory is a fixed
 budget per worker (:data:`TILE_ELEMENTS` scores in the forward; :data:`BACKWARD_TILE_ELEMENTS` and
 a few buffers of that size in the backward) plus O(B·H·N·d) for inputs upcast to the working
-dtype, outputs and statistics: S and P never exist beyond one tile, whatever B·H is. Items are
+dtype, outputs, statistics and the backward's row operands (:class:`_Rows`, of the blocks in flight): S and P
+never exist beyond one tile, whatever B·H is. Items are
 spread over a thread pool (NumPy's ufuncs and BLAS release the GIL on large tiles) and every
 product runs on one BLAS thread (:mod:`._blas`): what an item computes depends only on the problem
 and the tile sizes, never on the thread count, so results are bitwise the same for any
