@@ -106,8 +106,9 @@ def fingerprints(arrays: Iterable[Any]) -> tuple[tuple[Any, ...], ...]:
     (``zlib.crc32`` releases the GIL: a residual's q, k, v and out, 4 MiB each, took 6.6 ms one after the other on
     this 2-core machine, before the backward's own work could start)."""
     arrays = list(arrays)
-    threads = sum(isinstance(a, np.ndarray) for a in arrays)
-    threads = min(worker_threads(), threads) if threads > 1 else 1
+    host = [a for a in arrays if isinstance(a, np.ndarray)]
+    # below 1 MiB the threads' start (~0.1 ms) costs more than CRC-32 does
+    threads = min(worker_threads(), len(host)) if len(host) > 1 and sum(a.nbytes for a in host) >= 1 << 20 else 1
     if threads < 2:
         return tuple(fingerprint(a) for a in arrays)
     with ThreadPoolExecutor(threads) as pool:
@@ -141,4 +142,3 @@ def fingerprint(a: Any) -> tuple[Any, ...]:
                 acc = acc * mix + (part * w[:part.size]).sum(dtype=xp.uint64)
             total = int(acc.get()[0])
     return tuple(a.shape), tuple(a.strides), str(a.dtype), total
-

@@ -119,16 +119,16 @@ def test_guarded_added_product_keeps_the_unguarded_bits(mkl, zeros):
     or NaN, its bits are those of the call without one (a row must not learn of keys it does not see), and where
     it does, the sum takes what the term makes of it (NaN where the sum so far is -inf). ``zeros="b"``: the same
     product transposed, the zeros in the right operand (the backward's ``dV^T += dO^T P`` and ``dK^T += Q^T dS``)."""
-    from cuflash.backends.numpy import _seen_product as seen_product
+    from cuflash.backends.numpy import _seen_product
 
     matmul = _blas.products()
     t = functools.partial(np.swapaxes, axis1=-1, axis2=-2)
 
-    def _seen_product(a, b, guarded, acc, matmul, add):  # noqa: F811 - the product in the orientation asked for
+    def product(a, b, guarded, acc, matmul, add):  # _seen_product in the orientation asked for
         if zeros == "a":
-            return seen_product(a, b, guarded, acc, matmul, add=add)
+            return _seen_product(a, b, guarded, acc, matmul, add=add)
         out = np.ascontiguousarray(t(acc))  # MKL writes only a row-major accumulator
-        return t(seen_product(t(b), t(a), guarded, out, matmul, add=add, zeros="b"))
+        return t(_seen_product(t(b), t(a), guarded, out, matmul, add=add, zeros="b"))
 
     rng = np.random.default_rng(3)
     a = rng.random((2, 300, 260)).astype(np.float32)
@@ -136,11 +136,11 @@ def test_guarded_added_product_keeps_the_unguarded_bits(mkl, zeros):
     b = rng.standard_normal((2, 260, 40)).astype(np.float32)
     acc0 = rng.standard_normal((2, 300, 40)).astype(np.float32)
     acc0[:, 150, :] = -np.inf
-    clean = _seen_product(a, b, False, acc0.copy(), matmul, add=True)
+    clean = product(a, b, False, acc0.copy(), matmul, add=True)
     bad = b.copy()
     bad[:, 0, :5], bad[:, 1, 5:10], bad[:, 2, 10] = np.inf, -np.inf, np.nan
     with np.errstate(invalid="ignore"):  # as the backend calls it
-        got = _seen_product(a, bad, True, acc0.copy(), matmul, add=True)
+        got = product(a, bad, True, acc0.copy(), matmul, add=True)
     assert np.array_equal(got[:, :100], clean[:, :100])
     assert np.isnan(got[:, 100:, 10]).all() and np.array_equal(got[:, 100:, 11:], clean[:, 100:, 11:])
     seen = np.r_[100:150, 151:300]
