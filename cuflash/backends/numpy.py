@@ -288,10 +288,11 @@ class _PerBlock:
         self._make, self._lock, self._made = make, threading.Lock(), {}
 
     def __call__(self, chunk):
+        key = self._key(chunk)
         with self._lock:
-            together = self._made.get(self._key(chunk))
+            together = self._made.get(key)
             if together is None:
-                together = self._made[self._key(chunk)] = _Together(*self._make(chunk))
+                together = self._made[key] = _Together(*self._make(chunk))
         return together()
 
     def release(self, chunk):

@@ -177,14 +177,16 @@ inline float tc_dot_rz(float c, const float* a, const float* b, int n) {
   double t[16];
   int e = c != 0 ? std::ilogb(c) : INT32_MIN;
   t[0] = c;
+  bool finite = std::isfinite(c);
   for (int k = 0; k < n; ++k) {
     t[k + 1] = double(a[k]) * double(b[k]);
-    if (!std::isfinite(t[k + 1]) || !std::isfinite(c)) {
-      double s = c;
-      for (int j = 0; j < n; ++j) s += double(a[j]) * double(b[j]);
-      return float(s);
-    }
-    if (t[k + 1] != 0) e = std::max(e, std::ilogb(a[k]) + std::ilogb(b[k]));
+    finite = finite && std::isfinite(t[k + 1]);
+    if (finite && t[k + 1] != 0) e = std::max(e, std::ilogb(a[k]) + std::ilogb(b[k]));  // ilogb(inf): INT_MAX
+  }
+  if (!finite) {
+    double s = c;
+    for (int j = 0; j < n; ++j) s += t[j + 1];
+    return float(s);
   }
   if (e == INT32_MIN) return c;  // all zero (keeps the sign of c)
   double s = 0;
