@@ -22,7 +22,8 @@
 # call is killed. GPU_SESSION_BENCH_ARGS: more options for benchmarks.run, after the mode's own (e.g. "--only
 # throughput --impl cuflash,torch-flash"), so that a short lease measures what changed. A kill the script sees
 # (SIGINT, SIGTERM, SIGHUP) still writes session.json, with that signal's status and each unfinished step as
-# "unfinished"; the benchmark's files are packed into $OUT every 20 s.
+# "unfinished"; the benchmark's files are packed into $OUT every 20 s. GPU_SESSION_CASES: comma-separated
+# benchmarks.kernel_cases names that sanitize or profile takes alone (python -m benchmarks.kernel_cases --list).
 set -euo pipefail
 
 what="${1:-all}"
@@ -56,6 +57,9 @@ fi
 if [ "$dry" != 1 ]; then
     # sanitize: a warm-up and four tools, 5 x (95 s + 5 s grace) = 500 s of 580; profile: 480 s
     t_tool=$(((budget - 80) / 5 - 5)); cases_args=(); profile_args=(--profile)
+    if [ -n "${GPU_SESSION_CASES:-}" ]; then  # a short lease profiles or sanitizes only the cases named
+        cases_args=(--only "$GPU_SESSION_CASES"); profile_args+=(--only "$GPU_SESSION_CASES")
+    fi
 fi
 t_profile=$((budget - 100))
 commit="${GPU_SESSION_COMMIT:-$(git rev-parse HEAD 2> /dev/null || echo unknown)}"
@@ -257,12 +261,13 @@ run_sanitize() {  # every tool over every case; the kernels compiled once first,
 }
 
 run_profile() {  # ncu: throughput, occupancy, shared-memory bank conflicts and stall reasons of the main kernels
+    # (--clock-control none: at the clocks the card runs at; ncu's default would lock them to base for the run)
     local ncu rc=0
     profile_rc=unfinished
     find_tool ncu
     ncu="$tool_path"
     say "profile: ncu over benchmarks.kernel_cases ${profile_args[*]}"
-    timeout -s INT -k 10 "$t_profile" "$ncu" --target-processes all --kernel-name regex:flash_ --launch-count 36 \
+    timeout -s INT -k 10 "$t_profile" "$ncu" --clock-control none --target-processes all --kernel-name regex:flash_ --launch-count 36 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
         --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \
