@@ -41,6 +41,7 @@ import numpy as np
 from cuflash import emulate
 from cuflash.emulate._runner import POINTER
 from cuflash.cuda.launch import LaunchSpec
+from cuflash.cuda.params import PARAMS
 
 __version__ = "13.99.0+fake"
 ALIGNMENT = 256                         # CuPy's memory pool hands out 256-byte aligned blocks (and larger)
@@ -348,6 +349,42 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
         setattr(cupy, fn.__name__, fn)
     cupy.ndarray = ndarray
 
+    class ReductionKernel:
+        """CuPy's ``ReductionKernel`` for the expressions cuflash writes, on the fake device memory: a ``map_expr``
+        that NumPy evaluates alike on the broadcast inputs (``w * x``: integer products that wrap, as in C++),
+        ``reduce_expr`` ``a + b`` in ``reduce_type`` (wrapping too), ``post_map_expr`` ``<out> = a``; anything
+        else raises NotImplementedError rather than be emulated wrongly."""
+
+        __module__ = "cupy"
+
+        def __init__(self, in_params, out_params, map_expr, reduce_expr, post_map_expr, identity,
+                     name="reduce_kernel", reduce_type=None, reduce_dims=True, preamble="", options=()):
+            self.names = [p.split()[-1] for p in in_params.split(",")]
+            out_type, self.out = out_params.split()
+            if reduce_expr.replace(" ", "") != "a+b" or post_map_expr.replace(" ", "") != f"{self.out}=a" \
+                    or identity != "0" or not re.fullmatch(r"[\w\s*+()]+", map_expr):
+                raise NotImplementedError(f"the fake ReductionKernel sums a NumPy-compatible map_expr only: "
+                                          f"{map_expr!r}, {reduce_expr!r}, {post_map_expr!r}, {identity!r}")
+            self.map_expr, self.out_dtype = map_expr, np.dtype(out_type)
+            self.reduce_dtype = np.dtype(reduce_type or out_type)
+
+        def __call__(self, *args, axis=None, out=None, keepdims=False):
+            if len(args) != len(self.names):
+                raise TypeError(f"{len(self.names)} inputs expected, got {len(args)}")
+            dev = current_device()
+            values = np.broadcast_arrays(*(_operand(a, dev) for a in args))
+            mapped = eval(self.map_expr, {"__builtins__": {}}, dict(zip(self.names, values)))  # noqa: S307
+            result = np.add.reduce(mapped.astype(self.reduce_dtype), axis=axis, keepdims=keepdims)
+            result = np.asarray(result, dtype=self.out_dtype)
+            if out is None:
+                return ndarray._wrap(np.ascontiguousarray(result), dev)
+            if out.shape != result.shape or out.dtype != self.out_dtype:
+                raise ValueError(f"out {out.shape} {out.dtype}: the reduction gives {result.shape} {self.out_dtype}")
+            out._a[...] = result
+            return out
+
+    cupy.ReductionKernel = ReductionKernel
+
     # ------------------------------------------------------------------ cupy.cuda
     cuda = types.ModuleType("cupy.cuda")
     runtime = types.ModuleType("cupy.cuda.runtime")
@@ -526,6 +563,14 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
             if a.size != 1:
                 raise TypeError(f"argument {i}: a numpy.ndarray of shape {a.shape} is a host array; CuPy passes a "
                                 f"size-1 one by value and refuses others. Pass a cupy.ndarray.")
+            if a.dtype.kind == "V" and a.dtype.names is None:
+                # plain bytes (cuflash.cuda.params.as_bytes): CuPy copies them as they are, and the kernel's
+                # signature types them; the one struct cuflash passes is Params, read back as such for the pointer
+                # check and the emulator
+                if a.dtype.itemsize != PARAMS.itemsize:
+                    raise TypeError(f"argument {i}: {a.dtype.itemsize} bytes by value, but Params has "
+                                    f"{PARAMS.itemsize}")
+                a = a.view(PARAMS)
             check_pointers(i, a, dev)
             return a
         if isinstance(a, np.generic):
