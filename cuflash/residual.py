@@ -3,6 +3,7 @@ saved arrays unchanged since (PyTorch's autograd version counter, for arrays tha
 """
 from __future__ import annotations
 
+import functools
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -119,10 +120,10 @@ def fingerprint(a: Any) -> tuple[Any, ...]:
     """Shape, strides, dtype and a position-sensitive checksum of an array's bits: CRC-32 of a NumPy array's
     bytes (1.6 GB/s here); for a CuPy array, on its device, ``sum_i bits16[i] * w[i]`` modulo 2**64 over fixed
     pseudo-random odd weights ``w`` (``bits8`` where the byte count is odd), chunk sums of 1 Mi elements combined
-    as ``total * MIX + chunk`` (so that chunks do not commute); one read-back per array. Integer arithmetic: a
-    change ``delta`` of one element changes the sum by ``delta * w[i]``, never 0 modulo 2**64 for an odd weight
-    (a float64 sum lost a one-bit change below half an ulp of the total). Any change of values (an edit, a
-    permutation) changes it, short of a deliberate collision."""
+    as ``total * MIX + chunk`` (so that chunks do not commute); one reduction kernel and one read-back per array.
+    Integer arithmetic: a change ``delta`` of one element changes the sum by ``delta * w[i]``, never 0 modulo 2**64
+    for an odd weight (a float64 sum lost a one-bit change below half an ulp of the total). Any change of values (an
+    edit, a permutation) changes it, short of a deliberate collision."""
     xp = array_module(a, names=("array",))
     flat = xp.ascontiguousarray(a).reshape(-1).view(xp.uint8)
     total: int
@@ -135,10 +136,37 @@ def fingerprint(a: Any) -> tuple[Any, ...]:
             if key not in _WEIGHTS:
                 odd = np.random.default_rng(0).integers(0, 2**63, _CHUNK, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
                 _WEIGHTS[key] = xp.asarray(odd)
-            w, mix = _WEIGHTS[key], xp.full(1, _MIX, xp.uint64)
-            acc = xp.zeros(1, xp.uint64)  # 1-element arrays: uint64 arithmetic that wraps, as on the device
-            for start in range(0, flat.size, _CHUNK):
-                part = flat[start:start + _CHUNK].astype(xp.uint64)
-                acc = acc * mix + (part * w[:part.size]).sum(dtype=xp.uint64)
-            total = int(acc.get()[0])
+            total = _fold(_chunk_sums(xp, flat, _WEIGHTS[key]))
     return tuple(a.shape), tuple(a.strides), str(a.dtype), total
+
+
+def _chunk_sums(xp: Any, flat: Any, w: Any) -> np.ndarray:
+    """``sum_j flat[c * CHUNK + j] * w[j]`` modulo 2**64 for every chunk ``c`` (the last one possibly short), on the
+    device in one fused kernel per shape (the whole chunks, the short one), read back once. A loop over the chunks
+    with CuPy's own operations launched 5 kernels for each (a uint64 copy, the product, the sum, the combination)
+    and held a fingerprint of a (32, 512, 32, 64) float16 array at 2 ms on the H200."""
+    whole = flat.size - flat.size % _CHUNK
+    parts = [p for p in (flat[:whole].reshape(-1, _CHUNK), flat[whole:].reshape(1, -1)) if p.size]
+    sums = xp.empty(sum(p.shape[0] for p in parts), xp.uint64)
+    row = 0
+    for part in parts:
+        _weighted_sum(xp)(part, w[:part.shape[1]], axis=1, out=sums[row:row + part.shape[0]])
+        row += part.shape[0]
+    host: np.ndarray = sums.get()
+    return host
+
+
+def _fold(chunk_sums: np.ndarray) -> int:
+    total = 0
+    for s in chunk_sums.tolist():
+        total = (total * _MIX + s) % 2**64
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def _weighted_sum(xp: Any) -> Any:
+    """The reduction ``y = sum_j x[j] * w[j]`` in uint64 (wrapping: arithmetic modulo 2**64), x of 8 or 16 bits,
+    ``w`` broadcast along x's rows. The expression is valid C++ and NumPy alike (the tests' fake CuPy evaluates
+    it)."""
+    return xp.ReductionKernel("T x, uint64 w", "uint64 y", "w * x", "a + b", "y = a", "0", "cuflash_fingerprint",
+                              reduce_type="uint64")

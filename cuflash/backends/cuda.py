@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 from ..cuda import launch as launches
+from ..cuda import params
 from ..cuda import specs
 from ..cuda.compile import KERNEL_OPTIONS
 from ..cuda.source import kernel_source
@@ -128,7 +129,8 @@ def run(launch: launches.LaunchSpec):
         raise ValueError(f"{launch.name_expression} needs {launch.shared_bytes} bytes of shared memory; this GPU "
                          f"allows {max_smem} per block")
     fn = _memoized()[1](launch.source, launch.module_names, launch.name_expression, launch.shared_bytes)
-    fn(launch.grid, launch.block, launch.args, shared_mem=launch.shared_bytes)
+    args = tuple(params.as_bytes(a) if getattr(a, "dtype", None) is params.PARAMS else a for a in launch.args)
+    fn(launch.grid, launch.block, args, shared_mem=launch.shared_bytes)
 
 
 def forward(problem: Problem, *, spec=None):

@@ -1,8 +1,8 @@
 """The kernels' params struct (``kernels/params.cuh``) as a NumPy structured dtype, and its packing.
 
 CuPy passes a size-1 NumPy array by value as a kernel argument (``cupy/cuda/function.pyx``:
-``_pointer`` → ``CNumpyArray``), and so does :mod:`cuflash.emulate`; :data:`PARAMS` must therefore
-match the C++ layout byte for byte. :func:`layout_asserts` turns the dtype into C++
+``_pointer`` → ``CNumpyArray``; the CUDA backend hands it :func:`as_bytes`), and so does :mod:`cuflash.emulate`;
+:data:`PARAMS` must therefore match the C++ layout byte for byte. :func:`layout_asserts` turns the dtype into C++
 ``static_assert``\\ s on ``sizeof``/``offsetof`` that every compilation of a kernel source carries
 (:func:`cuflash.cuda.source.kernel_source`), so the two sides cannot drift apart silently.
 """
@@ -84,6 +84,21 @@ def pack(**values) -> np.ndarray:
             value = address(value)
         p[name] = value
     return p
+
+
+#: :data:`PARAMS` as plain bytes: what the CUDA backend hands CuPy (:func:`as_bytes`)
+PARAMS_BYTES = np.dtype((np.void, PARAMS.itemsize))
+
+
+def as_bytes(p: np.ndarray) -> np.ndarray:
+    """A size-1 :data:`PARAMS` array viewed as plain bytes, for CuPy's launch.
+
+    CuPy takes a by-value argument's address from ``__array_interface__``, whose ``descr`` NumPy builds by walking
+    every field of a structured dtype, 95 for :data:`PARAMS`: 65 us a launch on a 2-core Xeon, 130-270 us on the
+    H200 machine's host (``benchmarks.host_cost``; 1.4 us as plain bytes). The bytes are the same; the kernel's
+    signature gives them their type.
+    """
+    return p.view(PARAMS_BYTES)
 
 
 def _members(dtype: np.dtype, prefix: str = ""):
