@@ -210,8 +210,14 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
 
         __rmul__ = __mul__
 
-        def sum(self, axis=None, dtype=None, keepdims=False):  # a device reduction (0-d for axis=None)
-            return self._same(np.asarray(self._a.sum(axis=axis, dtype=dtype, keepdims=keepdims)))
+        def sum(self, axis=None, dtype=None, out=None, keepdims=False):  # a device reduction (0-d for axis=None)
+            result = np.asarray(self._a.sum(axis=axis, dtype=dtype, keepdims=keepdims))
+            if out is None:
+                return self._same(result)
+            if out.shape != result.shape or out._dev != self._dev:
+                raise ValueError(f"out {out.shape} on device {out._dev}: the sum gives {result.shape}")
+            out._a[...] = result
+            return out
 
         def __float__(self):  # CuPy synchronizes and copies a 0-d result to the host
             return float(self._a)
@@ -349,6 +355,9 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
         setattr(cupy, fn.__name__, fn)
     cupy.ndarray = ndarray
 
+    _C_TYPES = {"unsigned long long": np.uint64, "long long": np.int64, "unsigned int": np.uint32, "int": np.int32,
+                "float": np.float32, "double": np.float64}
+
     class ReductionKernel:
         """CuPy's ``ReductionKernel`` for the expressions cuflash writes, on the fake device memory: a ``map_expr``
         that NumPy evaluates alike on the broadcast inputs (``w * x``: integer products that wrap, as in C++),
@@ -366,7 +375,10 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
                 raise NotImplementedError(f"the fake ReductionKernel sums a NumPy-compatible map_expr only: "
                                           f"{map_expr!r}, {reduce_expr!r}, {post_map_expr!r}, {identity!r}")
             self.map_expr, self.out_dtype = map_expr, np.dtype(out_type)
-            self.reduce_dtype = np.dtype(reduce_type or out_type)
+            if reduce_type is not None and reduce_type not in _C_TYPES:  # CuPy typedefs it: C++ must know it
+                raise compiler.CompileException(f'error: identifier "{reduce_type}" is undefined (reduce_type is a '
+                                                f'C++ type name)', "", name, options)
+            self.reduce_dtype = np.dtype(_C_TYPES[reduce_type] if reduce_type else out_type)
 
         def __call__(self, *args, axis=None, out=None, keepdims=False):
             if len(args) != len(self.names):

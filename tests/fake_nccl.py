@@ -272,9 +272,19 @@ def add_math(monkeypatch, fake):
         monkeypatch.setattr(nd, f"__{name}__", binary(op), raising=False)
     monkeypatch.setattr(nd, "__hash__", None, raising=False)
     monkeypatch.setattr(nd, "__neg__", lambda self: wrap(-self._a, self._dev), raising=False)
+
+    def reduction(f):
+        def method(self, axis=None, keepdims=False, out=None, **kw):
+            result = f(self._a, axis=axis, keepdims=keepdims, **kw)
+            if out is None:
+                return wrap(result, self._dev)
+            device_of(self, out)
+            out._a[...] = result  # CuPy's out=: written in place, on the same device
+            return out
+        return method
+
     for name in ("max", "sum"):
-        monkeypatch.setattr(nd, name, lambda self, axis=None, keepdims=False, _f=getattr(np, name), **kw:
-                            wrap(_f(self._a, axis=axis, keepdims=keepdims, **kw), self._dev), raising=False)
+        monkeypatch.setattr(nd, name, reduction(getattr(np, name)), raising=False)
     monkeypatch.setattr(nd, "__float__", lambda self: float(self._a), raising=False)
 
     def set_(self, arr, stream=None):  # CuPy's host-to-device copy into an existing array
