@@ -57,9 +57,10 @@ fi
 if [ "$dry" != 1 ]; then
     # sanitize: a warm-up and four tools, 5 x (95 s + 5 s grace) = 500 s of 580; profile: 480 s
     t_tool=$(((budget - 80) / 5 - 5)); cases_args=(); profile_args=(--profile)
-    if [ -n "${GPU_SESSION_CASES:-}" ]; then  # a short lease profiles or sanitizes only the cases named
-        cases_args=(--only "$GPU_SESSION_CASES"); profile_args+=(--only "$GPU_SESSION_CASES")
-    fi
+fi
+if [ -n "${GPU_SESSION_CASES:-}" ]; then  # a short lease profiles or sanitizes only the cases named
+    cases_args=(--only "$GPU_SESSION_CASES")
+    if [ "$dry" = 1 ]; then profile_args=("${cases_args[@]}"); else profile_args=(--profile "${cases_args[@]}"); fi
 fi
 t_profile=$((budget - 100))
 commit="${GPU_SESSION_COMMIT:-$(git rev-parse HEAD 2> /dev/null || echo unknown)}"
@@ -267,7 +268,8 @@ run_profile() {  # ncu: throughput, occupancy, shared-memory bank conflicts and 
     find_tool ncu
     ncu="$tool_path"
     say "profile: ncu over benchmarks.kernel_cases ${profile_args[*]}"
-    timeout -s INT -k 10 "$t_profile" "$ncu" --clock-control none --target-processes all --kernel-name regex:flash_ --launch-count 36 \
+    timeout -s INT -k 10 "$t_profile" "$ncu" --clock-control none --target-processes all \
+        --kernel-name regex:flash_ --launch-count 36 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
         --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \

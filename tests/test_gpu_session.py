@@ -275,6 +275,29 @@ def test_dry_run_profile_brings_back_the_ncu_report(tmp_path):
     assert "f16-d64-causal: ok" in (out / "ncu.txt").read_text()
 
 
+def test_profile_takes_only_the_cases_named(tmp_path):
+    """GPU_SESSION_CASES: a short lease profiles (or sanitizes) the kernel cases it names, and no other."""
+    done, out = session(tmp_path, "profile", GPU_SESSION_CASES="float32-3xtf32-d64")
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = (out / "ncu.txt").read_text()
+    assert "float32-3xtf32-d64: ok" in log and "f16-d64-causal" not in log
+
+
+def test_host_cost_profiles_the_python_side_of_a_call():
+    """benchmarks.host_cost on the fake GPU with launches that do nothing: each case's host and event times and a
+    cProfile table whose rows are cuflash's own functions (the params packing among them)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "fake_gpu"), str(REPO / "tests"), str(REPO)]))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", "--no-kernels", "--calls", "2", "--top", "40",
+                           "--only", "fwd-n512-b32"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    host, events = map(float, lines[-1].split()[1:])
+    assert lines[-2].split() == ["case", "host", "ms", "events", "ms"] and lines[-1].startswith("fwd-n512-b32")
+    assert 0 < host <= events
+    assert "cuda/params.py" in done.stdout and "(pack)" in done.stdout
+
+
 @needs_emulator
 def test_cuda_tile_candidate_launches_that_whole_tile(monkeypatch, request):
     """A case with ``tile=(block_m, block_n, warps)`` runs exactly that specialization of the forward kernel."""
