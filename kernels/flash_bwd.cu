@@ -48,51 +48,85 @@ struct BoolConstant {  // a compile-time bool to instantiate a generic lambda pe
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// Preprocess: one warp per query row. lse, L, D are (B, Hq, Sq) fp32 with row stride 1.
+// Preprocess and dQ conversion: kRowLanes lanes per query row, 8 elements (16 bytes of T) each per step, so
+// kHelperRows rows per 128-thread block (cuflash/cuda/specs.py, helper_rows). Rows start 16-byte aligned
+// (cuflash/cuda/launch.py, _aligned) and head_dim is a multiple of 8. Why: one warp per row with 2-byte loads kept
+// the issue slots 75% busy at 2.5x the kernel's memory floor (ncu, H200, N = 512, B = 32, H = 32, d = 64: 154 us
+// against 62). lse, L, D are (B, Hq, Sq) fp32 with row stride 1.
 // ---------------------------------------------------------------------------------------------------------------
+constexpr int kRowLanes = 8;
+constexpr int kHelperRows = 128 / kRowLanes;
+
+// row[0 .. 8) as floats, from one 16-byte load.
+template <typename T>
+__device__ __forceinline__ void load8(float (&x)[8], const T* row) {
+  const uint4 v = *reinterpret_cast<const uint4*>(row);
+  const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = to_float(e[i]);
+}
+
+// D_i = rowsum(dO_i o O_i) (FA2 Algorithm 2) and L = lse * log2(e) per row, and the dQ workspace zeroed.
 template <typename T>
 __global__ void __launch_bounds__(128) flash_bwd_preprocess_kernel(const __grid_constant__ Params p) {
-  const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * 4 + threadIdx.x / 32;
+  const int part = threadIdx.x % kRowLanes;  // this lane's 8-element chunks: 8 * part + 8 * kRowLanes * i
+  const int row = blockIdx.x * kHelperRows + threadIdx.x / kRowLanes;
   const int head = blockIdx.y, batch = blockIdx.z;
   const SeqSpan seq(p, batch);
-  if (row >= seq.rows_q) return;  // a packed sequence's blocks past its length touch nothing
-  const int len_q = seq.len_q;
-  const T* o_row = p.o.at<const T>(batch, head, seq.q0 + row);
-  const T* do_row = p.dout.at<const T>(batch, head, seq.q0 + row);
+  // A packed sequence's rows past its length touch nothing; they still take part in the shuffles (all 32 lanes).
+  const bool in = row < seq.rows_q;
   float sum = 0.f;
-  for (int c = lane; c < p.head_dim; c += 32) sum += to_float(o_row[c]) * to_float(do_row[c]);
+  if (in) {
+    const T* o_row = p.o.at<const T>(batch, head, seq.q0 + row);
+    const T* do_row = p.dout.at<const T>(batch, head, seq.q0 + row);
+    for (int c = 8 * part; c < p.head_dim; c += 8 * kRowLanes) {
+      float o[8], d[8];
+      load8(o, o_row + c), load8(d, do_row + c);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (lane == 0) {
+      for (int i = 0; i < 8; ++i) sum += o[i] * d[i];
+    }
+  }
+#pragma unroll
+  for (int off = kRowLanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (!in) return;
+  if (part == 0) {
     const long long at = seq.stats + head * p.stats_head_stride + row;
     const float l = p.lse[at];
     // A row past its sequence's length, or one that sees no key (lse = -inf), has P = 0: exp2(S - +inf) = 0 for
     // every finite or -inf score. (S - -inf would give +inf.) Its D is 0, not dO.O: an infinite dO there (padding,
     // never read as such) would make dS = P * (dP - D) = 0 * NaN, and every key's dK NaN through dS^T Q.
-    const bool seen = row < len_q && l != neg_inf();
+    const bool seen = row < seq.len_q && l != neg_inf();
     p.dsum[at] = seen ? sum : 0.f;
     p.lse_log2[at] = seen ? l * kLog2e : pos_inf();
   }
   if (p.dq_accum.ptr != nullptr) {
     float* acc_row = p.dq_accum.at<float>(batch, head, seq.q0 + row);
-    for (int c = lane; c < p.head_dim; c += 32) acc_row[c] = 0.f;
+    for (int c = 4 * part; c < p.head_dim; c += 4 * kRowLanes) {
+      *reinterpret_cast<float4*>(acc_row + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// dQ = scale * workspace, in the input dtype. Same grid as the preprocess.
+// dQ = scale * workspace, in the input dtype (rounded to nearest even, as from_float). Same grid as the preprocess.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T>
 __global__ void __launch_bounds__(128) flash_bwd_convert_dq_kernel(const __grid_constant__ Params p) {
-  const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * 4 + threadIdx.x / 32;
+  const int part = threadIdx.x % kRowLanes;
+  const int row = blockIdx.x * kHelperRows + threadIdx.x / kRowLanes;
   const int head = blockIdx.y, batch = blockIdx.z;
   const SeqSpan seq(p, batch);
   if (row >= seq.rows_q) return;
   const float* src = p.dq_accum.at<const float>(batch, head, seq.q0 + row);
   T* dst = p.dq.at<T>(batch, head, seq.q0 + row);
-  for (int c = lane; c < p.head_dim; c += 32) dst[c] = from_float<T>(src[c] * p.scale);
+  const float s = p.scale;
+  for (int c = 8 * part; c < p.head_dim; c += 8 * kRowLanes) {
+    const float4 a = *reinterpret_cast<const float4*>(src + c), b = *reinterpret_cast<const float4*>(src + c + 4);
+    uint4 v;
+    v.x = arch::pack2<T>(a.x * s, a.y * s), v.y = arch::pack2<T>(a.z * s, a.w * s);
+    v.z = arch::pack2<T>(b.x * s, b.y * s), v.w = arch::pack2<T>(b.z * s, b.w * s);
+    *reinterpret_cast<uint4*>(dst + c) = v;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -525,6 +525,12 @@ def helper_names(dtype: str) -> list[str]:
     return [f"{name}<{CTYPES[dtype]}>" for name in HELPERS]
 
 
+def helper_rows(dtype: str) -> int:
+    """Query rows per thread block of :func:`helper_names`' kernels: ``kHelperRows`` of kernels/flash_bwd.cu (8
+    lanes a row, 16-byte accesses) for the 16-bit types, one warp a row in kernels/flash_bwd_wide.cu."""
+    return 4 if dtype in WIDE_CTYPES else 16
+
+
 def combine_name(dtype: str) -> str:
     """The split-KV combine kernel for ``dtype`` (workspaces in float32; float64 for float64)."""
     acc = "double" if dtype == "float64" else "float"
