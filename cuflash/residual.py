@@ -143,30 +143,38 @@ def fingerprint(a: Any) -> tuple[Any, ...]:
     return tuple(a.shape), tuple(a.strides), str(a.dtype), total
 
 
-def _chunk_sums(xp: Any, flat: Any, w: Any) -> np.ndarray:
+def _chunk_sums(xp: Any, flat: Any, w: Any) -> list[int]:
     """``sum_j flat[c * CHUNK + j] * w[j]`` modulo 2**64 for every chunk ``c`` (the last one possibly short), on the
-    device, read back once. The whole chunks are summed in two steps, ``_ROWS`` partial sums per chunk by the fused
-    kernel, then those (sums modulo 2**64 are associative: the same result): a reduction over 1 Mi elements per
-    chunk gave CuPy one thread block per chunk (32 for a (32, 512, 32, 64) float16 array on 132 multiprocessors) and
-    took 0.8 ms per fingerprint on the H200. (A loop over the chunks with CuPy's own operations before it launched 5
-    kernels a chunk: 2 ms.)"""
-    whole = flat.size - flat.size % _CHUNK
+    device, read back once. Rows of ``CHUNK / _ROWS`` elements are summed by the fused kernel, then each chunk's rows
+    (sums modulo 2**64 are associative: the same result); the short chunk's whole rows likewise, and the rest of it
+    (under one row) apart, the two added on the host. A reduction over 1 Mi elements per output gave CuPy one thread
+    block per chunk (32 for a (32, 512, 32, 64) float16 array on 132 multiprocessors): 0.8 ms a fingerprint on the
+    H200. (A loop over the chunks with CuPy's own operations before it launched 5 kernels a chunk: 2 ms.)"""
     rows = math.gcd(_ROWS, _CHUNK)
-    tail = flat[whole:].reshape(1, -1)
-    sums = xp.empty(whole // _CHUNK + (tail.size > 0), xp.uint64)
-    if whole:
-        partial = _weighted_sum(xp)(flat[:whole].reshape(-1, rows, _CHUNK // rows),
-                                    w[:_CHUNK].reshape(rows, _CHUNK // rows), axis=2)
-        partial.sum(axis=1, dtype=xp.uint64, out=sums[:whole // _CHUNK])
-    if tail.size:
-        _weighted_sum(xp)(tail, w[:tail.size], axis=1, out=sums[whole // _CHUNK:])
-    host: np.ndarray = sums.get()
+    inner = _CHUNK // rows
+    whole = flat.size - flat.size % _CHUNK
+    short = flat.size - whole
+    in_rows = short - short % inner  # the short chunk's whole rows
+    # slots: one per whole chunk, then the short chunk's rows and its rest (each 0 where there is none)
+    sums = xp.zeros(whole // _CHUNK + 2 * (short > 0), xp.uint64)
+    for start, size, n in ((0, whole, whole // _CHUNK), (whole, in_rows, 1)):
+        if size:
+            part = flat[start:start + size].reshape(n, -1, inner)
+            partial = _weighted_sum(xp)(part, w[:part.shape[1] * inner].reshape(-1, inner), axis=2)
+            slot = start // _CHUNK
+            partial.sum(axis=1, dtype=xp.uint64, out=sums[slot:slot + n])
+    if short > in_rows:
+        rest = flat[whole + in_rows:].reshape(1, -1)
+        _weighted_sum(xp)(rest, w[in_rows:short].reshape(1, -1), axis=1, out=sums[-1:])
+    host: list[int] = sums.get().tolist()
+    if short:  # the short chunk: its rows' sum and its rest's, added modulo 2**64
+        host[-2:] = [(host[-2] + host[-1]) % 2**64]
     return host
 
 
-def _fold(chunk_sums: np.ndarray) -> int:
+def _fold(chunk_sums: list[int]) -> int:
     total = 0
-    for s in chunk_sums.tolist():
+    for s in chunk_sums:
         total = (total * _MIX + s) % 2**64
     return total
 

@@ -49,8 +49,9 @@ struct BoolConstant {  // a compile-time bool to instantiate a generic lambda pe
 
 // ---------------------------------------------------------------------------------------------------------------
 // Preprocess and dQ conversion: kRowLanes lanes per query row, 8 elements (16 bytes of T) each per step, so
-// kHelperRows rows per 128-thread block (cuflash/cuda/specs.py, helper_rows). Rows start 16-byte aligned
-// (cuflash/cuda/launch.py, _aligned) and head_dim is a multiple of 8. Why: one warp per row with 2-byte loads kept
+// kHelperRows rows per 128-thread block (cuflash/cuda/specs.py, HELPER_ROWS). Rows start 16-byte aligned (O and dO
+// pass cuflash/cuda/launch.py's _aligned or are copied; dQ and its workspace are cuflash's contiguous allocations)
+// and head_dim is a multiple of 8. Why: one warp per row with 2-byte loads kept
 // the issue slots 75% busy at 2.5x the kernel's memory floor (ncu, H200, N = 512, B = 32, H = 32, d = 64: 154 us
 // against 62). lse, L, D are (B, Hq, Sq) fp32 with row stride 1.
 // ---------------------------------------------------------------------------------------------------------------

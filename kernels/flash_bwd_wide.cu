@@ -33,13 +33,16 @@
 namespace cuflash {
 
 // ---------------------------------------------------------------------------------------------------------------
-// Preprocess: one warp per query row. lse, L, D are (B, Hq, Sq) in T with row stride 1.
+// Preprocess: one warp per query row, kWideHelperRows rows per 128-thread block (cuflash/cuda/specs.py,
+// HELPER_ROWS). lse, L, D are (B, Hq, Sq) in T with row stride 1.
 // ---------------------------------------------------------------------------------------------------------------
+constexpr int kWideHelperRows = 4;
+
 template <typename T>
 __global__ void __launch_bounds__(128) flash_bwd_wide_preprocess_kernel(const __grid_constant__ Params p) {
   using R = wide::Real<T>;
   const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * 4 + threadIdx.x / 32;
+  const int row = blockIdx.x * kWideHelperRows + threadIdx.x / 32;
   const int head = blockIdx.y, batch = blockIdx.z;
   const SeqSpan seq(p, batch);
   if (row >= seq.rows_q) return;  // a packed sequence's blocks past its length touch nothing
@@ -69,7 +72,7 @@ __global__ void __launch_bounds__(128) flash_bwd_wide_preprocess_kernel(const __
 template <typename T>
 __global__ void __launch_bounds__(128) flash_bwd_wide_convert_dq_kernel(const __grid_constant__ Params p) {
   const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * 4 + threadIdx.x / 32;
+  const int row = blockIdx.x * kWideHelperRows + threadIdx.x / 32;
   const int head = blockIdx.y, batch = blockIdx.z;
   const SeqSpan seq(p, batch);
   if (row >= seq.rows_q) return;

@@ -51,6 +51,17 @@ def inline_includes(path: Path) -> str:
 
 @functools.lru_cache(maxsize=None)
 def kernel_source(name: str) -> str:
-    """The complete source of ``kernels/<name>`` (read once per process), with the params layout checks."""
+    """The complete source of ``kernels/<name>`` (read once per process), with the params layout checks and the
+    grid the launches assume of its helper kernels."""
     return inline_includes(KERNELS_DIR / name) + "\n// ---- params layout (cuflash/cuda/params.py)\n" + \
-        params.layout_asserts()
+        params.layout_asserts() + _grid_asserts(name)
+
+
+def _grid_asserts(name: str) -> str:
+    """``static_assert``\\ s that the backward's helper kernels take the rows per block that their launches' grid
+    gives them (:data:`cuflash.cuda.specs.HELPER_ROWS`): a kernel taking fewer would leave rows unwritten."""
+    from . import specs
+
+    return "".join(f'static_assert(cuflash::{constant} == {rows}, "{constant}: the grid of cuflash/cuda/specs.py '
+                   f'HELPER_ROWS differs");\n'
+                   for family, (constant, rows) in specs.HELPER_ROWS.items() if specs.SOURCES[family] == name)

@@ -525,10 +525,15 @@ def helper_names(dtype: str) -> list[str]:
     return [f"{name}<{CTYPES[dtype]}>" for name in HELPERS]
 
 
+#: query rows per 128-thread block of the backward's helper kernels, by family: ``kHelperRows`` of
+#: kernels/flash_bwd.cu (8 lanes a row, 16-byte accesses), ``kWideHelperRows`` of kernels/flash_bwd_wide.cu (a warp a
+#: row); every compilation asserts them (cuflash.cuda.source.kernel_source)
+HELPER_ROWS = {"bwd": ("kHelperRows", 16), "wbwd": ("kWideHelperRows", 4)}
+
+
 def helper_rows(dtype: str) -> int:
-    """Query rows per thread block of :func:`helper_names`' kernels: ``kHelperRows`` of kernels/flash_bwd.cu (8
-    lanes a row, 16-byte accesses) for the 16-bit types, one warp a row in kernels/flash_bwd_wide.cu."""
-    return 4 if dtype in WIDE_CTYPES else 16
+    """Query rows per thread block of :func:`helper_names`' kernels (:data:`HELPER_ROWS`)."""
+    return HELPER_ROWS["wbwd" if dtype in WIDE_CTYPES else "bwd"][1]
 
 
 def combine_name(dtype: str) -> str:
