@@ -122,8 +122,8 @@ def fingerprint(a: Any) -> tuple[Any, ...]:
     """Shape, strides, dtype and a position-sensitive checksum of an array's bits: CRC-32 of a NumPy array's
     bytes (1.6 GB/s here); for a CuPy array, on its device, ``sum_i bits16[i] * w[i]`` modulo 2**64 over fixed
     pseudo-random odd weights ``w`` (``bits8`` where the byte count is odd), chunk sums of 1 Mi elements combined
-    as ``total * MIX + chunk`` (so that chunks do not commute); two or three reduction kernels and one read-back
-    per array (:func:`_chunk_sums`).
+    as ``total * MIX + chunk`` (so that chunks do not commute); up to five reduction kernels, whatever the size,
+    and one read-back per array (:func:`_chunk_sums`).
     Integer arithmetic: a change ``delta`` of one element changes the sum by ``delta * w[i]``, never 0 modulo 2**64
     for an odd weight (a float64 sum lost a one-bit change below half an ulp of the total). Any change of values (an
     edit, a permutation) changes it, short of a deliberate collision."""
