@@ -74,11 +74,6 @@ def available():
     return True, "always available"
 
 
-def _threads() -> int:
-    """Worker threads: ``CUFLASH_NUM_THREADS``, else the cores this process may use."""
-    return _env.worker_threads()
-
-
 def _run(fn, items, consume=None):
     """``fn(x)`` for every item on the worker threads, BLAS on one thread throughout.
 
@@ -87,7 +82,7 @@ def _run(fn, items, consume=None):
     backward's dQ accumulators) never all exist at once.
     """
     items = list(items)
-    threads = _threads()  # parsed before any work: a malformed value fails here, naming the variable
+    threads = _env.worker_threads()  # parsed before any work: a malformed value fails here, naming the variable
     consume = consume or (lambda x, r: None)
     with single_threaded():
         if len(items) < 2 or threads < 2:
