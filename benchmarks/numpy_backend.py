@@ -132,6 +132,28 @@ def _products():
     return "numpy" if _blas._mkl() is None else "mkl"
 
 
+#: The implementation name of cuflash on each BLAS that is not the default one, timed beside it.
+OTHER_BLAS = {"numpy": "cuflash_openblas", "mkl": "cuflash_mkl"}
+
+
+def _other_blas():
+    """The ``CUFLASH_BLAS`` choice that is not this machine's default, where it can run: MKL's products beside
+    OpenBLAS's on a CPU where ``auto`` leaves MKL out (AMD's), OpenBLAS's beside MKL's; None without MKL."""
+    from cuflash.backends import _blas
+
+    if _products() == "mkl":
+        return "numpy"
+    return "mkl" if _blas._load_mkl()[0] is not None else None
+
+
+def _with_other_blas(impls):
+    """``impls`` with cuflash on the other BLAS (:func:`_other_blas`) beside cuflash, the same code side by side."""
+    other = _other_blas()
+    if other is not None:
+        impls[OTHER_BLAS[other]] = _blas_choice(other, impls["cuflash"])
+    return impls
+
+
 def _fwd_bwd_impls(torch, q, k, v, causal):
     """Forward and backward: cuflash's attention (with the lse) then attention_backward, PyTorch's SDPA then
     ``torch.autograd.grad`` of the same output gradient (PyTorch has no backward alone to call)."""
@@ -141,9 +163,7 @@ def _fwd_bwd_impls(torch, q, k, v, causal):
         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
         return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
 
-    impls = {"cuflash": ours}
-    if _products() == "mkl":
-        impls["cuflash_openblas"] = _blas_choice("numpy", ours)
+    impls = _with_other_blas({"cuflash": ours})
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
         tdo = torch.from_numpy(dout).transpose(1, 2)
@@ -153,9 +173,7 @@ def _fwd_bwd_impls(torch, q, k, v, causal):
 
 
 def _impls(torch, q, k, v, causal, with_naive, threads):
-    impls = {"cuflash": lambda: cuflash.attention(q, k, v, causal=causal)}
-    if _products() == "mkl":  # the same code with NumPy's OpenBLAS for the products, side by side
-        impls["cuflash_openblas"] = _blas_choice("numpy", impls["cuflash"])
+    impls = _with_other_blas({"cuflash": lambda: cuflash.attention(q, k, v, causal=causal)})
     if threads == 1 and q.dtype == np.float32:
         impls["floor"] = lambda: floor_loop(q, k, v, causal)
         impls["products"] = lambda: floor_loop(q, k, v, causal, softmax=False)
@@ -188,7 +206,7 @@ def time_case(torch, dtype, n, d, causal, rounds, heads=4, threads=None, backwar
                passes="forward+backward" if backward else "forward",
                ms={name: round(1e3 * statistics.median(s), 2) for name, s in samples.items()},
                ms_best={name: round(1e3 * min(s), 2) for name, s in samples.items()})
-    for other in ("torch", "naive", "floor", "products", "cuflash_openblas"):
+    for other in ("torch", "naive", "floor", "products", *OTHER_BLAS.values()):
         if other in samples:
             rec[f"cuflash_over_{other}"] = round(statistics.median(
                 a / b for a, b in zip(samples["cuflash"], samples[other])), 3)
@@ -349,9 +367,10 @@ def main(argv=None):
                                 threads=threads, backward=args.backward)
             result["speed"].append(rec)
             ms, nan = rec["ms"], float("nan")
-            openblas = "" if "cuflash_openblas" not in ms else \
-                f"   cuflash with OpenBLAS {ms['cuflash_openblas']:.1f} (MKL/OpenBLAS " \
-                f"{rec['cuflash_over_cuflash_openblas']:.2f})"
+            other = _other_blas()
+            openblas = "" if other is None else \
+                f"   cuflash with {'OpenBLAS' if other == 'numpy' else 'MKL'} {ms[OTHER_BLAS[other]]:.1f} " \
+                f"(cuflash/that {rec['cuflash_over_' + OTHER_BLAS[other]]:.2f})"
             floor = "" if "floor" not in ms else \
                 f"   floor {ms['floor']:.1f} (cuflash/floor {rec['cuflash_over_floor']:.2f})" \
                 f"   products {ms['products']:.1f} (cuflash/products {rec['cuflash_over_products']:.2f})"

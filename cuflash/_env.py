@@ -69,7 +69,7 @@ VARIABLES: dict[str, Variable] = {
     "CUFLASH_BLAS": Variable(
         _choice("auto", "numpy", "mkl"), "auto, numpy or mkl", "auto",
         "the NumPy backend's tile products: mkl (Intel MKL from the mkl package: pip install 'cuflash[mkl]'), "
-        "numpy (NumPy's own BLAS), auto: mkl when installed"),
+        "numpy (NumPy's own BLAS), auto: mkl when installed and the CPU is Intel's (on AMD's it measured slower)"),
     "CUFLASH_EMULATE_ARCH": Variable(
         lambda raw: int(_choice("80", "86", "89", "90")(raw)), "80, 86, 89 or 90", 80,
         "the GPU whose compute capability and shared-memory limit pick the tile table row "

@@ -758,12 +758,13 @@ def test_numpy_backend_counts_are_at_least_one(argv, match, capsys, monkeypatch)
 
 def test_numpy_benchmark_case_with_one_thread(monkeypatch):
     import benchmarks.numpy_backend as bench
-    from benchmarks.numpy_backend import _products, time_case
+    from benchmarks.numpy_backend import OTHER_BLAS, _other_blas, time_case
 
     monkeypatch.setattr(bench, "IDLE_S", 0.0)  # no BLAS threads to wait for at this size
     rec = time_case(None, np.float32, 64, 16, True, rounds=1, heads=1, threads=1)
-    # with MKL for cuflash's products, the same code on NumPy's OpenBLAS is timed beside it
-    openblas = {"cuflash_openblas"} if _products() == "mkl" else set()
+    # where MKL is installed, the same code on the BLAS that CUFLASH_BLAS=auto does not pick is timed beside it
+    other = _other_blas()
+    openblas = {OTHER_BLAS[other]} if other else set()
     assert set(rec["ms"]) == {"cuflash", "floor", "products", "naive"} | openblas
     assert rec["cuflash_over_floor"] > 0 and rec["cuflash_over_products"] > 0
     assert all(rec[f"cuflash_over_{name}"] > 0 for name in openblas)
@@ -799,7 +800,8 @@ def test_numpy_benchmark_case_forward_and_backward(monkeypatch):
 
     monkeypatch.setattr(bench, "IDLE_S", 0.0)
     rec = bench.time_case(None, np.float32, 64, 16, True, rounds=1, heads=1, threads=1, backward=True)
-    openblas = {"cuflash_openblas"} if bench._products() == "mkl" else set()
+    other = bench._other_blas()
+    openblas = {bench.OTHER_BLAS[other]} if other else set()
     assert rec["passes"] == "forward+backward"
     assert set(rec["ms"]) == {"cuflash"} | openblas  # no naive backward, no floor
     assert rec["skipped"] == {"naive": "no backward"}

@@ -34,6 +34,7 @@ def mkl(monkeypatch):
 
     counted = type("CountedMkl", (), {"gemm": Counting(lib.gemm), "local": lib.local, "vml": lib.vml})()
     monkeypatch.setattr(_blas, "_load_mkl", lambda: (counted, None))
+    monkeypatch.setattr(_blas, "cpu_vendor", lambda: "GenuineIntel")  # CUFLASH_BLAS=auto takes MKL on any CPU here
     # a plan decides MKL or NumPy once per layout: plans made under a test's MKL_MIN_MACS stay with the test
     monkeypatch.setattr(_blas, "_plans", {})
     return counted, calls
@@ -203,10 +204,27 @@ def test_mkl_matmul_hands_numpy_what_blas_cannot_read(mkl, monkeypatch):
         assert np.array_equal(got, expect), name
 
 
-@pytest.mark.parametrize("choice, used", [("mkl", True), ("numpy", False), ("auto", True)])
-def test_backend_products_follow_cuflash_blas(mkl, monkeypatch, choice, used):
+def test_cpu_vendor_parses_cpuinfo(tmp_path):
+    """The vendor string ``auto`` decides by: Linux's ``vendor_id`` line; "" (no MKL by default) where unreadable."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n\nprocessor\t: 1\n"
+                    "vendor_id\t: AuthenticAMD\n")
+    assert _blas.cpu_vendor(str(info)) == "AuthenticAMD"
+    other = tmp_path / "cpuinfo-arm"
+    other.write_text("processor\t: 0\nmodel name\t: some ARM core\n")
+    assert _blas.cpu_vendor(str(other)) == ""
+    assert _blas.cpu_vendor(str(tmp_path / "absent")) == ""
+
+
+@pytest.mark.parametrize("choice, vendor, used", [
+    ("mkl", "GenuineIntel", True), ("mkl", "AuthenticAMD", True), ("numpy", "GenuineIntel", False),
+    ("auto", "GenuineIntel", True), ("auto", "AuthenticAMD", False), ("auto", "", False)])
+def test_backend_products_follow_cuflash_blas(mkl, monkeypatch, choice, vendor, used):
+    """``auto`` takes MKL on Intel's CPUs only (slower than OpenBLAS on AMD's: ``_blas._mkl``); an explicit choice
+    holds on every CPU."""
     lib, calls = mkl
     monkeypatch.setenv("CUFLASH_BLAS", choice)
+    monkeypatch.setattr(_blas, "cpu_vendor", lambda: vendor)
     rng = np.random.default_rng(2)
     q, k, v, do = (rng.standard_normal((1, 700, 2, 64)).astype(np.float32) for _ in range(4))
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, backend="numpy")

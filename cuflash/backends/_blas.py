@@ -16,16 +16,16 @@ after every call the BLAS configuration is exactly what it was before (tested). 
 other threads' BLAS calls (the user's) also run on one thread.
 
 Which BLAS: :func:`products` gives the backend its tile products, NumPy's ``matmul`` or Intel MKL's
-``gemm`` (``CUFLASH_BLAS``; ``auto`` takes MKL when the ``mkl`` package is installed). Why MKL: on an
-Intel Xeon with AVX-512 (this project's machines since 2026-11-24) OpenBLAS's single-threaded ``sgemm``
-runs the tiles' products (inner dimension head_dim or 512, 512 rows) at 140-170 GFLOP/s where MKL's runs
-at 180-210, and ``dgemm`` at 66-80 against 87-101 (``benchmarks/numpy_backend.py``). No package on PyPI
-hands NumPy arrays to MKL's BLAS (NumPy and SciPy wheels bundle OpenBLAS), so :class:`_Mkl` calls
-``cblas_?gemm_batch_strided_64`` through ``ctypes`` (which releases the GIL for the call): a few lines, no build step.
-MKL runs on one thread inside every product (its per-thread count, set and restored around each
-backend call in every thread that computes). Its single-threaded ``gemm`` gave the same bits for every
-alignment of its operands tried (64-byte offsets of A, B and C), so results stay reproducible for
-any thread count; they may differ in the last bits between ``CUFLASH_BLAS=numpy`` and ``mkl``.
+``gemm`` (``CUFLASH_BLAS``; ``auto`` takes MKL where the ``mkl`` package is installed and the CPU is Intel's,
+see :func:`_mkl`). Why MKL: on an Intel Xeon with AVX-512 (this project's machines on some days since
+2026-11-24) OpenBLAS's single-threaded ``sgemm`` runs the tiles' products (inner dimension head_dim or 512,
+512 rows) at 140-170 GFLOP/s where MKL's runs at 180-210, and ``dgemm`` at 66-80 against 87-101
+(``benchmarks/numpy_backend.py``). No package on PyPI hands NumPy arrays to MKL's BLAS (NumPy and SciPy wheels
+bundle OpenBLAS), so :class:`_Mkl` calls ``cblas_?gemm_batch_strided_64`` through ``ctypes`` (which releases the
+GIL for the call): a few lines, no build step. MKL runs on one thread inside every product (its per-thread count,
+set and restored around each backend call in every thread that computes). Its single-threaded ``gemm`` gave the
+same bits for every alignment of its operands tried (64-byte offsets of A, B and C), so results stay reproducible
+for any thread count; they may differ in the last bits between ``CUFLASH_BLAS=numpy`` and ``mkl``.
 """
 from __future__ import annotations
 
@@ -226,10 +226,28 @@ def _load_mkl():
         return None, f"{path} does not load or lacks cblas_?gemm_batch_strided_64 ({exc})"
 
 
+@functools.lru_cache(maxsize=4)
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's vendor string as Linux reports it (``GenuineIntel``, ``AuthenticAMD``, ...), or "" where unknown."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _mkl():
-    """MKL when ``CUFLASH_BLAS`` selects it (``auto``: when it loads), else None."""
+    """MKL when ``CUFLASH_BLAS`` selects it, else None. ``auto`` selects it where it loads and the CPU is Intel's:
+    on the 2-core AMD EPYC (Zen 4, AVX-512) this project's machines are on some days, MKL 2026.2's single-threaded
+    ``sgemm`` took 0.96-1.24x NumPy's OpenBLAS's time on the tiles' products, ``dgemm`` 1.20-1.29x, and VML's
+    ``exp2`` 3x NumPy's (2026-11-27) (``benchmarks/numpy_backend.py`` times the other BLAS beside the one chosen).
+    The choice depends on the machine only, never on a measurement, so a machine's results never change between
+    runs."""
     choice = _env.get("CUFLASH_BLAS")
-    if choice == "numpy":
+    if choice == "numpy" or (choice == "auto" and cpu_vendor() != "GenuineIntel"):
         return None
     mkl, why = _load_mkl()
     if mkl is None and choice == "mkl":
