@@ -204,6 +204,33 @@ def test_mkl_matmul_hands_numpy_what_blas_cannot_read(mkl, monkeypatch):
         assert np.array_equal(got, expect), name
 
 
+@pytest.mark.parametrize("choice, vendor, says", [
+    ("auto", "GenuineIntel", "in Intel MKL (CUFLASH_BLAS=auto)"),
+    ("auto", "AuthenticAMD",
+     "in NumPy's BLAS (CUFLASH_BLAS=auto, MKL taken on Intel's CPUs only, this one: AuthenticAMD)"),
+    ("auto", "", "this one: unknown"), ("numpy", "GenuineIntel", "in NumPy's BLAS (CUFLASH_BLAS=numpy)"),
+    ("mkl", "AuthenticAMD", "in Intel MKL (CUFLASH_BLAS=mkl)"),
+    ("openblas", "", "CUFLASH_BLAS='openblas' is not valid")])
+def test_backend_list_says_which_blas_runs_the_products(mkl, monkeypatch, choice, vendor, says):
+    """``python -m cuflash`` lists the NumPy backend with the BLAS of its products and why; a malformed variable is
+    said there, not raised (the list also goes into error messages)."""
+    from cuflash import backends
+
+    monkeypatch.setenv("CUFLASH_BLAS", choice)
+    monkeypatch.setattr(_blas, "cpu_vendor", lambda: vendor)
+    ok, why = backends.status()["numpy"]
+    assert ok and says in why
+
+
+def test_backend_list_without_mkl_says_it_is_not_installed(monkeypatch):
+    from cuflash import backends
+
+    monkeypatch.setenv("CUFLASH_BLAS", "auto")
+    monkeypatch.setattr(_blas, "_load_mkl", lambda: (None, "the mkl package is not installed"))
+    monkeypatch.setattr(_blas, "cpu_vendor", lambda: "GenuineIntel")
+    assert "NumPy's BLAS (CUFLASH_BLAS=auto, the mkl package not installed)" in backends.status()["numpy"][1]
+
+
 def test_cpu_vendor_parses_cpuinfo(tmp_path):
     """The vendor string ``auto`` decides by: Linux's ``vendor_id`` line; "" (no MKL by default) where unreadable."""
     info = tmp_path / "cpuinfo"

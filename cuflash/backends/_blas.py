@@ -255,6 +255,23 @@ def _mkl():
     return mkl
 
 
+def describe() -> str:
+    """Which BLAS runs the tile products and why, for the list of backends (``python -m cuflash``); a malformed
+    ``CUFLASH_BLAS`` is said, not raised (the list is printed in error messages too)."""
+    try:
+        mkl, choice = _mkl(), _env.get("CUFLASH_BLAS")
+    except ValueError as exc:
+        return f"tile products: {exc}"
+    if mkl is not None:
+        return f"tile products in Intel MKL (CUFLASH_BLAS={choice})"
+    why = ""
+    if choice == "auto":
+        vendor = cpu_vendor() or "unknown"
+        why = ", the mkl package not installed" if _load_mkl()[0] is None else \
+            f", MKL taken on Intel's CPUs only, this one: {vendor}"
+    return f"tile products in NumPy's BLAS (CUFLASH_BLAS={choice}{why})"
+
+
 #: VML_HA (results within 1 ulp: 0.57 measured against NumPy's 0.99) | VML_ERRMODE_IGNORE (no errno, no callback)
 _VML_MODE = 0x2 | 0x100
 

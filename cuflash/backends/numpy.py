@@ -35,7 +35,7 @@ from .. import _env
 from ..dropout import keep_mask
 from ..problem import Problem, stats_dtype, visible
 from ..tiling import Schedule, Tile
-from ._blas import add_product, normal_exp, products, single_threaded, worker_single_threaded
+from ._blas import add_product, describe, normal_exp, products, single_threaded, worker_single_threaded
 
 #: Default tile of one head, measured on 2 cores (fp32, N = 4096, 4 heads, d = 64 and 128):
 #: see ``benchmarks/numpy_backend.py``.
@@ -71,7 +71,7 @@ LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
 
 def available():
-    return True, "always available"
+    return True, f"always available; {describe()}"
 
 
 def _run(fn, items, consume=None):
