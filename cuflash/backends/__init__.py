@@ -4,7 +4,8 @@ A backend module exposes ``available() -> (bool, reason)``, ``forward(problem)``
 ``backward(problem, dout, out, lse, *, deterministic)`` and what it computes: ``DTYPES`` (element
 types), ``BF16_BITS`` (takes uint16 arrays declared ``dtype="bfloat16"``), ``MAX_HEAD_DIM`` (None:
 any) and ``ARRAYS`` ("numpy" or "cupy"). :func:`select` checks a
-problem against those once, so no backend re-checks dtypes or head dims.
+problem against those once, so no backend re-checks dtypes or head dims. ``details() -> str``, optional: more
+than availability for the list of backends (:func:`status`), kept out of ``available()``, which every call asks.
 
 Ragged batches and KV caches: a backend with ``VARLEN = True`` takes a
 :class:`~cuflash.problem.VarlenProblem` in ``forward_varlen(problem) -> (out (total_q, Hq, D), lse (Hq,
@@ -40,7 +41,10 @@ def status():
     out = {}
     for name in NAMES:
         try:
-            out[name] = importlib.import_module(f".{name}", __name__).available()
+            module = importlib.import_module(f".{name}", __name__)
+            ok, why = module.available()
+            details = getattr(module, "details", None)
+            out[name] = (ok, f"{why}; {details()}" if ok and details is not None else why)
         except ImportError as exc:
             out[name] = (False, f"not built yet ({exc})")
     return out

@@ -71,7 +71,12 @@ LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
 
 def available():
-    return True, f"always available; {describe()}"
+    return True, "always available"
+
+
+def details():
+    """For the list of backends: which BLAS runs the tile products, and why."""
+    return describe()
 
 
 def _run(fn, items, consume=None):

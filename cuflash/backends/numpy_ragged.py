@@ -112,10 +112,8 @@ def forward_kvcache(problem: KVCacheProblem):
     wt = _work_dtype(problem)
     out = np.zeros(problem.q.shape, dtype=problem.dtype)
     lse = np.full((problem.batch, problem.heads_q, problem.seqlen_q), -np.inf, dtype=wt)
-    # CUFLASH_NUM_THREADS and CUFLASH_BLAS refused (if they are) before the append: a refused call leaves the caches
-    # alone
-    _env.worker_threads()
-    products()
+    _env.worker_threads()  # CUFLASH_NUM_THREADS and CUFLASH_BLAS refused (if they are) before the append:
+    products()  # a refused call leaves the caches alone
     append_kvcache(problem)
     scratch = _Scratch()
     live = _live(np.full(problem.batch, problem.seqlen_q), problem.lengths_k)
