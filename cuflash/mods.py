@@ -759,13 +759,15 @@ ALIBI = "score - cuflash_alibi[b, h] * abs(q_idx + kv_len - q_len - kv_idx)"
 class Modifiers:
     """Everything one call modifies: the composed score modifier (``score``; None: the scaled score as is),
     the user's mask modifier (``mask``; evaluated on every tile), their operands' values (``values``: name →
-    array on the problem's array module, or a number), and for ``bias=`` its operand name and the caller's
-    shape (``bias_shape``: dbias is reduced to it)."""
+    array on the problem's array module, or a number), and for ``bias=`` its operand name, the caller's
+    shape (``bias_shape``: dbias is returned in it) and the (B|1, H|1, Sq|1, Sk|1) shape that the backends sum
+    dbias to (``bias_compact``: 1 along the axes the caller's bias broadcasts)."""
 
     score: Optional[Expr]
     mask: Optional[Expr]
     values: dict
     bias_shape: Optional[tuple] = None
+    bias_compact: Optional[tuple] = None
 
     @property
     def dscore(self) -> Optional[Expr]:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import cuflash
 import cuflash.emulate
 from cuflash import mods, reference
+from cuflash.testing import assert_attention_close, reference_dtype
 
 ARRAYS = {"slope": np.linspace(0.5, 2.0, 3).astype(np.float32), "doc": np.array([0, 0, 1, 1, 2], np.int32),
           "keep": np.array([True, False, True, True, False]), "c": 2.5, "n": 3}
@@ -231,6 +232,31 @@ def test_reference_gradients_match_finite_differences():
             fd = (loss(**{name: arr + e}) - loss(**{name: arr - e})) / (2 * eps)
             assert g[idx] == pytest.approx(fd, rel=1e-5, abs=1e-8), (name, idx)
     assert grads[3].shape == bias.shape  # summed over the batch it broadcasts
+
+
+@pytest.mark.parametrize("backend,dtype", [("numpy", np.float64), ("numpy", np.float32), ("emulate", np.float16)])
+@pytest.mark.parametrize("stored,declared", [((1, 1, 1, 9), (2, 4, 7, 9)), ((4, 1, 9), (4, 7, 9)),
+                                             ((1, 4, 7, 1), (1, 4, 7, 9))])
+def test_dbias_takes_the_declared_shape_of_a_broadcast_view(backend, dtype, stored, declared):
+    """A bias made with np.broadcast_to has zero strides along axes its shape declares full: dbias comes in the
+    declared shape, bitwise the dbias of the same values stored in full, and as the reference's."""
+    q, k, v, do = (x.astype(dtype) for x in _qkv(3))
+    bias_dtype = np.float64 if dtype == np.float64 else np.float32  # dbias comes in the bias's dtype
+    view = np.broadcast_to(np.random.default_rng(4).standard_normal(stored).astype(bias_dtype), declared)
+    grads = {}
+    for name, bias in (("view", view), ("copy", np.ascontiguousarray(view))):
+        out, lse = cuflash.attention(q, k, v, bias=bias, causal=True, return_lse=True, backend=backend)
+        grads[name] = cuflash.attention_backward(do, q, k, v, out, lse, bias=bias, causal=True, return_dbias=True,
+                                                 backend=backend)
+    assert grads["view"][3].shape == declared
+    for got, want in zip(grads["view"], grads["copy"]):
+        np.testing.assert_array_equal(got, want)
+    opts = dict(bias=view, causal=True)
+    ref = reference.attention_backward(do, q, k, v, return_dbias=True, compute_dtype=reference_dtype(dtype), **opts)
+    naive = reference.attention_backward(do, q, k, v, return_dbias=True, compute_dtype=dtype, **opts)
+    mags = reference.term_magnitudes(q, k, v, do, **opts)
+    assert_attention_close(grads["view"][3], ref[3], naive[3].astype(bias_dtype), mult=3, name="dbias",
+                           magnitude=mags["dbias"])
 
 
 @pytest.mark.parametrize("kw,exc,match", [

@@ -582,7 +582,7 @@ class _Mods:
         g = np.multiply(ds, f, where=ds != 0, out=np.zeros_like(ds)) if guarded else ds * f
         g = g.reshape(g.shape[0], -1, *g.shape[3:])  # (nb, nh, rows, keys)
         bias = self.mods.values["cuflash_bias"]
-        axes = tuple(i for i, st in enumerate(bias.strides) if st == 0 and bias.shape[i] > 1)
+        axes = tuple(i for i, (n, c) in enumerate(zip(bias.shape, self.mods.bias_compact)) if c == 1 and n > 1)
         g = g.sum(axis=axes, keepdims=True) if axes else g
         rows = slice(tile.i0, tile.i1) if part.shape[2] > 1 else slice(None)
         cols = slice(tile.k0 - k0, tile.k1 - k0) if part.shape[3] > 1 else slice(None)
@@ -1220,12 +1220,11 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     modified = modifiers is not None and problem.mods.score is not None
     columns = [t for t in range(sched.n_k) if ((sched.lo <= t) & (t < sched.hi)).any()]
     slots = max(1, min(DQ_CHUNKS, len(columns)))
-    bias = problem.mods.values["cuflash_bias"] if dbias else None
 
     def dbias_part(chunk, k0, k1):
         """The item's share of dbias for key tile [k0, k1): zeros in the compact bias's shape there."""
         bs, hs = chunk
-        shape = [n if st != 0 or n == 1 else 1 for n, st in zip(bias.shape, bias.strides)]
+        shape = problem.mods.bias_compact
         nb = len(range(problem.batch)[bs]) if shape[0] > 1 else 1
         nh = len(range(problem.heads_kv)[hs]) * problem.group if shape[1] > 1 else 1
         return np.zeros((nb, nh, shape[2], k1 - k0 if shape[3] > 1 else 1), dtype=wt)
@@ -1327,7 +1326,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
         return dq_acc, parts
 
     dq = np.zeros(q.shape, dtype=wt)
-    db = np.zeros([n if st != 0 or n == 1 else 1 for n, st in zip(bias.shape, bias.strides)], wt) if dbias else None
+    db = np.zeros(problem.mods.bias_compact, wt) if dbias else None
 
     def fold(work, result):  # in item order: dq = ((0 + slot 0) + slot 1) + ... per pair block; dbias likewise
         dq_part, parts = result

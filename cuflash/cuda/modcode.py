@@ -244,7 +244,6 @@ def dbias_buffer(mods, xp, dtype=np.float32):
     """The dbias accumulator (fp32; float64 for the float64 kernels) in the bias's compact (B|1, H|1, Sq|1, Sk|1)
     shape, zeroed, and its element strides per (b, h, q_idx, kv_idx) (0 where the bias broadcasts: the kernels add
     those contributions up)."""
-    small = _compact(mods.values["cuflash_bias"])
-    acc = xp.zeros(small.shape, dtype=dtype)
-    strides = tuple(0 if n == 1 else s // acc.itemsize for n, s in zip(small.shape, acc.strides))
+    acc = xp.zeros(mods.bias_compact, dtype=dtype)
+    strides = tuple(0 if n == 1 else s // acc.itemsize for n, s in zip(acc.shape, acc.strides))
     return acc, strides

@@ -504,7 +504,9 @@ def _float_array(x, name, xp, form):
 
 
 def _check_bias(bias, xp, batch_shape, extents):
-    """``bias`` as a (B, H, Sq, Sk) view (zero strides where it broadcasts) and the caller's shape.
+    """``bias`` as a (B, H, Sq, Sk) view, the caller's shape, and the (B|1, H|1, Sq|1, Sk|1) shape that dbias is
+    summed to: taken from the caller's shape, not from the view's zero strides, as an array that the caller made by
+    broadcasting (``np.broadcast_to``) has zero strides along axes that its shape declares full.
 
     Broadcasting over batch dimensions is all or nothing (every batch dim 1, or exactly the batch shape):
     flattening a partly broadcast batch would need a copy of the size of the full score matrix."""
@@ -525,7 +527,7 @@ def _check_bias(bias, xp, batch_shape, extents):
     if math.prod((extents["b"],) + tail) > np.iinfo(np.intp).max:  # a broadcast view indexes every element
         raise ValueError(f"bias: the problem's (batch, heads, seqlen_q, seqlen_k) = {(extents['b'],) + tail} has "
                          f"more elements than an array can index; give smaller max_seqlen_q/max_seqlen_k")
-    return xp.broadcast_to(view, (extents["b"],) + tail), tuple(bias.shape)
+    return xp.broadcast_to(view, (extents["b"],) + tail), tuple(bias.shape), (b,) + full[nb:]
 
 
 def _check_alibi(slopes, xp, batch_shape, extents):
@@ -580,9 +582,9 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
                              f"of the working precision), got {softcap!r}")
         internal["cuflash_softcap"] = cap
         score = mods.parse(mods.SOFTCAP, kind="score", arrays=internal, internal=True)
-    bias_shape = None
+    bias_shape = bias_compact = None
     if bias is not None:
-        internal["cuflash_bias"], bias_shape = _check_bias(bias, xp, batch_shape, extents)
+        internal["cuflash_bias"], bias_shape, bias_compact = _check_bias(bias, xp, batch_shape, extents)
         step = mods.parse(mods.BIAS, kind="score", arrays=internal, internal=True)
         score = step if score is None else step.compose(score)
     if alibi_slopes is not None:
@@ -606,7 +608,7 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
     given = {n: a for n, a in given.items() if _is_cupy(a)}
     if given:  # one device with q (array_module's check, which names them)
         array_module(like, *given.values(), names=("q", *given))
-    return mods.Modifiers(score, mask, {**values, **internal}, bias_shape)
+    return mods.Modifiers(score, mask, {**values, **internal}, bias_shape, bias_compact)
 
 
 def check_backward(problem: Problem, dout, out, lse, layout="bshd"):
