@@ -18,7 +18,7 @@ from . import _layout, backends
 from .blockmask import BlockMask
 from .dropout import fresh_seed, needs_seed
 from .interop import Edge
-from .options import DEFAULTS, LAYOUTS, OPTIONS, Array, Layout, Precision, fill_doc, native_options
+from .options import DEFAULTS, LAYOUTS, OPTIONS, Array, Layout, Precision, fill_doc, native_options, snapshot
 from .problem import check_backward, check_buffer, check_dropout, check_flags, make_problem
 from .residual import AttentionResidual, fingerprint, fingerprints, watched
 
@@ -228,8 +228,8 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
     if return_residual:
         saved = (q, k, v, o, lse)
         seen = watched(dict(q=q, k=k, v=v, out=o, lse=lse), natives_opts)
-        residual = AttentionResidual(out_caller, lse_caller, MappingProxyType(dict(options)), packed, backend,
-                                     saved, MappingProxyType(natives_opts),
+        residual = AttentionResidual(out_caller, lse_caller, MappingProxyType(snapshot(options)), packed, backend,
+                                     saved, MappingProxyType(snapshot(natives_opts)),
                                      fingerprints(a for _, a in seen), edge, seen)
         return out_caller, residual
     results: tuple[Any, ...] = (out_caller,)

@@ -131,6 +131,13 @@ def native_options(edge: Edge, options: Mapping[str, Any], arrays: Sequence[str]
     return native
 
 
+def snapshot(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options as a call saw them, for a residual that replays them later: a list (``window=[l, r]``) as a
+    tuple and a dict (``mod_arrays``) copied, so that the caller reusing or changing its own list or dict cannot
+    change the options of a backward that the saved lse belongs to (the arrays inside are fingerprinted)."""
+    return {name: tuple(x) if isinstance(x, list) else dict(x) if isinstance(x, dict) else x
+            for name, x in options.items()}
+
 
 def fill_doc(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with ``{options}`` and ``{arrays}`` in its docstring replaced by the shared text."""

@@ -172,6 +172,13 @@ def test_padding_for_head_dim_v_names_the_argument():
         cuflash.attention(q, k, np.ma.masked_array(v[..., :8]))
 
 
+@pytest.mark.parametrize("value", [np.ma.masked_array(2.0, mask=True), np.ma.masked_array([1.0, 2.0])])
+def test_masked_mod_arrays_are_refused_zero_dimensional_ones_too(value):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"mod_arrays\['s'\] is a numpy.ma.MaskedArray"):
+        cuflash.attention(q, k, v, score_mod="score * s[0]" if value.ndim else "score * s", mod_arrays={"s": value})
+
+
 def test_masked_seqlens_are_refused():
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="seqlens_k is a numpy.ma.MaskedArray"):

@@ -136,6 +136,22 @@ def test_in_place_changes_of_array_options_are_detected(changed):
         cuflash.attention_backward(dout, residual)
 
 
+def test_the_callers_window_list_and_mod_arrays_dict_changed_later_change_nothing():
+    """The residual keeps the options' containers as the forward saw them: a caller reusing its window list or its
+    mod_arrays dict for another call (not an in-place change of an array: that is detected) must not send the
+    backward another problem's options against the forward's lse (it did: the list itself was kept)."""
+    q, k, v, dout = _arrays()
+    window, mod_arrays = [4, 0], {"shift": 0.5}
+    opts = dict(window=(4, 0), score_mod="score * shift", mod_arrays={"shift": 0.5})
+    out, vjp = cuflash.attention_vjp(q, k, v, window=window, score_mod="score * shift", mod_arrays=mod_arrays)
+    window[0], mod_arrays["shift"] = 100, 3.0
+    assert vjp.residual.options["window"] == (4, 0) and vjp.residual.options["mod_arrays"] == {"shift": 0.5}
+    want = cuflash.attention_backward(dout, q, k, v, out, cuflash.attention(q, k, v, return_lse=True, **opts)[1],
+                                      **opts)
+    for got, w in zip(vjp(dout), want):
+        np.testing.assert_array_equal(got, w)
+
+
 def test_return_lse_and_return_residual_are_exclusive():
     q, k, v, _ = _arrays()
     with pytest.raises(TypeError, match="return_lse and return_residual are exclusive"):

@@ -298,6 +298,19 @@ def test_vjp_equals_backward_and_detects_in_place_changes():
         vjp(dout)
 
 
+def test_vjp_keeps_the_window_list_as_the_forward_saw_it():
+    """The caller's window list changed after the forward does not reach the backward (it was kept by reference)."""
+    rng = np.random.default_rng(10)
+    q, k, v, dout, cq, ck = ragged(rng, [9, 3, 12], [9, 5, 12], 4, 2, 8, np.float64)
+    window = [3, 0]
+    out, vjp = cuflash.attention_varlen_vjp(q, k, v, cq, ck, window=window)
+    window[0] = 100
+    lse = cuflash.attention_varlen(q, k, v, cq, ck, return_lse=True, window=(3, 0))[1]
+    want = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, window=(3, 0))
+    for g, w in zip(vjp(dout), want):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_arrays_of_another_library_come_back_in_their_type():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(10)

@@ -554,7 +554,8 @@ def _check_mod_arrays(mod_arrays, xp):
             continue
         if not (isinstance(value, np.ndarray) or _is_cupy(value)):
             raise TypeError(f"mod_arrays[{name!r}] must be an array or a number, got {type(value).__name__}")
-        if value.ndim and array_module(value, names=(f"mod_arrays[{name!r}]",)) is not xp:
+        module = array_module(value, names=(f"mod_arrays[{name!r}]",))  # refuses a masked array, 0-d ones too
+        if value.ndim and module is not xp:  # a 0-d array is a number, on the host or on the device
             raise TypeError(f"mod_arrays[{name!r}] must be a {xp.__name__} array like q, k, v")
         out[name] = native(value)
     return out
