@@ -362,9 +362,14 @@ class BlockMask:
         and in float64 alike, else partial (its elements are then tested in the working precision)."""
         sq, sk = _lengths(seqlen_q, seqlen_k)
         batch, heads = _check_count(batch, "batch", 1), _check_count(heads, "heads", 1)
-        arrays = {n: np.array(_host_array(v, f"mod_arrays[{n!r}]")) if not isinstance(v, numbers.Number) else v
-                  for n, v in (mod_arrays or {}).items()}  # copies: a caller's later change must not reach the mask
+        from .problem.core import _check_mod_arrays  # attention()'s check of mod_arrays (problem imports this module)
+
+        arrays = {n: v if isinstance(v, numbers.Number) else np.array(v)  # copies: a caller's later change must not
+                  for n, v in _check_mod_arrays(mod_arrays, np).items()}  # reach the mask
         rule = mods.parse(mask_mod, kind="mask", arrays=arrays, what="mask_mod")
+        unused = sorted(set(arrays) - {o.name for o in rule.operands})
+        if unused:
+            raise ValueError(f"mod_arrays {unused} are not read by mask_mod")
         rule.check_against(arrays, {"b": batch, "h": heads, "q_idx": sq, "kv_idx": sk}, "mask_mod")
         name = _prefix()  # the operands' names unique to this mask (masks combine)
         rule = rule.renamed({n: name + n for n in arrays})
@@ -453,8 +458,7 @@ class BlockMask:
         float64 inputs), in which the rule's floats are computed, as every backend does. None: a rule without
         floats as it is; one with floats must give the same elements in float32 and float64, else ValueError
         (pass the problem's working precision)."""
-        env = dict(b=np.asarray(b), h=np.asarray(h), q_idx=np.asarray(q_idx), kv_idx=np.asarray(kv_idx),
-                   q_len=self.seqlen_q, kv_len=self.seqlen_k)
+        env = dict(self._indices(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx), q_len=self.seqlen_q, kv_len=self.seqlen_k)
         if dtype is not None:
             return np.asarray(self.member.evaluate(env, self.values, dtype), dtype=bool)
         keep = np.asarray(self.member.evaluate(env, self.values, np.float64), dtype=bool)
@@ -465,11 +469,35 @@ class BlockMask:
                              "for float64 inputs)")
         return keep
 
+    def _indices(self, **given):
+        """The element indices of :meth:`keep` as integer arrays, refused (``TypeError``/``ValueError`` naming the
+        index) unless they lie in the mask: a grid or operand lookup would otherwise raise NumPy's IndexError, or
+        wrap a negative index silently to the last block. ``b``/``h`` may be any index >= 0 where the grid
+        broadcasts along them and the rule does not read them."""
+        gb, gh = self.states.shape[:2]
+        ends = dict(b=gb if gb > 1 or "b" in self._pinned else None, h=gh if gh > 1 or "h" in self._pinned else None,
+                    q_idx=self.seqlen_q, kv_idx=self.seqlen_k)
+        out = {}
+        for name, x in given.items():
+            a = _host_array(x, name)
+            if a.dtype.kind not in "iu":
+                raise TypeError(f"{name} must be integers (an int or an integer array), got dtype {a.dtype}")
+            end = ends[name]
+            if a.size and (a.min() < 0 or (end is not None and a.max() >= end)):
+                bound = f"[0, {end})" if end is not None else ">= 0"
+                raise ValueError(f"{name} must lie in {bound} for this mask, got values from {a.min()} to {a.max()}")
+            out[name] = a
+        return out
+
     def to_dense(self, seqlen_q=None, seqlen_k=None, dtype=None):
-        """The element mask ``(batch|1, heads|1, Sq, Sk)`` (O(N²): for references and tests); ``dtype``: the
-        working precision of the rule's floats (see :meth:`keep`)."""
-        sq = self.seqlen_q if seqlen_q is None else seqlen_q
-        sk = self.seqlen_k if seqlen_k is None else seqlen_k
+        """The element mask ``(batch|1, heads|1, Sq, Sk)`` (O(N²): for references and tests) of the first
+        ``seqlen_q`` x ``seqlen_k`` elements (default: all of them); ``dtype``: the working precision of the rule's
+        floats (see :meth:`keep`)."""
+        sq = self.seqlen_q if seqlen_q is None else _check_length(seqlen_q, "seqlen_q")
+        sk = self.seqlen_k if seqlen_k is None else _check_length(seqlen_k, "seqlen_k")
+        if sq > self.seqlen_q or sk > self.seqlen_k:
+            raise ValueError(f"to_dense: seqlen_q, seqlen_k = {sq}, {sk} exceed this mask's {self.seqlen_q}, "
+                             f"{self.seqlen_k}")
         gb, gh = self.states.shape[:2]
         return np.broadcast_to(self.keep(np.arange(gb).reshape(-1, 1, 1, 1), np.arange(gh).reshape(1, -1, 1, 1),
                                          np.arange(sq).reshape(1, 1, -1, 1), np.arange(sk).reshape(1, 1, 1, -1),

@@ -330,6 +330,33 @@ def test_masked_arrays_are_refused_not_read_without_their_mask(make, name):
         make(np.ma.masked_array(np.ones((4, 4), bool), mask=np.eye(4, dtype=bool)))
 
 
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda m: m.to_dense(16, 16), ValueError, "seqlen_q, seqlen_k = 16, 16 exceed this mask's 8, 8"),
+    (lambda m: m.to_dense(4, -1), ValueError, "seqlen_k must be an int >= 0"),
+    (lambda m: m.keep(0, 0, 100, 100), ValueError, r"q_idx must lie in \[0, 8\)"),
+    (lambda m: m.keep(0, 0, 0, np.arange(9)), ValueError, r"kv_idx must lie in \[0, 8\).* from 0 to 8"),
+    (lambda m: m.keep(0, 0, -1, 0), ValueError, r"q_idx must lie in \[0, 8\)"),  # it wrapped to the last block
+    (lambda m: m.keep(-1, 0, 0, 0), ValueError, "b must lie in >= 0"),
+    (lambda m: m.keep(0, 0, 1.5, 0), TypeError, "q_idx must be integers"),
+    (lambda m: m.keep(0, 0, np.ma.masked_array([1]), 0), TypeError, "q_idx is a numpy.ma.MaskedArray"),
+])
+def test_indices_outside_the_mask_are_refused_naming_them(call, exc, match):
+    """keep and to_dense raised NumPy's IndexError past the mask's lengths and read index -1 as the last block."""
+    with pytest.raises(exc, match=match):
+        call(BlockMask.causal(8, block=(4, 4)))
+
+
+def test_indices_inside_the_mask_and_any_batch_of_a_broadcast_grid_are_kept():
+    m = BlockMask.causal(8, block=(4, 4))
+    np.testing.assert_array_equal(m.to_dense(5, 3)[0, 0], np.tril(np.ones((5, 3), bool)))
+    assert m.keep(7, 3, 7, 7) and not m.keep(7, 3, 0, 1)  # a grid of one batch and head serves every one
+    per_batch = BlockMask.from_mask_mod("w[b] > 0", seqlen_q=8, batch=2, mod_arrays={"w": np.array([1, 0])},
+                                        block=(4, 4))
+    assert per_batch.keep(0, 0, 1, 1) and not per_batch.keep(1, 0, 1, 1)
+    with pytest.raises(ValueError, match=r"b must lie in \[0, 2\)"):
+        per_batch.keep(2, 0, 1, 1)
+
+
 # ----------------------------------------------------------------------------- with element masks
 def _qkv(sq, sk, hq=2, hkv=1, d=8, seed=0, dtype=np.float64):
     rng = np.random.default_rng(seed)

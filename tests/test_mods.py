@@ -290,6 +290,14 @@ def test_reference_takes_score_mods_that_do_not_read_the_score(score_mod):
     check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, backend="numpy", **o), case)
 
 
-def test_mod_arrays_entries_of_no_real_type_are_refused_by_blockmask():
-    with pytest.raises(TypeError, match="mod_arrays entries must be arrays or real scalars"):
-        cuflash.BlockMask.from_mask_mod("kv_idx <= q_idx + a", seqlen_q=64, mod_arrays={"a": 2 + 1j})
+@pytest.mark.parametrize("mod_arrays,exc,match", [
+    ({"a": 2 + 1j}, TypeError, r"mod_arrays\['a'\] must be an array or a number, got complex"),
+    ({"a": [1, 2]}, TypeError, r"mod_arrays\['a'\] must be an array or a number, got list"),
+    ([("a", 1)], TypeError, "mod_arrays must be a dict of name -> array or number, got list"),
+    ({"a": 1, "unread": 2}, ValueError, r"mod_arrays \['unread'\] are not read by mask_mod"),
+])
+def test_blockmask_refuses_the_mod_arrays_that_attention_refuses(mod_arrays, exc, match):
+    """from_mask_mod checks mod_arrays as attention(mask_mod=...) does (problem validation's check): it raised an
+    AttributeError for a list of pairs and took Python lists and entries its rule never reads."""
+    with pytest.raises(exc, match=match):
+        cuflash.BlockMask.from_mask_mod("kv_idx <= q_idx + a", seqlen_q=64, mod_arrays=mod_arrays)
