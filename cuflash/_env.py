@@ -23,7 +23,10 @@ class Variable:
 
 def _integer(lo: int, hi: Optional[int] = None) -> Callable[[str], int]:
     def parse(raw: str) -> int:
-        value = int(raw.strip(), 10)
+        text = raw.strip()
+        if not (text.isascii() and text.isdigit()):  # int() also takes "1_000", "+4" and other scripts' digits
+            raise ValueError
+        value = int(text, 10)
         if value < lo or (hi is not None and value > hi):
             raise ValueError
         return value

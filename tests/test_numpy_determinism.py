@@ -209,7 +209,7 @@ def test_an_interrupt_while_pinning_or_restoring_restores_the_setting(restore_bl
         assert blas_threads() == before and _blas._active == 0, f"interrupted after change {at} of {calls[0]}"
 
 
-@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5", ""])
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5", "", "1_000", "+4", "\u0664\u0664"])
 def test_bad_num_threads_names_the_variable(monkeypatch, raw):
     monkeypatch.setenv("CUFLASH_NUM_THREADS", raw)
     q, k, v, _ = _inputs()
