@@ -172,6 +172,26 @@ def test_padding_for_head_dim_v_names_the_argument():
         cuflash.attention(q, k, np.ma.masked_array(v[..., :8]))
 
 
+@pytest.mark.parametrize("name,options", [
+    ("bias", dict(bias=np.full((4, 4), 1e300))),
+    ("bias", dict(bias=np.broadcast_to(np.array([0.0, -1e39]).reshape(2, 1, 1), (2, 4, 4)))),
+    ("alibi_slopes", dict(alibi_slopes=np.array([1.0, 1e39]))),
+    ("mod_arrays\\['x'\\]", dict(score_mod="score + x", mod_arrays={"x": 1e300})),
+    ("mod_arrays\\['x'\\]", dict(score_mod="score + x[h]", mod_arrays={"x": np.array([0.0, -4e38])})),
+])
+def test_float64_operands_past_the_working_precision_are_refused(name, options):
+    """With float32 inputs the modifiers compute in float32: a float64 operand past its largest became inf there
+    (NaN outputs, a RuntimeWarning at most), as scale and softcap are refused; inf itself and values that fit
+    pass."""
+    q, k, v = (np.random.default_rng(1).standard_normal((1, 4, 2, 8)).astype(np.float32) for _ in range(3))
+    with pytest.raises(ValueError, match=f"^{name} holds finite values beyond the largest float32"):
+        cuflash.attention(q, k, v, **options)
+    fits = cuflash.attention(q, k, v, bias=np.array([0.0, -3e38, -np.inf, 0.0]))  # float64 bias within float32
+    assert np.isfinite(fits).all()
+    wide = cuflash.attention(*(x.astype(np.float64) for x in (q, k, v)), **options)  # float64 inputs: it fits
+    assert wide.dtype == np.float64
+
+
 @pytest.mark.parametrize("value", [np.ma.masked_array(2.0, mask=True), np.ma.masked_array([1.0, 2.0])])
 def test_masked_mod_arrays_are_refused_zero_dimensional_ones_too(value):
     q, k, v = _qkv()

@@ -503,6 +503,29 @@ def _float_array(x, name, xp, form):
     return x
 
 
+def _check_fits_working(x, name: str, dtype) -> None:
+    """Refuse a float operand (an array, or a number of ``mod_arrays``) with finite values past the largest of the
+    working precision of ``dtype`` (float32 but for float64 inputs), where the modifiers compute: they would turn
+    into inf there (a float64 bias of 1e300 gave NaN outputs with float32 inputs), as ``scale`` and ``softcap``
+    would. Only a wider dtype can hold them; one element per broadcast axis is read."""
+    work = stats_dtype(dtype)
+    if isinstance(x, numbers.Number):  # an int, bool or float of mod_arrays (ints are held to int32 elsewhere)
+        with np.errstate(over="ignore"):
+            bad = isinstance(x, float) and math.isfinite(x) and not np.isfinite(work.type(x))
+    elif x is None or x.dtype.kind != "f" or x.dtype.itemsize <= work.itemsize:
+        return
+    else:
+        xp = array_module(x, names=(name,))
+        small = x[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(x.strides, x.shape))]
+        with np.errstate(over="ignore"):
+            bad = bool((xp.isinf(small.astype(work)) & xp.isfinite(small)).any())  # the cast the backends make
+    if bad:
+        largest = float(np.finfo(work).max)
+        raise ValueError(f"{name} holds finite values beyond the largest {work.name} ({largest:.4g}), the working "
+                         f"precision of {dtype_name(dtype)} inputs, where they would become inf: scale them, or "
+                         f"pass inf or -inf itself")
+
+
 def _check_bias(bias, xp, batch_shape, extents):
     """``bias`` as a (B, H, Sq, Sk) view, the caller's shape, and the (B|1, H|1, Sq|1, Sk|1) shape that dbias is
     summed to: taken from the caller's shape, not from the view's zero strides, as an array that the caller made by
@@ -606,9 +629,11 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
         raise ValueError(f"mod_arrays {unused} are read by neither score_mod nor mask_mod")
     given = {**{f"mod_arrays[{n!r}]": a for n, a in values.items()},
              **{n: internal.get(f"cuflash_{k}") for n, k in (("bias", "bias"), ("alibi_slopes", "alibi"))}}
-    given = {n: a for n, a in given.items() if _is_cupy(a)}
-    if given:  # one device with q (array_module's check, which names them)
-        array_module(like, *given.values(), names=("q", *given))
+    on_gpu = {n: a for n, a in given.items() if _is_cupy(a)}
+    if on_gpu:  # one device with q (array_module's check, which names them)
+        array_module(like, *on_gpu.values(), names=("q", *on_gpu))
+    for name, a in given.items():
+        _check_fits_working(a, name, like.dtype)
     return mods.Modifiers(score, mask, {**values, **internal}, bias_shape, bias_compact)
 
 
