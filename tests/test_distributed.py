@@ -273,6 +273,18 @@ def test_an_intercommunicator_is_refused():
         dist.ring_attention(q, q, q, Intercomm())
 
 
+def test_a_subclass_of_an_mpi4py_communicator_is_one():
+    """Told by the class and its bases (mpi4py stays an optional import): a user's subclass of MPI.Intracomm was
+    refused as 'not an mpi4py communicator'."""
+    class Intracomm:  # stands for mpi4py.MPI.Intracomm
+        __module__ = "mpi4py.MPI"
+
+    class Mine(Intracomm):
+        __module__ = "mylab.comm"
+
+    assert comms.is_mpi(Mine()) and comms.is_mpi(Intracomm()) and not comms.is_mpi(object())
+
+
 def test_importing_needs_neither_mpi4py_nor_cupy():
     code = ("import sys, cuflash.distributed; "
             "assert 'mpi4py' not in sys.modules and 'cupy' not in sys.modules, sorted(sys.modules)")

@@ -20,6 +20,8 @@ handle whose ``wait()`` completes them and whose ``poke()`` lets MPI progress th
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from .. import _env
@@ -30,7 +32,8 @@ TAG_K, TAG_V, TAG_DK, TAG_DV, TAG_GATHER, TAG_A2A = range(6)
 
 
 def is_mpi(comm) -> bool:
-    return type(comm).__module__.split(".")[0] == "mpi4py"
+    """An mpi4py communicator, a subclass of one too, told without importing mpi4py (an optional dependency)."""
+    return any(c.__module__.split(".")[0] == "mpi4py" for c in type(comm).__mro__)
 
 
 def is_nccl(comm) -> bool:
@@ -42,6 +45,9 @@ def transport(comm, xp):
     if is_mpi(comm):
         if not (hasattr(comm, "Isend") and hasattr(comm, "Get_rank")):
             raise TypeError(f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
+        mpi = sys.modules.get("mpi4py.MPI")  # loaded where comm is one of its objects
+        if mpi is not None and comm == mpi.COMM_NULL:  # MPI would raise its own error from the first call on it
+            raise TypeError("comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got MPI.COMM_NULL")
         if comm.Is_inter():  # its Get_size is its own group's, its Allgather returns the other group's values
             raise TypeError("comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got an intercommunicator")
         return MpiTransport(comm, xp)

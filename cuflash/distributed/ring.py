@@ -239,14 +239,15 @@ def _setup(q, k, v, comm, *, causal, window, scale, layout, method, backend, wha
         extra(problem)
     transport = comms.transport(comm, problem.xp)
     size = transport.size
-    if method == "ulysses" and (problem.heads_q % size or problem.heads_kv % size):
-        raise ValueError(f"method='ulysses' splits heads over ranks: heads ({problem.heads_q}) and heads_kv "
-                         f"({problem.heads_kv}) must be divisible by the number of ranks ({size}); use method='ring'")
     signature = repr((what, problem.batch_shape, problem.heads_q, problem.heads_kv, problem.head_dim,
                       str(problem.dtype), problem.scale, bool(causal), _window_key(window), layout, method,
                       backend))
     meta = transport.allgather_ints([problem.seqlen_q, problem.seqlen_k, zlib.crc32(signature.encode()), flag])
     _agree(meta, signature, transport.rank)
+    # after the agreement, so that every rank raises it: a rank raising alone leaves the others in the all-gather
+    if method == "ulysses" and (problem.heads_q % size or problem.heads_kv % size):
+        raise ValueError(f"method='ulysses' splits heads over ranks: heads ({problem.heads_q}) and heads_kv "
+                         f"({problem.heads_kv}) must be divisible by the number of ranks ({size}); use method='ring'")
     q_len, kv_len = [int(x) for x in meta[:, 0]], [int(x) for x in meta[:, 1]]
     lq, lk = sum(q_len), sum(kv_len)
     left, right = _check_window(window, causal, lq + lk)

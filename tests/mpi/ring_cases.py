@@ -65,6 +65,10 @@ ERRORS = {
     "error_bad_layout": ("ValueError", "layout must be one of"),
     "error_bad_method": ("ValueError", "method must be one of"),
     "error_ulysses_heads": ("ValueError", "must be divisible by the number of ranks"),
+    # rank 0 asks for the ring, the others for Ulysses with heads it cannot split: the ranks that could not go on
+    # raised alone before the agreement and left rank 0 in the all-gather (a hang)
+    "error_ulysses_on_some_ranks": ("ValueError", "the ranks' calls do not match"),
+    "error_comm_null": ("TypeError", "got MPI.COMM_NULL"),
     "error_backward_lse_shape": ("ValueError", "lse must have shape"),
     "error_vjp_modified_on_one_rank": ("ValueError", "modified in place after ring_attention_vjp on rank(s)"),
     # a pair computation raising in the second ring step: the transfers in flight complete before the error leaves
@@ -191,6 +195,13 @@ def run_error(name, comm):
             dist.ring_attention(ql, kl, vl, comm, method="allgather")
         elif name == "error_ulysses_heads":
             dist.ring_attention(ql[..., :3, :], kl[..., :1, :], vl[..., :1, :], comm, method="ulysses")
+        elif name == "error_ulysses_on_some_ranks":
+            dist.ring_attention(ql[..., :3, :], kl[..., :1, :], vl[..., :1, :], comm,
+                                method="ring" if rank == 0 else "ulysses")
+        elif name == "error_comm_null":
+            from mpi4py import MPI
+
+            dist.ring_attention(ql, kl, vl, MPI.COMM_NULL)
         elif name == "error_backward_lse_shape":
             out, lse = dist.ring_attention(ql, kl, vl, comm, return_lse=True)
             dist.ring_attention_backward(dl, ql, kl, vl, out, lse[..., :1, :], comm)
