@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
 
 from .. import _env
 from ..cuda.launch import LaunchSpec
-from . import available, cache_dir, compile_log, launch
+from . import CompileError, EmulationError, available, cache_dir, compile_log, launch
 
 BARRIER_LOOP = r"""
 extern "C" __global__ void barrier_loop(int iters, int* out) {
@@ -46,14 +47,19 @@ def main(argv=None) -> int:
         _env.check_all()
         cache = cache_dir()
     except ValueError as exc:
-        print(f"{parser.prog}: error: {exc}")
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     ok, reason = available()
     print(f"available: {ok} ({reason})")
     print(f"cache: {cache}")
     if ok:  # a real launch (compiled once, then cached): what available() alone cannot promise
         start = time.perf_counter()
-        launch(LaunchSpec(BARRIER_LOOP, "barrier_loop", (1, 1, 1), (32, 1, 1), 0, (np.int32(1), np.zeros(32, np.int32))))
+        try:
+            launch(LaunchSpec(BARRIER_LOOP, "barrier_loop", (1, 1, 1), (32, 1, 1), 0,
+                              (np.int32(1), np.zeros(32, np.int32))))
+        except (CompileError, EmulationError, ValueError) as exc:  # the compiler, the kernel, or the cache since
+            print(f"{parser.prog}: error: the test launch failed: {exc}", file=sys.stderr)
+            return 1
         print(f"launch: ok ({time.perf_counter() - start:.2f} s)")
     if ok and args.bench:
         for threads in (32, 128, 256):

@@ -1,6 +1,7 @@
 """Compiling a kernel source for the CPU: source preparation, the launch wrapper, and the library cache."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import re
@@ -322,6 +323,19 @@ def build(tc: Toolchain, source: str, name_expression: str, options=(), *, sanit
     return _compile(tc, directory, key, text, options, sanitize, debug)
 
 
+def _check_loads(library: Path, cmd) -> None:
+    """Raise CompileError unless the compiler's output is a library that loads, before it is recorded: a "compiler"
+    that exits 0 and writes nothing (``CUFLASH_EMULATE_CXX=/bin/true``), or one that cannot link C++ (``gcc``:
+    undefined ``__gxx_personality_v0``), passes the toolchain probe, which only parses the CUDA headers; recorded,
+    its library failed every later load from the cache too."""
+    try:
+        ctypes.CDLL(str(library), mode=ctypes.RTLD_LOCAL)
+    except OSError as exc:
+        raise CompileError(f"the compiler ran without an error but its library does not load ({exc}); "
+                           f"CUFLASH_EMULATE_CXX must name a C++ compiler such as g++\ncommand: {' '.join(cmd)}") \
+            from None
+
+
 def _compile(tc: Toolchain, directory: Path, key: str, text: str, options, sanitize: bool, debug: bool) -> Path:
     # Unique temporaries, then renames: parallel test processes may build the same library at once.
     fd, tmp_src = tempfile.mkstemp(suffix=".cpp", prefix=key + ".", dir=directory)
@@ -336,6 +350,7 @@ def _compile(tc: Toolchain, directory: Path, key: str, text: str, options, sanit
         if proc.returncode != 0:
             raise CompileError(f"g++ failed to compile the kernel for emulation (kept at {tmp_src}.failed):\n"
                                f"{proc.stderr[-8000:]}\ncommand: {' '.join(cmd)}")
+        _check_loads(tmp_out, cmd)
         os.chmod(tmp_out, 0o700)  # whatever the umask: nobody else may change code we load
         digest = _cache.file_digest(tmp_out)
         target = directory / f"{key}-{digest[:16]}.so"

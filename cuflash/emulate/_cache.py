@@ -10,7 +10,9 @@ user's rights, so the cache is treated like code:
   altered artefact is discarded and rebuilt, never loaded.
 
 The digest is computed from the file, then the file is loaded by name: the window between the two is closed by
-the ownership check (nobody else can write into the directory or the file), not by the digest.
+the ownership checks, not by the digest: nobody else can write into the directory or the file, nor into any
+directory above it (:func:`ancestors_problem`), where they could move the cache aside and put their own in its
+place between the check and the load.
 """
 from __future__ import annotations
 
@@ -51,6 +53,27 @@ def _ownership_problem(st: os.stat_result) -> str | None:
     return None
 
 
+def ancestors_problem(path: Path) -> str | None:
+    """Why a directory above ``path`` (as written, and as it resolves) lets another user replace ``path``, or None.
+
+    Each must be owned by this user or root and writable by nobody else, unless its sticky bit keeps others from
+    renaming what they do not own (``/tmp``): from one writable by others, the cache could be renamed away and a
+    directory of theirs put in its place between a check and a load."""
+    uid = os.getuid()
+    above = [*Path(os.path.abspath(path)).parents, *Path(os.path.realpath(path)).parents]
+    for parent in dict.fromkeys(above):
+        try:
+            st = os.stat(parent)  # a link among them: its own parent is checked too, and its target's parents
+        except OSError as exc:
+            return f"{parent} cannot be examined ({exc.strerror or exc})"
+        if st.st_uid not in (0, uid):
+            return f"{parent} above it is owned by uid {st.st_uid}, neither this user (uid {uid}) nor root"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            return (f"{parent} above it is writable by other users without the sticky bit (mode "
+                    f"{stat.S_IMODE(st.st_mode):04o}): they could put another directory in its place")
+    return None
+
+
 def _make_private(path: Path) -> list[Path]:
     """``mkdir -p`` with mode 0700 for every component created; returns the components this call created."""
     missing = []
@@ -83,6 +106,10 @@ def _configured(raw: str) -> Path:
         if problem:
             raise ValueError(f"environment variable {VARIABLE}={raw!r} is not a safe place for compiled code: "
                              f"{component} {problem}; expected {accepted}")
+    problem = ancestors_problem(path)
+    if problem:
+        raise ValueError(f"environment variable {VARIABLE}={raw!r} is not a safe place for compiled code: "
+                         f"{problem}; expected {accepted}")
     if not _writable(path):
         raise ValueError(f"environment variable {VARIABLE}={raw!r} is not writable by this user: expected {accepted}")
     return path
@@ -92,9 +119,13 @@ def _checked(path: Path, components: list[Path]) -> Path:
     for component in components:
         problem = unsafe_reason(component)
         if problem:
-            raise ValueError(f"the emulator's cache {path} is not a safe place for compiled code: {component} "
-                             f"{problem}. Fix it, or set {VARIABLE} to a directory owned by you and writable "
-                             f"only by you")
+            problem = f"{component} {problem}"
+            break
+    else:
+        problem = ancestors_problem(components[0])
+    if problem:
+        raise ValueError(f"the emulator's cache {path} is not a safe place for compiled code: {problem}. Fix it, or "
+                         f"set {VARIABLE} to a directory owned by you and writable only by you")
     return path
 
 
@@ -139,7 +170,8 @@ def _read_private(path: Path, read):
     """``read(file)`` of a regular file that this user owns and nobody else can write (opened without following
     a link, the checks made on the open file); None for anything else."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO put in a file's place would block the open forever (refused below, as not regular)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:
@@ -176,7 +208,7 @@ def read_record(path: Path) -> dict | None:
     def parse(f):
         try:
             return json.loads(f.read(1 << 20))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth ('[' * 10**5)
             return None
     record = _read_private(path, parse)
     return record if isinstance(record, dict) else None

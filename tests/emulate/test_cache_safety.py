@@ -42,9 +42,9 @@ __attribute__((constructor)) static void planted() {
 MARKER_INITIALIZER = '\nstatic int cuflash_tampered = [] { if (FILE* f = fopen("%s", "w")) fclose(f); return 0; }();\n'
 
 
-def _run(cache: Path, options=(), pch=False):
+def _run(cache: Path, options=(), pch=False, **env_vars):
     env = dict(os.environ, CUFLASH_EMULATE_CACHE=str(cache), CUFLASH_EMULATE_PCH="1" if pch else "0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env_vars)
     code = VICTIM.format(tests=str(TESTS), options=tuple(options))
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
@@ -180,6 +180,46 @@ def test_a_tampered_precompiled_shim_is_not_used(built_cache, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ directories
 
+@pytest.mark.parametrize("plant", ["fifo", "nested"])
+def test_a_record_that_is_a_fifo_or_nested_past_the_parser_is_rebuilt(built_cache, tmp_path, plant):
+    """A FIFO in a record's place blocked the open forever; JSON nested past the parser's depth raised
+    RecursionError: both are a malformed record, rebuilt."""
+    cache = _copy(built_cache, tmp_path)
+    for record in sorted(cache.glob("*.json")):
+        record.unlink()
+        if plant == "fifo":
+            os.mkfifo(record, 0o600)
+        else:
+            record.write_text("[" * 100_000 + "]" * 100_000)
+            record.chmod(0o600)
+    _assert_correct(_run(cache))
+
+
+@pytest.mark.parametrize("cxx,why", [("/bin/true", "cannot open shared object file"),
+                                     ("gcc", "undefined symbol: __gxx_personality_v0")])
+def test_a_compiler_whose_library_does_not_load_is_named_and_nothing_is_recorded(tmp_path, cxx, why):
+    """Both pass the toolchain probe (it only parses the CUDA headers): /bin/true wrote no library (a
+    FileNotFoundError from chmod), gcc one that cannot load, recorded in the cache and loaded again by every later
+    run. Now a CompileError naming CUFLASH_EMULATE_CXX, and no record."""
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no {cxx} here")
+    cache = tmp_path / "cache"
+    proc = _run(cache, CUFLASH_EMULATE_CXX=cxx)
+    assert proc.returncode != 0 and "CompileError" in proc.stderr and why in proc.stderr, proc.stderr[-3000:]
+    assert "CUFLASH_EMULATE_CXX must name a C++ compiler" in proc.stderr
+    assert not list(cache.glob("*.json")) and not list(cache.glob("*.so"))
+
+
+def test_the_command_line_reports_errors_on_stderr(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    env = dict(os.environ, CUFLASH_EMULATE_CACHE=str(not_a_dir),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "cuflash", "emulate"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "is not a directory" in proc.stderr and "error" not in proc.stdout
+
+
 @pytest.fixture
 def private_env(monkeypatch, tmp_path):
     """HOME and the temporary directory inside tmp_path, no configured cache."""
@@ -255,6 +295,26 @@ def test_a_world_writable_cache_is_an_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(cache))
     with pytest.raises(ValueError, match=r"CUFLASH_EMULATE_CACHE=.*writable by other users"):
         _launch()
+
+
+def test_a_cache_below_a_directory_others_can_write_is_an_error(private_env, monkeypatch, tmp_path):
+    """From a directory above the cache that others can write, they can rename the checked cache away and put
+    theirs in its place between the digest check and the load: refused, unless its sticky bit forbids renaming
+    what they do not own (as /tmp's does). For the configured cache and for the default one under HOME."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(shared / "cache"))
+    with pytest.raises(ValueError, match=r"CUFLASH_EMULATE_CACHE=.*shared above it is writable by other users "
+                                         r"without the sticky bit"):
+        _launch()
+    shared.chmod(0o1777)
+    assert emu.cache_dir() == shared / "cache"
+    shared.chmod(0o777)
+    monkeypatch.delenv("CUFLASH_EMULATE_CACHE")
+    monkeypatch.setenv("HOME", str(shared / "home"))
+    with pytest.raises(ValueError, match=r"emulator's cache .* is not a safe place .*shared above it is writable"):
+        emu.cache_dir()
 
 
 def test_a_cache_owned_by_another_user_is_an_error(monkeypatch, tmp_path):
