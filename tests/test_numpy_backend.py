@@ -754,6 +754,22 @@ def test_v_near_the_dtypes_largest_does_not_overflow_the_accumulator(name, big):
         assert np.isfinite(out.astype(np.float64)).all()
 
 
+@pytest.mark.parametrize("name, kv, vexp", [("float32", 33.0, -120), ("bfloat16", 33.0, -120), ("float64", 600.0, -600)])
+def test_v_whose_squares_vanish_is_not_taken_for_zero(name, kv, vexp):
+    """The bounds take max|V| from V's row norms, computed in the working dtype: elements below 2^(e_min / 2) square
+    to 0 there, and the norm of 0 was read as V = 0, nothing to keep normal, so the forward took shift 0 with
+    scores near -U, where P V fell below the subnormals: out was 0 (7e5x the naive error in float32). A norm of 0
+    now gives no shift-0 bound."""
+    rng = np.random.default_rng(0)
+    dt = _dtype(name)
+    q = np.full((1, 600, 2, 1), -1.0).astype(dt)
+    k = rng.uniform(kv, kv * 1.03, (1, 600, 2, 1)).astype(dt)
+    v = (rng.standard_normal((1, 600, 2, 1)) * 2.0 ** vexp).astype(dt)
+    case = Case(q, k, v, rng.standard_normal(q.shape).astype(dt), dict(scale=1.0))
+    out, lse = check_forward(lambda *a, **o: cuflash.attention(*a, **o, return_lse=True), case)
+    check_backward(cuflash.attention_backward, case, out, lse)
+
+
 @pytest.mark.parametrize("name, qv, kv, scale", [("float32", 3e38, 1e-38, None), ("bfloat16", 3e38, 1e-38, None),
                                                  ("float32", 2e38, 1e-37, 2.0), ("float64", 1e308, 1e-307, 2.0)])
 def test_q_near_the_dtypes_largest_is_not_scaled_into_an_overflow(name, qv, kv, scale):

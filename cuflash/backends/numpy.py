@@ -724,7 +724,7 @@ class _Bounds:
         fi = np.finfo(wt)
         drop = -math.log2(1.0 - problem.dropout_p) if problem.dropout_p else 0.0
         with np.errstate(divide="ignore"):
-            vlog = np.log2(vnorm) + 2.0 ** -6  # -inf for V = 0: no product to keep normal; l still must not underflow
+            vlog = np.log2(vnorm) + 2.0 ** -6  # -inf for a norm of 0
         vlog_low = vlog - 0.5 * math.log2(max(problem.v.shape[-1], 1)) - 2.0 ** -5
         nk = math.log2(max(problem.seqlen_k, 1))
         scale = abs(float(rule.tile)) if rule.tile is not None else 1.0
@@ -732,7 +732,9 @@ class _Bounds:
         # limits on U
         self.kbound = (kmax * scale * rule.bits * (1 + 2.0 ** -8))[..., None]
         top = fi.maxexp - 8 - nk - drop - np.maximum(vlog, 0.0)
-        bottom = np.where(vnorm > 0, vlog_low, 0.0) - 2 * (fi.nmant + 1) - (fi.minexp - fi.nmant) - nk
+        # a norm of 0 gives no lower bound on max|V| (the limit is then -inf: no fixed shift): the squares of elements
+        # below 2^(e_min / 2) (2^-75 in float32) vanish in the working dtype, and V of such elements is not V = 0
+        bottom = vlog_low - 2 * (fi.nmant + 1) - (fi.minexp - fi.nmant) - nk
         self.limit = np.minimum(np.minimum(top, bottom), -fi.minexp)[..., None]
         self.normal_limit = -fi.minexp
         self.bits = rule.bits
