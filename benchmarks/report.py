@@ -1,8 +1,10 @@
 """Records, the JSON files (one per figure, one schema) and the text table of a run."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -129,15 +131,48 @@ def describe_run(run: tuple) -> str:
     return f"commit {commit[:12]} on {device!r}, {mode}"
 
 
+def not_regular(mode: int) -> Optional[str]:
+    """What a file of ``st_mode`` ``mode`` is, in words, where it is not a regular file (None where it is): a figure
+    file is a regular file, read back (:func:`read_json`) or removed (``--replace``) as one."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+    return next((words for test, words in kinds if test(mode)), "not a regular file")
+
+
+def read_json(path: Path):
+    """The JSON value held by the regular file ``path``; anything else is a ValueError naming it. Every figure JSON
+    read back goes through here (--replot, and the other runs a run's --out holds). The file is opened without
+    blocking (a FIFO would hang the open, then the read) and without following a symbolic link, and is checked to be
+    a regular file before a byte is read; JSON nested deeper than the parser recurses is malformed like any other."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:  # a file this user cannot read, a symbolic link (ELOOP under O_NOFOLLOW)
+        why = "a symbolic link, not a regular file" if exc.errno == errno.ELOOP else exc.strerror or exc
+        raise ValueError(f"{path}: cannot be read ({why})") from None
+    try:
+        kind = not_regular(os.fstat(fd).st_mode)
+        if kind:  # a folder opens read-only on Linux; fdopen would raise, a FIFO's read would wait for a writer
+            raise ValueError(f"{path}: cannot be read ({kind}, not a regular file)")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:  # e.g. 200000 nested arrays: the parser's recursion limit, not a defect of ours
+        raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError (e.g. a file cut short by a kill), UnicodeDecodeError
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
 def load_figure(path: Path, fig: str) -> dict:
     """The JSON object of figure ``fig`` at ``path``, checked against the schema: the file-level fields and
     every record's fields and their types (a ValueError names the file and what does not fit)."""
-    try:
-        payload = json.loads(path.read_text())
-    except ValueError as exc:  # JSONDecodeError (e.g. a file cut short by a kill), UnicodeDecodeError
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    except OSError as exc:  # a folder, a file this user cannot read
-        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    payload = read_json(path)
     if not isinstance(payload, dict):
         raise ValueError(f"{path}: not a JSON object")
     for name, value in LATER_FILE_FIELDS.items():  # a file written before the field existed
@@ -183,7 +218,7 @@ def load_results(folder: Path) -> dict:
     by_fig = {}
     for fig, stem in FIGURE_FILES.items():
         path = folder / f"{stem}.json"
-        if path.exists():
+        if os.path.lexists(path):  # a dangling symbolic link too: refused by read_json, not taken for no file
             by_fig[fig] = load_figure(path, fig)
     runs = sorted({run_of(p) for p in by_fig.values()})
     if len(runs) > 1:  # figures of different runs, side by side, would read as one measurement
@@ -198,7 +233,7 @@ def other_runs(folder: Path, run: tuple) -> dict:
     others = {}
     for fig, stem in FIGURE_FILES.items():
         path = folder / f"{stem}.json"
-        if not path.exists():
+        if not os.path.lexists(path):
             continue
         try:
             theirs = run_of(load_figure(path, fig))

@@ -17,7 +17,8 @@ from . import environment
 from .cases import FIGURES, Case, suite
 from .impls import IMPLS, Impl, Skip, applicable, model_io_bytes
 from .inputs import Inputs, make_inputs
-from .report import Record, RunResult, describe_run, load_results, other_runs, payloads, table, write_results
+from .report import (Record, RunResult, describe_run, load_results, not_regular, other_runs, payloads, table,
+                     write_results)
 from .timing import TIMINGS, Timing, first_call_peak, is_oom, release_memory, time_it
 
 #: Seconds of measuring after which the remaining pairs are skipped: a quick CPU run must end within a
@@ -285,9 +286,25 @@ def _out_folder(out_dir: Path, run: tuple, replace: bool, parser: argparse.Argum
         listed = "; ".join(f"{what} ({', '.join(names)})" for what, names in by_run.items())
         parser.error(f"--out {out_dir} holds figures of another run than this one ({describe_run(run)}): "
                      f"{listed}; a results folder holds one run: choose another --out, or --replace to remove them")
-    for path in others:
-        path.unlink()
-        path.with_suffix(".png").unlink(missing_ok=True)
+    doomed = [p for path in others for p in (path, path.with_suffix(".png"))]
+    odd = []  # checked before anything is removed: a refusal half-way would leave the folder half cleaned
+    for path in doomed:
+        try:
+            kind = not_regular(os.lstat(path).st_mode)
+        except FileNotFoundError:  # a figure without its PNG (--no-plot, no matplotlib)
+            continue
+        except OSError as exc:
+            kind = f"cannot be inspected: {exc.strerror or exc}"
+        if kind:
+            odd.append(f"{path.name} ({kind})")
+    if odd:  # unlink cannot remove a folder, and a symbolic link or a FIFO is no figure this runner wrote
+        parser.error(f"--out {out_dir}: --replace removes only figure files, and these are not regular files: "
+                     f"{', '.join(odd)}; nothing was removed: remove them yourself, or choose another --out")
+    for path in doomed:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            parser.error(f"--out {out_dir}: --replace cannot remove {path.name} ({exc.strerror or exc})")
 
 
 def main(argv=None) -> int:
@@ -295,11 +312,14 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.replot is not None:
-        defaults, flags = vars(parser.parse_args([])), {}
-        for action in parser._actions:  # the flags of each option, from the parser itself (none forgotten)
-            flags.setdefault(action.dest, []).extend(action.option_strings)
-        given = ["/".join(f for f in flags[dest] if f != "--quick") for dest, value in vars(args).items()
-                 if dest not in ("replot", "no_progress") and value != defaults[dest]]
+        defaults, given = vars(parser.parse_args([])), []
+        for action in parser._actions:  # the options given, from the parser itself (none forgotten)
+            value = getattr(args, action.dest, None)
+            if action.dest in ("help", "replot", "no_progress") or value == defaults[action.dest]:
+                continue
+            if action.nargs == 0 and action.const is not None and action.const != value:
+                continue  # another flag of the same dest was given (--full, not --smoke): name that one alone
+            given.append("/".join(action.option_strings))
         if given:  # each would be silently ignored: --replot measures nothing and redraws DIR's figures
             parser.error(f"--replot DIR redraws DIR's figures and takes no other options, got {', '.join(given)}")
         return replot(args.replot)

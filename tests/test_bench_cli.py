@@ -5,12 +5,14 @@ Fast (a few seconds): the runner is exercised through ``--smoke``, the quick mod
 toy sizes; no timing is asserted anywhere. ``benchmarks`` is imported from the checkout (the repository
 root is on ``sys.path``: ``python -m pytest`` from the root, or the root ``conftest.py``).
 """
+import contextlib
 import functools
 import importlib.util
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -485,6 +487,53 @@ def test_a_folder_of_another_run_is_refused_unless_replaced(tmp_path, capsys, mo
     assert set(loaded) == {"tiles", "decode"} and len({report.run_of(p) for p in loaded.values()}) == 1
 
 
+@contextlib.contextmanager
+def _within(seconds: float):
+    """A hang (a FIFO opened or read with no writer on its other end) fails the test instead of stalling the suite."""
+    def hung(signum, frame):  # pytest.fail, not TimeoutError: that is an OSError, which the runner catches
+        pytest.fail(f"still waiting after {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _odd_file(kind: str, path: Path):
+    """Something at a figure's path that is no regular file."""
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(COMMITTED / path.name)
+
+
+@pytest.mark.parametrize("where, kind", [("fig1_throughput.json", "folder"), ("fig2_memory.png", "folder"),
+                                         ("fig1_throughput.json", "fifo"), ("fig2_memory.json", "symlink")])
+def test_replace_removes_nothing_where_a_figure_path_is_no_regular_file(tmp_path, where, kind, capsys, monkeypatch):
+    """--replace died in unlink with IsADirectoryError, after removing another run's JSON beside a folder named as
+    its PNG (a half-cleaned folder), and hung on a FIFO: every path it would remove is checked first, and any that is
+    not a regular file is a usage error naming it, with nothing removed."""
+    folder = _committed(tmp_path, "fig2_memory.json", "fig5_decode.json", "fig5_decode.png")
+    if where == "fig2_memory.json":
+        (folder / where).unlink()
+    _odd_file(kind, folder / where)
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and not p.is_symlink()}
+    monkeypatch.setattr(run, "run_cases", _no_measuring)
+    with _within(10), pytest.raises(SystemExit) as exc:
+        run.main(SMOKE + ["--out", str(folder), "--only", "decode", "--impl", "cuflash", "--replace"])
+    err = capsys.readouterr().err
+    words = {"folder": "a folder", "fifo": "a FIFO", "symlink": "a symbolic link"}[kind]
+    assert exc.value.code == 2 and f"{where} ({words})" in err and "nothing was removed" in err
+    assert "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and not p.is_symlink()} == before
+    assert os.path.lexists(folder / where)
+
+
 def test_load_results_refuses_figures_of_two_runs(tmp_path):
     _committed(tmp_path, "fig5_decode.json")
     _committed(tmp_path, "fig1_throughput.json", source=REPO / "benchmarks" / "results" / "gpu-nvidia-h100-80gb-hbm3")
@@ -525,6 +574,41 @@ def test_load_results_names_a_file_that_is_not_json(tmp_path, capsys):
         report.load_results(tmp_path)
     assert run.main(["--replot", str(tmp_path)]) == 1
     assert "fig5_decode.json: not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["deep", "fifo"])
+def test_json_nested_too_deeply_or_a_fifo_is_refused_not_a_hang(tmp_path, bad, capsys, monkeypatch):
+    """Deeply nested JSON raised RecursionError through --replot and a run's look at --out (only ValueError and
+    OSError were caught), and a FIFO named as a figure hung both forever: each is a file that cannot be taken up,
+    one error line, the same in both places (report.read_json)."""
+    path = tmp_path / "fig2_memory.json"
+    if bad == "deep":
+        path.write_text("[" * 200000 + "]" * 200000)
+        match = "fig2_memory.json: not valid JSON (nested too deeply)"
+    else:
+        os.mkfifo(path)
+        match = "fig2_memory.json: cannot be read (a FIFO, not a regular file)"
+    with _within(10):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            report.load_results(tmp_path)
+        assert run.main(["--replot", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert match in err and "Traceback" not in err
+        monkeypatch.setattr(run, "run_cases", _no_measuring)
+        with pytest.raises(SystemExit) as exc:
+            run.main(SMOKE + ["--out", str(tmp_path), "--only", "decode", "--impl", "cuflash"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "unreadable: " in err and match in err
+    assert [p.name for p in tmp_path.iterdir()] == ["fig2_memory.json"]
+
+
+@pytest.mark.parametrize("flag", ["--smoke", "--full"])
+def test_replot_names_the_mode_flag_given(tmp_path, flag, capsys):
+    """--replot DIR --smoke said "got --full/--smoke", naming a flag that was not given."""
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--replot", str(tmp_path), flag])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.rstrip().endswith(f"takes no other options, got {flag}"), err
 
 
 def test_write_results_replaces_each_file_whole(tmp_path, monkeypatch):
