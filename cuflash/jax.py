@@ -42,11 +42,13 @@ and own batch dimensions, so ``b == 0`` holds in the first mapped slice only: a 
 slice under ``vmap``). With dropout or per-batch ``alibi_slopes`` (shape ``(*batch, heads)``), both keyed by the
 batch index, the slices run one by one (``vmap_method="sequential"``), so that ``vmap(f)(x)[i] == f(x[i])`` holds.
 The functions and callbacks of each configuration of static options are made once and reused (up to 64
-configurations): a call outside ``jit`` compiles only the first time. Shapes, dtypes and options are validated
-when the function is traced (a ``TypeError`` or ``ValueError`` naming the argument, as :func:`cuflash.attention`
-raises), not inside the callback; only what depends on the batch
-extent that ``vmap`` adds (a ``b``-indexed operand's shape, the int32 bounds of an expression reading ``b``) is
-checked in the callback, where JAX wraps cuflash's ``ValueError`` in its ``JaxRuntimeError``.
+configurations): a call outside ``jit`` compiles only the first time. Shapes, dtypes, options, ``backend`` and
+the values of concrete ``seqlens_q``/``seqlens_k`` (NumPy, or JAX arrays outside ``jit``) are validated when the
+function is traced (the ``TypeError``, ``ValueError`` or ``RuntimeError`` that :func:`cuflash.attention` raises,
+naming the argument), not inside the callback; ``backend`` in full where the callback gets NumPy arrays (JAX on the
+CPU only, or ``pure_callback``), and elsewhere (a GPU) its name and availability. Only the values of traced seqlens
+and what depends on the batch extent that ``vmap`` adds (a ``b``-indexed operand's shape, the int32 bounds of an
+expression reading ``b``) are checked in the callback, where JAX wraps cuflash's error in its ``JaxRuntimeError``.
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ try:
 except ImportError:  # JAX older than 0.7
     _buffer_callback = None
 
-from . import _layout, api
+from . import _layout, api, backends
 from .blockmask import BlockMask
 from .dropout import needs_seed
 from .interop import refuse_lazy_negation
@@ -135,15 +137,16 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: Optional[f
     host = {"alibi_slopes": _concrete("alibi_slopes", alibi_slopes),
             "mod_arrays": None if mod_arrays is None else _concrete_dict(mod_arrays)}
     q, k, v = (_jax_array(name, a) for name, a in (("q", q), ("k", k), ("v", v)))
-    seqlens_q, seqlens_k = (None if a is None else _jax_array(name, a)
-                            for name, a in (("seqlens_q", seqlens_q), ("seqlens_k", seqlens_k)))
+    with jax.ensure_compile_time_eval():  # NumPy seqlens stay concrete under jit: _validate checks their values
+        seqlens_q, seqlens_k = (None if a is None else _jax_array(name, a)
+                                for name, a in (("seqlens_q", seqlens_q), ("seqlens_k", seqlens_k)))
     if bias is not None:
         bias = _jax_array("bias", bias)
         # Full rank (batch dims first): under vmap the mapped axis is then added in front of every operand alike.
         rank = q.ndim
         if bias.ndim < rank:
             bias = jnp.reshape(bias, (1,) * (rank - bias.ndim) + tuple(bias.shape))
-    _validate(q, k, v, seqlens_q, seqlens_k, bias, static, host)
+    _validate(q, k, v, seqlens_q, seqlens_k, bias, static, host, backend)
     call = _Call.of(static, host, bool(deterministic), backend)
     return call.function(seqlens_q is not None, seqlens_k is not None, bias is not None)(
         q, k, v, seqlens_q, seqlens_k, bias)
@@ -414,16 +417,40 @@ def _fit_bias(options: dict[str, Any], batch: tuple[int, ...]) -> tuple[int, ...
 
 
 def _validate(q: Any, k: Any, v: Any, sq: Any, sk: Any, bias: Any, static: dict[str, Any],
-              host: dict[str, Any]) -> None:
-    """The checks of :func:`cuflash.attention`, at trace time, on stand-ins of the shapes and dtypes (zero-stride
-    views: no memory)."""
+              host: dict[str, Any], backend: Any) -> None:
+    """The checks of :func:`cuflash.attention`, at trace time (:func:`~cuflash.problem.make_problem`, then
+    :func:`cuflash.backends.select`), on stand-ins of the shapes and dtypes (zero-stride views: no memory) and on
+    the values of concrete ``seqlens_q``/``seqlens_k`` (small: the batch shape); traced ones are checked in the
+    callback."""
     def stand_in(a: Any) -> Any:
         return None if a is None else np.broadcast_to(np.zeros((), np.dtype(a.dtype)), tuple(a.shape))
 
+    def values(a: Any) -> Any:
+        return stand_in(a) if a is None or isinstance(a, jax.core.Tracer) else np.asarray(a)
+
     layout = _layout.check_layout(static["layout"])
     qd, kd, vd = (_layout.to_bshd(stand_in(a), layout) for a in (q, k, v))
-    if kd.ndim == vd.ndim and kd.shape[:-1] == vd.shape[:-1] and vd.shape[-1] != kd.shape[-1] and vd.shape[-1]:
-        vd = np.broadcast_to(np.zeros((), vd.dtype), kd.shape)  # v's own head dim is padded at run time
+    d, dv = kd.shape[-1], vd.shape[-1]
+    if kd.ndim == vd.ndim and kd.shape[:-1] == vd.shape[:-1] and dv != d and dv and qd.shape[-1] == d:
+        # as _layout.pad_head_dims at run time: the smaller head dim is padded to the larger, which the backend
+        # then sees (its MAX_HEAD_DIM)
+        qd, kd, vd = (np.broadcast_to(np.zeros((), a.dtype), a.shape[:-1] + (max(d, dv),)) for a in (qd, kd, vd))
     options = {name: value for name, value in static.items() if name != "layout"}
-    make_problem(qd, kd, vd, seqlens_q=stand_in(sq), seqlens_k=stand_in(sk), bias=stand_in(bias), **options,
-                 **host)
+    problem = make_problem(qd, kd, vd, seqlens_q=values(sq), seqlens_k=values(sk), bias=stand_in(bias), **options,
+                           **host)
+    if _host_arrays():
+        backends.select(problem, backend)
+    elif backend is not None:  # a GPU: the callback gets CuPy arrays, which the stand-ins are not
+        if not isinstance(backend, str):
+            backends.select(problem, backend)  # its TypeError for a backend that is not a string (before the arrays)
+        backends.get(backend)  # the name, and whether it is available here
+
+
+def _host_arrays() -> bool:
+    """Whether the callback will get NumPy arrays: always with ``pure_callback``; with ``buffer_callback`` when JAX
+    has no platform but the CPU (a traced q does not say which device it will run on)."""
+    if CALLBACK != "buffer" or _buffer_callback is None:
+        return True
+    from jax.extend import backend as jax_backend
+
+    return set(jax_backend.backends()) <= {"cpu"}

@@ -274,6 +274,67 @@ def test_errors_are_raised_when_tracing_with_cuflash_messages():
         cj.attention(q, k, v, layout="sbhd")
 
 
+def _numpy_error(q, k, v, **options):
+    """The error cuflash.attention raises for these options on the same arrays as NumPy arrays."""
+    with pytest.raises(Exception) as info:
+        cuflash.attention(*(np.asarray(a) for a in (q, k, v)), **options)
+    return info.value
+
+
+@pytest.mark.parametrize("options,x64", [
+    (dict(backend="bogus"), False), (dict(backend=3), False), (dict(backend="cuda"), False),
+    (dict(seqlens_q=np.array([7, 3], np.int32)), False), (dict(seqlens_k=np.array([-1, 3], np.int32)), False),
+    (dict(seqlens_q=np.array([2 ** 40, 3])), True)])
+def test_backend_and_concrete_seqlens_are_checked_when_tracing(callback, monkeypatch, options, x64):
+    """backend and the values of seqlens were checked only inside the callback: a JaxRuntimeError 'INTERNAL: ...'
+    with a traceback in its message, where the docstring promises trace-time errors. Now it is cuflash.attention's
+    own error (same type, same message), eagerly and under jit, raised before any callback runs."""
+    if options.get("backend") == "cuda" and cuflash.backends.status()["cuda"][0]:
+        pytest.skip("the cuda backend is available here")
+    with jax.enable_x64(x64):  # 2**40 passes JAX's cast to int32 only with x64 (without, a TypeError says so)
+        q, k, v = (jnp.asarray(a) for a in _arrays((2, 6, 2, 8), (2, 6, 2, 8)))
+        want = _numpy_error(q, k, v, **options)
+
+        def no_callback(*args, **kwargs):
+            raise AssertionError("the callback ran: the error was not raised when tracing")
+
+        monkeypatch.setattr(cj.api, "attention", no_callback)
+        for run in (lambda: cj.attention(q, k, v, **options),
+                    lambda: jax.jit(lambda q: cj.attention(q, k, v, **options))(q)):
+            with pytest.raises(type(want)) as got:
+                run()
+            assert str(got.value) == str(want)
+
+
+def test_on_a_gpu_the_backend_name_is_checked_but_numpy_stand_ins_do_not_refuse_cuda(monkeypatch):
+    """Where the callback gets CuPy arrays, the trace-time stand-ins (NumPy) cannot judge what a backend takes:
+    the name and availability are checked, and an available 'cuda' is not refused for the stand-ins' NumPy."""
+    monkeypatch.setattr(cj, "_host_arrays", lambda: False)
+    q = jnp.zeros((1, 4, 1, 8), jnp.float32)
+    trace = lambda backend: jax.eval_shape(lambda q: cj.attention(q, q, q, backend=backend), q)  # noqa: E731
+    with pytest.raises(TypeError, match="backend must be a string"):
+        trace(3)
+    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+        trace("bogus")
+    real_get = cuflash.backends.get
+    monkeypatch.setattr(cuflash.backends, "get", lambda name: real_get("numpy") if name == "cuda" else real_get(name))
+    assert trace("cuda").shape == q.shape
+
+
+def test_the_backends_head_dim_limit_counts_the_padded_head_dim():
+    """v's head dim larger than q's: at run time q and k are padded to it, which the backend's MAX_HEAD_DIM judges;
+    the trace-time stand-ins are padded alike (not v cut to q's), so the limit is reported when tracing."""
+    from cuflash.backends import emulate
+
+    if not emulate.available()[0]:
+        pytest.skip("CPU emulation unavailable")
+    q, k, v = (jnp.asarray(a) for a in _arrays((1, 4, 1, 8), (1, 4, 1, 8), np.float16, dv=emulate.MAX_HEAD_DIM + 8))
+    want = _numpy_error(q, k, v, backend="emulate")
+    with pytest.raises(ValueError, match="head_dim must be at most") as got:
+        jax.eval_shape(lambda q, k, v: cj.attention(q, k, v, backend="emulate"), q, k, v)
+    assert str(got.value) == str(want)
+
+
 # ------------------------------------------------------------------------------------------------ the GPU branch
 class _Buffer:
     """What XLA hands a buffer_callback on a GPU: DLPack device (kDLCUDA, id), over fake device memory."""
