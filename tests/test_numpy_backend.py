@@ -770,6 +770,26 @@ def test_v_whose_squares_vanish_is_not_taken_for_zero(name, kv, vexp):
     check_backward(cuflash.attention_backward, case, out, lse)
 
 
+@pytest.mark.parametrize("pad", [1.0, 3e38])
+def test_values_in_the_padding_do_not_set_the_forwards_range_of_v(pad):
+    """Padding past seqlens_k is never read for its values: V's scale and the lower bound on max|V| of the shift-0
+    test came from all of V, so a padding of ordinary (1.0: the bound) or huge (3e38: V scaled by 2^-k) values
+    pushed the products of the sequence's tiny V into the subnormals (out 361x the naive error)."""
+    rng = np.random.default_rng(0)
+    if pad == 1.0:  # scores near -33 that the shift-0 test would take
+        q = np.full((1, 600, 2, 1), -1.0, np.float32)
+        k = rng.uniform(33.0, 34.0, (1, 1100, 2, 1)).astype(np.float32)
+        v = (rng.standard_normal((1, 1100, 2, 1)) * 2.0 ** -120).astype(np.float32)
+        scale = 1.0
+    else:
+        q, k, v = (rng.standard_normal((1, n, h, 32)).astype(np.float32) for n, h in ((600, 2), (1100, 1), (1100, 1)))
+        v *= np.float32(2.0 ** -120)
+        scale = None
+    v[:, 800:] = pad
+    case = Case(q, k, v, np.ones_like(q), dict(scale=scale, seqlens_k=np.array([800], np.int32)))
+    check_forward(lambda *a, **o: cuflash.attention(*a, **o, return_lse=True), case)
+
+
 @pytest.mark.parametrize("name, qv, kv, scale", [("float32", 3e38, 1e-38, None), ("bfloat16", 3e38, 1e-38, None),
                                                  ("float32", 2e38, 1e-37, 2.0), ("float64", 1e308, 1e-307, 2.0)])
 def test_q_near_the_dtypes_largest_is_not_scaled_into_an_overflow(name, qv, kv, scale):

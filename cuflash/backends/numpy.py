@@ -318,8 +318,9 @@ def _per_chunk(problem, rule, q, k, v, wt, matmul, also=(), ones_column=False, f
 
     def parts(chunk):  # a closure, not a method: nothing here refers back to the _PerBlock (no cycle to collect)
         qc, kc, vc = q[chunk], k[chunk], v[chunk]
+        seen = None if problem.seqlens_k is None else problem.lengths[1][chunk[0]]  # the keys of each sequence
         kt, copy = _keys_transposed(problem, kc, matmul)
-        norms = [functools.partial(_Bounds.largest_norm, x) for x in (kc, vc)] if bounded else []
+        norms = [functools.partial(_Bounds.row_norms, x) for x in (kc, vc)] if bounded else []
         # With the norms, V's largest row norm stands in for max|V| (the pass below only where it does not settle
         # the question); the forward needs no other check.
         exact = [] if bounded else [functools.partial(_largest, vc)]
@@ -329,8 +330,9 @@ def _per_chunk(problem, rule, q, k, v, wt, matmul, also=(), ones_column=False, f
         def finish(results):
             kv = results[len(copy):len(copy) + len(norms)]
             checks = results[len(copy) + len(norms):][:len(exact) + len(others)]
-            bounds = _Bounds(problem, rule, *kv, wt) if kv else None
-            v_nonfinite, v_scale = _v_checks(problem, wt, vc, kv[1] if kv else None, checks[0] if exact else None)
+            kmax, vmax = (_Bounds.largest(x) for x in kv) if kv else (None, None)
+            bounds = _Bounds(problem, rule, kmax, vmax, _Bounds.largest(kv[1], seen), wt) if kv else None
+            v_nonfinite, v_scale = _v_checks(problem, wt, vc, vmax, checks[0] if exact else None, seen)
             return _Prepared(kt, bounds, v_nonfinite, v_nonfinite or any(checks[len(exact):]), v1, v_scale)
 
         return copy + norms + exact + others + ones, finish
@@ -338,19 +340,33 @@ def _per_chunk(problem, rule, q, k, v, wt, matmul, also=(), ones_column=False, f
     return _PerBlock(parts)
 
 
-def _v_checks(problem, wt, v, vnorm, vmax):
+def _v_checks(problem, wt, v, vnorm, vmax, seen=None):
     """``(whether V holds an infinity or NaN, the power of two it runs at (:func:`_v_scale`))``, from ``vmax = max|V|``
     (:func:`_largest`) or, where the bounds computed them instead, from V's largest row norms ``vnorm``: an upper
     bound on max|V| (raised by the rounding of d squares) that settles both for every V but those near the dtype's
-    largest or not finite, where the exact pass decides as before (same results, one pass fewer)."""
+    largest or not finite, where the exact pass decides as before (same results, one pass fewer).
+
+    ``seen``: the keys of each sequence (``seqlens_k``). The scale comes from them alone: a huge value in the padding
+    past a sequence's length scaled its tiny values into the subnormals (padding is never read for its values;
+    its keys meet P = 0 only, so nothing there can overflow). Whether V is finite is asked of all of it, as the
+    products meet the padding's keys of the shorter sequences in a tile (a NaN there needs the guarded product)."""
     if vmax is None:
         bound = float(np.max(vnorm, initial=0.0)) * (1 + 2.0 ** -8)
         if math.isfinite(bound) and _v_scale(problem, wt, bound) == 1.0:
             return False, 1.0
         vmax = _largest(v)
     if not math.isfinite(vmax):  # an infinity or NaN in V: the scale from the finite values
-        return True, _v_scale(problem, wt, _largest_finite(v))
+        return True, _v_scale(problem, wt, max((_largest_finite(x) for x in _sequences(v, seen)), default=0.0))
+    vmax = vmax if seen is None else max((_largest(x) for x in _sequences(v, seen)), default=0.0)
     return False, _v_scale(problem, wt, vmax)
+
+
+def _sequences(x, seen):
+    """Per batch element of ``x`` (batch first, keys on axis -2), its rows of keys ``[0, seen[i])``; all of ``x``
+    for ``seen`` None."""
+    if seen is None:
+        return [x]
+    return [x[i, ..., :int(n), :] for i, n in enumerate(seen)]
 
 
 #: Working dtypes whose forward sums the rows of P in the product when MKL runs it (:func:`_rowsum_in_pv`).
@@ -711,21 +727,30 @@ class _Bounds:
     """
 
     @staticmethod
-    def largest_norm(x):
-        """The largest row norm of each (batch, kv head) pair's K or V, (nb, nh, 1) float64: computed in the working
-        dtype, with no copy (an overflow gives inf, which fails the tests). For V, max|V| lies between this norm r
-        and r / sqrt(d): one pass of einsum, 5x faster than a max and a min over the strided V (below, the upper end
-        bounds overflow, the lower one underflow)."""
+    def row_norms(x):
+        """The row norms of a block's K or V, (nb, nh, 1, Sk), computed in the working dtype with no copy (an overflow
+        gives inf, which fails the tests): one pass of einsum, 5x faster than a max and a min over the strided V."""
         with np.errstate(over="ignore", invalid="ignore"):
-            return np.sqrt(np.einsum("...d,...d->...", x, x)).max(axis=-1, initial=0.0).astype(np.float64)
+            return np.sqrt(np.einsum("...d,...d->...", x, x))
 
-    def __init__(self, problem, rule, kmax, vnorm, wt):
-        """``kmax``, ``vnorm``: :meth:`largest_norm` of the block's K and V."""
+    @staticmethod
+    def largest(norms, seen=None):
+        """The largest of :meth:`row_norms` per (batch, kv head) pair, (nb, nh, 1) float64; over each sequence's
+        keys ``[0, seen[i])`` only, for ``seen`` given. For V, max|V| lies between this norm r and r / sqrt(d) (below,
+        the upper end bounds overflow, the lower one underflow)."""
+        if seen is not None:
+            norms = np.where(np.arange(norms.shape[-1]) < np.asarray(seen).reshape(-1, 1, 1, 1), norms, 0)
+        return norms.max(axis=-1, initial=0.0).astype(np.float64)
+
+    def __init__(self, problem, rule, kmax, vnorm, vnorm_seen, wt):
+        """``kmax``, ``vnorm``: :meth:`largest` of the block's K and V row norms; ``vnorm_seen``: V's over the keys of
+        each sequence, which bound max|V| from below (a huge value in the padding past a sequence's length made the
+        bound of its tiny values too high: P V fell into the subnormals)."""
         fi = np.finfo(wt)
         drop = -math.log2(1.0 - problem.dropout_p) if problem.dropout_p else 0.0
         with np.errstate(divide="ignore"):
             vlog = np.log2(vnorm) + 2.0 ** -6  # -inf for a norm of 0
-        vlog_low = vlog - 0.5 * math.log2(max(problem.v.shape[-1], 1)) - 2.0 ** -5
+            vlog_low = np.log2(vnorm_seen) + 2.0 ** -6 - 0.5 * math.log2(max(problem.v.shape[-1], 1)) - 2.0 ** -5
         nk = math.log2(max(problem.seqlen_k, 1))
         scale = abs(float(rule.tile)) if rule.tile is not None else 1.0
         # per (batch, kv head): the Cauchy-Schwarz factor with room for the rounding of the norms (d ulps), and the
@@ -1044,7 +1069,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
 
 def _largest_row(x, wt) -> float:
     """log2 of an upper bound on the largest row norm ``|x_i|`` of ``x`` (last axis), and so on its largest element:
-    one einsum pass in ``wt`` (as :meth:`_Bounds.largest_norm`), raised to what squares lose in the subnormals; where
+    one einsum pass in ``wt`` (as :meth:`_Bounds.row_norms`), raised to what squares lose in the subnormals; where
     the squares overflow, or ``x`` is not finite, ``sqrt(d)`` times the largest finite element (-inf: no element)."""
     if x.size == 0:
         return -math.inf
