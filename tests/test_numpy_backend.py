@@ -6,6 +6,8 @@ input dtype, plus two roundings at the term magnitude.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -768,6 +770,21 @@ def test_v_whose_squares_vanish_is_not_taken_for_zero(name, kv, vexp):
     case = Case(q, k, v, rng.standard_normal(q.shape).astype(dt), dict(scale=1.0))
     out, lse = check_forward(lambda *a, **o: cuflash.attention(*a, **o, return_lse=True), case)
     check_backward(cuflash.attention_backward, case, out, lse)
+
+
+def test_a_zero_query_against_keys_whose_norms_overflow_raises_no_warning():
+    """The shift-0 bound of a row is |q_i| times the keys' largest norm: 0 * inf for a zero row against float32 keys
+    near the largest (their squares overflow) made NumPy warn of an invalid value; the NaN fails the test, as meant."""
+    q = np.zeros((1, 600, 1, 1), np.float32)
+    q[0, :300] = 1e-30
+    k = np.full((1, 600, 1, 1), 3e38, np.float32)
+    v = np.arange(600, dtype=np.float32).reshape(1, 600, 1, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out, lse = cuflash.attention(q, k, v, scale=1e-37, return_lse=True)
+        dq, dk, dv = cuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, scale=1e-37)
+    np.testing.assert_allclose(out[0, :, 0, 0], 299.5, rtol=1e-6)  # every key weighs alike: the mean of v
+    np.testing.assert_allclose(dv[0, :, 0, 0], 1.0, rtol=1e-6)  # each key's weight 1/600, summed over 600 rows
 
 
 @pytest.mark.parametrize("pad", [1.0, 3e38])
