@@ -47,6 +47,12 @@ def philox4x32(counter: Sequence[Any], key: Sequence[int]) -> tuple[Any, Any, An
     return c0, c1, c2, c3
 
 
+#: the largest dropout probability: the keep-mask compares 32-bit random numbers with ``p · 2³²``, so a larger ``p``
+#: would still keep an element with probability 2⁻³² while the kept ones are scaled by ``1 / (1 − p)``: a biased
+#: output (its expectation 2³² (1 − p) times the undropped one; at p = 0.9999999999999999, 2·10⁶)
+MAX_P = 1.0 - 2.0 ** -32
+
+
 def threshold(p: float) -> int:
     """Bits below this value are dropped: P(drop) = threshold / 2³² ≈ p."""
     return min(int(np.floor(p * 2.0 ** 32)), 2 ** 32 - 1)
@@ -103,8 +109,8 @@ def dropout_mask(shape: Sequence[int], *, seed: int, p: float) -> np.ndarray[Any
     shape : tuple of int
         Batch dimensions (any number), then heads, seqlen_q, seqlen_k.
     seed : int in [0, 2**64)
-    p : float in [0, 1)
-        Dropout probability.
+    p : float in [0, 1 - 2**-32]
+        Dropout probability (:data:`MAX_P` at most).
     """
     from .problem import check_dropout
 

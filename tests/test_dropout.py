@@ -1,4 +1,6 @@
 """Dropout: the keep-mask is one function of (seed, batch, head, row, col) on every backend."""
+from fractions import Fraction
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -89,9 +91,25 @@ def test_backward_requires_the_seed():
         cuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, dropout_p=0.2)
 
 
+@pytest.mark.parametrize("p, why", [
+    (1 - 2.0 ** -33, "draws 32-bit random numbers"), (0.9999999999999999, "draws 32-bit random numbers"),
+    (Fraction(10 ** 400 - 1, 10 ** 400), r"Fraction\(9{20}.*\.\.\. \(it is 1.0 as a float64\)"),
+    (np.longdouble(1) - np.longdouble(2.0) ** -60, r"\(it is 1.0 as a float64\)")])
+def test_a_p_the_32_bit_keep_mask_cannot_draw_is_refused_saying_why(p, why):
+    """Past 1 - 2**-32 the threshold p 2**32 is clamped: an element was still kept with probability 2**-32 and
+    scaled by 1/(1 - p), so E[out] was 2**32 (1 - p) times the undropped output (2e6 at 0.9999999999999999). A p
+    in [0, 1) that rounds to 1.0 was told it did not lie in [0, 1), with its 800-character repr."""
+    with pytest.raises(ValueError, match=rf"p must lie in \[0, 1 - 2\*\*-32\], got .*{why}"):
+        cuflash.dropout_mask((1, 1, 2, 2), seed=1, p=p)
+    q = np.zeros((1, 4, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="dropout_p must lie in"):
+        cuflash.attention(q, q, q, dropout_p=p, seed=1)
+    assert cuflash.dropout_mask((1, 1, 64, 64), seed=1, p=1 - 2.0 ** -32).sum() <= 1  # the largest p: allowed
+
+
 @pytest.mark.parametrize("p, exc, match", [
     (np.array([0.1, 0.2]), TypeError, "dropout_p must be a float in"), ("0.1", TypeError, "dropout_p must be a float"),
-    (float("nan"), ValueError, r"dropout_p must lie in \[0, 1\), got nan"), (1.5, ValueError, "must lie in")])
+    (float("nan"), ValueError, r"dropout_p must lie in \[0, 1 - 2\*\*-32\], got nan"), (1.5, ValueError, "must lie in")])
 def test_the_backward_names_a_bad_dropout_p_as_the_forward_does(p, exc, match):
     """The keyword backward asked for a seed (or tested an array's truth) before it checked dropout_p itself."""
     q = np.zeros((1, 4, 1, 8), np.float32)

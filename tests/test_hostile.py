@@ -72,8 +72,8 @@ def test_vjp_detects_in_place_changes(changed):
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(shape=(1, 2, 8, 8), seed=1, p=1.5), ValueError, r"p must lie in \[0, 1\)"),
-    (dict(shape=(1, 2, 8, 8), seed=1, p=float("nan")), ValueError, r"p must lie in \[0, 1\)"),
+    (dict(shape=(1, 2, 8, 8), seed=1, p=1.5), ValueError, r"p must lie in \[0, 1 - 2\*\*-32\], got 1.5$"),
+    (dict(shape=(1, 2, 8, 8), seed=1, p=float("nan")), ValueError, r"p must lie in \[0, 1 - 2\*\*-32\], got nan$"),
     (dict(shape=(1, 2, 8, 8), seed=1, p="0.5"), TypeError, "p must be a float"),
     (dict(shape=(1, 2, 8, 8), seed=-1, p=0.5), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
     (dict(shape=(1, 2, 8, 8), seed=2**70, p=0.5), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
@@ -110,7 +110,7 @@ def test_dropout_p_that_rounds_to_one_is_refused(p):
     if float(p) != 1.0:
         pytest.skip("this platform's longdouble is float64: no value below 1 rounds to 1")
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"dropout_p must lie in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"dropout_p must lie in \[0, 1 - 2\*\*-32\], got .*\(it is 1.0 as a float64\)"):
         cuflash.attention(q, k, v, dropout_p=p, seed=1)
     with pytest.raises(ValueError, match="dropout_p"):
         cuflash.reference.attention(q, k, v, dropout_p=p, dropout_mask=np.ones((2, 2, 40, 40), bool))

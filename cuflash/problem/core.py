@@ -378,6 +378,12 @@ def as_float(value) -> float:
         return math.inf
 
 
+def _brief(value) -> str:
+    """``repr(value)`` for an error message, cut at 40 characters (a Fraction of 10**400 runs to 800)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _working_real(value, name: str, dtype, form: str) -> float:
     """A real option (scale, softcap) as the float the computation uses: finite in float64 and in the working
     precision of ``dtype`` (float32 but for float64 inputs), where it would otherwise turn into inf."""
@@ -386,7 +392,7 @@ def _working_real(value, name: str, dtype, form: str) -> float:
     x = as_float(value)
     work = np.float64 if np.dtype(dtype) == np.float64 else np.float32
     if not math.isfinite(x) or abs(x) > float(np.finfo(work).max):  # compared as Python floats: no cast, no warning
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        shown = _brief(value)
         inputs = "bfloat16" if np.dtype(dtype) == np.uint16 else np.dtype(dtype).name  # bits of dtype="bfloat16"
         raise ValueError(f"{name} must be {form} and finite in {np.dtype(work).name} (the working precision of "
                          f"{inputs} inputs), got {shown}")
@@ -438,12 +444,18 @@ def _check_seqlens(x, name, batch_shape, full, xp):
 
 
 def check_dropout(dropout_p, seed, what="dropout_p"):
-    """``(p, seed)`` validated: ``p`` a real in [0, 1), ``seed`` None or an int in [0, 2**64)."""
+    """``(p, seed)`` validated: ``p`` a real in [0, 1 - 2**-32] (:data:`cuflash.dropout.MAX_P`), ``seed`` None or an
+    int in [0, 2**64)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{what} must be a float in [0, 1), got {type(dropout_p).__name__}")
+    from ..dropout import MAX_P
+
     p = as_float(dropout_p)  # 1 - 2**-60 (a Fraction, a longdouble) is 1.0 there
-    if not 0.0 <= p < 1.0:  # NaN fails this too
-        raise ValueError(f"{what} must lie in [0, 1), got {dropout_p!r}")
+    if not 0.0 <= p <= MAX_P:  # NaN fails this too
+        why = "" if not 0 <= dropout_p < 1 else (" (it is 1.0 as a float64)" if p == 1.0 else
+                                                 ": the keep-mask draws 32-bit random numbers, which keep an element "
+                                                 "no less often than 2**-32; a larger p would bias the output")
+        raise ValueError(f"{what} must lie in [0, 1 - 2**-32], got {_brief(dropout_p)}{why}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                              or not 0 <= seed < 2**64):
         raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
