@@ -318,7 +318,9 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
         mags["dq"] = abs(p.scale) * _mm_seen(ds, np.abs(kg)).max(initial=0)
         mags["dk"] = abs(p.scale) * _mm_seen(np.swapaxes(ds, -1, -2), np.abs(qg)).sum(axis=2).max(initial=0)
         mags["dv"] = _mm_seen(np.swapaxes(prob, -1, -2), np.abs(do)).sum(axis=2).max(initial=0)
-    mags = {name: float(x) * cond / (1.0 - dropout_p) for name, x in mags.items()}
+    # in long double: times cond, a magnitude near float64's largest (V of 1e308) would overflow to inf, a bound
+    # that passes anything (cuflash.testing refuses it)
+    mags = {name: np.longdouble(x) * cond / (1.0 - dropout_p) for name, x in mags.items()}
     mags["lse"] = 1.0 + exponent
     return mags
 

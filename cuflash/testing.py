@@ -24,18 +24,51 @@ import numpy as np
 
 from . import reference
 from .blockmask import BlockMask
+from .problem import FLOAT_DTYPES, _is_cupy, check_flags
 from .reference import rounding  # the rule's unit, public here too
 
 #: Sequence lengths that catch off-by-one tiles: 1, primes, one past and one short of a tile.
 AWKWARD_LENGTHS = (1, 2, 3, 17, 31, 33, 63, 64, 65, 100, 113, 127, 128, 129, 203, 255, 256, 257)
 
 
-def _dtype(name):
-    if name == "bfloat16":
+def _input_dtype(dtype, what="dtype"):
+    """The dtype of ``dtype`` if it is one the library takes as input (float16, bfloat16, float32, float64), else a
+    TypeError naming ``what``: ``np.dtype(None)`` is float64 and ``np.dtype("bfloat16")`` needs ml_dtypes imported
+    first, so neither is left to NumPy; an integer or bool dtype would have the strategy cast normal samples to it."""
+    bad = TypeError(f"{what} must be one of {', '.join(FLOAT_DTYPES)} (a name, NumPy type or dtype; bfloat16 by "
+                    f"name or as ml_dtypes.bfloat16), got {dtype!r}")
+    if dtype is None or isinstance(dtype, (bool, np.bool_)):
+        raise bad
+    if isinstance(dtype, str) and dtype == "bfloat16":
         import ml_dtypes
 
         return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError):
+        raise bad from None
+    if dt.name not in FLOAT_DTYPES:
+        raise bad
+    return dt
+
+
+def _int(x, what, least):
+    """``x`` as an int of at least ``least`` (TypeError / ValueError naming ``what``); bools are refused."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(x).__name__} {x!r}")
+    if x < least:
+        raise ValueError(f"{what} must be at least {least}, got {x}")
+    return int(x)
+
+
+def _ints(xs, what):
+    """A non-empty tuple of positive ints (a string would be drawn from letter by letter; 0 would be drawn)."""
+    if isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__"):
+        raise TypeError(f"{what} must be a non-empty tuple of positive ints, got {xs!r}")
+    xs = tuple(xs)
+    if not xs:
+        raise ValueError(f"{what} must be a non-empty tuple of positive ints, got ()")
+    return tuple(_int(x, f"{what}[{i}]", 1) for i, x in enumerate(xs))
 
 
 @dataclass
@@ -120,16 +153,26 @@ def attention_cases(*, dtypes=("float32",), max_seqlen=160, head_dims=None, max_
     with ``modifiers``, bias (of several broadcast shapes), ALiBi, softcap, score and mask modifiers."""
     from hypothesis import strategies as st
 
-    if isinstance(dtypes, str) or not dtypes:  # "float16" would be drawn letter by letter
+    # Every argument is checked here, when the strategy is built, not when a draw first meets it (block size 0 was a
+    # ZeroDivisionError deep in a draw; head dim 0 and int/bool/complex dtypes silently built cases of no meaning).
+    if isinstance(dtypes, (str, bytes)) or not hasattr(dtypes, "__iter__") or not tuple(dtypes):
         raise TypeError(f"dtypes must be a non-empty tuple of dtype names, e.g. ('float16',), got {dtypes!r}")
+    dtypes = tuple(_input_dtype(dt, f"dtypes[{i}]") for i, dt in enumerate(dtypes))
+    max_seqlen = _int(max_seqlen, "max_seqlen", 1)
+    head_dims = None if head_dims is None else _ints(head_dims, "head_dims")
+    max_head_dim = _int(max_head_dim, "max_head_dim", 1)
+    max_batch_dims = _int(max_batch_dims, "max_batch_dims", 0)
+    block_sizes = _ints(block_sizes, "block_sizes")
+    check_flags(gqa=gqa, causal=causal, window=window, seqlens=seqlens, block_mask=block_mask, scale=scale,
+                dropout=dropout, modifiers=modifiers)
 
     @st.composite
     def cases(draw):
-        dtype = _dtype(draw(st.sampled_from(dtypes)))
+        dtype = draw(st.sampled_from(dtypes))
         lengths = st.one_of(st.sampled_from([x for x in AWKWARD_LENGTHS if x <= max_seqlen]),
                             st.integers(1, max_seqlen))
         sq, sk = draw(lengths), draw(lengths)
-        d = draw(st.sampled_from(head_dims)) if head_dims else draw(st.integers(1, max_head_dim))
+        d = draw(st.sampled_from(head_dims)) if head_dims is not None else draw(st.integers(1, max_head_dim))
         hkv = draw(st.integers(1, 3))
         hq = hkv * (draw(st.sampled_from([1, 2, 4])) if gqa else 1)
         batch = tuple(draw(st.lists(st.integers(1, 3), max_size=max_batch_dims)))
@@ -171,19 +214,25 @@ def assert_attention_close(actual, ref64, baseline, *, mult=2.0, name="out", mag
     computation itself is not finite (a float16 score or row sum that overflows) it sets no bound: those elements
     are held to the bound of the others (an infinite naive error would pass anything). The maxima are over the
     whole tensor: one badly conditioned row widens the bound of every row (split such a case to judge rows apart).
-    Explicit checks, not ``assert``: they hold under ``python -O`` too.
+    ``mult`` must be finite and positive, ``magnitude`` finite and non-negative (or None): an infinite one would
+    pass anything, a NaN fail everything. Explicit checks, not ``assert``: they hold under ``python -O`` too.
     """
-    actual = np.asarray(actual.get() if hasattr(actual, "get") else actual)  # a CuPy result, copied once
-    for name_, x in (("actual", actual), ("ref64", ref64), ("baseline", baseline)):
-        dt = np.asarray(x).dtype
-        if dt.kind not in "fiu" and dt.name != "bfloat16":
-            raise TypeError(f"{name_} must be a real array, got dtype {dt} ({name}): a complex part would be dropped")
-    floor_u = rounding(np.asarray(baseline).dtype)
-    wide = np.longdouble if np.asarray(ref64).dtype == np.longdouble else np.float64  # see reference_dtype
+    mult = _real_number(mult, "mult", positive=True)
+    magnitude = None if magnitude is None else _real_number(magnitude, "magnitude", positive=False)
+    actual = _real_array(actual, "actual", name)
+    ref64 = _real_array(ref64, "ref64", name)
+    baseline = _real_array(baseline, "baseline", name, floating=True)
+    floor_u = rounding(baseline.dtype)
+    wide = np.longdouble if ref64.dtype == np.longdouble else np.float64  # see reference_dtype
     actual = actual.astype(wide)
-    baseline = np.asarray(baseline).astype(wide)
-    ref64 = np.asarray(ref64, dtype=wide)
+    baseline = baseline.astype(wide)
+    ref64 = ref64.astype(wide)
     _require(actual.shape == ref64.shape, f"{name}: shape {actual.shape} != reference {ref64.shape}")
+    if baseline.shape != ref64.shape:  # the caller's mistake, not the implementation's: indexing it was an IndexError
+        raise ValueError(f"{name}: baseline shape {baseline.shape} != reference {ref64.shape} (the naive computation "
+                         f"of the same problem in the input dtype)")
+    _require(not np.isnan(ref64).any(), f"{name}: the reference holds NaN, so nothing can be judged against it "
+                                        f"(a NaN among the inputs it reads?)")
     _require(not np.isnan(actual).any(), f"{name}: NaN in the result")
     inf_ref = np.isinf(ref64)
     _require(np.array_equal(np.isinf(actual), inf_ref) and np.array_equal(actual[inf_ref], ref64[inf_ref]),
@@ -196,7 +245,43 @@ def assert_attention_close(actual, ref64, baseline, *, mult=2.0, name="out", mag
     base = naive[np.isfinite(naive)].max(initial=0.0)
     floor = 2 * floor_u * (np.abs(ref64[fin]).max() if magnitude is None else magnitude)
     _require(err <= mult * base + floor,
-             f"{name}: max error {err:.3e} exceeds {mult}x the naive same-dtype error {base:.3e} + floor {floor:.3e}")
+             f"{name}: max error {err:.3e} exceeds {mult:g}x the naive same-dtype error {base:.3e} + floor {floor:.3e}")
+
+
+def _host(x):
+    """``x`` as a NumPy array: CuPy arrays (and other CUDA Array Interface objects, through CuPy) copied to the host.
+    CuPy is told by its module, as everywhere in the package: ``hasattr(x, "get")`` took a dict for one."""
+    if _is_cupy(x):
+        return x.get()
+    if not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__"):
+        from .interop import _cupy
+
+        return _cupy("an array").asarray(x).get()
+    return np.asarray(x)
+
+
+def _real_array(x, what, name, floating=False):
+    """``x`` on the host if it is a real array (floating point, bfloat16 included, or else for ``floating=False``
+    integer), else a TypeError that says what was expected."""
+    a = _host(x)
+    dt = a.dtype
+    if dt.kind == "f" or dt.name == "bfloat16" or (not floating and dt.kind in "iu"):
+        return a
+    want = "a floating-point array (its dtype sets the floor)" if floating else "a real (float or integer) array"
+    got = f"dtype {dt}" if isinstance(x, np.ndarray) or _is_cupy(x) else f"{type(x).__name__} (dtype {dt})"
+    why = ": a complex part would be dropped" if dt.kind == "c" else ""
+    raise TypeError(f"{what} must be {want} ({name}), got {got}{why}")
+
+
+def _real_number(x, what, positive):
+    """``x`` as a finite float, > 0 (``positive``) or >= 0: an infinite ``mult`` or ``magnitude`` passes anything, a
+    NaN fails everything, a negative one makes a negative bound."""
+    if isinstance(x, (bool, np.bool_)) or np.ndim(x) != 0 or np.asarray(x).dtype.kind not in "fiu":
+        raise TypeError(f"{what} must be a real number, got {type(x).__name__} {x!r}")
+    value = np.longdouble(x)  # a magnitude past float64's largest (V near 1e308, term_magnitudes) is finite here
+    if not np.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{what} must be finite and {'> 0' if positive else '>= 0'}, got {x!r}")
+    return value
 
 
 def _require(ok: bool, message: str) -> None:
@@ -218,20 +303,80 @@ def _reference_options(case: Case):
 
 def reference_dtype(dtype):
     """The reference's ``compute_dtype`` for inputs of ``dtype``: float64, or ``np.longdouble`` for float64 inputs
-    (otherwise the naive float64 computation would be the reference itself, its error 0, and the floor the rule)."""
-    return np.longdouble if np.dtype(dtype) == np.float64 else np.float64
+    (otherwise the naive float64 computation would be the reference itself, its error 0, and the floor the rule).
+    ``dtype``: one the library takes (float16, bfloat16, float32, float64), else TypeError."""
+    return np.longdouble if _input_dtype(dtype) == np.float64 else np.float64
+
+
+def _copy(x):
+    """A copy of a NumPy/CuPy array (same type), of a dict of them (``mod_arrays``), else ``x`` itself."""
+    if isinstance(x, np.ndarray) or _is_cupy(x):
+        return x.copy()
+    if isinstance(x, dict):
+        return {key: _copy(value) for key, value in x.items()}
+    return x
+
+
+def _snapshot(case: Case) -> Case:
+    """The case with every array copied: the reference and the naive baseline are computed from these, so a ``fn``
+    that writes into its inputs cannot move them (``q *= s`` with ``scale=s`` passed with a true error of 0.92)."""
+    return Case(*(_copy(x) for x in (case.q, case.k, case.v, case.dout)), options=_copy(case.options))
+
+
+def _same(now, before) -> bool:
+    """Bit for bit: a value comparison would take -0.0 for 0.0 and one NaN for another, and knows no bfloat16."""
+    now, before = _host(now), _host(before)
+    if now.shape != before.shape or now.dtype != before.dtype:  # ``q.shape = ...`` reshapes in place
+        return False
+    if not now.dtype.hasobject and now.dtype.itemsize in (1, 2, 4, 8):
+        bits = np.dtype(f"u{now.dtype.itemsize}")
+        return bool(np.array_equal(now.view(bits), before.view(bits)))
+    return bool(np.array_equal(now, before, equal_nan=now.dtype.kind in "fc"))
+
+
+def _changed(name, now, before):
+    """The names of the arrays (recursing into dicts) of ``now`` that differ from their copy in ``before``."""
+    if isinstance(before, dict):
+        if not isinstance(now, dict) or now.keys() != before.keys():
+            yield name
+            return
+        for key in before:
+            yield from _changed(f"{name}[{key!r}]", now[key], before[key])
+    elif (isinstance(before, np.ndarray) or _is_cupy(before)) and not _same(now, before):
+        yield name
+
+
+def _require_unmodified(now: dict, before: dict) -> None:
+    for name in now:
+        for changed in _changed(name, now[name], before[name]):
+            _require(False, f"fn modified {changed} in place: the reference is computed from copies taken before "
+                            f"the call, but the caller's arrays are changed (fn must not write into its inputs)")
+
+
+def _arrays(case: Case) -> dict:
+    return dict(q=case.q, k=case.k, v=case.v, dout=case.dout, options=case.options)
+
+
+def _values(result) -> str:
+    return f"{len(result)} values" if isinstance(result, (tuple, list)) else f"{type(result).__name__}, not a tuple"
 
 
 def check_forward(fn, case: Case):
     """Hold ``fn(q, k, v, **options) -> (out, lse)`` to the rule against the float64 reference (longdouble for
-    float64 inputs)."""
-    out, lse = fn(case.q, case.k, case.v, **case.options)
-    opts, drop = _reference_options(case)
-    ref, ref_lse = reference.attention(case.q, case.k, case.v, return_lse=True, compute_dtype=reference_dtype(
-        case.q.dtype), **opts, **drop)
-    base, base_lse = reference.attention(case.q, case.k, case.v, return_lse=True,
-                                         compute_dtype=case.q.dtype, **opts, **drop)
-    mags = reference.term_magnitudes(case.q, case.k, case.v, **opts, **drop)
+    float64 inputs). ``fn`` must not modify its inputs (AssertionError naming the array)."""
+    before = _snapshot(case)
+    result = fn(case.q, case.k, case.v, **case.options)
+    _require_unmodified(_arrays(case), _arrays(before))
+    _require(isinstance(result, (tuple, list)) and len(result) == 2,
+             f"fn must return (out, lse), got {_values(result)}: the lse is checked too (e.g. "
+             f"functools.partial(cuflash.attention, return_lse=True))")
+    out, lse = result
+    opts, drop = _reference_options(before)
+    ref, ref_lse = reference.attention(before.q, before.k, before.v, return_lse=True, compute_dtype=reference_dtype(
+        before.q.dtype), **opts, **drop)
+    base, base_lse = reference.attention(before.q, before.k, before.v, return_lse=True,
+                                         compute_dtype=before.q.dtype, **opts, **drop)
+    mags = reference.term_magnitudes(before.q, before.k, before.v, **opts, **drop)
     assert_attention_close(out, ref, base, mult=2, name="out", magnitude=mags["out"])
     assert_attention_close(lse, ref_lse, base_lse, mult=2, name="lse", magnitude=mags["lse"])
     return out, lse
@@ -241,23 +386,26 @@ def check_backward(fn, case: Case, out, lse, *, dbias=None):
     """Hold ``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` to the rule (mult 3).
 
     ``dbias`` (default: when the case has a ``bias``): ``fn`` is called with ``return_dbias=True`` and its
-    fourth result held to the rule too (the naive baseline rounded to the bias's dtype, as the result is)."""
+    fourth result held to the rule too (the naive baseline rounded to the bias's dtype, as the result is).
+    ``fn`` must not modify its inputs, ``out`` and ``lse`` included (AssertionError naming the array)."""
     dbias = "bias" in case.options if dbias is None else dbias
     extra = {"return_dbias": True} if dbias else {}
+    before = _snapshot(case)
+    saved = dict(out=_copy(out), lse=_copy(lse))
     grads = fn(case.dout, case.q, case.k, case.v, out, lse, **case.options, **extra)
-    opts, drop = _reference_options(case)
-    refs = reference.attention_backward(case.dout, case.q, case.k, case.v, compute_dtype=reference_dtype(
-        case.q.dtype), **opts, **drop, **extra)
-    bases = reference.attention_backward(case.dout, case.q, case.k, case.v,
-                                         compute_dtype=case.q.dtype, **opts, **drop, **extra)
+    _require_unmodified(dict(_arrays(case), out=out, lse=lse), dict(_arrays(before), **saved))
     want = 4 if dbias else 3
     _require(isinstance(grads, (tuple, list)) and len(grads) == want,
-             f"fn must return {'(dq, dk, dv, dbias)' if dbias else '(dq, dk, dv)'}, got "
-             f"{len(grads) if isinstance(grads, (tuple, list)) else type(grads).__name__} values: a gradient left "
-             f"out would go unchecked")
+             f"fn must return {'(dq, dk, dv, dbias)' if dbias else '(dq, dk, dv)'}, got {_values(grads)}: a "
+             f"gradient left out would go unchecked")
+    opts, drop = _reference_options(before)
+    refs = reference.attention_backward(before.dout, before.q, before.k, before.v, compute_dtype=reference_dtype(
+        before.q.dtype), **opts, **drop, **extra)
+    bases = reference.attention_backward(before.dout, before.q, before.k, before.v,
+                                         compute_dtype=before.q.dtype, **opts, **drop, **extra)
     if dbias:
-        bases = bases[:3] + (np.asarray(bases[3]).astype(np.asarray(case.options["bias"]).dtype),)
-    mags = reference.term_magnitudes(case.q, case.k, case.v, case.dout, **opts, **drop)
+        bases = bases[:3] + (np.asarray(bases[3]).astype(np.asarray(before.options["bias"]).dtype),)
+    mags = reference.term_magnitudes(before.q, before.k, before.v, before.dout, **opts, **drop)
     for name, g, r, b in zip(("dq", "dk", "dv", "dbias"), grads, refs, bases):
         assert_attention_close(g, r, b, mult=3, name=name, magnitude=mags[name])
     return grads

@@ -20,7 +20,7 @@ import cuflash
 from cuflash import reference, tiling
 from cuflash.cuda import launch as launches
 from cuflash.problem import make_kvcache_problem
-from cuflash.testing import _dtype, assert_attention_close
+from cuflash.testing import _input_dtype as _dtype, assert_attention_close
 
 from emulated_support import pytestmark  # noqa: F401  (marks the module)
 from test_kvcache import Cache, cache_cases, check_call

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash.backends import emulate as emulate_backend
 from cuflash.problem import check_varlen_backward, make_varlen_problem
-from cuflash.testing import _dtype, assert_attention_close
+from cuflash.testing import _input_dtype as _dtype, assert_attention_close
 
 from emulated_support import pytestmark  # noqa: F401  (marks the module)
 from test_varlen import Padded, pack, ragged

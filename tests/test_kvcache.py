@@ -19,7 +19,7 @@ import cuflash
 from cuflash import reference
 from cuflash.backends import numpy as nb
 from cuflash.backends import numpy_ragged
-from cuflash.testing import _dtype, assert_attention_close, reference_dtype
+from cuflash.testing import _input_dtype as _dtype, assert_attention_close, reference_dtype
 
 import test_api_conveniences as conveniences
 

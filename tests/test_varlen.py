@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import reference
 from cuflash.backends import numpy as nb
-from cuflash.testing import _dtype, assert_attention_close, reference_dtype
+from cuflash.testing import _input_dtype as _dtype, assert_attention_close, reference_dtype
 
 import test_api_conveniences as conveniences
 

@@ -1,0 +1,240 @@
+"""cuflash.testing, the helpers users hold their own attention code to (README: "Testing your own attention code"):
+the checks must not be fooled by a fn that writes into its inputs, and misuse of the helpers must be refused with a
+message that says what was expected rather than with an error from deep inside."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import cuflash
+from cuflash.testing import (Case, assert_attention_close, attention_cases, check_backward, check_forward,
+                             reference_dtype)
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+
+def forward(q, k, v, **options):
+    return cuflash.attention(q, k, v, return_lse=True, **options)
+
+
+def make_case(dtype=np.float32, seed=0, shape=(1, 6, 2, 4), **options):
+    rng = np.random.default_rng(seed)
+    return Case(*(rng.standard_normal(shape).astype(dtype) for _ in range(4)), options=options)
+
+
+# ------------------------------------------------------------------ fn modifying its inputs in place
+def test_a_forward_fn_that_scales_q_in_place_fails():
+    """fn did ``q *= s`` and computed with the case's scale: the reference, computed afterwards from the same q,
+    moved with it and the check passed with a true error of order 1."""
+    case = make_case(scale=0.5)
+
+    def fn(q, k, v, **options):
+        q *= 4.0
+        return forward(q, k, v, **options)
+
+    with pytest.raises(AssertionError, match=r"fn modified q in place"):
+        check_forward(fn, case)
+
+
+def test_a_forward_fn_that_zeroes_v_in_place_fails():
+    case = make_case()
+
+    def fn(q, k, v, **options):
+        v[...] = 0
+        return forward(q, k, v, **options)  # out is all zeros
+
+    with pytest.raises(AssertionError, match=r"fn modified v in place"):
+        check_forward(fn, case)
+
+
+def test_a_backward_fn_that_zeroes_dout_in_place_fails():
+    case = make_case()
+    out, lse = check_forward(forward, case)
+
+    def fn(dout, q, k, v, out, lse, **options):
+        dout[...] = 0
+        return tuple(np.zeros_like(x) for x in (q, k, v))
+
+    with pytest.raises(AssertionError, match=r"fn modified dout in place"):
+        check_backward(fn, case, out, lse)
+
+
+def test_options_and_forward_results_written_in_place_are_named():
+    rng = np.random.default_rng(3)
+    case = make_case(bias=rng.standard_normal((6, 6)).astype(np.float32),
+                     score_mod="score * 0.7 + w[kv_idx]", mod_arrays=dict(w=rng.standard_normal(6).astype(np.float32)))
+
+    def zero_bias(q, k, v, **options):
+        options["bias"][...] = 0
+        return forward(q, k, v, **options)
+
+    with pytest.raises(AssertionError, match=r"fn modified options\['bias'\] in place"):
+        check_forward(zero_bias, case)
+    case = make_case(score_mod="score * 0.7 + w[kv_idx]", mod_arrays=dict(w=rng.standard_normal(6).astype(np.float32)))
+
+    def scale_w(q, k, v, **options):
+        options["mod_arrays"]["w"] *= 2
+        return forward(q, k, v, **options)
+
+    with pytest.raises(AssertionError, match=r"fn modified options\['mod_arrays'\]\['w'\] in place"):
+        check_forward(scale_w, case)
+    case = make_case()
+    out, lse = check_forward(forward, case)
+
+    def clobber_out(dout, q, k, v, out, lse, **options):
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+        out[...] = 0
+        return grads
+
+    with pytest.raises(AssertionError, match=r"fn modified out in place"):
+        check_backward(clobber_out, case, out, lse)
+
+
+def test_a_sign_flipped_zero_in_bfloat16_is_a_modification_and_nan_padding_is_not():
+    """Compared bit for bit: -0.0 == 0.0 by value, NaN != NaN, and bfloat16 is no NumPy float kind."""
+    case = make_case(ml_dtypes.bfloat16, seqlens_k=np.array([4], np.int32))
+    case.q[0, 0, 0, 0] = 0.0
+    case.v[0, 5, 1, 2] = np.nan  # key 5 is past seqlens_k: never read, and unchanged by a correct fn
+    out, lse = check_forward(forward, case)
+    check_backward(cuflash.attention_backward, case, out, lse)
+
+    def flip(q, k, v, **options):
+        q[0, 0, 0, 0] = -0.0
+        return forward(q, k, v, **options)
+
+    with pytest.raises(AssertionError, match=r"fn modified q in place"):
+        check_forward(flip, case)
+
+
+# ------------------------------------------------------------------ results of the wrong arity
+@pytest.mark.parametrize("result,got", [(lambda o: o[:1], "1 values"), (lambda o: o + (o[1],), "3 values"),
+                                        (lambda o: o[0], "ndarray, not a tuple")])
+def test_check_forward_says_what_fn_must_return(result, got):
+    case = make_case()
+    with pytest.raises(AssertionError, match=rf"fn must return \(out, lse\), got {got}"):
+        check_forward(lambda *a, **o: result(forward(*a, **o)), case)
+
+
+# ------------------------------------------------------------------ assert_attention_close's arguments
+def test_the_rule_refuses_a_baseline_of_another_shape_or_kind():
+    ref = np.linspace(1, 2, 6)
+    with pytest.raises(ValueError, match=r"out: baseline shape \(5,\) != reference \(6,\)"):
+        assert_attention_close(ref, ref, ref[:5].astype(np.float32))
+    with pytest.raises(TypeError, match=r"baseline must be a floating-point array .*got dtype int64"):
+        assert_attention_close(ref, ref, ref.astype(np.int64))
+    assert_attention_close(ref, ref, ref.astype(ml_dtypes.bfloat16))  # bfloat16 is floating point
+
+
+@pytest.mark.parametrize("bad", [None, "abc", np.array([object()] * 6), {"a": 1}])
+@pytest.mark.parametrize("role", ["actual", "ref64", "baseline"])
+def test_the_rule_says_what_it_expected_of_a_non_array(bad, role):
+    ref = np.linspace(1, 2, 6)
+    args = {"actual": ref, "ref64": ref, "baseline": ref.astype(np.float32), role: bad}
+    with pytest.raises(TypeError, match=rf"{role} must be a (real|floating-point) .*array") as info:
+        assert_attention_close(args["actual"], args["ref64"], args["baseline"])
+    assert "complex part" not in str(info.value)
+
+
+def test_cupy_is_told_by_module_not_by_a_get_attribute():
+    """``hasattr(actual, "get")`` took a dict for a CuPy array."""
+    ref = np.linspace(1, 2, 6)
+
+    class FakeCupyArray:  # what cuflash.problem._is_cupy sees of a CuPy array: its type's module
+        __module__ = "cupy._core.core"
+
+        def get(self):
+            return ref.copy()
+
+    assert_attention_close(FakeCupyArray(), ref, ref.astype(np.float32))
+    with pytest.raises(TypeError, match=r"actual must be a real .*got dict"):
+        assert_attention_close({"get": 1}, ref, ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(mult=np.inf), ValueError), (dict(mult=np.nan), ValueError), (dict(mult=0), ValueError),
+    (dict(mult=-2.0), ValueError), (dict(mult="2"), TypeError), (dict(mult=True), TypeError),
+    (dict(magnitude=np.inf), ValueError), (dict(magnitude=np.nan), ValueError), (dict(magnitude=-1.0), ValueError),
+    (dict(magnitude="1"), TypeError), (dict(magnitude=np.ones(2)), TypeError)])
+def test_mult_and_magnitude_are_validated(kwargs, error):
+    """mult=inf or magnitude=inf passed anything, NaN failed everything, a negative magnitude made a negative floor."""
+    ref = np.linspace(1, 2, 6)
+    with pytest.raises(error, match=rf"{next(iter(kwargs))} must be"):
+        assert_attention_close(ref + 1.0, ref, ref.astype(np.float32), **kwargs)
+
+
+def test_valid_mult_and_magnitude_still_work():
+    ref = np.linspace(1, 2, 6)
+    base = ref.astype(np.float32)
+    assert_attention_close(ref, ref, base, mult=np.float64(3), magnitude=np.float64(0.0))
+    assert_attention_close(ref, ref, base, mult=1, magnitude=None)
+    with pytest.raises(AssertionError, match="exceeds"):
+        assert_attention_close(ref + 1.0, ref, base, mult=2.0, magnitude=np.longdouble(1.0))
+
+
+def test_a_nan_reference_is_reported_as_such():
+    ref = np.array([1.0, np.nan, 3.0])
+    with pytest.raises(AssertionError, match=r"lse: the reference holds NaN"):
+        assert_attention_close(np.array([1.0, 2.0, 3.0]), ref, ref.astype(np.float32), name="lse")
+
+
+# ------------------------------------------------------------------ reference_dtype and the strategy's arguments
+@pytest.mark.parametrize("dtype,want", [("float16", np.float64), (np.float16, np.float64), ("float32", np.float64),
+                                        ("bfloat16", np.float64), (ml_dtypes.bfloat16, np.float64),
+                                        (np.dtype(ml_dtypes.bfloat16), np.float64), ("float64", np.longdouble),
+                                        (np.float64, np.longdouble), (float, np.longdouble)])
+def test_reference_dtype_of_the_input_dtypes(dtype, want):
+    assert reference_dtype(dtype) is want
+
+
+def test_reference_dtype_of_bfloat16_by_name_in_a_fresh_process():
+    """np.dtype("bfloat16") is known to NumPy only once ml_dtypes is imported: by name it raised "data type
+    'bfloat16' not understood" though the strategy takes that name."""
+    code = ("import sys; from cuflash.testing import reference_dtype; had = 'ml_dtypes' in sys.modules; "
+            "print(had, reference_dtype('bfloat16').__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split()[-1] == "float64", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("dtype", [None, "int32", "bool", np.bool_, "complex64", np.longdouble, "uint16", "bf16",
+                                   object, True])
+def test_reference_dtype_refuses_what_is_no_input_dtype(dtype):
+    """None was float64's dtype (so longdouble), "bfloat16" unknown to NumPy, ints and bools float64."""
+    with pytest.raises(TypeError, match=r"dtype must be one of float16, bfloat16, float32, float64"):
+        reference_dtype(dtype)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(dtypes=("bool",)), TypeError, r"dtypes\[0\] must be one of float16"),
+    (dict(dtypes=("float32", "int32")), TypeError, r"dtypes\[1\] must be one of"),
+    (dict(dtypes=("complex64",)), TypeError, r"dtypes\[0\] must be one of"),
+    (dict(dtypes=(None,)), TypeError, r"dtypes\[0\] must be one of"),
+    (dict(dtypes=()), TypeError, r"dtypes must be a non-empty tuple"),
+    (dict(dtypes="float16"), TypeError, r"dtypes must be a non-empty tuple"),
+    (dict(head_dims=(0,)), ValueError, r"head_dims\[0\] must be at least 1"),
+    (dict(head_dims=(16, -1)), ValueError, r"head_dims\[1\] must be at least 1"),
+    (dict(head_dims=()), ValueError, r"head_dims must be a non-empty tuple"),
+    (dict(head_dims="64"), TypeError, r"head_dims must be a non-empty tuple"),
+    (dict(head_dims=(16.0,)), TypeError, r"head_dims\[0\] must be an int"),
+    (dict(block_sizes=(0,)), ValueError, r"block_sizes\[0\] must be at least 1"),
+    (dict(block_sizes=16), TypeError, r"block_sizes must be a non-empty tuple"),
+    (dict(max_seqlen=0), ValueError, r"max_seqlen must be at least 1"),
+    (dict(max_head_dim=0), ValueError, r"max_head_dim must be at least 1"),
+    (dict(max_batch_dims=-1), ValueError, r"max_batch_dims must be at least 0"),
+    (dict(max_seqlen=1.5), TypeError, r"max_seqlen must be an int"),
+    (dict(causal="yes"), TypeError, r"causal must be a bool")])
+def test_attention_cases_checks_its_arguments_when_called(kwargs, error, match):
+    """They were met only when drawn, if at all: block size 0 was a ZeroDivisionError inside a draw, head dim 0 and
+    bool/int/complex dtypes built cases by casting normal samples."""
+    with pytest.raises(error, match=match):
+        attention_cases(**kwargs)
+
+
+@settings(max_examples=5)
+@given(attention_cases(dtypes=(ml_dtypes.bfloat16, np.float16, "float32"), max_seqlen=8, head_dims=(np.int64(4),),
+                       block_sizes=(1, 3), max_batch_dims=1))
+def test_attention_cases_draws_the_accepted_dtypes(case):
+    assert case.q.dtype.name in ("bfloat16", "float16", "float32") and case.q.shape[-1] == 4
