@@ -8,7 +8,8 @@ For each case this prints the host's ms per call (``perf_counter`` over ``calls`
 synchronization), the ms per call between CUDA events around those calls (the kernels' time once the host runs
 ahead of them; the host's where it does not) and cProfile's functions with the most time of their own over the
 same calls. Runs on a GPU, or on the fake GPU of the tests (``PYTHONPATH=tests/fake_gpu:tests``, kernels not run:
-``--no-kernels``), where only the Python side's share means anything.
+``--no-kernels``), where only the Python side's share means anything. Without a CUDA device (CuPy and a visible GPU)
+it refuses to start (status 2), as it does on a bad option or ``CUFLASH_*`` variable, before measuring anything.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import argparse
 import cProfile
 import pstats
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
+
+from cuflash import _env
 
 from .cases import Case
 from .inputs import density_mask
@@ -84,7 +87,7 @@ def measure(xp, call: Callable[[], object], calls: int, top: int) -> tuple[float
     prof.disable()
     sync()
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]  # (file, line, name) -> (cc, nc, tt, ct, callers)
-    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top or None]  # top 0: every row
     text = [f"    {'own us':>8s} {'total us':>9s} {'n':>5s}  function (per timed call)"]
     for (path, line, name), (_, n, own, total, _) in rows:
         where = f"{'/'.join(path.split('/')[-2:])}:{line}({name})" if line else name
@@ -92,19 +95,71 @@ def measure(xp, call: Callable[[], object], calls: int, top: int) -> tuple[float
     return host, device, "\n".join(text)
 
 
+def _count(lo: int, meaning: str) -> Callable[[str], int]:
+    """argparse type of an integer option of at least ``lo``: --calls 0 divided by zero after the first case's calls,
+    -3 printed negative milliseconds, and --top -1 (a slice's end) silently left out the last row."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}{meaning}, got {value}")
+        return value
+    return parse
+
+
+def _names(text: Optional[str], known: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """The case names of --only (all of ``known`` where none is given), every one checked before the first runs: an
+    unknown name was a KeyError after the names before it had been measured."""
+    if text is None:
+        return known
+    names = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))  # in order, each once
+    if not names:  # an empty --only would measure nothing and print an empty table
+        parser.error(f"--only names no case in {text!r}; choose from {', '.join(known)}")
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        parser.error(f"--only: unknown case(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    return names
+
+
+def _no_cuda_device() -> Optional[str]:
+    """Why CuPy cannot run here (None where it can): without a GPU the first case ended in a CUDARuntimeError
+    traceback. The fake GPU of the tests (``PYTHONPATH=tests/fake_gpu:tests``) counts as one device."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return f"CuPy cannot be imported ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 -- CUDARuntimeError (no driver, too old a driver), whatever CuPy raises
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{type(exc).__name__}: {first}"
+    return None if count > 0 else "no CUDA device is visible"
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calls", type=int, default=40)
-    p.add_argument("--top", type=int, default=12, help="cProfile's rows per case")
-    p.add_argument("--only", default="", help="comma-separated case names")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host_cost", description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=_count(1, ""), default=40, help="timed calls per case (at least 1)")
+    p.add_argument("--top", type=_count(0, " (0: every row)"), default=12, help="cProfile's rows per case (0: all)")
+    p.add_argument("--only", default=None, help=f"comma-separated case names, from {', '.join(cases(None))}")
     p.add_argument("--no-kernels", action="store_true", help="launches do nothing (the fake GPU: host cost only)")
     args = p.parse_args(argv)
+    # every refusal before the first case runs: the names, the environment (as `python -m cuflash` checks it: a bad
+    # CUFLASH_* value is one line, not a traceback from inside a call) and the device
+    names = _names(args.only, list(cases(None)), p)  # the builders use xp only when called: the names need no GPU
+    try:
+        _env.check_all()
+    except ValueError as exc:
+        p.exit(2, f"{p.prog}: error: {exc}\n")
+    why = _no_cuda_device()
+    if why is not None:
+        p.exit(2, f"{p.prog}: error: needs a CUDA device (CuPy and a visible GPU): {why}\n")
     import cupy as xp
 
     if args.no_kernels:
         xp.RawKernel.__call__ = lambda self, *a, **k: None
     table = cases(xp)
-    names = args.only.split(",") if args.only else list(table)
     rows = []
     for name in names:
         host, device, profile = measure(xp, table[name](), args.calls, args.top)

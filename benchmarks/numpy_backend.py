@@ -6,6 +6,9 @@
     python -m benchmarks.numpy_backend --quick --backward --no-memory --out .../numpy_backend_fwd_bwd.json
     python -m benchmarks.numpy_backend --no-speed --out .../numpy_backend_memory.json   # the memory grid alone
 
+An existing ``--out`` file is refused unless ``--replace`` is given (as ``benchmarks.run`` refuses another run's
+figures), and the ``--out`` path, the options and the ``CUFLASH_*`` environment are checked before anything is measured.
+
 Speed: forward, batch 1, 4 heads, head_dim 64 and 128, causal and not, float32 at N = 4096 and
 16384 and float64 at N = 4096. Each case is timed in rounds, the implementations in turn within a
 round (cuflash, torch, naive), so that a machine whose speed drifts (other processes) slows all of
@@ -40,6 +43,7 @@ import json
 import math
 import os
 import platform
+import stat
 import statistics
 import subprocess
 import sys
@@ -50,6 +54,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import cuflash
+from cuflash import _env
 from cuflash.backends import numpy as nb
 
 
@@ -317,13 +322,75 @@ def _version(dist):
         return None
 
 
-def write_json(path, result):
-    """``result`` as indented JSON at ``path`` (folders made as needed)."""
+def write_json(path, result, *, replace=True):
+    """``result`` as indented JSON at ``path`` (folders made as needed). The file is written whole beside ``path``
+    first and then put in its place, so that a failure (disk full, a kill) leaves no half-written JSON; with
+    ``replace=False`` an existing ``path`` is never overwritten: a file that appeared there since :func:`check_out`
+    is an OSError naming the temporary file that keeps the results."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+    tmp = f"{path}.{os.getpid()}-{time.monotonic_ns()}.tmp"  # a name of this call's own: a kept one stays kept
+    with open(tmp, "x") as f:  # "x": a file of that name is none of this call's, and stays untouched
+        try:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+            f.flush()
+        except BaseException:  # a half-written temporary file is no result: removed, the error goes on
+            os.unlink(tmp)
+            raise
+    try:
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # unlike a rename, fails where path exists: nothing is overwritten unasked
+            except FileExistsError:
+                raise
+            except OSError:  # a file system without hard links: an exclusive create, which also never overwrites
+                with open(tmp) as src, open(path, "x") as dst:
+                    dst.write(src.read())
+            os.unlink(tmp)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.strerror or exc}; the results are kept in {tmp}", path) from None
     print(f"wrote {path}")
+
+
+def _out_file(text):
+    """argparse type of --out: an empty name wrote nothing and exited 0 (``if args.out`` read it as no --out)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a file, got an empty string")
+    return text
+
+
+def check_out(path, replace):
+    """Why the results cannot be written to ``path`` (None where they can), asked before anything is measured: a
+    folder there ended in IsADirectoryError after all the measuring, and an existing file was overwritten silently.
+    Makes the folders ``path`` needs, as :func:`write_json` would at the end, and writes a probe file there (root
+    ignores mode bits, so ``os.access`` would say yes where a write then fails)."""
+    if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)) or os.path.isdir(path):
+        return "names a folder; name the JSON file to write"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except NotADirectoryError:
+        return "cannot be written (a part of its folder path is a file, not a folder)"
+    except OSError as exc:
+        return f"cannot be inspected ({exc.strerror or exc})"
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):  # a link, a FIFO, a device: no results file this script wrote
+            return "exists and is not a regular file; choose another --out"
+        if not replace:
+            return "exists; choose another --out, or --replace to overwrite it"
+    folder = os.path.dirname(os.path.abspath(path))
+    probe = os.path.join(folder, f".numpy_backend.write-test.{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "x"):
+            pass
+        os.unlink(probe)
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror or exc})"
+    return None
 
 
 def _at_least_one(text):
@@ -337,19 +404,46 @@ def _at_least_one(text):
     return value
 
 
+def _threads(text):
+    """argparse type of --threads: main() hands it to cuflash as CUFLASH_NUM_THREADS, so it takes what that variable
+    takes (cuflash/_env.py); 2000 was a ValueError traceback at the first call, 50000 a segfault in torch."""
+    value = _at_least_one(text)
+    variable = _env.VARIABLES["CUFLASH_NUM_THREADS"]
+    try:
+        variable.parse(str(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {variable.accepted} (what CUFLASH_NUM_THREADS takes), "
+                                         f"got {value}") from None
+    return value
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="write the results as JSON to this file")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.numpy_backend", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=_out_file,
+                    help="write the results as JSON to this file (folders made as needed; an existing file is an "
+                         "error unless --replace)")
+    ap.add_argument("--replace", action="store_true", help="overwrite the --out file if it exists")
     ap.add_argument("--quick", action="store_true", help="N = 4096 only, 3 rounds, a small memory grid")
     ap.add_argument("--rounds", type=_at_least_one, default=None, help="timed rounds per case (default 5, quick 3)")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-speed", action="store_true")
-    ap.add_argument("--threads", type=_at_least_one, default=None,
+    ap.add_argument("--threads", type=_threads, default=None,
                     help="threads for every implementation (default: all cores); "
                          "1 adds the float32 floor and products loops")
     ap.add_argument("--backward", action="store_true",
                     help="time forward + backward (cuflash against PyTorch's SDPA with autograd; no naive, no floor)")
     args = ap.parse_args(argv)
+    # everything that can be refused is, before the first measurement (which takes minutes): the environment as
+    # `python -m cuflash` checks it (a bad CUFLASH_BLAS was a traceback at the first call), then --out
+    try:
+        _env.check_all()
+    except ValueError as exc:
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
+    if args.replace and args.out is None:
+        ap.error("--replace needs --out (there is no file to replace)")
+    why = None if args.out is None else check_out(args.out, args.replace)
+    if why:
+        ap.error(f"--out {args.out}: {why}")
     threads = args.threads if args.threads is not None else _cores()
     os.environ["CUFLASH_NUM_THREADS"] = str(threads)  # before cuflash's first call reads it
     torch = _torch(threads)
@@ -391,8 +485,12 @@ def main(argv=None):
             print(f"{b:3d} {h:3d} {n:6d}  {mib(rec['fwd_peak_bytes']):8.1f} {mib(rec['bwd_peak_bytes']):8.1f} "
                   f"{mib(rec['fwd_rss_bytes']):8.1f} {mib(rec['bwd_rss_bytes']):8.1f} "
                   f"{mib(rec['array_bytes']):9.1f} {mib(rec['naive_scores_bytes']):9.1f}", flush=True)
-    if args.out:
-        write_json(args.out, result)
+    if args.out is not None:
+        try:
+            write_json(args.out, result, replace=args.replace)
+        except OSError as exc:  # checked up front; what changed since (disk full, a file made there) is said, kept
+            print(f"{ap.prog}: error: cannot write --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     return 0
 
 

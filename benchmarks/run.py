@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from cuflash import _env as cuflash_env
+
 from . import environment
 from .cases import FIGURES, Case, suite
 from .impls import IMPLS, Impl, Skip, applicable, model_io_bytes
@@ -323,6 +325,10 @@ def main(argv=None) -> int:
         if given:  # each would be silently ignored: --replot measures nothing and redraws DIR's figures
             parser.error(f"--replot DIR redraws DIR's figures and takes no other options, got {', '.join(given)}")
         return replot(args.replot)
+    try:  # as `python -m cuflash` does: a bad CUFLASH_* value made every cuflash pair a failure, written as results
+        cuflash_env.check_all()
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     device = _device(args, parser)
     figures = _names(args.only, FIGURES, "figure(s)", parser)
     impls = _names(args.impl, tuple(IMPLS), "impl(s)", parser)

@@ -58,9 +58,11 @@ def emulate(args) -> int:
     return main(["--bench"] if args.bench else [])
 
 
+BENCH_POINTER = "the benchmarks live outside the package: from a checkout, run `python -m benchmarks.run --help`"
+
+
 def bench(args) -> int:
-    print("the benchmarks live outside the package: from a checkout, run `python -m benchmarks.run --help`",
-          file=sys.stderr)
+    print(BENCH_POINTER, file=sys.stderr)
     return 2
 
 
@@ -73,9 +75,13 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=[80, 90], help="compile targets")
     p = sub.add_parser("emulate", help="is the CPU kernel emulator usable here, and where is its cache")
     p.add_argument("--bench", action="store_true", help="also measure the per-barrier cost")
-    sub.add_parser("bench", help="where the benchmarks are (benchmarks/ in a checkout)")
+    p = sub.add_parser("bench", help="where the benchmarks are (benchmarks/ in a checkout)",
+                       description=BENCH_POINTER, usage="%(prog)s [-h]")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # whatever options follow were meant for the benchmark runner
+        if {"-h", "--help"} & set(argv[1:]):  # help asked for and given (the pointer) is a success, not status 2
+            p.print_help()
+            return 0
         return bench(None)
     args = parser.parse_args(argv)
     try:
