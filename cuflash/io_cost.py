@@ -77,11 +77,15 @@ class _Sizes:
 
 
 def _sizes(dtype) -> _Sizes:
+    want = f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}"
     if dtype is None:  # np.dtype(None) is float64
-        raise ValueError("dtype must be float16, bfloat16, float32 or float64, got None")
-    name = "bfloat16" if str(dtype) in ("bfloat16", "bf16") else np.dtype(dtype).name
+        raise ValueError(want)
+    try:
+        name = "bfloat16" if str(dtype) in ("bfloat16", "bf16") else np.dtype(dtype).name
+    except (TypeError, ValueError):  # NumPy's own "data type 'foo' not understood" does not say which argument
+        raise ValueError(want) from None
     if name not in ("float16", "bfloat16", "float32", "float64"):
-        raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}")
+        raise ValueError(want)
     item = 2 if name == "bfloat16" else np.dtype(name).itemsize
     return _Sizes(item, 8 if name == "float64" else 4)
 
@@ -100,13 +104,50 @@ def default_tiles(head_dim: int, op: str = "fwd", cc: int = 80) -> tuple[int, in
 # --------------------------------------------------------------------------------------------
 # Which tile pairs the kernel visits
 # --------------------------------------------------------------------------------------------
-def _visited(*, batch, heads, seqlen_q, seqlen_k, block_q, block_k, left, right, block_mask) -> np.ndarray:
-    """Boolean ``(B|1, H|1, nq, nk)`` of visited tile pairs (the tile schedule's, :mod:`cuflash.tiling`)."""
-    keep = Schedule(seqlen_q, seqlen_k, block_q, block_k, left=left, right=right).kept_grid()[None, None]
-    if block_mask is not None:
-        block_mask.check_fits(batch, heads, seqlen_q, seqlen_k)
-        keep = keep & classify_grid(block_mask.grid, block_mask.block, block_q, block_k, seqlen_q, seqlen_k)[0]
-    return keep
+@dataclass(frozen=True)
+class _Visits:
+    """Totals over the visited (query tile, key tile) pairs of all (batch, head) pairs (expected values under a
+    ``density``): what the tiled ledgers need, without keeping the ``(nq, nk)`` grid."""
+
+    pairs: float       # visited pairs
+    total: int         # all pairs
+    pairs_rows: float  # Σ over visited pairs of the query tile's height
+    pairs_cols: float  # Σ over visited pairs of the key tile's width
+    kv_seen: float     # key rows of the key tiles some query tile visits (a key tile no query sees is never loaded)
+
+
+def _band_visits(lo, hi, rows, cols, n_bh: int, density: Optional[float]) -> _Visits:
+    """:class:`_Visits` of a band: query tile ``i`` visits key tiles ``[lo[i], hi[i])`` in every (batch, head).
+
+    O(nq + nk) from the schedule's ranges (a dense grid took 2 GB at 1M tokens): the sums are the grid's, exact in
+    integers; ``kv_seen`` uses the same per-key-tile visit counts and formula as :func:`_grid_visits`."""
+    width = hi - lo
+    col_pre = np.concatenate([[0], np.cumsum(cols)])
+    n_k = len(cols)
+    # per key tile, how many query tiles visit it: +1 at lo, -1 at hi, summed along the keys
+    cover = np.cumsum(np.bincount(lo, minlength=n_k + 1) - np.bincount(hi, minlength=n_k + 1))[:n_k][None, None]
+    scale = float(n_bh) if density is None else float(n_bh) * float(density)
+    if density is None:
+        seen = (cover > 0).astype(np.float64)
+    else:
+        seen = 1.0 - (1.0 - float(density)) ** cover
+    return _Visits(pairs=float(width.sum()) * scale, total=n_bh * len(rows) * n_k,
+                   pairs_rows=float((width * rows).sum()) * scale,
+                   pairs_cols=float((col_pre[hi] - col_pre[lo]).sum()) * scale,
+                   kv_seen=float((seen @ cols).sum()) * n_bh)
+
+
+def _grid_visits(keep: np.ndarray, rows, cols, n_bh: int, density: Optional[float]) -> _Visits:
+    """:class:`_Visits` of a boolean ``(B|1, H|1, nq, nk)`` grid of visited pairs (a BlockMask's: as large as the
+    mask's own grid)."""
+    visit = _visit_counts(keep, n_bh, density)
+    if density is None:
+        seen = keep.any(axis=2).astype(np.float64)  # (Bm|1, Hm|1, nk)
+    else:
+        seen = 1.0 - (1.0 - float(density)) ** keep.sum(axis=2)
+    return _Visits(pairs=float(visit.sum()), total=n_bh * visit.size,
+                   pairs_rows=float((visit * rows[:, None]).sum()), pairs_cols=float((visit * cols[None, :]).sum()),
+                   kv_seen=float((seen @ cols).sum()) * (n_bh // (keep.shape[0] * keep.shape[1])))
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,12 +173,10 @@ def _standard_bwd(sq, sk, d, s: _Sizes) -> dict:
             "dK = dS^T Q: read dS, Q; write dK": (nn + sq * d + sk * d) * s.x}
 
 
-def _tiled_fwd(visit, n_bh, rows, cols, kv_seen, d, s: _Sizes, order: str) -> dict:
-    """Tiled forward. ``visit``: (nq, nk) visit counts summed over the ``n_bh`` (batch, head)
-    pairs (fractional under a ``density``); ``rows``/``cols``: real tile heights/widths; ``kv_seen``: key rows of
-    the tiles some query tile visits, summed over the pairs."""
-    pairs_rows = float((visit * rows[:, None]).sum())   # Σ over visited pairs of the query tile height
-    pairs_cols = float((visit * cols[None, :]).sum())   # Σ over visited pairs of the key tile width
+def _tiled_fwd(v: _Visits, n_bh, rows, d, s: _Sizes, order: str) -> dict:
+    """Tiled forward. ``v``: the visited pairs' totals over the ``n_bh`` (batch, head) pairs (fractional under a
+    ``density``); ``rows``: real tile heights."""
+    pairs_rows, pairs_cols, kv_seen = v.pairs_rows, v.pairs_cols, v.kv_seen
     sq = n_bh * float(rows.sum())
     if order == "fa2":
         return {"read Q": sq * d * s.x,
@@ -152,13 +191,13 @@ def _tiled_fwd(visit, n_bh, rows, cols, kv_seen, d, s: _Sizes, order: str) -> di
             "write m, l per visited tile": 2 * pairs_rows * s.f}
 
 
-def _tiled_bwd(visit, n_bh, rows, cols, kv_seen, d, s: _Sizes) -> dict:
+def _tiled_bwd(v: _Visits, n_bh, rows, cols, d, s: _Sizes) -> dict:
     """FA2 backward as ``kernels/flash_bwd.cu`` runs it: a preprocess pass, a thread block per key
     tile streaming the query tiles that see it (dQ added to an fp32 workspace by atomics; K_j, V_j loaded only
     when some query tile does), and a pass converting the workspace to dQ. dK, dV are written for every key (zeros
     where no query sees it)."""
     sq, sk = n_bh * float(rows.sum()), n_bh * float(cols.sum())
-    pairs_rows = float((visit * rows[:, None]).sum())
+    pairs_rows, kv_seen = v.pairs_rows, v.kv_seen
     return {"preprocess: read dO, O, lse; write D, L, zero dQ acc": 2 * sq * d * s.x + 3 * sq * s.f + sq * d * s.f,
             "read K, V (key tiles some query tile sees)": 2 * kv_seen * d * s.x,
             "read Q, dO per visited tile": 2 * pairs_rows * d * s.x,
@@ -235,8 +274,8 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
     if block_mask is not None and density is not None:
         raise ValueError("density stands for a block mask's fraction of visited tiles: give block_mask or density, "
                          "not both")
-    left, right = _check_window(window, causal, seqlen_q + seqlen_k)  # the causal bool checked there too
     sizes, n_bh = _sizes(dtype), batch * heads
+    left, right = _check_window(window, causal, seqlen_q + seqlen_k)  # the causal bool checked there too
     shape = dict(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, left=left, right=right,
                  block_mask=block_mask, density=density)
     # the standard algorithm's mask pass: for a rule that masks something (window=(None, None) masks nothing)
@@ -244,16 +283,16 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
     std, tiled, tiles, visited = {}, {}, {}, {}
     if op in ("fwd", "fwd_bwd"):
         bq, bk = _tiles(head_dim, "fwd", block_q, block_k, cc)
-        visit, rows, cols, kv_seen = _tiling(bq, bk, **shape)
+        v, rows, cols = _tiling(bq, bk, **shape)
         std.update(_per_bh(_standard_fwd(seqlen_q, seqlen_k, head_dim, sizes, masked), n_bh, "fwd: "))
-        tiled.update(_prefixed(_tiled_fwd(visit, n_bh, rows, cols, kv_seen, head_dim, sizes, order), "fwd: "))
-        tiles["fwd"], visited["fwd"] = (bq, bk), (int(round(float(visit.sum()))), n_bh * visit.size)
+        tiled.update(_prefixed(_tiled_fwd(v, n_bh, rows, head_dim, sizes, order), "fwd: "))
+        tiles["fwd"], visited["fwd"] = (bq, bk), (int(round(v.pairs)), v.total)
     if op in ("bwd", "fwd_bwd"):
         bq, bk = _tiles(head_dim, "bwd", bwd_block_q, bwd_block_k, cc)
-        visit, rows, cols, kv_seen = _tiling(bq, bk, **shape)
+        v, rows, cols = _tiling(bq, bk, **shape)
         std.update(_per_bh(_standard_bwd(seqlen_q, seqlen_k, head_dim, sizes), n_bh, "bwd: "))
-        tiled.update(_prefixed(_tiled_bwd(visit, n_bh, rows, cols, kv_seen, head_dim, sizes), "bwd: "))
-        tiles["bwd"], visited["bwd"] = (bq, bk), (int(round(float(visit.sum()))), n_bh * visit.size)
+        tiled.update(_prefixed(_tiled_bwd(v, n_bh, rows, cols, head_dim, sizes), "bwd: "))
+        tiles["bwd"], visited["bwd"] = (bq, bk), (int(round(v.pairs)), v.total)
     if op != "fwd_bwd":  # one op: drop the "fwd: " / "bwd: " prefixes
         std = {k.split(": ", 1)[1]: b for k, b in std.items()}
         tiled = {k.split(": ", 1)[1]: b for k, b in tiled.items()}
@@ -294,21 +333,18 @@ def _tiles(head_dim, op, block_q, block_k, cc) -> tuple[int, int]:
 
 
 def _tiling(block_q, block_k, *, batch, heads, seqlen_q, seqlen_k, left, right, block_mask, density):
-    """``(visits (nq, nk) summed over batch and heads, query tile heights, key tile widths, key rows seen)``: the
-    last, summed over the (batch, head) pairs, the rows of the key tiles that some query tile of that pair visits
-    (a key tile no query sees is never loaded; under a ``density``, the expected count with each pair kept
-    independently)."""
-    keep = _visited(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_q=block_q,
-                    block_k=block_k, left=left, right=right, block_mask=block_mask)
+    """``(visits, query tile heights, key tile widths)``: :class:`_Visits` over all (batch, head) pairs of the tile
+    pairs the schedule (:mod:`cuflash.tiling`) visits; ``kv_seen`` under a ``density`` is the expected count with
+    each pair kept independently."""
+    rows, cols = _tile_extent(seqlen_q, block_q), _tile_extent(seqlen_k, block_k)
+    sched = Schedule(seqlen_q, seqlen_k, block_q, block_k, left=left, right=right)
     n_bh = batch * heads
-    visit = _visit_counts(keep, n_bh, density)
-    cols = _tile_extent(seqlen_k, block_k)
-    if density is None:
-        seen = keep.any(axis=2).astype(np.float64)  # (Bm|1, Hm|1, nk)
-    else:
-        seen = 1.0 - (1.0 - float(density)) ** keep.sum(axis=2)
-    kv_seen = float((seen @ cols).sum()) * (n_bh // (keep.shape[0] * keep.shape[1]))
-    return visit, _tile_extent(seqlen_q, block_q), cols, kv_seen
+    if block_mask is None:  # one sequence, no mask: the row ranges are exactly the visited tiles
+        return _band_visits(*sched.row_ranges(), rows, cols, n_bh, density), rows, cols
+    block_mask.check_fits(batch, heads, seqlen_q, seqlen_k)
+    keep = sched.kept_grid()[None, None] & classify_grid(block_mask.grid, block_mask.block, block_q, block_k,
+                                                         seqlen_q, seqlen_k)[0]
+    return _grid_visits(keep, rows, cols, n_bh, density), rows, cols
 
 
 def _per_bh(ledger: dict, n_bh: int, prefix: str) -> dict:

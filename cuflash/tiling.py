@@ -23,6 +23,7 @@ form an interval too.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -33,6 +34,34 @@ from .problem import visible
 
 def cdiv(a, b):
     return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks of the public entry points (once per call or construction, never per tile)
+# --------------------------------------------------------------------------------------------
+def _int_arg(x, name: str, low: int = 0) -> int:
+    """``x`` as an int ``>= low``. Floats are refused, not truncated (a 4.5-row tile would silently become 4), and
+    so are bools (True is not a length)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {low}, got {x!r}")
+    if x < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {x!r}")
+    return int(x)
+
+
+def _lengths_arg(x, name: str, full: int):
+    """Per-sequence lengths as int64 ``(B,)`` in ``[0, full]`` (a scalar is one sequence); None stays None."""
+    if x is None:
+        return None
+    a = np.asarray(x)
+    if a.size and (a.dtype.kind not in "iu"):  # floats would be truncated, bools read as 0/1
+        raise TypeError(f"{name} must be ints (a scalar or a 1-D array of per-sequence lengths), got dtype {a.dtype}")
+    if a.ndim > 1:
+        raise ValueError(f"{name} must be a scalar or a 1-D array of per-sequence lengths, got shape {a.shape}")
+    a = np.atleast_1d(a.astype(np.int64))
+    if a.size and (a.min() < 0 or a.max() > full):  # a sequence longer than the padded one reads past it
+        raise ValueError(f"{name} values must lie in [0, {full}], got range [{a.min()}, {a.max()}]")
+    return a
 
 
 @dataclass(frozen=True)
@@ -93,7 +122,16 @@ def classify_grid(grid, block, block_q: int, block_k: int, seqlen_q: int, seqlen
     Vectorized by a 2-D prefix sum: no Python loop over tiles, any tile size.
     """
     grid = np.asarray(grid, dtype=bool)
-    bq, bk = block
+    if not isinstance(block, (tuple, list)) or len(block) != 2:
+        raise ValueError(f"block must be a pair (rows, columns) of ints >= 1, got {block!r}")
+    # a 0-row mask block would divide by zero (NumPy warns and every tile comes out kept)
+    bq, bk = _int_arg(block[0], "block rows", 1), _int_arg(block[1], "block columns", 1)
+    block_q, block_k = _int_arg(block_q, "block_q", 1), _int_arg(block_k, "block_k", 1)
+    seqlen_q, seqlen_k = _int_arg(seqlen_q, "seqlen_q"), _int_arg(seqlen_k, "seqlen_k")
+    want = (cdiv(seqlen_q, bq), cdiv(seqlen_k, bk))
+    if grid.ndim != 4 or grid.shape[2:] != want:  # a smaller grid would be indexed past its end
+        raise ValueError(f"grid must have shape (batch|1, heads|1, {want[0]}, {want[1]}) for blocks of {bq} x {bk} "
+                         f"over seqlen_q={seqlen_q}, seqlen_k={seqlen_k}, got {grid.shape}")
     n_q, n_k = cdiv(seqlen_q, block_q), cdiv(seqlen_k, block_k)
     m, n = np.arange(n_q), np.arange(n_k)
     r_lo, r_hi = (m * block_q) // bq, (np.minimum((m + 1) * block_q, seqlen_q) - 1) // bq + 1
@@ -119,13 +157,21 @@ class Schedule:
 
     def __init__(self, seqlen_q: int, seqlen_k: int, block_q: int, block_k: int, *, len_q=None, len_k=None,
                  left: Optional[int] = None, right: Optional[int] = None, block_mask=None):
-        if block_q < 1 or block_k < 1:
-            raise ValueError(f"tile sizes must be >= 1, got {block_q} x {block_k}")
-        self.seqlen_q, self.seqlen_k = int(seqlen_q), int(seqlen_k)
-        self.block_q, self.block_k = int(block_q), int(block_k)
+        # checked once here: the per-tile methods trust these (a negative length gave an empty grid, a float tile
+        # was truncated, a negative window or a length past the padded one a wrong schedule)
+        self.seqlen_q, self.seqlen_k = _int_arg(seqlen_q, "seqlen_q"), _int_arg(seqlen_k, "seqlen_k")
+        self.block_q, self.block_k = _int_arg(block_q, "block_q", 1), _int_arg(block_k, "block_k", 1)
+        left = None if left is None else _int_arg(left, "left")
+        right = None if right is None else _int_arg(right, "right")
         self.left, self.right, self.block_mask = left, right, block_mask
-        self.len_q = np.atleast_1d(np.asarray(self.seqlen_q if len_q is None else len_q, dtype=np.int64))
-        self.len_k = np.atleast_1d(np.asarray(self.seqlen_k if len_k is None else len_k, dtype=np.int64))
+        lq, lk = _lengths_arg(len_q, "len_q", self.seqlen_q), _lengths_arg(len_k, "len_k", self.seqlen_k)
+        if lq is not None and lk is not None and lq.shape != lk.shape:
+            raise ValueError(f"len_q and len_k must have one length per sequence each, got shapes {lq.shape} and "
+                             f"{lk.shape}")
+        # one side given: the other is the full length for each of its sequences
+        shape = (lq if lq is not None else lk if lk is not None else np.zeros(1)).shape
+        self.len_q = np.full(shape, self.seqlen_q, dtype=np.int64) if lq is None else lq
+        self.len_k = np.full(shape, self.seqlen_k, dtype=np.int64) if lk is None else lk
         self.n_q, self.n_k = cdiv(self.seqlen_q, self.block_q), cdiv(self.seqlen_k, self.block_k)
         if self.len_q.size == 0:  # no sequence at all: nothing to visit
             self.len_q = self.len_k = np.zeros(1, dtype=np.int64)
@@ -331,6 +377,9 @@ def kv_splits(sm_count: int, blocks: int, key_tiles: int) -> int:
     to work on, so: enough splits to put about one block on each SM, at most one per 2 key tiles and at most
     :data:`MAX_KV_SPLITS`; 1 when the grid is already that large.
     """
+    # O(1) checks (called once per KV-cache call): blocks=0 divided by zero
+    for name, value, low in (("sm_count", sm_count, 1), ("blocks", blocks, 1), ("key_tiles", key_tiles, 0)):
+        _int_arg(value, name, low)
     if blocks >= sm_count or key_tiles < 4:
         return 1
     return max(1, min(cdiv(sm_count, blocks), key_tiles // 2, MAX_KV_SPLITS))

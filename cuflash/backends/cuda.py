@@ -216,6 +216,54 @@ def _sm_count() -> int:
         return 108
 
 
+_WARMUP_DTYPES = (*specs.CTYPES, *specs.WIDE_CTYPES)
+
+
+def _warmup_dtypes(dtypes) -> list:
+    """``warmup``'s ``dtypes`` as kernel dtype names. A single name is one dtype: iterating ``"float16"`` would
+    read it letter by letter ("f" is NumPy's float32)."""
+    want = f"one of {', '.join(_WARMUP_DTYPES)} (a name or a NumPy dtype)"
+    if isinstance(dtypes, (str, np.dtype, type)):
+        dtypes = (dtypes,)
+    try:
+        items = list(dtypes)
+    except TypeError:
+        raise TypeError(f"dtypes must be a dtype or a sequence of dtypes, each {want}; got {dtypes!r}") from None
+    names = []
+    for dt in items:
+        name = dt if isinstance(dt, str) and dt in _WARMUP_DTYPES else None
+        if name is None and isinstance(dt, (str, np.dtype, type)):
+            try:  # other spellings NumPy knows ("f2", "half", np.float32, ml_dtypes.bfloat16)
+                name = np.dtype(dt).name
+            except (TypeError, ValueError):
+                pass
+        if name not in _WARMUP_DTYPES:
+            raise ValueError(f"dtypes must each be {want}; got {dt!r}")
+        names.append(name)
+    return names
+
+
+def _warmup_head_dims(head_dims) -> list:
+    """``warmup``'s ``head_dims`` as a list of ints in [1, the largest native head dim]; one int is one head dim."""
+    top = specs.NATIVE_HEAD_DIMS[-1]
+    want = f"an int or a sequence of ints in [1, {top}]"
+    if isinstance(head_dims, (int, np.integer)) and not isinstance(head_dims, bool):
+        head_dims = (head_dims,)
+    if isinstance(head_dims, (str, bytes)):
+        raise TypeError(f"head_dims must be {want}, got {head_dims!r}")
+    try:
+        items = list(head_dims)
+    except TypeError:
+        raise TypeError(f"head_dims must be {want}, got {head_dims!r}") from None
+    for d in items:
+        # 64.0 or True would otherwise pass the tile table's comparisons and name a kernel that does not exist
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"head_dims must be {want}, got {d!r} in {head_dims!r}")
+        if not 1 <= d <= top:
+            raise ValueError(f"head_dims must be {want}, got {d!r} in {head_dims!r}")
+    return [int(d) for d in items]
+
+
 def warmup(dtypes=tuple(specs.CTYPES), head_dims=specs.NATIVE_HEAD_DIMS, *, backward=False, precision="ieee",
            progress=True, file=None, workers=1):
     """Compile the kernels for ``dtypes`` x ``head_dims`` on the current device now (NVRTC, then CuPy's
@@ -228,20 +276,31 @@ def warmup(dtypes=tuple(specs.CTYPES), head_dims=specs.NATIVE_HEAD_DIMS, *, back
     ``progress`` prints a one-line progress bar to ``file`` (default stderr). ``workers`` > 1 compiles that many
     modules at once, on threads (NVRTC releases the GIL), e.g. on a 16-core GPU machine before a test suite whose
     workers would otherwise each compile what they meet first, some the same module at once.
+
+    ``dtypes`` is one dtype or a sequence of them, each a name (``"float16"``, ``"bfloat16"``, ``"float32"``,
+    ``"float64"`` or any NumPy spelling of them, e.g. ``"f4"``) or a NumPy dtype/scalar type (``np.float16``,
+    ``ml_dtypes.bfloat16``): ``warmup("float16")`` warms float16 up, as NumPy reads ``dtype="float16"``.
+    ``head_dims`` is one int or a sequence of ints in ``[1, 256]`` (a head dim runs on the next native one up, as
+    in a call). ``precision`` is one of ``"ieee"``, ``"3xtf32"``, ``"tf32"``. Bad arguments raise before any
+    device query or compile.
     """
+    # checked before the device so that a typo is reported as such, on any machine, before minutes of compiling
+    names = _warmup_dtypes(dtypes)
+    dims = _warmup_head_dims(head_dims)
+    if not isinstance(precision, str) or precision not in specs.PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, specs.PRECISIONS))}, got {precision!r}")
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
     ok, why = available()
     if not ok:
         raise RuntimeError(f"cannot warm up the CUDA kernels: {why}")
     _, cc, max_smem = _device()
-    names = [dt if isinstance(dt, str) else np.dtype(dt).name for dt in dtypes]
     jobs: dict = {}  # spec(s) -> the module to compile; a dict keeps order and drops repeats
     for dt in names:
         wide = dt in specs.WIDE_CTYPES
         math = specs.wide_math(dt, precision, cc) if wide else ""
         f, b, q = ("wfwd", "wbwd", "wdq") if wide else ("fwd", "bwd", "dq")
-        for d in head_dims:
+        for d in dims:
             fwd = specs.select(f, dt, d, max_smem, math=math, cc=cc)
             jobs.setdefault(fwd, ((fwd.name_expression,), fwd))
             if backward:
