@@ -7,7 +7,9 @@ call the BLAS thread count is what it was before, MKL's per-thread count include
 """
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -174,6 +176,73 @@ def test_single_threaded_nests_across_threads(restore_blas):
     release.set()
     t.join()
     assert process() == [2] * len(process())
+
+
+def test_an_interrupt_between_a_restores_get_and_set_still_restores(restore_blas, monkeypatch):
+    """The restore read a count and then set it, in one try: a Ctrl-C landing right after the read was kept for
+    later and that count's set skipped, leaving OpenBLAS at one thread for good (found under a timer firing
+    KeyboardInterrupt into calls in a loop). Here the read of each count in turn raises once, while restoring."""
+    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
+    before = blas_threads()
+    counts = [c for c in _blas._controllers() if not c.per_thread]
+    assert counts, "no process-wide BLAS count: nothing to restore"
+    for victim in counts:
+        reads = [0]
+
+        def get(real=victim.get):
+            reads[0] += 1
+            if reads[0] == 2:  # the first read pins (in _pin), the second is the restore's
+                raise KeyboardInterrupt
+            return real()
+        monkeypatch.setattr(victim, "get", get)
+        with pytest.raises(KeyboardInterrupt):
+            with single_threaded():
+                pass
+        monkeypatch.undo()
+        assert blas_threads() == before and _blas._active == 0
+
+
+def test_a_fork_while_another_thread_is_in_a_call_leaves_the_child_free(restore_blas):
+    """The child of a fork taken while another thread held the BLAS lock inside a call inherited the lock held (its
+    first call waited for ever) and the pinned count, which no thread of its own would restore."""
+    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
+    before = blas_threads()
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with single_threaded():
+            inside.set()
+            leave.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert inside.wait(30)
+        with _blas._lock:  # taken and released here: the fork below comes while the holder is inside its use
+            pass
+        pid = os.fork()
+        if pid == 0:  # the child: one call, then report through the exit status
+            ok = False
+            try:
+                q, k, v, _ = _inputs()
+                cuflash.attention(q[:, :10], k[:, :10], v[:, :10])
+                ok = blas_threads() == before and _blas._active == 0
+            finally:
+                os._exit(0 if ok else 1)
+        for _ in range(600):  # 60 s at most: a hang fails the test instead of the run
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's call hung")
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "the child's BLAS state was not its own"
+    finally:
+        leave.set()
+        holder.join()
+    assert blas_threads() == before
 
 
 def test_an_interrupt_while_pinning_or_restoring_restores_the_setting(restore_blas, monkeypatch):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import os
 import threading
 from contextlib import contextmanager
 
@@ -109,11 +110,13 @@ def _pin(counts, saved):
 def _unpin(saved):
     pending = None
     for c, n in reversed(saved):  # in reverse: MKL's two views of one count (see _controllers_of) unwind in turn
-        try:
-            if n is not None and c.get() != n:
-                c.set(n)
-        except BaseException as exc:  # noqa: BLE001 - a Ctrl-C while restoring: restore the rest, then raise it
-            pending = pending or exc
+        for _ in range(3):  # a Ctrl-C between its get and its set left this count pinned: try it again
+            try:
+                if n is not None and c.get() != n:
+                    c.set(n)
+                break
+            except BaseException as exc:  # noqa: BLE001 - a Ctrl-C while restoring: restore the rest, then raise it
+                pending = pending or exc
     if pending is not None:
         raise pending
 
@@ -145,8 +148,27 @@ def single_threaded():
             with _lock:
                 _active -= entered
                 if _active == 0:  # the last use (or the first, interrupted while pinning) restores
-                    saved, _saved = _saved, []
-                    _unpin(saved)
+                    try:  # _saved kept until restored: an interrupt between taking it and restoring lost it
+                        _unpin(_saved)
+                    finally:
+                        _saved = []
+
+
+def _after_fork_in_child():
+    """A fork while another thread was inside a call: the child has a copy of the lock as that thread held it (its
+    first call waited on it for ever) and of the pinned counts, which no thread of its own will restore. The child
+    starts with a free lock, no use, and the counts as they were before the parent's calls."""
+    global _lock, _active, _saved
+    _lock, _active = threading.Lock(), 0
+    saved, _saved = _saved, []
+    try:
+        _unpin(saved)
+    except Exception:  # noqa: BLE001 - a library that cannot be set in the child keeps its count: not worth failing
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager
