@@ -772,6 +772,25 @@ def test_v_whose_squares_vanish_is_not_taken_for_zero(name, kv, vexp):
     check_backward(cuflash.attention_backward, case, out, lse)
 
 
+@pytest.mark.parametrize("op", ["forward", "backward"])
+def test_a_problem_too_large_for_memory_fails_before_its_plan(op, monkeypatch):
+    """A zero-stride batch of 2**30 costs no memory as input; its plan listed 2**28 blocks of (batch, head) pairs
+    (minutes and gigabytes) before the outputs' allocation failed with a bare MemoryError. The outputs (forward) or
+    an array of the rows (backward) come first now, and fail at once, saying how much."""
+    x = np.broadcast_to(np.ones(1, np.float32), (2 ** 30, 512, 1, 8))
+    lse = np.broadcast_to(np.zeros(1, np.float32), (2 ** 30, 1, 512))
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("the plan was built before the outputs")
+
+    monkeypatch.setattr(nb, "layout", no_plan)
+    with pytest.raises(MemoryError, match="Unable to allocate"):
+        if op == "forward":
+            cuflash.attention(x, x, x)
+        else:
+            cuflash.attention_backward(x, x, x, x, x, lse)
+
+
 def test_a_zero_query_against_keys_whose_norms_overflow_raises_no_warning():
     """The shift-0 bound of a row is |q_i| times the keys' largest norm: 0 * inf for a zero row against float32 keys
     near the largest (their squares overflow) made NumPy warn of an invalid value; the NaN fails the test, as meant."""

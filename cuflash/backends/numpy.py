@@ -945,14 +945,16 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     range: the partial ``out`` and ``lse`` over those keys, for :func:`cuflash.merge.merge_parts`); ``cast=False``
     leaves ``out`` in the working dtype (a part to be merged is rounded once, after the merge)."""
     wt = _work_dtype(problem)
-    lay, sched = _plan(problem, block_q, block_k, schedule)
     q, k, v = (_grouped(x, problem, wt) for x in (problem.q, problem.k, problem.v))
+    # the outputs first: a problem too large for memory (a zero-stride batch of 2**30) fails here at once, before the
+    # plan lists its blocks of (batch, head) pairs (that took minutes and gigabytes before a bare MemoryError)
+    out = np.zeros(q.shape, dtype=wt)
+    lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
+    lay, sched = _plan(problem, block_q, block_k, schedule)
     rule = _exp_rule(problem, wt, q)
     matmul = products()  # NumPy's or MKL's (CUFLASH_BLAS), one choice for the whole call
     fold = _rowsum_in_pv(problem, wt, matmul)
     prepared = _per_chunk(problem, rule, q, k, v, wt, matmul, ones_column=fold, forward=True)
-    out = np.zeros(q.shape, dtype=wt)
-    lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
     ones = np.ones(lay.block_k, dtype=wt)
     scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
@@ -1216,7 +1218,6 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                   scratch=None):
     """The backward of one problem as :class:`_Work` (its dQ accumulators folded in item order)."""
     wt = _work_dtype(problem)
-    lay, sched = _plan(problem, block_q, block_k, schedule, BACKWARD_TILE_ELEMENTS)
     q = _grouped(problem.q, problem, wt)
     rule = _exp_rule(problem, wt, q)
     k = _grouped(problem.k, problem, wt)
@@ -1224,6 +1225,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     do = _grouped(dout, problem, wt)
     o = _grouped(out, problem, wt)
     lse_r = np.asarray(lse, dtype=np.float64).reshape(q.shape[:-1]) / (LN2 * rule.bits)  # in the rule's base
+    lay, sched = _plan(problem, block_q, block_k, schedule, BACKWARD_TILE_ELEMENTS)  # after an array of the rows
     # rows that saw nothing (-inf), and padding rows past a sequence's length whatever they hold (padding is never
     # read: a NaN there made every P of the row NaN): P = exp(S - inf) = 0
     padding = np.arange(problem.seqlen_q) >= problem.lengths[0][:, None]  # (B, Sq)
