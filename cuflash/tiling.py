@@ -39,13 +39,14 @@ def cdiv(a, b):
 # --------------------------------------------------------------------------------------------
 # Argument checks of the public entry points (once per call or construction, never per tile)
 # --------------------------------------------------------------------------------------------
-def _int_arg(x, name: str, low: int = 0) -> int:
-    """``x`` as an int ``>= low``. Floats are refused, not truncated (a 4.5-row tile would silently become 4), and
-    so are bools (True is not a length)."""
+def _int_arg(x, name: str, low: Optional[int] = 0) -> int:
+    """``x`` as an int ``>= low`` (any int for ``low`` None). Floats are refused, not truncated (a 4.5-row tile would
+    silently become 4), and so are bools (True is not a length)."""
+    form = "an int" if low is None else f"an int >= {low}"
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {low}, got {x!r}")
-    if x < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {x!r}")
+        raise TypeError(f"{name} must be {form}, got {x!r}")
+    if low is not None and x < low:
+        raise ValueError(f"{name} must be {form}, got {x!r}")
     return int(x)
 
 
@@ -161,8 +162,9 @@ class Schedule:
         # was truncated, a negative window or a length past the padded one a wrong schedule)
         self.seqlen_q, self.seqlen_k = _int_arg(seqlen_q, "seqlen_q"), _int_arg(seqlen_k, "seqlen_k")
         self.block_q, self.block_k = _int_arg(block_q, "block_q", 1), _int_arg(block_k, "block_k", 1)
-        left = None if left is None else _int_arg(left, "left")
-        right = None if right is None else _int_arg(right, "right")
+        # any int: ring attention's pair windows are the global band seen from a pair, shifted, and may be negative
+        left = None if left is None else _int_arg(left, "left", None)
+        right = None if right is None else _int_arg(right, "right", None)
         self.left, self.right, self.block_mask = left, right, block_mask
         lq, lk = _lengths_arg(len_q, "len_q", self.seqlen_q), _lengths_arg(len_k, "len_k", self.seqlen_k)
         if lq is not None and lk is not None and lq.shape != lk.shape:
