@@ -458,7 +458,12 @@ class BlockMask:
         float64 inputs), in which the rule's floats are computed, as every backend does. None: a rule without
         floats as it is; one with floats must give the same elements in float32 and float64, else ValueError
         (pass the problem's working precision)."""
-        env = dict(self._indices(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx), q_len=self.seqlen_q, kv_len=self.seqlen_k)
+        return self._keep(dtype=dtype, **self._indices(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx))
+
+    def _keep(self, b, h, q_idx, kv_idx, dtype=None):
+        """:meth:`keep` of integer index arrays known to lie in the mask: the tile schedule's own, once per partial
+        tile, where :meth:`keep`'s checks of a caller's indices would be work done again."""
+        env = dict(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx, q_len=self.seqlen_q, kv_len=self.seqlen_k)
         if dtype is not None:
             return np.asarray(self.member.evaluate(env, self.values, dtype), dtype=bool)
         keep = np.asarray(self.member.evaluate(env, self.values, np.float64), dtype=bool)

@@ -348,7 +348,7 @@ class Schedule:
             gb, gh = bm.states.shape[:2]
             b = (np.arange(gb) if batch is None or gb == 1 else np.asarray(batch))[:, None, None, None]
             h = (np.arange(gh) if heads is None or gh == 1 else np.asarray(heads))[None, :, None, None]
-            keep = keep & bm.keep(b, h, i, j, dtype)
+            keep = keep & bm._keep(b, h, i, j, dtype)  # the tile's own indices: in the mask
         return keep
 
 

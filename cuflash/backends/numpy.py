@@ -331,7 +331,8 @@ def _per_chunk(problem, rule, q, k, v, wt, matmul, also=(), ones_column=False, f
             kv = results[len(copy):len(copy) + len(norms)]
             checks = results[len(copy) + len(norms):][:len(exact) + len(others)]
             kmax, vmax = (_Bounds.largest(x) for x in kv) if kv else (None, None)
-            bounds = _Bounds(problem, rule, kmax, vmax, _Bounds.largest(kv[1], seen), wt) if kv else None
+            vseen = vmax if seen is None or not kv else _Bounds.largest(kv[1], seen)  # no padding: V's own
+            bounds = _Bounds(problem, rule, kmax, vmax, vseen, wt) if kv else None
             v_nonfinite, v_scale = _v_checks(problem, wt, vc, vmax, checks[0] if exact else None, seen)
             return _Prepared(kt, bounds, v_nonfinite, v_nonfinite or any(checks[len(exact):]), v1, v_scale)
 

@@ -24,6 +24,7 @@ from typing import Optional
 import numpy as np
 
 from ..mods import Node, scalar_value
+from ..problem.core import compact
 from . import params
 
 _VARS = "int b, int h, int q_idx, int kv_idx, int q_len, int kv_len, const Params& p"
@@ -151,12 +152,6 @@ def render(mods, block_mask=None, *, dbias: bool = False, real: str = "float") -
     return f"cuflash::{name}", f"\nnamespace cuflash {{\nstruct {name} {{\n{body}}};\n}}  // namespace cuflash\n"
 
 
-def _compact(a):
-    """``a`` without its broadcast: one element along every zero-stride axis (a view), so converting it copies only
-    what the caller stored."""
-    return a[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(a.strides, a.shape))]
-
-
 #: zero elements appended to every q_idx / kv_idx axis of an array operand: the kernels evaluate a modifier or a
 #: mask rule at every (i, j) of a boundary tile, up to a tile past the sequence's end (kernels/mods.cuh), so no read
 #: may leave the array there. At least the largest block_m / block_n of the tile tables
@@ -167,7 +162,7 @@ MOD_MARGIN = 256
 def _device_array(xp, a, t: str, real: str = "float", margin_axes=()):
     """``a`` on ``xp`` in the kernels' element type, and its element strides per axis (0 where it broadcasts).
     Each axis of ``margin_axes`` that does not broadcast gets :data:`MOD_MARGIN` zeros past its end."""
-    small = _compact(a)  # integers in int32: problem validation saw to it (mods.Expr.check_int_range)
+    small = compact(a)  # converting it copies only what the caller stored; integers in int32: problem validation saw to it (mods.Expr.check_int_range)
     dt = np.dtype(np.float64 if (t == "float" and real == "double") else _DEVICE_DTYPE[t])
     if small.dtype == np.bool_:
         small = small.view(np.uint8)

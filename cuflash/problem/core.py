@@ -515,6 +515,11 @@ def _float_array(x, name, xp, form):
     return x
 
 
+def compact(a):
+    """``a`` without its broadcast: one element along every zero-stride axis (a view), the values the caller stored."""
+    return a[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(a.strides, a.shape))]
+
+
 def _check_fits_working(x, name: str, dtype) -> None:
     """Refuse a float operand (an array, or a number of ``mod_arrays``) with finite values past the largest of the
     working precision of ``dtype`` (float32 but for float64 inputs), where the modifiers compute: they would turn
@@ -528,7 +533,7 @@ def _check_fits_working(x, name: str, dtype) -> None:
         return
     else:
         xp = array_module(x, names=(name,))
-        small = x[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(x.strides, x.shape))]
+        small = compact(x)
         with np.errstate(over="ignore"):
             bad = bool((xp.isinf(small.astype(work)) & xp.isfinite(small)).any())  # the cast the backends make
     if bad:
