@@ -212,7 +212,7 @@ def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, ret
         problem = make_problem(qp, kp, vp, layout=layout, **kw)
         want = tuple(q.shape[:-1]) + (v.shape[-1],)
         if out_buf is not None:
-            inputs = dict(watched(dict(q=q, k=k, v=v), natives_opts))  # the option arrays too (a bias, offsets)
+            inputs = dict(watched(_named((q, k, v), packed), natives_opts))  # the option arrays too (a bias, offsets)
             check_buffer("out", out_buf, want, problem.dtype, problem.xp, inputs)
         result, lse = backends.select(problem, backend).forward(problem)
         o = problem.unflatten(result, problem.q.shape[1:])
@@ -409,6 +409,14 @@ def _backward(edge: Edge, arrays: tuple[Any, ...], options: dict[str, Any], buff
     return results
 
 
+def _named(qkv: Sequence[Any], packed: Optional[str]) -> dict[str, Any]:
+    """``q, k, v`` by the names the caller knows them by: a packed input's parts by the packed array's name (an
+    overlap with ``out=`` or a gradient buffer is reported as one with ``qkv``, not with a ``q`` never passed)."""
+    names = {None: ("q", "k", "v"), "qkv": ("qkv (its q part)", "qkv (its k part)", "qkv (its v part)"),
+             "kv": ("q", "kv (its k part)", "kv (its v part)")}[packed]
+    return dict(zip(names, qkv))
+
+
 def _place_grads(edge: Edge, grads: tuple[Any, Any, Any], buffers: dict[str, Any], caller_buffers: dict[str, Any],
                  packed: Optional[str], xp: Any, layout: str) -> tuple[Any, ...]:
     """The gradients in the caller's form: written into the buffers (returned as the caller passed them), packed
@@ -418,8 +426,8 @@ def _place_grads(edge: Edge, grads: tuple[Any, Any, Any], buffers: dict[str, Any
 
     def packed_into(name: str, parts: Sequence[Any]) -> Any:
         buf = buffers.get(name)
-        target = buf if buf is not None else xp.empty(_layout.pack_shape(parts[0].shape, len(parts), axis),
-                                                       dtype=parts[0].dtype)
+        shape = _layout.pack_shape(parts[0].shape, len(parts), axis)
+        target = buf if buf is not None else xp.empty(shape, dtype=parts[0].dtype)
         for i, g in enumerate(parts):
             target[_layout.pack_index(i, axis, target.ndim)] = g
         return caller_buffers[name] if buf is not None else edge.export(target)
@@ -443,7 +451,7 @@ def _check_grad_buffers(buffers: dict[str, Any], problem: Any, arrays: tuple[Any
     """The gradient buffers: of the gradients' dtype (q's, in the machine's byte order), each sharing memory with no
     input, option array (a bias, offsets, ``mod_arrays``) or other buffer."""
     q, k, v = arrays[:3]
-    inputs = dict(watched(dict(zip(("q", "k", "v", "dout", "out", "lse"), arrays)), options))
+    inputs = dict(watched({**_named(arrays[:3], packed), **dict(zip(("dout", "out", "lse"), arrays[3:]))}, options))
     axis = _layout.pack_axis(layout)
     want = {"dq": tuple(q.shape), "dk": tuple(k.shape), "dv": tuple(v.shape)}
     if packed == "qkv":
@@ -479,7 +487,6 @@ def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> tuple[Array, 
     check_flags(deterministic=deterministic)
     out, residual = attention(q, k, v, return_residual=True, **options)
     return out, Vjp(residual, bool(deterministic))
-
 
 
 for _fn in (attention, attention_qkvpacked, attention_kvpacked, attention_backward):

@@ -112,6 +112,24 @@ def test_gradient_buffers_must_not_overlap_each_other_or_inputs():
             one, q.shape, (0,) + q.strides[1:], writeable=True))
 
 
+def test_overlap_with_a_packed_input_names_the_packed_array():
+    """A buffer overlapping a packed input is reported under the name the caller passed (``qkv``, ``kv``), not as
+    the ``q`` or ``k`` view cuflash cut from it."""
+    q, k, v, dout = _arrays(shape_k=(2, 19, 4, 16))
+    qkv = np.stack([q, k, v], axis=-3)
+    with pytest.raises(ValueError, match=r"out shares memory with qkv \(its v part\)"):
+        cuflash.attention_qkvpacked(qkv, out=qkv[..., 2, :, :])
+    kv = np.stack([k, v], axis=-3)
+    with pytest.raises(ValueError, match=r"out shares memory with kv \(its k part\)"):
+        cuflash.attention_kvpacked(q, kv, out=kv[..., 0, :, :])
+    _, residual = cuflash.attention_qkvpacked(qkv, return_residual=True)
+    with pytest.raises(ValueError, match=r"dqkv shares memory with qkv \(its q part\)"):
+        cuflash.attention_backward(dout, residual, dqkv=qkv)
+    _, residual = cuflash.attention_kvpacked(q, kv, return_residual=True)
+    with pytest.raises(ValueError, match=r"dkv shares memory with kv \(its k part\)"):
+        cuflash.attention_backward(dout, residual, dkv=kv)
+
+
 def test_buffers_on_cupy_are_checked_by_device_ranges(monkeypatch):
     """CuPy buffers: the same rules, the overlap judged by device address ranges; a NumPy buffer for CuPy inputs
     is refused. All before any kernel launch."""
