@@ -26,7 +26,7 @@ import numpy as np
 
 import cuflash
 
-from .numpy_backend import _meta, _peak, write_json
+from .numpy_backend import _meta, _out_file, _peak, check_out, write_json
 
 
 def lengths(batch, rng, median=256, sigma=0.8, longest=2048):
@@ -94,10 +94,19 @@ def linear_fit(xs, ys):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="write the results as JSON to this file")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.varlen", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=_out_file,
+                    help="write the results as JSON to this file (folders made as needed; an existing file is an "
+                         "error unless --replace)")
+    ap.add_argument("--replace", action="store_true", help="overwrite the --out file if it exists")
     ap.add_argument("--quick", action="store_true", help="3 rounds, caches up to 16k")
     args = ap.parse_args(argv)
+    # refused before the first measurement, as benchmarks.numpy_backend does (an existing file was overwritten)
+    if args.replace and args.out is None:
+        ap.error("--replace needs --out (there is no file to replace)")
+    why = None if args.out is None else check_out(args.out, args.replace)
+    if why:
+        ap.error(f"--out {args.out}: {why}")
     rounds = 3 if args.quick else 7
     result = dict(_meta(None), varlen=[], decode=[])
     print(f"{'batch':>5s} {'tokens':>7s} {'padded':>7s} {'varlen ms':>10s} {'padded ms':>10s} {'ratio':>6s} "
@@ -120,7 +129,7 @@ def main(argv=None):
     result["decode_fit"] = dict(intercept_ms=a, ms_per_1k_tokens=1e3 * b, r2=r2)
     print(f"decode time = {a:.2f} ms + {1e3 * b:.3f} ms per 1k cached tokens, R² = {r2:.4f}")
     if args.out:
-        write_json(args.out, result)
+        write_json(args.out, result, replace=args.replace)
     return 0
 
 

@@ -2,6 +2,7 @@
 batch runs its products batched over sequences), its records are consistent, and its line fit is right (the figures
 themselves are in benchmarks/results)."""
 import numpy as np
+import pytest
 
 from benchmarks import varlen
 
@@ -25,3 +26,16 @@ def test_decode_case_and_fit():
     assert rec["cache_bytes"] == 2 * 2 * 64 * 2 * 16 * 4 and rec["ms"] > 0
     a, b, r2 = varlen.linear_fit([1, 2, 3, 4], [3, 5, 7, 9])
     assert np.allclose([a, b, r2], [1, 2, 1])
+
+
+def test_an_existing_out_file_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    """``--out`` is checked before any case runs: an existing file is kept unless ``--replace``."""
+    out = tmp_path / "varlen.json"
+    out.write_text("kept")
+    monkeypatch.setattr(varlen, "varlen_case", lambda *a, **k: pytest.fail("measured before --out was checked"))
+    with pytest.raises(SystemExit) as exc:
+        varlen.main(["--out", str(out)])
+    assert exc.value.code == 2 and "exists" in capsys.readouterr().err and out.read_text() == "kept"
+    with pytest.raises(SystemExit) as exc:
+        varlen.main(["--replace"])
+    assert exc.value.code == 2 and "--replace needs --out" in capsys.readouterr().err
