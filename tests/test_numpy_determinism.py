@@ -300,3 +300,46 @@ def test_mkl_asked_for_but_missing_says_why(monkeypatch):
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match="CUFLASH_BLAS=mkl, but the mkl package is not installed"):
         cuflash.attention(q[:, :10], k[:, :10], v[:, :10])
+
+
+def test_one_blas_per_call_whatever_another_thread_sets(monkeypatch):
+    """``CUFLASH_BLAS`` changed while a call runs (here: right after the call first reads it, as another thread
+    could) takes effect from the next call: the ragged forward and backward of three sequences (one problem each)
+    give MKL's bits throughout, not MKL's for the first sequence and OpenBLAS's for the rest."""
+    if _blas._load_mkl()[0] is None:
+        pytest.skip(f"MKL products: {_blas._load_mkl()[1]}")
+    rng = np.random.default_rng(3)
+    lengths = np.array([600, 700, 650], np.int32)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v, do = (rng.standard_normal((int(cu[-1]), 2, 64)).astype(np.float32) for _ in range(4))
+
+    def run():
+        out, lse = cuflash.attention_varlen(q, k, v, cu, cu, return_lse=True, backend="numpy")
+        return (out, lse) + tuple(cuflash.attention_varlen_backward(do, q, k, v, out, lse, cu, cu, backend="numpy"))
+
+    monkeypatch.setenv("CUFLASH_NUM_THREADS", "2")
+    runs = {}
+    for choice in ("mkl", "numpy"):
+        monkeypatch.setenv("CUFLASH_BLAS", choice)
+        runs[choice] = run()
+    assert any(not np.array_equal(a, b) for a, b in zip(runs["mkl"], runs["numpy"]))  # else this test shows nothing
+    get = _blas._env.get
+
+    def flipping(name):
+        value = get(name)
+        if name == "CUFLASH_BLAS":
+            os.environ["CUFLASH_BLAS"] = "numpy"  # every later read sees the other thread's change
+        return value
+
+    for forward_call in (True, False):  # each call starts again from mkl; the flip after its first read
+        monkeypatch.setenv("CUFLASH_BLAS", "mkl")
+        monkeypatch.setattr(_blas._env, "get", flipping)
+        if forward_call:
+            out, lse = cuflash.attention_varlen(q, k, v, cu, cu, return_lse=True, backend="numpy")
+            _assert_same(runs["mkl"][:2], (out, lse), "CUFLASH_BLAS changed during the forward")
+        else:
+            out, lse = runs["mkl"][:2]
+            grads = cuflash.attention_varlen_backward(do, q, k, v, out, lse, cu, cu, backend="numpy")
+            for name, x, y in zip(("dq", "dk", "dv"), runs["mkl"][2:], grads):
+                assert np.array_equal(x, y), f"{name}: CUFLASH_BLAS changed during the backward"
+        monkeypatch.setattr(_blas._env, "get", get)

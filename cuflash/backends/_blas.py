@@ -25,10 +25,12 @@ bundle OpenBLAS), so :class:`_Mkl` calls ``cblas_?gemm_batch_strided_64`` throug
 GIL for the call): a few lines, no build step. MKL runs on one thread inside every product (its per-thread count,
 set and restored around each backend call in every thread that computes). Its single-threaded ``gemm`` gave the
 same bits for every alignment of its operands tried (64-byte offsets of A, B and C), so results stay reproducible
-for any thread count; they may differ in the last bits between ``CUFLASH_BLAS=numpy`` and ``mkl``.
+for any thread count; they may differ in the last bits between ``CUFLASH_BLAS=numpy`` and ``mkl``. One choice per
+call (:func:`one_choice`): ``CUFLASH_BLAS`` changed by another thread while a call runs takes effect from the next call.
 """
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import functools
 import itertools
@@ -261,7 +263,35 @@ def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
     return ""
 
 
+#: The BLAS of the backend call running in this context, ``(mkl or None,)`` (:func:`one_choice`); None outside calls.
+_CALL: contextvars.ContextVar = contextvars.ContextVar("cuflash_blas_of_the_call", default=None)
+
+
+def one_choice(fn):
+    """``fn`` (a backend entry point) with one BLAS for the whole call: :func:`_mkl` is asked once, when it starts,
+    and every product, ``exp`` and thread pin of the call (its worker threads run in copies of its context) takes
+    that answer. ``CUFLASH_BLAS`` was read again for each problem's products, each ``exp`` rule and each worker's
+    pins: another thread changing it during a ragged call gave some sequences MKL's bits and others OpenBLAS's, or
+    left MKL's count unpinned in a worker (then multithreaded). Calls nest: an inner one keeps the outer choice."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if _CALL.get() is not None:
+            return fn(*args, **kwargs)
+        token = _CALL.set((_chosen_mkl(),))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _CALL.reset(token)
+    return call
+
+
 def _mkl():
+    """The MKL of the running call (:func:`one_choice`), else :func:`_chosen_mkl`."""
+    call = _CALL.get()
+    return _chosen_mkl() if call is None else call[0]
+
+
+def _chosen_mkl():
     """MKL when ``CUFLASH_BLAS`` selects it, else None. ``auto`` selects it where it loads and the CPU is Intel's:
     on the 2-core AMD EPYC (Zen 4, AVX-512) this project's machines are on some days, MKL 2026.2's single-threaded
     ``sgemm`` took 0.96-1.24x NumPy's OpenBLAS's time on the tiles' products, ``dgemm`` 1.20-1.29x, and VML's

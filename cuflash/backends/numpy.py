@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import functools
 import math
 import threading
@@ -35,7 +36,8 @@ from .. import _env
 from ..dropout import keep_mask
 from ..problem import Problem, stats_dtype, visible
 from ..tiling import Schedule, Tile
-from ._blas import add_product, describe, normal_exp, products, single_threaded, worker_single_threaded
+from ._blas import (add_product, describe, normal_exp, one_choice, products, single_threaded,
+                    worker_single_threaded)
 
 #: Default tile of one head, measured on 2 cores (fp32, N = 4096, 4 heads, d = 64 and 128):
 #: see ``benchmarks/numpy_backend.py``.
@@ -103,7 +105,8 @@ def _run(fn, items, consume=None):
         with ThreadPoolExecutor(min(threads, len(items))) as pool:
             pending = collections.deque()
             for x in items:
-                pending.append((x, pool.submit(run, x)))
+                # in a copy of the caller's context: the call's one BLAS (_blas.one_choice)
+                pending.append((x, pool.submit(contextvars.copy_context().run, run, x)))
                 if len(pending) >= window:
                     y, future = pending.popleft()
                     consume(y, future.result())
@@ -926,6 +929,7 @@ def run_many(works):
     return [work.finish() for work in works]
 
 
+@one_choice
 def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
     """Return ``out (B, Sq, Hq, D)`` in q's dtype and ``lse (B, Hq, Sq)``."""
     return run_many([forward_work(problem, block_q=block_q, block_k=block_k, schedule=schedule)])[0]
@@ -1206,6 +1210,7 @@ def _row_operands(rule, q, do, o, lse_r, big_d, shifts, prepared, bounded) -> _P
     return _PerBlock(parts)
 
 
+@one_choice
 def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, schedule=None,
              deterministic=False, dbias=False):
     """FA2 Algorithm 2: ``(dq, dk, dv)`` by recomputing P from ``lse``; no N×N buffer.
@@ -1382,18 +1387,21 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
 
 # Ragged batches and KV caches (VARLEN, KVCACHE) live in cuflash/backends/numpy_ragged.py, which builds on this
 # module; these entry points of the backend contract import it when first called (no import cycle).
+@one_choice
 def forward_varlen(problem):
     from .numpy_ragged import forward_varlen
 
     return forward_varlen(problem)
 
 
+@one_choice
 def backward_varlen(problem, dout, out, lse, *, deterministic=False):
     from .numpy_ragged import backward_varlen
 
     return backward_varlen(problem, dout, out, lse, deterministic=deterministic)
 
 
+@one_choice
 def forward_kvcache(problem):
     from .numpy_ragged import forward_kvcache
 
