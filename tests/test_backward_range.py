@@ -107,3 +107,20 @@ def test_shifted_is_the_unshifted_scaled(options, monkeypatch):
             assert np.isfinite(b).all()
             assert np.array_equal(np.ldexp(s, 100), b)
     _check(q, k, v, np.ldexp(do, 100), **options)
+
+
+@pytest.mark.parametrize("padded", ["v", "both"])
+def test_huge_padding_leaves_the_sequences_alone(padded):
+    """Padding past ``seqlens_q``/``seqlens_k`` is never read: 3e38 there (V's keys, or those and dO's rows) set the
+    shifts of every sequence, pushing dS = P (dP - D) of V ~ 2^-116 into the subnormals (dP = dO V^T 2^-ec: up to
+    100x the naive error), or to nothing (both: ec = 137). The shifts come from each sequence's own rows; padding
+    that overflows under them is guarded (it meets only P = 0 and dS = 0)."""
+    rng = np.random.default_rng(5)
+    q, k, do = (rng.standard_normal(s).astype(np.float32) for s in ((2, 50, 2, 16), (2, 70, 1, 16), (2, 50, 2, 16)))
+    v = np.ldexp(rng.standard_normal((2, 70, 1, 16)), -116).astype(np.float32)
+    seqlens_q, seqlens_k = np.array([30, 50], np.int32), np.array([40, 70], np.int32)
+    if padded in ("v", "both"):
+        v[0, 40:] = 3e38
+    if padded == "both":
+        do[0, 30:] = 3e38
+    _check(q, k, v, do, seqlens_q=seqlens_q, seqlens_k=seqlens_k)

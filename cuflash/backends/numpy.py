@@ -1098,7 +1098,9 @@ class _GradShifts:
     dS = P (dP - D) fits), or Q or K near it with ``|scale| < 1`` (the sums of dS Q and dS K, multiplied by the
     scale only at the end).
 
-    With ``a, b, x, y`` the largest row norm of dO, V, Q, K and ``z = 1/(1 - dropout)`` (O_i an average of
+    With ``a, b, x, y`` the largest row norm of dO, V, Q, K within the sequences' lengths (padding past them is never
+    read: 3e38 there shifted every sequence's dS into the subnormals; where it may overflow under these shifts the
+    call takes the guarded path, :meth:`padding_overflows`) and ``z = 1/(1 - dropout)`` (O_i an average of
     rows of V, times z at most; Cauchy-Schwarz; the rows of P sum to 1):
 
     - ``|dP_ij| z, |D_i|, |dP_ij z - D_i|, |dS_ij| <= C = 2 a b z`` (every partial sum of the products too);
@@ -1125,12 +1127,20 @@ class _GradShifts:
             if self.shifts(*(big + 0.5 * math.log2(max(t.shape[-1], 1)) for t in (do, v, q, k))) == (0, 0, 0):
                 return
         arrays = (do, v, q, k)
+        padded = problem.seqlens_q is not None or problem.seqlens_k is not None
+        len_q, len_k = problem.lengths if padded else (None, None)
         spans = [_key_parts(x.shape[1]) for x in arrays]
-        parts = [functools.partial(_largest_row, x[:, s0:s1], wt) for x, sp in zip(arrays, spans) for s0, s1 in sp]
+        parts = [functools.partial(_largest_rows, x[:, s0:s1], wt, n, s0)
+                 for x, n, sp in zip(arrays, (len_q, len_k, len_q, len_k), spans) for s0, s1 in sp]
         ends = np.cumsum([len(sp) for sp in spans]).tolist()
 
         def finish(results):
-            return self.shifts(*(max(results[e0:e1], default=-math.inf) for e0, e1 in zip([0] + ends[:-1], ends)))
+            def per_array(pick):
+                return [max((pick(r) for r in results[e0:e1]), default=-math.inf)
+                        for e0, e1 in zip([0] + ends[:-1], ends)]
+
+            shifts = self.shifts(*per_array(lambda r: r[0]))
+            return shifts, self.shifts(*per_array(max)) != shifts
 
         self._together = _Together(parts, finish)
 
@@ -1143,7 +1153,23 @@ class _GradShifts:
                 over(chain + 1 + y))
 
     def __call__(self):
-        return (0, 0, 0) if self._together is None else self._together()
+        return (0, 0, 0) if self._together is None else self._together()[0]
+
+    def padding_overflows(self) -> bool:
+        """Whether rows past the sequences' lengths are so large that the shifts of the sequences' own rows may let
+        their products overflow: then the call takes the guarded path, where they meet only P = 0 and dS = 0."""
+        return self._together is not None and self._together()[1]
+
+
+def _largest_rows(x, wt, lengths, s0):
+    """``(seen, padding)``: :func:`_largest_row` of the rows of ``x`` (B, rows from ``s0``, H, D) inside each
+    sequence's length ``lengths[b]`` and of those past it (-inf: none; ``lengths`` None: all rows are inside)."""
+    rows = x.shape[1]
+    if lengths is None or (lengths >= s0 + rows).all():
+        return _largest_row(x, wt), -math.inf
+    cut = np.clip(lengths - s0, 0, rows)
+    return (max((_largest_row(x[b, :c], wt) for b, c in enumerate(cut)), default=-math.inf),
+            max((_largest_row(x[b, c:], wt) for b, c in enumerate(cut)), default=-math.inf))
 
 
 def _unscale(x, scale, shift):
@@ -1273,8 +1299,9 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
         k0, k1 = tiles[0].k0, tiles[0].k1
         prep, rows = prepared(chunk), row_operands(chunk)
         ec, eq, ek = grad_shifts()
-        # guarded (see _seen_product): some input of the block is not finite; then also P = 0, dS = 0 where unseen
-        kt, bounds, guarded = prep.kt, prep.bounds, prep.any_nonfinite
+        # guarded (see _seen_product): some input of the block is not finite, or the padding past the lengths may
+        # overflow under the sequences' shifts (_GradShifts); then also P = 0, dS = 0 where unseen
+        kt, bounds, guarded = prep.kt, prep.bounds, prep.any_nonfinite or grad_shifts.padding_overflows()
         k_j, kt_j, v_j = k[bs, hs, :, k0:k1, :], kt[..., k0:k1], v[bs, hs, :, k0:k1, :]
         vt_j = np.swapaxes(v_j, -1, -2)
         # Finite inputs without a score modifier: the shift by lse (line 11, S - L) and D (line 14, dP - D) ride in
