@@ -26,10 +26,19 @@ def swap(a: Any) -> Any:
 
 
 def to_bshd(a: Any, layout: str) -> Any:
+    """An input in the ``"bshd"`` form the backends take: a view."""
     return a if layout == "bshd" else swap(a)
 
 
-from_bshd = to_bshd
+def from_bshd(a: Any, layout: str) -> Any:
+    """A result in the caller's ``layout``, C-contiguous: a view where the backend laid its memory out in that order
+    (the NumPy backend and the reference follow ``Problem.layout``), else a copy (the CUDA kernels write ``"bshd"``:
+    a ``"bhsd"`` result, or one cut to a value head dim of its own, is copied, O(N d) against their O(N^2 d)).
+    A result that is a transposed view surprised callers who reshape it or hand its buffer on."""
+    r = to_bshd(a, layout)
+    if not hasattr(r, "flags") or r.flags.c_contiguous:
+        return r
+    return array_module(r, names=("result",)).ascontiguousarray(r)
 
 
 def pack_axis(layout: str) -> int:

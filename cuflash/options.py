@@ -68,8 +68,9 @@ _OPTIONS_DOC = """
     layout : {"bshd", "bhsd"}, default "bshd"
         ``"bshd"``: ``q`` is ``(..., seqlen_q, heads, head_dim)`` (FlashAttention's layout); ``"bhsd"``:
         ``(..., heads, seqlen_q, head_dim)`` (PyTorch SDPA's), and ``k``, ``v``, ``out`` and the gradients
-        likewise. ``"bhsd"`` costs nothing: the arrays are read through transposed views (the kernels need only
-        the last axis contiguous), and ``out`` comes back as a transposed view of a ``"bshd"`` result.
+        likewise. The inputs are read through transposed views (no copy: the kernels need only the last axis
+        contiguous); ``out`` and the gradients come back C-contiguous in the layout asked for (the NumPy backend
+        lays them out so; a ``"bhsd"`` result of the CUDA kernels, which write ``"bshd"``, is copied once).
         ``lse`` is ``(..., heads, seqlen_q)`` in both.
     precision : {"ieee", "3xtf32", "tf32"}, default "ieee"
         The arithmetic of float32 inputs on the CUDA kernels. ``"ieee"`` (the default, chosen for

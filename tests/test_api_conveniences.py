@@ -274,6 +274,35 @@ def test_bhsd_layout_reads_views_and_equals_bshd(monkeypatch):
     assert np.array_equal(keyword[0], np.swapaxes(cuflash.attention_backward(dout, want_res)[0], 1, 2))
 
 
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_results_are_contiguous_in_the_callers_layout(monkeypatch, layout, dtype):
+    """out and the gradients come back C-contiguous in the layout asked for (a "bshd" result was a transposed view
+    of the NumPy backend's (B, H, S, D) memory; the docs said the opposite), and the NumPy backend lays them out so
+    itself: no copy at the edge. A value head dim of its own (results cut from padded ones) is contiguous too."""
+    from cuflash import _layout
+
+    copies = []
+
+    class Spy:  # NumPy, as the array module of _layout (whose from_bshd copies with it), counting the copies
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def ascontiguousarray(self, a):
+            copies.append(a.shape)
+            return np.ascontiguousarray(a)
+
+    monkeypatch.setattr(_layout, "array_module", lambda *a, **kw: Spy())
+    for dv in (None, 8):
+        q, k, v, dout = (_layout.swap(a).astype(dtype) if layout == "bhsd" else a.astype(dtype)
+                         for a in _arrays(dv=dv))
+        out, residual = cuflash.attention(q, k, v, causal=True, layout=layout, return_residual=True)
+        grads = cuflash.attention_backward(dout, residual)
+        for name, x in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads)):
+            assert x.flags.c_contiguous, (name, dv, x.strides)
+        assert len(copies) == (0 if dv is None else 2), copies  # out and dv, cut from padded ones, copied
+
+
 def test_layout_is_validated():
     q, k, v, _ = _arrays()
     with pytest.raises(ValueError, match=r"layout must be 'bshd' \(..., seqlen, heads, head_dim\) or 'bhsd'"):

@@ -197,6 +197,17 @@ def _grouped(x, problem, dtype):
     return x.transpose(0, 2, 1, 3).astype(dtype, copy=False).reshape(b, problem.heads_kv, h // problem.heads_kv, s, d)
 
 
+def _result_zeros(grouped_shape, problem, wt):
+    """Zeros of the grouped shape ``(B, Hkv, g, S, D)`` (a result: ``out``, dQ, dK, dV) whose memory is in the
+    caller's axis order (``problem.layout``): ``(B, S, H, D)`` for ``"bshd"``, so that :func:`_ungroup` of it is
+    C-contiguous and the caller gets a contiguous result in either layout without a copy (the writes of a tile's
+    rows are strided then, at no measurable cost)."""
+    b, hkv, g, s, d = grouped_shape
+    if problem.layout == "bhsd":
+        return np.zeros(grouped_shape, dtype=wt)
+    return np.zeros((b, s, hkv, g, d), dtype=wt).transpose(0, 2, 3, 1, 4)
+
+
 def _keys_transposed(problem, k, matmul):
     """K^T as (B, Hkv, 1, D, Sk), and the parts that fill it (see :class:`_Together`), or no parts for a view.
     A contiguous copy when NumPy's matmul (OpenBLAS) runs the products and enough query rows share it: the product
@@ -953,7 +964,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     q, k, v = (_grouped(x, problem, wt) for x in (problem.q, problem.k, problem.v))
     # the outputs first: a problem too large for memory (a zero-stride batch of 2**30) fails here at once, before the
     # plan lists its blocks of (batch, head) pairs (that took minutes and gigabytes before a bare MemoryError)
-    out = np.zeros(q.shape, dtype=wt)
+    out = _result_zeros(q.shape, problem, wt)
     lse = np.full(q.shape[:-1], -np.inf, dtype=wt)
     lay, sched = _plan(problem, block_q, block_k, schedule)
     rule = _exp_rule(problem, wt, q)
@@ -1274,8 +1285,8 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     matmul = products()
     prepared = _per_chunk(problem, rule, q, k, v, wt, matmul, also=(do, big_d))
     row_operands = _row_operands(rule, q, do, o, lse_r, big_d, grad_shifts, prepared, _Bounds.applies(problem))
-    dk = np.zeros(k.shape, dtype=wt)
-    dv = np.zeros(k.shape, dtype=wt)  # not zeros_like, which writes its zeros (1.4 ms for 4 MiB, on one core)
+    dk = _result_zeros(k.shape, problem, wt)
+    dv = _result_zeros(k.shape, problem, wt)  # not zeros_like, which writes its zeros (1.4 ms for 4 MiB, on one core)
     scale = wt.type(problem.scale)
     scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
     modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
@@ -1388,7 +1399,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
             column(t, chunk, dq_acc, parts)
         return dq_acc, parts
 
-    dq = np.zeros(q.shape, dtype=wt)
+    dq = _result_zeros(q.shape, problem, wt)
     db = np.zeros(problem.mods.bias_compact, wt) if dbias else None
 
     def fold(work, result):  # in item order: dq = ((0 + slot 0) + slot 1) + ... per pair block; dbias likewise

@@ -258,6 +258,10 @@ class Problem:
     #: counter see. Nonzero only for one sequence of a ragged batch (:meth:`VarlenProblem.sequence`,
     #: :meth:`KVCacheProblem.sequence`), whose modifier operands keep the whole batch's extents.
     batch_offset: int = 0
+    #: the caller's axis order, ``"bshd"`` or ``"bhsd"`` (the arrays here are ``"bshd"`` views either way): a backend
+    #: that lays its results out in memory itself lays them out in this order, so that they reach the caller
+    #: C-contiguous without a copy
+    layout: str = "bshd"
 
     batch = property(lambda self: self.q.shape[0])
     seqlen_q = property(lambda self: self.q.shape[1])
@@ -500,7 +504,7 @@ def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=N
     mods = _check_modifiers(xp, batch_shape, extents, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
                             score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays, like=q)
     return Problem(xp, qf, kf, vf, batch_shape, scale, bool(causal), left, right, sq, sk,
-                   block_mask, dropout_p, seed, element_type, mods, precision)
+                   block_mask, dropout_p, seed, element_type, mods, precision, layout=layout)
 
 
 # --------------------------------------------------------------------------------------------
