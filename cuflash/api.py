@@ -18,7 +18,8 @@ from . import _layout, backends
 from .blockmask import BlockMask
 from .dropout import fresh_seed, needs_seed
 from .interop import Edge
-from .options import DEFAULTS, LAYOUTS, OPTIONS, Array, Layout, Precision, fill_doc, native_options, snapshot
+from .options import (DEFAULTS, LAYOUTS, OPTIONS, Array, Layout, Precision, check_keywords, fill_doc, native_options,
+                      snapshot)
 from .problem import check_backward, check_buffer, check_dropout, check_flags, make_problem
 from .residual import AttentionResidual, fingerprint, fingerprints, watched
 
@@ -479,9 +480,9 @@ def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> tuple[Array, 
     values the forward saw (a fingerprint of each is taken now and checked then; :func:`fingerprint`). With dropout
     and no seed, one is drawn and kept for the backward (read it back as ``vjp.seed``).
     """
-    for name in ("return_lse", "return_residual"):
-        if name in options:
-            raise TypeError(f"attention_vjp does not take {name}: the lse is kept inside vjp (vjp.residual)")
+    kept = "the lse is kept inside vjp (vjp.residual)"
+    check_keywords("attention_vjp", options, attention, also=("deterministic",),
+                   refused={"return_lse": kept, "return_residual": kept})
     options = dict(options)
     deterministic = options.pop("deterministic", False)
     check_flags(deterministic=deterministic)

@@ -14,6 +14,7 @@ log-sum-exp is that of the undropped scores.
 """
 from __future__ import annotations
 
+import math
 import numbers
 import sys
 from typing import Any, Optional, Sequence
@@ -119,6 +120,9 @@ def dropout_mask(shape: Sequence[int], *, seed: int, p: float) -> np.ndarray[Any
     shape = tuple(int(s) for s in shape)
     if len(shape) < 3:
         raise ValueError(f"shape must be (*batch, heads, seqlen_q, seqlen_k), got {shape}")
+    if math.prod(shape) > np.iinfo(np.intp).max:  # NumPy's own error ("maximum allowed size") names no argument
+        raise ValueError(f"shape {shape} holds {math.prod(shape)} elements, more than an array can index "
+                         f"({np.iinfo(np.intp).max})")
     p, seed = check_dropout(p, seed, what="p")
     if seed is None:
         raise ValueError("seed is required: an int in [0, 2**64)")

@@ -55,8 +55,11 @@ class IOCost:
 
     @property
     def ratio(self) -> float:
-        """How many times more bytes standard attention moves than the tiled kernel."""
-        return self.standard / self.tiled if self.tiled else math.inf
+        """How many times more bytes standard attention moves than the tiled kernel (1 for an empty problem, where
+        neither moves any)."""
+        if not self.tiled:
+            return 1.0 if not self.standard else math.inf
+        return self.standard / self.tiled
 
     def __str__(self):
         tiles = ", ".join(f"{k} tiles {bq}x{bk}, {self.visited[k][0]}/{self.visited[k][1]} visited"
@@ -310,6 +313,10 @@ def _check_cc(cc) -> int:
     return int(cc)
 
 
+#: the sizes that may be 0
+EMPTY_OK = ("seqlen_q", "seqlen_k", "batch", "heads")
+
+
 def _check_args(*, op, order, density, **sizes):
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -318,10 +325,17 @@ def _check_args(*, op, order, density, **sizes):
     if order != "fa2" and op == "bwd":
         raise ValueError(f"order is the forward's loop order; op='bwd' has one (FA2's), got order={order!r}")
     for name, val in sizes.items():
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
+        # lengths, batch and heads may be 0 (an empty problem, as attention takes one); head dim and tiles not
+        least = 0 if name in EMPTY_OK else 1
+        form = "an int >= 0" if least == 0 else "a positive int"
+        if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
+            raise TypeError(f"{name} must be {form}, got {type(val).__name__}")
+        if val < least:
+            raise ValueError(f"{name} must be {form}, got {val!r}")
     if density is not None and (isinstance(density, (bool, np.bool_)) or not isinstance(
-            density, (int, float, np.integer, np.floating)) or not 0.0 <= float(density) <= 1.0):
+            density, (int, float, np.integer, np.floating))):
+        raise TypeError(f"density must be a number in [0, 1], got {type(density).__name__}")
+    if density is not None and not 0.0 <= float(density) <= 1.0:
         raise ValueError(f"density must be a number in [0, 1], got {density!r}")
 
 

@@ -11,8 +11,8 @@ partial results, the combine of split-KV decoding ("flash-decoding"), of chunked
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
-
 from typing import Any, Sequence
 
 import numpy as np
@@ -100,7 +100,8 @@ def merge_parts(xp: Any, outs: Sequence[Any], lses: Sequence[Any], work: np.dtyp
 
 
 def _sequence(name: str, seq: Any) -> list[Any]:
-    if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__") or hasattr(seq, "shape"):
+    # a Sequence, not any sized iterable: a dict or set iterated as its keys (or in no set order) reads as parts
+    if isinstance(seq, (str, bytes)) or not isinstance(seq, collections.abc.Sequence) or hasattr(seq, "shape"):
         raise TypeError(f"{name} must be a list or tuple of arrays (one per part), got {type(seq).__name__}")
     return list(seq)
 

@@ -5,6 +5,8 @@ Validation is not here: :func:`cuflash.problem.make_problem` judges every value.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import numbers
 from types import MappingProxyType
 from typing import Any, Callable, Literal, Mapping, Sequence
@@ -127,7 +129,7 @@ def native_options(edge: Edge, options: Mapping[str, Any], arrays: Sequence[str]
         if name in options:
             native[name] = edge.option(name, options[name])
     mod_arrays = options.get("mod_arrays")
-    if isinstance(mod_arrays, dict):
+    if isinstance(mod_arrays, Mapping):  # any mapping, as a dict
         native["mod_arrays"] = {key: edge.option(f"mod_arrays[{key!r}]", value) for key, value in mod_arrays.items()}
     return native
 
@@ -136,8 +138,27 @@ def snapshot(options: Mapping[str, Any]) -> dict[str, Any]:
     """The options as a call saw them, for a residual that replays them later: a list (``window=[l, r]``) as a
     tuple and a dict (``mod_arrays``) copied, so that the caller reusing or changing its own list or dict cannot
     change the options of a backward that the saved lse belongs to (the arrays inside are fingerprinted)."""
-    return {name: tuple(x) if isinstance(x, list) else dict(x) if isinstance(x, dict) else x
+    return {name: tuple(x) if isinstance(x, list) else dict(x) if isinstance(x, Mapping) else x
             for name, x in options.items()}
+
+
+def check_keywords(caller: str, options: Mapping[str, Any], target: Callable[..., Any], *, also: Sequence[str] = (),
+                   refused: Mapping[str, str] = MappingProxyType({})) -> None:
+    """The keywords that ``caller``, a function of ``**options``, passes on to ``target``: each a keyword-only
+    parameter of ``target`` or one of ``also`` (the caller's own), else the TypeError Python raises for an unknown
+    keyword, naming ``caller`` (``target`` named itself: a function the caller never called). ``refused``: keywords
+    of ``target`` that ``caller`` does not take, each with the reason."""
+    keywords = _keyword_only(target)
+    for name in options:
+        if name in refused:
+            raise TypeError(f"{caller} does not take {name}: {refused[name]}")
+        if name not in keywords and name not in also:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _keyword_only(fn: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
 def fill_doc(fn: Callable[..., Any]) -> Callable[..., Any]:

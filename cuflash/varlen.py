@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 from . import backends
 from .dropout import fresh_seed, needs_seed
 from .interop import Edge
-from .options import native_options, snapshot
+from .options import check_keywords, native_options, snapshot
 from .problem import check_dropout, check_flags, check_varlen_backward, make_varlen_problem
 from .residual import fingerprints, watched
 
@@ -228,8 +228,8 @@ def attention_varlen_vjp(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_s
     ``v``, ``out``, the offsets or an array option (``bias``, ...) were changed in place before it is called.
     With dropout and no seed, one is drawn and kept (``vjp.seed``).
     """
-    if "return_lse" in options:
-        raise TypeError("attention_varlen_vjp does not take return_lse: the lse is kept inside vjp")
+    check_keywords("attention_varlen_vjp", options, attention_varlen, also=("deterministic",),
+                   refused={"return_lse": "the lse is kept inside vjp"})
     options = snapshot(options)  # the caller's window list or mod_arrays dict may change before the backward
     deterministic = options.pop("deterministic", False)
     backend = options.pop("backend", None)

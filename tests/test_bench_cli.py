@@ -161,21 +161,40 @@ def test_backward_ledger_counts_query_tiles_per_key_block():
     assert cost.tiled_ledger["dQ acc: read+write per visited tile"] == nk * 2 * n * d * 4
 
 
-@pytest.mark.parametrize("kw, match", [(dict(op="both"), "op must be"), (dict(seqlen_q=0), "seqlen_q"),
-                                       (dict(density=1.5), "density"), (dict(order="fa3"), "order"),
-                                       (dict(causal="no"), "causal must be a bool"),
-                                       (dict(window=(-300, -300)), "window left must be >= 0"),
-                                       (dict(window=(1.5, 0)), "window left must be an int"),
-                                       (dict(block_q=64.9), "block_q must be a positive int"),
-                                       (dict(block_q=True), "block_q must be a positive int"),
-                                       (dict(density=True), "density must be a number"),
-                                       (dict(density="0.5"), "density must be a number"),
-                                       (dict(dtype="int8"), "dtype must be float16"),
-                                       (dict(block_mask=np.ones((2, 2), bool)), "block_mask must be a cuflash")])
-def test_io_cost_rejects_bad_arguments(kw, match):
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(op="both"), ValueError, "op must be"), (dict(seqlen_q=-1), ValueError, "seqlen_q must be an int >= 0"),
+    (dict(head_dim=0), ValueError, "head_dim must be a positive int"), (dict(density=1.5), ValueError, "density"),
+    (dict(order="fa3"), ValueError, "order"), (dict(causal="no"), TypeError, "causal must be a bool"),
+    (dict(window=(-300, -300)), ValueError, "window left must be >= 0"),
+    (dict(window=(1.5, 0)), TypeError, "window left must be an int"),
+    (dict(block_q=64.9), TypeError, "block_q must be a positive int, got float"),
+    (dict(block_q=True), TypeError, "block_q must be a positive int, got bool"),
+    (dict(batch=np.True_), TypeError, "batch must be an int >= 0, got bool"),
+    (dict(density=True), TypeError, "density must be a number"),
+    (dict(density="0.5"), TypeError, "density must be a number"),
+    (dict(dtype="int8"), ValueError, "dtype must be float16"),
+    (dict(block_mask=np.ones((2, 2), bool)), TypeError, "block_mask must be a cuflash")])
+def test_io_cost_rejects_bad_arguments(kw, exc, match):
+    """A wrong type is a TypeError, a wrong value a ValueError, as everywhere in cuflash."""
     args = dict(seqlen_q=128, head_dim=64, block_q=64, block_k=64) | kw
-    with pytest.raises((ValueError, TypeError), match=match):
+    with pytest.raises(exc, match=match):
         io_cost(**args)
+
+
+@pytest.mark.parametrize("kw", [dict(seqlen_q=0), dict(seqlen_q=8, batch=0),
+                                dict(seqlen_q=8, heads=0, op="fwd_bwd", causal=True)])
+def test_io_cost_of_an_empty_problem_is_nothing(kw):
+    """An empty problem, which attention takes, moves no bytes either way (io_cost refused it before)."""
+    cost = io_cost(head_dim=64, **kw)
+    assert cost.standard == cost.tiled == 0 and cost.ratio == 1.0
+
+
+def test_io_cost_without_keys_writes_the_empty_rows():
+    """No keys: no tile is visited and K, V are never read, but Q is read and the zero rows of O and their lse are
+    written, as attention does."""
+    cost = io_cost(seqlen_q=8, seqlen_k=0, head_dim=64)
+    assert cost.visited == {"fwd": (0, 0)} and cost.tiled_ledger["read K, V per visited tile"] == 0
+    assert cost.tiled_ledger["write O"] == 8 * 64 * 2 and cost.tiled_ledger["write lse"] == 8 * 4
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ def test_vjp_detects_in_place_changes(changed):
     (dict(shape=(1, 2, 8, 8), seed=1, p="0.5"), TypeError, "p must be a float"),
     (dict(shape=(1, 2, 8, 8), seed=-1, p=0.5), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
     (dict(shape=(1, 2, 8, 8), seed=2**70, p=0.5), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
+    (dict(shape=(1, 1, 2**70, 1), seed=1, p=0.5), ValueError, r"shape \(1, 1, 1180591620717411303424, 1\) holds"),
     (dict(shape=(1, 2, 8, 8), seed=None, p=0.5), ValueError, "seed is required"),
     (dict(shape=(1, -2, 8, 8), seed=1, p=0.5), TypeError, "shape must be a tuple of ints >= 0"),
     (dict(shape=(8, 8), seed=1, p=0.5), ValueError, "shape must be"),

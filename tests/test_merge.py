@@ -250,6 +250,7 @@ def _parts(n=2, dtype=np.float32, lse_dtype=np.float32):
     (lambda o, l: (o, l[:1]), ValueError, "one entry per part"),
     (lambda o, l: (o[0], l), TypeError, "outs must be a list"),
     (lambda o, l: (o, "lse"), TypeError, "lses must be a list"),
+    (lambda o, l: (dict(enumerate(o)), l), TypeError, "outs must be a list or tuple of arrays .* got dict"),
     (lambda o, l: ([o[0], o[1][:4]], l), ValueError, r"outs\[1\] has shape"),
     (lambda o, l: (o, [l[0], l[1][:, :4]]), ValueError, r"lses\[1\] has shape"),
     (lambda o, l: ([o[0], o[1].astype(np.float16)], l), TypeError, r"outs\[1\] has dtype"),

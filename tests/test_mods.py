@@ -290,10 +290,26 @@ def test_reference_takes_score_mods_that_do_not_read_the_score(score_mod):
     check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, backend="numpy", **o), case)
 
 
+def test_mod_arrays_may_be_any_mapping():
+    """mod_arrays is typed as a Mapping: a read-only MappingProxyType is taken as its dict (it was refused, "must be
+    a dict"), forward and backward, and the residual keeps a copy of it."""
+    from types import MappingProxyType
+
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal((1, 40, 2, 16)).astype(np.float32) for _ in range(4))
+    slope = np.array([0.5, -0.25], np.float32)
+    opts = dict(score_mod="score + slope[h] * (kv_idx - q_idx)")
+    want, want_res = cuflash.attention(q, k, v, mod_arrays={"slope": slope}, return_residual=True, **opts)
+    got, res = cuflash.attention(q, k, v, mod_arrays=MappingProxyType({"slope": slope}), return_residual=True, **opts)
+    assert np.array_equal(got, want)
+    for g, w in zip(cuflash.attention_backward(dout, res), cuflash.attention_backward(dout, want_res)):
+        assert np.array_equal(g, w)
+
+
 @pytest.mark.parametrize("mod_arrays,exc,match", [
     ({"a": 2 + 1j}, TypeError, r"mod_arrays\['a'\] must be an array or a number, got complex"),
     ({"a": [1, 2]}, TypeError, r"mod_arrays\['a'\] must be an array or a number, got list"),
-    ([("a", 1)], TypeError, "mod_arrays must be a dict of name -> array or number, got list"),
+    ([("a", 1)], TypeError, r"mod_arrays must be a dict \(a mapping\) of name -> array or number, got list"),
     ({"a": 1, "unread": 2}, ValueError, r"mod_arrays \['unread'\] are not read by mask_mod"),
 ])
 def test_blockmask_refuses_the_mod_arrays_that_attention_refuses(mod_arrays, exc, match):

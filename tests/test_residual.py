@@ -185,3 +185,15 @@ def test_attention_vjp_is_built_on_the_residual():
         cuflash.attention_vjp(q, k, v, return_residual=True)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         cuflash.attention_vjp(q, k, v, deterministic=1)
+
+
+def test_vjp_forms_name_themselves_for_an_unknown_keyword():
+    """An unknown keyword (one of the backward's, a typo) is the vjp function's error, not that of the forward it
+    passes its options to ("attention() got an unexpected keyword argument": a function the caller never called)."""
+    q, k, v, _ = _arrays()
+    with pytest.raises(TypeError, match=r"^attention_vjp\(\) got an unexpected keyword argument 'return_dbias'$"):
+        cuflash.attention_vjp(q, k, v, return_dbias=True)
+    packed = np.ascontiguousarray(q[0])
+    cu = np.array([0, packed.shape[0]], np.int32)
+    with pytest.raises(TypeError, match=r"^attention_varlen_vjp\(\) got an unexpected keyword argument 'casual'$"):
+        cuflash.attention_varlen_vjp(packed, packed, packed, cu, cu, casual=True)

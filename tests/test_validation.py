@@ -149,7 +149,10 @@ OPTION_CASES = [
     ("dropout_p-str", dict(dropout_p="0.1", seed=1), TypeError, r"dropout_p"),
     ("seed-negative", dict(dropout_p=0.1, seed=-1), ValueError, r"seed"),
     ("seed-too-big", dict(dropout_p=0.1, seed=2**64), ValueError, r"seed"),
-    ("seed-float", dict(dropout_p=0.1, seed=1.5), ValueError, r"seed"),
+    ("seed-float", dict(dropout_p=0.1, seed=1.5), TypeError, r"seed must be an int in \[0, 2\*\*64\) or None, got "
+     r"float"),
+    ("seed-str", dict(dropout_p=0.1, seed="5"), TypeError, r"seed must be an int .* got str"),
+    ("seed-bool", dict(dropout_p=0.1, seed=np.True_), TypeError, r"seed must be an int .* got bool"),
     ("dtype-name", dict(dtype="float16"), ValueError, r"dtype"),
     ("dtype-bf16-over-float32", dict(dtype="bfloat16"), TypeError, r"dtype='bfloat16'"),
 ]

@@ -10,6 +10,7 @@ attend; ``kernels/mask.cuh`` is its only other copy, and a test holds the two to
 """
 from __future__ import annotations
 
+import collections.abc
 import math
 import numbers
 from dataclasses import dataclass
@@ -97,8 +98,9 @@ def array_module(*arrays, names, foreign=True):
                             f"CuPy arrays only; np.from_dlpack / cupy.from_dlpack convert others without a copy), "
                             f"got {type(a).__name__}")
         if getattr(a, "dtype", None) is not None and np.dtype(a.dtype).kind == "O":
-            raise TypeError(f"{name} is an array of Python objects (dtype object): convert it to a floating-point "
-                            f"array first, e.g. {name}.astype(np.float32)")
+            # no dtype suggested: this check serves the float arrays and the integer ones (offsets, lengths) alike
+            raise TypeError(f"{name} is an array of Python objects (dtype object): convert it to an array of the "
+                            f"numeric dtype {name} takes first (its documentation says which)")
     if len(set(kinds.values())) > 1:
         desc = ", ".join(f"{n} is {m}" for n, m in kinds.items())
         raise TypeError(f"q, k, v (and dout/out/lse) must all be NumPy or all CuPy arrays ({desc})")
@@ -460,9 +462,10 @@ def check_dropout(dropout_p, seed, what="dropout_p"):
                                                  ": the keep-mask draws 32-bit random numbers, which keep an element "
                                                  "no less often than 2**-32; a larger p would bias the output")
         raise ValueError(f"{what} must lie in [0, 1 - 2**-32], got {_brief(dropout_p)}{why}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
-                             or not 0 <= seed < 2**64):
-        raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
+    if seed is not None and (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral)):
+        raise TypeError(f"seed must be an int in [0, 2**64) or None, got {type(seed).__name__}")  # as dropout_p's
+    if seed is not None and not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64) or None, got {_brief(seed)}")
     return p, (None if seed is None else int(seed))
 
 
@@ -587,8 +590,9 @@ def _check_alibi(slopes, xp, batch_shape, extents):
 def _check_mod_arrays(mod_arrays, xp):
     if mod_arrays is None:
         return {}
-    if not isinstance(mod_arrays, dict):
-        raise TypeError(f"mod_arrays must be a dict of name -> array or number, got {type(mod_arrays).__name__}")
+    if not isinstance(mod_arrays, collections.abc.Mapping):  # a dict, a MappingProxyType, ...
+        raise TypeError(f"mod_arrays must be a dict (a mapping) of name -> array or number, got "
+                        f"{type(mod_arrays).__name__}")
     out = {}
     for name, value in mod_arrays.items():
         if isinstance(value, (np.bool_, np.number)) and not isinstance(value, np.complexfloating):
