@@ -148,17 +148,17 @@ def check_keywords(caller: str, options: Mapping[str, Any], target: Callable[...
     parameter of ``target`` or one of ``also`` (the caller's own), else the TypeError Python raises for an unknown
     keyword, naming ``caller`` (``target`` named itself: a function the caller never called). ``refused``: keywords
     of ``target`` that ``caller`` does not take, each with the reason."""
-    keywords = _keyword_only(target)
+    taken = tuple(n for n in _keyword_only(target) if n not in refused) + tuple(also)
     for name in options:
         if name in refused:
             raise TypeError(f"{caller} does not take {name}: {refused[name]}")
-        if name not in keywords and name not in also:
-            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+        if name not in taken:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r} (it takes {', '.join(taken)})")
 
 
 @functools.lru_cache(maxsize=None)
-def _keyword_only(fn: Callable[..., Any]) -> frozenset[str]:
-    return frozenset(n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY)
+def _keyword_only(fn: Callable[..., Any]) -> tuple[str, ...]:
+    return tuple(n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
 def fill_doc(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -4,7 +4,9 @@ threads (a queue transport standing in for the adapters). The adapters run in te
 (mpiexec) and tests/test_distributed_nccl_fake.py (NCCL ranks as threads)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
 import subprocess
 import sys
 import types
@@ -145,6 +147,112 @@ def test_layout_errors():
         dist.unshard_sequence([])
 
 
+@contextlib.contextmanager
+def _within(seconds):
+    """A hang fails the test instead of stalling the suite (the interpreter handles SIGALRM between bytecodes)."""
+    def hung(signum, frame):  # pytest.fail, not TimeoutError: that is an OSError, which callers may catch
+        pytest.fail(f"still running after {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_rank_count_beyond_a_communicator_is_refused_and_any_other_answered_at_once():
+    """local_segments built all size + 1 edges in a Python loop: size=2**70 never returned (and 2**31 - 1, a real
+    communicator's largest size, took minutes and gigabytes). Now only the rank's own edges are computed, and a size
+    no MPI or NCCL communicator can have (a C int) is a ValueError naming the bound."""
+    x = np.zeros((1, 6, 2, 2))
+    with _within(3):
+        with pytest.raises(ValueError, match=r"size <= 2\*\*31 - 1 .*got size=1180591620717411303424"):
+            dist.local_segments(6, 2**70, 0)
+        with pytest.raises(ValueError, match=r"size <= 2\*\*31 - 1"):
+            dist.shard_sequence(x, np.uint64(2**63), 0)
+        big = 2**31 - 1
+        assert dist.local_segments(10, big, 3) == ((3, 4),)
+        assert dist.local_segments(10, big, big - 1) == ((10, 10),)
+        assert dist.local_segments(10, big, 4, layout="zigzag") == ((4, 5), (10, 10))
+        assert dist.local_segments(2 * big + 1, big, big - 1, layout="zigzag") == ((big, big + 1), (big + 1, big + 2))
+        assert dist.shard_sequence(x, big, 5).shape == (1, 1, 2, 2)
+
+
+def test_wrong_types_are_type_errors_and_wrong_values_value_errors():
+    """The same function gave TypeError for size=True and ValueError for length=True; the cost model gave ValueError
+    for a bool or a float count. A wrong type is a TypeError everywhere in cuflash.distributed, a value out of range
+    of the right type a ValueError."""
+    x = np.zeros((5, 2, 3))
+    comm = ThreadComm(ThreadWorld(1), 0)
+    for call, match in ((lambda: dist.local_segments(True, 2, 0), "length must be an int, got bool"),
+                        (lambda: dist.local_segments(6.0, 2, 0), "length must be an int, got float"),
+                        (lambda: dist.local_segments(6, 2, np.True_), "rank must be an int, got bool"),
+                        (lambda: dist.shard_sequence(x, 2, 0, layout=None), "layout must be a str"),
+                        (lambda: dist.unshard_sequence([x], layout=1), "layout must be a str"),
+                        (lambda: dist.ring_attention(x, x, x, comm, method=1), "method must be a str"),
+                        (lambda: dist.ring_attention(x, x, x, comm, layout=0), "layout must be a str")):
+        with pytest.raises(TypeError, match=match):
+            call()
+    kw = dict(heads=8, head_dim=64, flops_per_s=1e12, bytes_per_s=1e9)
+    for change, match in ((dict(seqlen_local=True), "seqlen_local must be an int, got bool"),
+                          (dict(seqlen_local=4.0), "seqlen_local must be an int, got float"),
+                          (dict(heads=2.5), "heads must be an int, got float"),
+                          (dict(head_dim=np.True_), "head_dim must be an int, got bool"),
+                          (dict(batch="2"), "batch must be an int, got str"),
+                          (dict(flops_per_s="1e12"), "flops_per_s must be a finite number, got str"),
+                          (dict(latency_s=False), "latency_s must be a finite number, got bool"),
+                          (dict(op=1), "op must be a str"),
+                          (dict(layout=None), "layout must be a str"),
+                          (dict(dtype=None), "dtype must be a dtype"),  # NumPy reads None as float64
+                          (dict(dtype=2), "dtype must be a dtype")):
+        args = {"seqlen_local": 100, **kw, **change}
+        with pytest.raises(TypeError, match=match):
+            ring_step(args.pop("seqlen_local"), **args)
+    for change, match in ((dict(seqlen_local=0), "seqlen_local must be an int > 0"),
+                          (dict(bytes_per_s=float("inf")), "bytes_per_s must be finite"),
+                          (dict(flops_per_s=10**400), "flops_per_s must be finite"),  # math.isfinite overflowed
+                          (dict(op="both"), "op must be 'fwd' or 'bwd'"),
+                          (dict(dtype=np.int8), "dtype must be one of")):
+        args = {"seqlen_local": 100, **kw, **change}
+        with pytest.raises(ValueError, match=match):
+            ring_step(args.pop("seqlen_local"), **args)
+    assert ring_step(100, dtype=np.dtype("float64"), **kw) == ring_step(100, dtype="float64", **kw)
+
+
+def test_an_axis_order_for_layout_says_what_layout_means_here():
+    """layout is the axis order on cuflash.attention but the sharding here: "bshd" was answered only with "must be
+    one of 'contiguous', 'zigzag'"."""
+    class Untouchable:  # the error comes before the communicator is used
+        __slots__ = ()
+
+    x = np.zeros((4, 2, 8), np.float32)
+    match = (r"layout='(bshd|bhsd)' is an axis order, but in cuflash.distributed layout is how the sequence is "
+             r"sharded over ranks: one of 'contiguous', 'zigzag'.*\(\.\.\., seqlen, heads, head_dim\)")
+    for call in (lambda: dist.ring_attention(x, x, x, Untouchable(), layout="bshd"),
+                 lambda: dist.ring_attention_vjp(x, x, x, Untouchable(), layout="bhsd"),
+                 lambda: dist.shard_sequence(x, 2, 0, layout="bhsd"),
+                 lambda: dist.gather_sequence(x, Untouchable(), layout="bshd"),
+                 lambda: ring_step(10, heads=1, head_dim=8, layout="bshd", flops_per_s=1, bytes_per_s=1)):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_parts_of_different_shapes_are_named():
+    """Parts that differ outside the sequence axis gave NumPy's concatenate error, which names no argument."""
+    x = np.arange(24.0).reshape(1, 6, 2, 2)
+    for layout in dist.LAYOUTS:
+        parts = [dist.shard_sequence(x, 2, r, layout=layout) for r in range(2)]
+        parts[1] = parts[1][:, :, :1]
+        with pytest.raises(ValueError, match=r"parts\[1\] has shape \(1, 3, 1, 2\), but every part must have "
+                                             r"parts\[0\]'s shape except along axis 1 .*: \(1, any, 2, 2\)"):
+            dist.unshard_sequence(parts, layout=layout)
+    lse = np.zeros((2, 3, 4))
+    with pytest.raises(ValueError, match=r"parts\[2\] has shape \(2, 2, 1\).*axis 2 .*: \(2, 3, any\)"):
+        dist.unshard_sequence([lse, lse, lse[:, :2, :1]], axis=-1)
+
+
 # ------------------------------------------------------------------------------------------- cost model
 def test_ring_step_counts():
     # n = 1000 local positions, 8 heads (2 kv heads), head_dim 64, bf16, no mask
@@ -236,6 +344,10 @@ def test_bad_local_input_raises_before_the_communicator_is_touched():
         dist.ring_attention_vjp(q, q, q, Untouchable(), return_lse=True)
     with pytest.raises(TypeError, match="deterministic must be a bool"):  # now, not when vjp() is called
         dist.ring_attention_vjp(q, q, q, Untouchable(), deterministic="yes")
+    # the function called, not the ring_attention it passes the options to
+    with pytest.raises(TypeError, match=r"^ring_attention_vjp\(\) got an unexpected keyword argument 'foo' \(it "
+                                        r"takes causal, window, scale, layout, method, backend, deterministic\)"):
+        dist.ring_attention_vjp(q, q, q, Untouchable(), foo=1)
     for bad, error in (([[0.0]], TypeError), (np.ma.masked_array(q), TypeError)):
         for layout in ("contiguous", "zigzag"):  # both layouts check x (contiguous sliced it silently)
             with pytest.raises(error, match="x must be a numpy.ndarray|x is a numpy.ma.MaskedArray"):
@@ -258,6 +370,25 @@ def test_ring_backward_takes_a_numpy_bool(monkeypatch):
     want = cuflash.attention_backward(q, q, q, q, out, lse, deterministic=True)
     for g, w in zip(run_threads(1, rank)[0], want):
         np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-15)
+
+
+def test_ring_vjp_keeps_the_window_the_forward_saw(monkeypatch):
+    """ring_attention_vjp kept the caller's window list (a shallow copy of the options): a caller reusing the list
+    after the forward got the gradients of another mask than the saved lse's, silently. attention_vjp snapshots it."""
+    thread_comms(monkeypatch)
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal((8, 2, 4)) for _ in range(4))
+
+    def rank(r, comm):
+        window = [1, 0]
+        _, vjp = dist.ring_attention_vjp(*(dist.shard_sequence(x, 2, r) for x in (q, k, v)), comm, window=window)
+        window[0] = None  # the caller reuses its list: causal, had the backward read it
+        return vjp(dist.shard_sequence(dout, 2, r))
+
+    got = run_threads(2, rank)
+    want = cuflash.attention_vjp(q, k, v, window=(1, 0))[1](dout)
+    for i in range(3):
+        np.testing.assert_allclose(dist.unshard_sequence([g[i] for g in got]), want[i], rtol=1e-12, atol=1e-13)
 
 
 def test_an_intercommunicator_is_refused():

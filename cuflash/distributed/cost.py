@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..problem import check_flags
+from .layout import check_layout
 
 #: Assumed per-GPU, one-direction bandwidths (bytes/s) and per-message latencies (s) of common interconnects. They
 #: are round datasheet-level numbers for the model, not measurements.
@@ -67,20 +68,38 @@ class RingStep:
 
 def _check(op, layout, dtype, **numbers):
     """``numbers``: name -> (value, bound, whether it must be an int, whether the bound itself is allowed); a rate of
-    0 or below would divide by zero or never end min_local_seqlen's search."""
+    0 or below would divide by zero or never end min_local_seqlen's search. A value of the wrong type (a bool, read
+    as 0 or 1; a float where a count is an int; a str) is a TypeError, one of the right type out of range a
+    ValueError, as everywhere in cuflash."""
     for name, (value, low, integral, *inclusive) in numbers.items():
         kinds = (int, np.integer) if integral else (int, float, np.integer, np.floating)
         closed = bool(inclusive and inclusive[0])
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds) or not (
-                value >= low if closed else value > low) or not math.isfinite(value):
-            what = "an int" if integral else "a finite number"
+        what = "an int" if integral else "a finite number"
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds):
+            raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+        if not (value >= low if closed else value > low):  # nan included
             raise ValueError(f"{name} must be {what} {'>=' if closed else '>'} {low}, got {value!r}")
+        if not _finite(value):
+            raise ValueError(f"{name} must be finite (within float's range: the model computes in floats), got "
+                             f"{value!r}")
+    if not isinstance(op, str):
+        raise TypeError(f"op must be a str, 'fwd' or 'bwd', got {type(op).__name__} {op!r}")
     if op not in ("fwd", "bwd"):
         raise ValueError(f"op must be 'fwd' or 'bwd', got {op!r}")
-    if layout not in ("contiguous", "zigzag"):
-        raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    check_layout(layout)  # the sharding, as ring_attention's (its message for an axis order such as "bshd")
+    if not isinstance(dtype, (str, np.dtype, type)):  # None, which NumPy reads as float64, included
+        raise TypeError(f"dtype must be a dtype, a scalar type or a name, one of {', '.join(_BYTES)}, got "
+                        f"{type(dtype).__name__} {dtype!r}")
     if _dtype_name(dtype) not in _BYTES:
         raise ValueError(f"dtype must be one of {', '.join(_BYTES)}, got {dtype!r}")
+
+
+def _finite(value) -> bool:
+    """math.isfinite, with an int beyond float's range (which it raises OverflowError on) not finite as a rate."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _dtype_name(dtype) -> str:
@@ -176,4 +195,3 @@ def table(*, heads=32, heads_kv=8, head_dim=128, dtype="bfloat16") -> str:
             lines.append(f"| {link} ({bw / 1e9:g}, {lat * 1e6:g} µs) | {name} | "
                          + " | ".join(f"{c:,}" for c in cells) + " |")
     return "\n".join(lines)
-

@@ -20,29 +20,55 @@ from __future__ import annotations
 import numpy as np
 
 LAYOUTS = ("contiguous", "zigzag")
+#: The largest ``size`` (number of ranks) taken. A communicator's size is a C ``int`` in MPI (``MPI_Comm_size``) and
+#: NCCL (``ncclCommCount``), so no rank count exceeds this; a larger one is a mistake of the caller (a length passed
+#: as ``size``), refused rather than answered with a layout of billions of empty parts.
+MAX_SIZE = 2**31 - 1
 
 
 def check_layout(layout) -> str:
-    if not isinstance(layout, str) or layout not in LAYOUTS:
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be a str, one of {', '.join(map(repr, LAYOUTS))}, got {type(layout).__name__} "
+                        f"{layout!r}")
+    if layout in ("bshd", "bhsd"):
+        # cuflash.attention's layout is an axis order; here the same keyword names the sharding of the sequence, and
+        # a caller moving from one to the other would otherwise only read that "bshd" is not "zigzag"
+        raise ValueError(f"layout={layout!r} is an axis order, but in cuflash.distributed layout is how the sequence "
+                         f"is sharded over ranks: one of {', '.join(map(repr, LAYOUTS))}. The arrays have one axis "
+                         f"order: q, k, v (..., seqlen, heads, head_dim) as cuflash.attention's 'bshd' (pass 'bhsd' "
+                         f"arrays as x.swapaxes(-3, -2)); the sharding helpers cut along their axis argument "
+                         f"(default -3)")
+    if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
     return layout
 
 
+def _check_int(name, x):
+    """``x`` as a Python int; TypeError for anything else (a bool, read as 0 or 1, and a float included)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
+    return int(x)  # Python ints: a NumPy int64 would overflow in the edge arithmetic below
+
+
 def _check_rank(size, rank):
-    for name, x in (("size", size), ("rank", rank)):
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"need size >= 1 and 0 <= rank < size, got size={size}, rank={rank}")
+    size, rank = _check_int("size", size), _check_int("rank", rank)
+    if not 1 <= size <= MAX_SIZE or not 0 <= rank < size:
+        raise ValueError(f"need 1 <= size <= 2**31 - 1 (a communicator's size is a C int) and 0 <= rank < size, got "
+                         f"size={size}, rank={rank}")
+    return size, rank
+
+
+def chunk_edge(length: int, parts: int, i: int) -> int:
+    """Edge ``i`` (of ``0..parts``) of ``[0, length)`` cut as ``numpy.array_split`` does (earlier chunks one
+    longer): the first ``i`` chunks hold ``i·base`` positions and one more each for those of the ``extra``.
+    Computed alone in O(1), so that one rank's segments cost nothing whatever the number of ranks."""
+    base, extra = divmod(length, parts)
+    return i * base + min(i, extra)
 
 
 def chunk_bounds(length: int, parts: int) -> list[int]:
     """``parts + 1`` edges cutting ``[0, length)`` as ``numpy.array_split`` does (earlier chunks one longer)."""
-    base, extra = divmod(length, parts)
-    edges = [0]
-    for i in range(parts):
-        edges.append(edges[-1] + base + (i < extra))
-    return edges
+    return [chunk_edge(length, parts, i) for i in range(parts + 1)]
 
 
 def local_segments(length, size, rank, *, layout="contiguous") -> tuple[tuple[int, int], ...]:
@@ -53,7 +79,8 @@ def local_segments(length, size, rank, *, layout="contiguous") -> tuple[tuple[in
     length : int
         Total sequence length.
     size, rank : int
-        Number of ranks and this rank.
+        Number of ranks (``1 <= size <= 2**31 - 1``, :data:`MAX_SIZE`: a communicator's size is a C int) and this
+        rank.
     layout : {"contiguous", "zigzag"}
 
     Returns
@@ -63,15 +90,16 @@ def local_segments(length, size, rank, *, layout="contiguous") -> tuple[tuple[in
         order the local array holds them. Useful for position-dependent inputs (rotary embeddings) of local tokens.
     """
     check_layout(layout)
-    _check_rank(size, rank)
-    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
+    size, rank = _check_rank(size, rank)
+    length = _check_int("length", length)
+    if length < 0:
         raise ValueError(f"length must be an int >= 0, got {length!r}")
+    # only this rank's edges: O(1), where the list of all size + 1 edges made a large size hang
     if layout == "contiguous":
-        edges = chunk_bounds(int(length), size)
-        return ((edges[rank], edges[rank + 1]),)
-    edges = chunk_bounds(int(length), 2 * size)
+        return ((chunk_edge(length, size, rank), chunk_edge(length, size, rank + 1)),)
     late = 2 * size - 1 - rank
-    return ((edges[rank], edges[rank + 1]), (edges[late], edges[late + 1]))
+    return ((chunk_edge(length, 2 * size, rank), chunk_edge(length, 2 * size, rank + 1)),
+            (chunk_edge(length, 2 * size, late), chunk_edge(length, 2 * size, late + 1)))
 
 
 def _axis(x, axis):
@@ -96,6 +124,7 @@ def shard_sequence(x, size, rank, *, layout="contiguous", axis=-3):
     x : array (NumPy or CuPy), the whole sequence along ``axis``
         For example ``q`` of shape ``(..., seqlen, heads, head_dim)`` (``axis=-3``, the default).
     size, rank : int
+        As for :func:`local_segments`.
     layout : {"contiguous", "zigzag"}
     axis : int, default -3
 
@@ -141,6 +170,11 @@ def unshard_sequence(parts, *, layout="contiguous", axis=-3):
             raise TypeError(f"parts[{rank}] must be a {xp.__name__} array of dtype {parts[0].dtype} and "
                             f"{parts[0].ndim} dimensions like parts[0], got {type(part).__name__} {part.dtype} "
                             f"{part.ndim}-d")
+        if any(a != b for i, (a, b) in enumerate(zip(part.shape, parts[0].shape)) if i != axis):
+            # concatenate's own error names no argument and counts dimensions from the front
+            want = tuple("any" if i == axis else n for i, n in enumerate(parts[0].shape))
+            raise ValueError(f"parts[{rank}] has shape {part.shape}, but every part must have parts[0]'s shape except "
+                             f"along axis {axis} (the sequence): ({', '.join(map(str, want))})")
     if layout == "contiguous":
         return xp.concatenate(parts, axis=axis)
     size, total = len(parts), sum(p.shape[axis] for p in parts)

@@ -65,6 +65,7 @@ import numpy as np
 from .. import backends
 from ..residual import fingerprint
 from ..merge import merge_parts
+from ..options import check_keywords, snapshot
 from ..problem import (_check_window, array_module, check_backward, check_current_device, check_flags, make_problem,
                        stats_dtype)
 from . import comm as comms
@@ -125,7 +126,9 @@ _DOC_OPTIONS = """
         Default ``1 / sqrt(head_dim)``.
     layout : {"contiguous", "zigzag"}, default "contiguous"
         How the sequences are laid out over ranks (:func:`cuflash.distributed.shard_sequence`). ``"contiguous"``
-        takes any lengths per rank; ``"zigzag"`` balances causal work and expects the lengths it cuts.
+        takes any lengths per rank; ``"zigzag"`` balances causal work and expects the lengths it cuts. Not the axis
+        order that ``layout`` means on :func:`cuflash.attention`: here q, k, v are always ``(..., seqlen, heads,
+        head_dim)`` (its ``"bshd"``).
     method : {"ring", "ulysses"}, default "ring"
         ``"ring"``: K/V blocks circulate (any head counts). ``"ulysses"``: all-to-all to whole sequences of
         ``heads / P`` heads (needs ``heads`` and ``heads_kv`` divisible by the number of ranks).
@@ -201,12 +204,15 @@ def ring_attention_vjp(q, k, v, comm, **options):
 
     Takes the options of :func:`ring_attention` (except ``return_lse``) and ``deterministic``. Like
     :func:`cuflash.attention_vjp` it keeps references (no copies) and detects a later in-place change of q, k, v or
-    out; the check is agreed among ranks first, so a change on one rank raises ValueError on every rank.
+    out; the check is agreed among ranks first, so a change on one rank raises ValueError on every rank. The options
+    are kept as the forward saw them (a ``window`` list is copied: the caller may reuse it).
     Both ``ring_attention_vjp`` and ``vjp`` are collective: every rank must call them.
     """
-    if "return_lse" in options:
-        raise TypeError("ring_attention_vjp does not take return_lse: the lse is kept inside vjp")
-    options = dict(options)
+    check_keywords("ring_attention_vjp", options, ring_attention, also=("deterministic",),
+                   refused={"return_lse": "the lse is kept inside vjp"})
+    # Frozen now, as attention_vjp's residual does: a window given as a list that the caller changes before vjp()
+    # would otherwise give the gradients of another mask than the saved lse's, silently.
+    options = snapshot(options)
     deterministic = options.pop("deterministic", False)
     check_flags(deterministic=deterministic)  # now, as attention_vjp does: not after the forward's communication
     out, lse = ring_attention(q, k, v, comm, return_lse=True, **options)
@@ -232,7 +238,10 @@ def _setup(q, k, v, comm, *, causal, window, scale, layout, method, backend, wha
     if problem.xp is not np:  # before any transfer: a NCCL send from another GPU fails on this rank only
         check_current_device(problem.xp.cuda.Device().id, q=q, k=k, v=v)
     check_layout(layout)
-    if not isinstance(method, str) or method not in METHODS:
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a str, one of {', '.join(map(repr, METHODS))}, got {type(method).__name__} "
+                        f"{method!r}")
+    if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
     module = backends.select(problem, backend)
     if extra is not None:
