@@ -35,6 +35,7 @@ DEFAULT_BLOCK = (128, 128)
 #: forward and backward on a few streams, bounded for a caller that makes a stream per call
 _DERIVED_LIMIT = 32
 SKIP, PARTIAL, FULL = 0, 1, 2
+_GRID_FORM = "a boolean array (nq, nk), (heads|1, nq, nk) or (batch|1, heads|1, nq, nk)"
 
 
 def _prefix() -> str:
@@ -47,19 +48,33 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _is_int(x) -> bool:
+    """An int of Python or NumPy; not a bool (``True`` is an Integral, and a block of True meant 1 by accident)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _check_block(block):
-    if (not isinstance(block, (tuple, list)) or len(block) != 2
-            or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise ValueError(f"block must be a pair (block_q, block_k) of positive ints, got {block!r}")
+    form = "a pair (block_q, block_k) of positive ints"
+    # a wrong type (not a pair, or a float / bool / array inside it) is a TypeError, a wrong value a ValueError,
+    # as everywhere in cuflash
+    if not isinstance(block, (tuple, list)) or not all(_is_int(b) for b in block):
+        raise TypeError(f"block must be {form}, got {block!r}")
+    if len(block) != 2 or not all(b > 0 for b in block):
+        raise ValueError(f"block must be {form}, got {block!r}")
     return int(block[0]), int(block[1])
 
 
-def _host_array(a, name):
-    """``np.asarray(a)``, refusing a masked array (its mask would be dropped)."""
+def _host_array(a, name, form):
+    """``np.asarray(a)``, refusing a masked array (its mask would be dropped) and a nested list of ragged lengths
+    (NumPy's own error named neither the argument nor its expected ``form``)."""
     if isinstance(a, np.ma.MaskedArray):
         raise TypeError(f"{name} is a numpy.ma.MaskedArray: its mask would be ignored; pass a plain array "
                         f"(e.g. a.filled(...))")
-    return np.asarray(a)
+    try:
+        return np.asarray(a)
+    except ValueError as e:  # NumPy: "setting an array element with a sequence ... inhomogeneous shape"
+        raise ValueError(f"{name} must be {form}, got a sequence NumPy makes no array of (nested lists of "
+                         f"different lengths?): {e}") from None
 
 
 def _frozen(a):
@@ -68,9 +83,7 @@ def _frozen(a):
 
 
 def _check_length(x, name) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {x!r}")
-    return int(x)
+    return _check_count(x, name)
 
 
 def _lengths(seqlen_q, seqlen_k):
@@ -79,7 +92,9 @@ def _lengths(seqlen_q, seqlen_k):
 
 
 def _check_count(x, name, low=0) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < low:
+    if not _is_int(x):  # a float, bool or array is a TypeError, as attention()'s own ints (window=(3.0, 0))
+        raise TypeError(f"{name} must be an int >= {low}, got {x!r}")
+    if x < low:
         raise ValueError(f"{name} must be an int >= {low}, got {x!r}")
     return int(x)
 
@@ -114,15 +129,15 @@ class BlockMask:
     _pinned = frozenset()
 
     def __init__(self, grid, *, block=DEFAULT_BLOCK, seqlen_q=None, seqlen_k=None):
-        grid = _host_array(grid, "grid")
+        grid = _host_array(grid, "grid", _GRID_FORM)
         if grid.dtype != np.bool_:
-            raise TypeError(f"grid must be a boolean array, got dtype {grid.dtype}")
+            raise TypeError(f"grid must be {_GRID_FORM}, got dtype {grid.dtype}")
         self._init(np.where(grid, FULL, SKIP).astype(np.int8), block, seqlen_q, seqlen_k, None, {})
 
     def _init(self, states, block, seqlen_q, seqlen_k, rule: Optional[mods.Expr], values: dict,
               member: Optional[mods.Expr] = None):
         if not 2 <= states.ndim <= 4:
-            raise ValueError(f"grid must have shape (batch|1, heads|1, n_q_blocks, n_k_blocks), got {states.shape}")
+            raise ValueError(f"grid must be {_GRID_FORM}, got shape {states.shape}")
         self.states = np.array(states.reshape((1,) * (4 - states.ndim) + states.shape), dtype=np.int8)
         self.states.setflags(write=False)  # the mask is a value: the caller's array is copied, and this one frozen
         self.block = _check_block(block)
@@ -227,7 +242,9 @@ class BlockMask:
         from .tiling import Schedule
 
         sq, sk = _lengths(seqlen_q, seqlen_k)
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
+        if not isinstance(window, (tuple, list)):
+            raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+        if len(window) != 2:
             raise ValueError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
         left, right = (None if w is None else min(_check_count(w, f"window {side}"), sq + sk)
                        for side, w in zip(("left", "right"), window))
@@ -296,10 +313,12 @@ class BlockMask:
 
     @staticmethod
     def _ids(ids, name):
-        ids = _host_array(ids, name)
-        if ids.dtype.kind not in "iu" or ids.ndim not in (1, 2):
-            raise ValueError(f"{name} must be an integer array (seqlen,) or (batch, seqlen), got {ids.dtype} "
-                             f"{ids.shape}")
+        form = "an integer array (seqlen,) or (batch, seqlen)"
+        ids = _host_array(ids, name, form)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be {form}, got dtype {ids.dtype}")
+        if ids.ndim not in (1, 2):
+            raise ValueError(f"{name} must be {form}, got shape {ids.shape}")
         if ids.size and (ids.min() < -2**31 or ids.max() >= 2**31):
             raise ValueError(f"{name} must fit in int32")
         return np.array(ids.reshape((1,) * (2 - ids.ndim) + ids.shape), dtype=np.int32)
@@ -317,9 +336,12 @@ class BlockMask:
         """Any boolean mask ``(batch|1, heads|1, Sq, Sk)`` (or 2-D / 3-D), exactly: all-True blocks are full,
         all-False ones skipped, and only the partial blocks keep their elements, as packed bits
         (memory O(partial blocks × block area / 8), never a copy of the dense mask)."""
-        mask = _host_array(mask, "mask")
-        if mask.dtype != np.bool_ or not 2 <= mask.ndim <= 4:
-            raise ValueError(f"mask must be a boolean array (batch|1, heads|1, Sq, Sk), got {mask.dtype} {mask.shape}")
+        form = "a boolean array (Sq, Sk), (heads|1, Sq, Sk) or (batch|1, heads|1, Sq, Sk)"
+        mask = _host_array(mask, "mask", form)
+        if mask.dtype != np.bool_:
+            raise TypeError(f"mask must be {form}, got dtype {mask.dtype}")
+        if not 2 <= mask.ndim <= 4:
+            raise ValueError(f"mask must be {form}, got shape {mask.shape}")
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
         bq, bk = _check_block(block)
         if bq * bk >= 2 ** 31:  # the kernels index a block's bits in 32 bits (kernels/mods.cuh: dense_bit)
@@ -451,7 +473,7 @@ class BlockMask:
         """Fraction of blocks computed (not skipped): FA1's sparsity ``s`` (Proposition 4)."""
         return float(self.grid.mean()) if self.states.size else 0.0
 
-    def keep(self, b, h, q_idx, kv_idx, dtype=None):
+    def keep(self, b, h, q_idx, kv_idx, *, dtype=None):
         """Whether elements are kept, vectorized over broadcastable index arrays.
 
         ``dtype``: the working precision of the problem (float32 for float16/bfloat16/float32 inputs, float64 for
@@ -484,7 +506,7 @@ class BlockMask:
                     q_idx=self.seqlen_q, kv_idx=self.seqlen_k)
         out = {}
         for name, x in given.items():
-            a = _host_array(x, name)
+            a = _host_array(x, name, "an int or an integer array")
             if a.dtype.kind not in "iu":
                 raise TypeError(f"{name} must be integers (an int or an integer array), got dtype {a.dtype}")
             end = ends[name]
@@ -494,7 +516,7 @@ class BlockMask:
             out[name] = a
         return out
 
-    def to_dense(self, seqlen_q=None, seqlen_k=None, dtype=None):
+    def to_dense(self, seqlen_q=None, seqlen_k=None, *, dtype=None):
         """The element mask ``(batch|1, heads|1, Sq, Sk)`` (O(N²): for references and tests) of the first
         ``seqlen_q`` x ``seqlen_k`` elements (default: all of them); ``dtype``: the working precision of the rule's
         floats (see :meth:`keep`)."""
@@ -506,7 +528,18 @@ class BlockMask:
         gb, gh = self.states.shape[:2]
         return np.broadcast_to(self.keep(np.arange(gb).reshape(-1, 1, 1, 1), np.arange(gh).reshape(1, -1, 1, 1),
                                          np.arange(sq).reshape(1, 1, -1, 1), np.arange(sk).reshape(1, 1, 1, -1),
-                                         dtype), (gb, gh, sq, sk))
+                                         dtype=dtype), (gb, gh, sq, sk))
+
+    def check_operands(self, dtype) -> None:
+        """Refuse a float operand (``from_mask_mod``'s ``mod_arrays``) beyond the working precision of inputs of
+        ``dtype``, as ``attention(mask_mod=...)`` refuses it (:func:`cuflash.problem.core._check_fits_working`): the
+        blocks were classified in float32 and float64 alike, but a partial block's elements are tested in the
+        problem's precision, where 1e300 turns into inf and every element was dropped, silently."""
+        from .problem.core import _check_fits_working  # problem imports this module
+
+        for key, value in sorted(self.values.items()):
+            if isinstance(value, (numbers.Real, np.ndarray)):
+                _check_fits_working(value, f"block_mask's mod_arrays[{key[len(_prefix()):]!r}]", dtype)
 
     def check_fits(self, batch, heads, seqlen_q, seqlen_k):
         """Raise ``ValueError`` unless this mask matches a problem of the given sizes."""

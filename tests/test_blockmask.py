@@ -147,7 +147,8 @@ def test_from_dense_is_exact(data, ndim, sq, sk, block, p):
     dense = rng.random(lead + (sq, sk)) < p
     if data.draw(st.booleans(), label="blocky"):  # whole blocks on or off too, so full and skipped blocks occur
         bq, bk = block
-        dense &= rng.random(lead + (cdiv(sq, bq), cdiv(sk, bk)))[..., np.arange(sq) // bq, :][..., np.arange(sk) // bk] < 0.5
+        coarse = rng.random(lead + (cdiv(sq, bq), cdiv(sk, bk))) < 0.5
+        dense &= coarse[..., np.arange(sq) // bq, :][..., np.arange(sk) // bk]
     bm = BlockMask.from_dense(dense, block=block)
     full = dense.reshape((1,) * (4 - ndim) + dense.shape)
     assert bm.shape == full.shape[:2] + (cdiv(sq, block[0]), cdiv(sk, block[1]))
@@ -281,10 +282,10 @@ def test_repr_large_grid_is_one_line():
     (np.ones((1, 1, 1, 2, 2), dtype=bool), (4, 4), {}, ValueError),
     (np.ones((2, 2), dtype=bool), (0, 4), {}, ValueError),
     (np.ones((2, 2), dtype=bool), (-4, 4), {}, ValueError),
-    (np.ones((2, 2), dtype=bool), (4.0, 4), {}, ValueError),
-    (np.ones((2, 2), dtype=bool), (True, 4), {}, ValueError),
+    (np.ones((2, 2), dtype=bool), (4.0, 4), {}, TypeError),
+    (np.ones((2, 2), dtype=bool), (True, 4), {}, TypeError),
     (np.ones((2, 2), dtype=bool), (4,), {}, ValueError),
-    (np.ones((2, 2), dtype=bool), 4, {}, ValueError),
+    (np.ones((2, 2), dtype=bool), 4, {}, TypeError),
     (np.ones((2, 2), dtype=bool), (4, 4), dict(seqlen_q=9), ValueError),   # needs 3 query blocks
     (np.ones((2, 2), dtype=bool), (4, 4), dict(seqlen_k=4), ValueError),   # needs 1 key block
 ], ids=["int8", "float", "1d", "5d", "block0", "block-neg", "block-float", "block-bool", "block-arity",
@@ -294,28 +295,125 @@ def test_bad_grids_rejected(grid, block, kw, exc):
         BlockMask(grid, block=block, **kw)
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: BlockMask.strided(64, stride=0, block=(16, 16)), "stride must be an int >= 1"),
-    (lambda: BlockMask.strided(64, stride=1.5, block=(16, 16)), "stride must be an int >= 1"),
-    (lambda: BlockMask.global_local(64, global_blocks=-1, block=(16, 16)), "global_blocks must be an int >= 0"),
-    (lambda: BlockMask.global_local(64, local_blocks=-1, block=(16, 16)), "local_blocks must be an int >= 0"),
-    (lambda: BlockMask.sliding_window(64, window=(-5, 0), block=(16, 16)), "window left must be an int >= 0"),
-    (lambda: BlockMask.sliding_window(64, window=5, block=(16, 16)), "window must be a pair"),
-    (lambda: BlockMask.causal(-3, block=(16, 16)), "seqlen_q must be an int >= 0"),
-    (lambda: BlockMask.causal(8, 2.5, block=(16, 16)), "seqlen_k must be an int >= 0"),
-    (lambda: BlockMask.prefix_lm(8, -1), "prefix_len must be an int >= 0"),
-    (lambda: BlockMask.document(np.zeros((2, 2, 2), int)), "doc_ids_q must be an integer array"),
-    (lambda: BlockMask.document(np.zeros(4)), "doc_ids_q must be an integer array"),
-    (lambda: BlockMask.document(np.zeros((2, 4), int), np.zeros((3, 4), int)), "same batch"),
-    (lambda: BlockMask.from_dense(np.ones((4, 4)), block=(2, 2)), "mask must be a boolean array"),
-    (lambda: BlockMask.from_dense(np.ones(4, dtype=bool), block=(2, 2)), "mask must be a boolean array"),
-    (lambda: BlockMask.from_dense(np.ones((3, 8), dtype=bool), block=(3, 2 ** 30)), "fewer than 2\\*\\*31 elements"),
-    (lambda: BlockMask.from_mask_mod("q_idx", seqlen_q=4), "must evaluate to a bool"),
-    (lambda: BlockMask.from_mask_mod("True", seqlen_q=4, heads=0), "heads must be an int >= 1"),
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: BlockMask.strided(64, stride=0, block=(16, 16)), ValueError, "stride must be an int >= 1"),
+    (lambda: BlockMask.strided(64, stride=1.5, block=(16, 16)), TypeError, "stride must be an int >= 1"),
+    (lambda: BlockMask.global_local(64, global_blocks=-1, block=(16, 16)), ValueError,
+     "global_blocks must be an int >= 0"),
+    (lambda: BlockMask.global_local(64, local_blocks=-1, block=(16, 16)), ValueError,
+     "local_blocks must be an int >= 0"),
+    (lambda: BlockMask.sliding_window(64, window=(-5, 0), block=(16, 16)), ValueError,
+     "window left must be an int >= 0"),
+    (lambda: BlockMask.sliding_window(64, window=5, block=(16, 16)), TypeError, "window must be a pair"),
+    (lambda: BlockMask.sliding_window(64, window=(1, 2, 3), block=(16, 16)), ValueError, "window must be a pair"),
+    (lambda: BlockMask.causal(-3, block=(16, 16)), ValueError, "seqlen_q must be an int >= 0"),
+    (lambda: BlockMask.causal(8, 2.5, block=(16, 16)), TypeError, "seqlen_k must be an int >= 0"),
+    (lambda: BlockMask.prefix_lm(8, -1), ValueError, "prefix_len must be an int >= 0"),
+    (lambda: BlockMask.document(np.zeros((2, 2, 2), int)), ValueError, "doc_ids_q must be an integer array"),
+    (lambda: BlockMask.document(np.zeros(4)), TypeError, "doc_ids_q must be an integer array"),
+    (lambda: BlockMask.document(np.zeros((2, 4), int), np.zeros((3, 4), int)), ValueError, "same batch"),
+    (lambda: BlockMask.from_dense(np.ones((4, 4)), block=(2, 2)), TypeError, "mask must be a boolean array"),
+    (lambda: BlockMask.from_dense(np.ones(4, dtype=bool), block=(2, 2)), ValueError, "mask must be a boolean array"),
+    (lambda: BlockMask.from_dense(np.ones((3, 8), dtype=bool), block=(3, 2 ** 30)), ValueError,
+     "fewer than 2\\*\\*31 elements"),
+    (lambda: BlockMask.from_mask_mod("q_idx", seqlen_q=4), ValueError, "must evaluate to a bool"),
+    (lambda: BlockMask.from_mask_mod("True", seqlen_q=4, heads=0), ValueError, "heads must be an int >= 1"),
 ])
-def test_bad_constructor_arguments(make, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_constructor_arguments(make, exc, match):
+    with pytest.raises(exc, match=match):
         make()
+
+
+_RAGGED = [[True], [True, False]]
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: BlockMask(_RAGGED, block=(4, 4)), "grid"),
+    (lambda: BlockMask.from_blocks(_RAGGED, block=(4, 4)), "grid"),
+    (lambda: BlockMask.from_dense(_RAGGED, block=(4, 4)), "mask"),
+    (lambda: BlockMask.document([[0], [0, 1]], block=(4, 4)), "doc_ids_q"),
+    (lambda: BlockMask.document([0, 1], [[0], [0, 1]], block=(4, 4)), "doc_ids_k"),
+    (lambda: BlockMask.causal(8, block=(4, 4)).keep(0, 0, [[0], [0, 1]], 0), "q_idx"),
+], ids=["grid", "from_blocks", "from_dense", "doc_ids_q", "doc_ids_k", "keep"])
+def test_ragged_nested_lists_are_refused_naming_the_argument(make, name):
+    """NumPy's "setting an array element with a sequence ... inhomogeneous shape" named neither the argument nor the
+    form it takes."""
+    with pytest.raises(ValueError, match=f"^{name} must be an? (boolean|integer|int).* got a sequence NumPy makes no "
+                                         f"array of"):
+        make()
+
+
+@pytest.mark.parametrize("bad", [3.0, True, np.array(3), np.bool_(True)], ids=["float", "bool", "0d-array", "np.bool"])
+def test_a_wrong_type_where_an_int_is_expected_is_a_type_error(bad):
+    """A float, bool or array where an int is expected is a TypeError in every constructor, as attention()'s own
+    ints (window=(3.0, 0) was a TypeError there, a ValueError in BlockMask.sliding_window); negative ints stay
+    ValueErrors."""
+    q = np.zeros((1, 8, 1, 4), np.float32)
+    with pytest.raises(TypeError, match="window left must be an int >= 0"):
+        cuflash.attention(q, q, q, window=(bad, 0))
+    block = dict(block=(4, 4))
+    calls = {
+        "window left": lambda: BlockMask.sliding_window(8, window=(bad, 0), **block),
+        "window right": lambda: BlockMask.sliding_window(8, window=(None, bad), **block),
+        "seqlen_q": lambda: BlockMask.causal(bad, **block),
+        "seqlen_k": lambda: BlockMask.causal(8, bad, **block),
+        "seqlen": lambda: BlockMask.prefix_lm(bad, 2, **block),
+        "prefix_len": lambda: BlockMask.prefix_lm(8, bad, **block),
+        "global_blocks": lambda: BlockMask.global_local(8, global_blocks=bad, **block),
+        "local_blocks": lambda: BlockMask.strided(8, stride=1, local_blocks=bad, **block),
+        "stride": lambda: BlockMask.strided(8, stride=bad, **block),
+        "batch": lambda: BlockMask.from_mask_mod("True", seqlen_q=8, batch=bad, **block),
+        "heads": lambda: BlockMask.from_mask_mod("True", seqlen_q=8, heads=bad, **block),
+        "start": lambda: BlockMask.causal(8, **block).columns(bad, 4),
+        "stop": lambda: BlockMask.causal(8, **block).columns(0, bad),
+        "block": lambda: BlockMask.causal(8, block=(bad, 4)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=f"^{name} must be"):
+            call()
+    with pytest.raises(TypeError, match="seqlen_q must be an int >= 0"):
+        BlockMask.causal(8, **block).to_dense(bad)
+    with pytest.raises(ValueError, match="window left must be an int >= 0"):
+        BlockMask.sliding_window(8, window=(-1, 0), **block)  # the right type, a wrong value
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: BlockMask(np.ones((2, 2), int), block=(4, 4)), "grid"),
+    (lambda: BlockMask.from_dense(np.ones((8, 8), int), block=(4, 4)), "mask"),
+    (lambda: BlockMask.from_dense(np.ones((8, 8), object), block=(4, 4)), "mask"),
+    (lambda: BlockMask.document(np.zeros(8), block=(4, 4)), "doc_ids_q"),
+    (lambda: BlockMask.document(np.zeros(8, int), np.zeros(8, bool), block=(4, 4)), "doc_ids_k"),
+    (lambda: BlockMask.document(None, block=(4, 4)), "doc_ids_q"),
+], ids=["grid-int", "mask-int", "mask-object", "ids-float", "ids-bool", "ids-None"])
+def test_an_array_of_the_wrong_dtype_is_a_type_error(make, name):
+    """An int grid was a TypeError in BlockMask(...) but a ValueError in from_dense, float ids a ValueError."""
+    with pytest.raises(TypeError, match=f"^{name} must be an? (boolean|integer) array"):
+        make()
+
+
+def test_to_dense_and_keep_take_dtype_by_keyword_only():
+    """dtype is an option: keyword-only, as every option of cuflash (a third positional argument of to_dense was
+    dtype)."""
+    bm = BlockMask.causal(8, block=(4, 4))
+    with pytest.raises(TypeError, match="positional argument"):
+        bm.to_dense(8, 8, np.float32)
+    with pytest.raises(TypeError, match="positional argument"):
+        bm.keep(0, 0, 1, 1, np.float32)
+    np.testing.assert_array_equal(bm.to_dense(8, 8, dtype=np.float32), bm.to_dense())
+    assert bm.keep(0, 0, 1, 1, dtype=np.float32) and not bm.keep(0, 0, 1, 2, dtype=np.float64)
+
+
+def test_from_mask_mod_takes_any_mapping_of_mod_arrays():
+    """mod_arrays is a Mapping: a read-only MappingProxyType was refused ("must be a dict")."""
+    from types import MappingProxyType
+
+    rule, t = "kv_idx <= q_idx + t[q_idx]", np.arange(8) % 3
+    want = BlockMask.from_mask_mod(rule, seqlen_q=8, mod_arrays={"t": t}, block=(4, 4))
+    got = BlockMask.from_mask_mod(rule, seqlen_q=8, mod_arrays=MappingProxyType({"t": t}), block=(4, 4))
+    np.testing.assert_array_equal(got.states, want.states)
+    np.testing.assert_array_equal(got.to_dense(), want.to_dense())
+    with pytest.raises(TypeError, match="mod_arrays must be a"):
+        BlockMask.from_mask_mod(rule, seqlen_q=8, mod_arrays=[("t", t)], block=(4, 4))
 
 
 @pytest.mark.parametrize("make, name", [
@@ -424,8 +522,8 @@ def test_blocks_larger_than_a_tile_keep_the_tile_budget_and_the_bits(block):
     masked = cuflash.attention(q, k, v, block_mask=mask, return_lse=True)
     assert all(np.array_equal(a, b) for a, b in zip(plain, masked))
     grads = cuflash.attention_backward(dout, q, k, v, *plain, causal=True)
-    assert all(np.array_equal(a, b) for a, b in zip(grads, cuflash.attention_backward(dout, q, k, v, *plain,
-                                                                                        block_mask=mask)))
+    masked_grads = cuflash.attention_backward(dout, q, k, v, *plain, block_mask=mask)
+    assert all(np.array_equal(a, b) for a, b in zip(grads, masked_grads))
 
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window=(10, 3)), dict(window=(None, 5), causal=True)],
@@ -495,6 +593,24 @@ def test_from_mask_mod_classifies_in_float32_and_float64(rule, f32, f64):
                                       reference.attention(q, k, v, mask_mod=rule))
         check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, **o),
                       Case(q, k, v, q, dict(block_mask=bm)))
+
+
+@pytest.mark.parametrize("c", [1e300, np.array([1e300, 1.0])])
+def test_a_mask_operand_beyond_the_working_precision_is_refused_as_mask_mods(c):
+    """from_mask_mod's float operands are refused where they overflow the working precision, as mask_mod='s are: a
+    float32 problem turned c = 1e300 into inf and dropped every element of its partial blocks (all-zero outputs,
+    silently), where float64 inputs keep key 0. Float64 inputs take the same mask."""
+    read = "kv_idx * c < 1e30" if np.ndim(c) == 0 else "kv_idx * c[h] < 1e30"
+    bm = BlockMask.from_mask_mod(read, seqlen_q=32, heads=np.size(c) if np.ndim(c) else 1, mod_arrays={"c": c},
+                                 block=(16, 16))
+    q, k, v = _qkv(32, 32, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"block_mask's mod_arrays\['c'\] holds finite values beyond the largest "
+                                         r"float32"):
+        cuflash.attention(q, k, v, block_mask=bm)
+    with pytest.raises(ValueError, match=r"mod_arrays\['c'\] holds finite values beyond the largest float32"):
+        cuflash.attention(q, k, v, mask_mod=read, mod_arrays={"c": c})  # the same refusal
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, **o), Case(q, k, v, q, dict(block_mask=bm)))
 
 
 def test_from_mask_mod_reads_its_own_lengths():

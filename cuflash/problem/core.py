@@ -416,7 +416,9 @@ def _check_window(window, causal, span: int):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     left = right = None
     if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
+        if not isinstance(window, (tuple, list)):  # a wrong type, as a float inside it (below)
+            raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+        if len(window) != 2:
             raise ValueError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
         for side, w in zip(("left", "right"), window):
             if w is None:
@@ -503,6 +505,7 @@ def make_problem(q, k, v, *, causal=False, scale=None, window=None, block_mask=N
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a cuflash.BlockMask, got {type(block_mask).__name__}")
         block_mask.check_fits(qf.shape[0], qf.shape[2], qf.shape[1], kf.shape[1])
+        block_mask.check_operands(q.dtype)
     extents = {"b": qf.shape[0], "h": qf.shape[2], "q_idx": qf.shape[1], "kv_idx": kf.shape[1]}
     mods = _check_modifiers(xp, batch_shape, extents, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
                             score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays, like=q)
