@@ -1,4 +1,4 @@
-"""Shared test configuration: hypothesis profiles and the golden-vector loader.
+"""Shared test configuration: hypothesis profiles, the golden-vector loader and the ``within`` hang guard.
 
 Hypothesis profiles (select with ``HYPOTHESIS_PROFILE=ci|dev|fuzz``; the default is ``ci`` when
 the ``CI`` environment variable is set, else ``dev``):
@@ -16,7 +16,9 @@ Golden vectors: see tests/golden.py (where they are looked for; a golden test wi
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -27,6 +29,28 @@ settings.register_profile("dev", max_examples=30, **_COMMON)
 settings.register_profile("fuzz", max_examples=2000, print_blob=True, **_COMMON)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
 settings.load_profile(PROFILE)
+
+
+# ------------------------------------------------------------------------------------ hangs
+@contextlib.contextmanager
+def _within(seconds: float):
+    """A hang fails the test instead of stalling the suite (the interpreter handles SIGALRM between bytecodes)."""
+    def hung(signum, frame):  # pytest.fail, not TimeoutError: that is an OSError, which the code under test may catch
+        pytest.fail(f"still running after {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def within():
+    """``with within(seconds):`` around a call that once hung (a FIFO with no writer, a loop over 2**70 ranks)."""
+    return _within
 
 
 # ------------------------------------------------------------------------------------ golden

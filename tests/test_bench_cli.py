@@ -5,14 +5,12 @@ Fast (a few seconds): the runner is exercised through ``--smoke``, the quick mod
 toy sizes; no timing is asserted anywhere. ``benchmarks`` is imported from the checkout (the repository
 root is on ``sys.path``: ``python -m pytest`` from the root, or the root ``conftest.py``).
 """
-import contextlib
 import functools
 import importlib.util
 import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -506,21 +504,6 @@ def test_a_folder_of_another_run_is_refused_unless_replaced(tmp_path, capsys, mo
     assert set(loaded) == {"tiles", "decode"} and len({report.run_of(p) for p in loaded.values()}) == 1
 
 
-@contextlib.contextmanager
-def _within(seconds: float):
-    """A hang (a FIFO opened or read with no writer on its other end) fails the test instead of stalling the suite."""
-    def hung(signum, frame):  # pytest.fail, not TimeoutError: that is an OSError, which the runner catches
-        pytest.fail(f"still waiting after {seconds} s: a hang")
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _odd_file(kind: str, path: Path):
     """Something at a figure's path that is no regular file."""
     if kind == "folder":
@@ -533,7 +516,8 @@ def _odd_file(kind: str, path: Path):
 
 @pytest.mark.parametrize("where, kind", [("fig1_throughput.json", "folder"), ("fig2_memory.png", "folder"),
                                          ("fig1_throughput.json", "fifo"), ("fig2_memory.json", "symlink")])
-def test_replace_removes_nothing_where_a_figure_path_is_no_regular_file(tmp_path, where, kind, capsys, monkeypatch):
+def test_replace_removes_nothing_where_a_figure_path_is_no_regular_file(tmp_path, where, kind, capsys, monkeypatch,
+                                                                       within):
     """--replace died in unlink with IsADirectoryError, after removing another run's JSON beside a folder named as
     its PNG (a half-cleaned folder), and hung on a FIFO: every path it would remove is checked first, and any that is
     not a regular file is a usage error naming it, with nothing removed."""
@@ -543,7 +527,7 @@ def test_replace_removes_nothing_where_a_figure_path_is_no_regular_file(tmp_path
     _odd_file(kind, folder / where)
     before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and not p.is_symlink()}
     monkeypatch.setattr(run, "run_cases", _no_measuring)
-    with _within(10), pytest.raises(SystemExit) as exc:
+    with within(10), pytest.raises(SystemExit) as exc:
         run.main(SMOKE + ["--out", str(folder), "--only", "decode", "--impl", "cuflash", "--replace"])
     err = capsys.readouterr().err
     words = {"folder": "a folder", "fifo": "a FIFO", "symlink": "a symbolic link"}[kind]
@@ -596,7 +580,7 @@ def test_load_results_names_a_file_that_is_not_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad", ["deep", "fifo"])
-def test_json_nested_too_deeply_or_a_fifo_is_refused_not_a_hang(tmp_path, bad, capsys, monkeypatch):
+def test_json_nested_too_deeply_or_a_fifo_is_refused_not_a_hang(tmp_path, bad, capsys, monkeypatch, within):
     """Deeply nested JSON raised RecursionError through --replot and a run's look at --out (only ValueError and
     OSError were caught), and a FIFO named as a figure hung both forever: each is a file that cannot be taken up,
     one error line, the same in both places (report.read_json)."""
@@ -607,7 +591,7 @@ def test_json_nested_too_deeply_or_a_fifo_is_refused_not_a_hang(tmp_path, bad, c
     else:
         os.mkfifo(path)
         match = "fig2_memory.json: cannot be read (a FIFO, not a regular file)"
-    with _within(10):
+    with within(10):
         with pytest.raises(ValueError, match=re.escape(match)):
             report.load_results(tmp_path)
         assert run.main(["--replot", str(tmp_path)]) == 1

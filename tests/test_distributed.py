@@ -4,9 +4,7 @@ threads (a queue transport standing in for the adapters). The adapters run in te
 (mpiexec) and tests/test_distributed_nccl_fake.py (NCCL ranks as threads)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import signal
 import subprocess
 import sys
 import types
@@ -147,27 +145,12 @@ def test_layout_errors():
         dist.unshard_sequence([])
 
 
-@contextlib.contextmanager
-def _within(seconds):
-    """A hang fails the test instead of stalling the suite (the interpreter handles SIGALRM between bytecodes)."""
-    def hung(signum, frame):  # pytest.fail, not TimeoutError: that is an OSError, which callers may catch
-        pytest.fail(f"still running after {seconds} s: a hang")
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def test_a_rank_count_beyond_a_communicator_is_refused_and_any_other_answered_at_once():
+def test_a_rank_count_beyond_a_communicator_is_refused_and_any_other_answered_at_once(within):
     """local_segments built all size + 1 edges in a Python loop: size=2**70 never returned (and 2**31 - 1, a real
     communicator's largest size, took minutes and gigabytes). Now only the rank's own edges are computed, and a size
     no MPI or NCCL communicator can have (a C int) is a ValueError naming the bound."""
     x = np.zeros((1, 6, 2, 2))
-    with _within(3):
+    with within(3):
         with pytest.raises(ValueError, match=r"size <= 2\*\*31 - 1 .*got size=1180591620717411303424"):
             dist.local_segments(6, 2**70, 0)
         with pytest.raises(ValueError, match=r"size <= 2\*\*31 - 1"):
