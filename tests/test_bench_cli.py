@@ -516,8 +516,8 @@ def _odd_file(kind: str, path: Path):
 
 @pytest.mark.parametrize("where, kind", [("fig1_throughput.json", "folder"), ("fig2_memory.png", "folder"),
                                          ("fig1_throughput.json", "fifo"), ("fig2_memory.json", "symlink")])
-def test_replace_removes_nothing_where_a_figure_path_is_no_regular_file(tmp_path, where, kind, capsys, monkeypatch,
-                                                                       within):
+def test_replace_removes_nothing_where_a_figure_path_is_no_regular_file(
+        tmp_path, where, kind, capsys, monkeypatch, within):
     """--replace died in unlink with IsADirectoryError, after removing another run's JSON beside a folder named as
     its PNG (a half-cleaned folder), and hung on a FIFO: every path it would remove is checked first, and any that is
     not a regular file is a usage error naming it, with nothing removed."""
