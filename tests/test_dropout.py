@@ -70,6 +70,22 @@ def test_keep_mask_of_a_column_run_is_the_per_element_rule(seed, p, first, count
     assert fast.shape == slow.shape and np.array_equal(fast, slow)
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 15])
+def test_keep_mask_in_chunks_of_rows_is_the_per_element_rule(monkeypatch, chunk):
+    """The column run is made in chunks of rows (a few Philox blocks each, so the rounds' buffers stay in cache):
+    every chunk size, a last chunk cut short among them, gives the bits of the per-element rule."""
+    from cuflash import dropout
+
+    monkeypatch.setattr(dropout, "_CHUNK", chunk)
+    b, h = np.arange(2).reshape(2, 1, 1, 1), np.array([0, 3, 5]).reshape(1, 3, 1, 1)
+    i, cols = np.arange(7, 20).reshape(1, 1, 13, 1), np.arange(5, 47).reshape(1, 1, 1, 42)
+    fast = dropout.keep_mask(2**40 + 3, 0.3, b, h, i, cols)
+    bb, hh, ii, jj = np.broadcast_arrays(b, h, i, cols)
+    words = np.stack(philox4x32((jj >> 2, ii, hh, bb), (3, 2**8)), axis=-1)
+    slow = np.take_along_axis(words, (jj & 3)[..., None], axis=-1)[..., 0] >= np.uint32(threshold(0.3))
+    assert fast.shape == slow.shape == (2, 3, 13, 42) and np.array_equal(fast, slow)
+
+
 def test_seed_is_drawn_returned_and_reproduces():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 40, 2, 16)) for _ in range(3))
