@@ -13,7 +13,7 @@ from typing import Any, Optional
 from . import backends
 from .interop import Edge
 from .problem import check_flags, make_kvcache_problem
-from .options import native_options
+from .options import Precision, native_options
 from .varlen import _ARRAY_OPTIONS
 
 Array = Any
@@ -24,7 +24,7 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
                            block_table: Optional[Array] = None, num_splits: Optional[int] = None,
                            causal: bool = False, window: Optional[tuple[Optional[int], Optional[int]]] = None,
                            alibi_slopes: Optional[Array] = None, softcap: Optional[float] = None,
-                           scale: Optional[float] = None, return_lse: bool = False,
+                           scale: Optional[float] = None, return_lse: bool = False, precision: Precision = "ieee",
                            backend: Optional[str] = None) -> Any:
     """Append ``k_new``/``v_new`` to the KV cache in place, then attend ``q`` to each sequence's cached keys.
 
@@ -68,6 +68,9 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
         Softmax scale; default ``1 / sqrt(head_dim)``.
     return_lse : bool, default False
         Also return the log-sum-exp.
+    precision : {"ieee", "3xtf32", "tf32"}, default "ieee"
+        The arithmetic of float32 inputs on the CUDA kernels, as for :func:`cuflash.attention` (the NumPy backend
+        computes float32 in float32 whatever the mode; other dtypes take only ``"ieee"``).
     backend : {None, "numpy", "cuda", "emulate"}
         ``None`` picks from the arrays. Every backend computes KV-cache calls; on ``"cuda"``/``"emulate"`` the
         forward kernel reads a paged cache through ``block_table`` and the split-KV partials are merged by a
@@ -102,6 +105,6 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
     with edge.device():
         problem = make_kvcache_problem(natives["q"], natives["k_cache"], natives["v_cache"], k_new=natives["k_new"],
                                        v_new=natives["v_new"], num_splits=num_splits, causal=causal, window=window,
-                                       softcap=softcap, scale=scale, **options)
+                                       softcap=softcap, scale=scale, precision=precision, **options)
         out, lse = backends.select(problem, backend).forward_kvcache(problem)
         return (edge.export(out), edge.export(lse)) if return_lse else edge.export(out)

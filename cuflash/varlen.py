@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 from . import backends
 from .dropout import fresh_seed, needs_seed
 from .interop import Edge
-from .options import check_keywords, native_options, snapshot
+from .options import Precision, check_keywords, native_options, snapshot
 from .problem import check_dropout, check_flags, check_varlen_backward, make_varlen_problem
 from .residual import fingerprints, watched
 
@@ -64,12 +64,15 @@ _VARLEN_DOC = """
         Refused (``ValueError``): a BlockMask's grid has fixed lengths. Use ``mask_mod``, ``window`` or ``causal``.
     dtype : {None, "bfloat16"}
         ``"bfloat16"`` declares ``uint16`` arrays of bfloat16 bits (CuPy without ``ml_dtypes``).
+    precision : {"ieee", "3xtf32", "tf32"}, default "ieee"
+        The arithmetic of float32 inputs on the CUDA kernels, as for :func:`cuflash.attention` (the NumPy backend
+        computes float32 in float32 whatever the mode; other dtypes take only ``"ieee"``).
     backend : {None, "numpy", "cuda", "emulate"}
         ``None`` picks from the arrays. Every backend computes ragged batches (``"cuda"``: CuPy arrays, with
         ``cu_seqlens_*`` on the device)."""
 
 _OPTIONS = ("max_seqlen_q", "max_seqlen_k", "causal", "scale", "window", "bias", "alibi_slopes", "softcap",
-            "score_mod", "mask_mod", "mod_arrays", "dropout_p", "seed", "block_mask", "dtype")
+            "score_mod", "mask_mod", "mod_arrays", "dropout_p", "seed", "block_mask", "dtype", "precision")
 _ARRAY_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_table", "bias", "alibi_slopes")
 
 
@@ -80,7 +83,7 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
                      softcap: Optional[float] = None, score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
                      mod_arrays: Optional[Mapping[str, Any]] = None, dropout_p: float = 0.0,
                      seed: Optional[int] = None, block_mask: Any = None, return_lse: bool = False,
-                     dtype: Optional[str] = None, backend: Optional[str] = None) -> Any:
+                     dtype: Optional[str] = None, precision: Precision = "ieee", backend: Optional[str] = None) -> Any:
     """Exact attention over a ragged batch of packed sequences, each attending only within itself.
 
     Parameters
@@ -139,8 +142,8 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
                               softcap: Optional[float] = None, score_mod: Optional[str] = None,
                               mask_mod: Optional[str] = None, mod_arrays: Optional[Mapping[str, Any]] = None,
                               dropout_p: float = 0.0, seed: Optional[int] = None, block_mask: Any = None,
-                              dtype: Optional[str] = None, deterministic: bool = False, return_dbias: bool = False,
-                              backend: Optional[str] = None) -> tuple[Array, Array, Array]:
+                              dtype: Optional[str] = None, precision: Precision = "ieee", deterministic: bool = False,
+                              return_dbias: bool = False, backend: Optional[str] = None) -> tuple[Array, Array, Array]:
     """Gradients of :func:`attention_varlen` by recomputation from the saved ``lse`` (FA2 Algorithm 2, per sequence).
 
     The options must be exactly the forward's (a drawn dropout seed included); :func:`attention_varlen_vjp` keeps

@@ -614,8 +614,8 @@ def test_warmup_on_threads_compiles_the_same_modules_once(cp):
     assert cuda.warmup(dtypes=("float16", "bfloat16"), head_dims=(64, 96, 128), backward=True, progress=False,
                        workers=4) == done
     assert len(modules(cp)) == 12
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="workers must be a positive int"):
+    for bad, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="workers must be a positive int"):
             cuda.warmup(workers=bad)
 
 

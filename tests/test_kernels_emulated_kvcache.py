@@ -57,6 +57,31 @@ def test_kvcache_options(name):
     _call("float16", 5, 2, name)
 
 
+@pytest.mark.parametrize("precision, baseline", [("3xtf32", np.float32), ("tf32", reference.TF32)])
+def test_precision_reaches_the_kvcache_kernels(monkeypatch, precision, baseline):
+    """attention_with_kvcache takes precision= as attention does (it had no such option): the float32 kernels run
+    the arithmetic asked for, at the rule against the naive computation in that arithmetic (TF32: inputs rounded to
+    TF32, tests/wide_support.py), and give other bits than IEEE's."""
+    asked = []
+    wide_math = launches.specs.wide_math
+    monkeypatch.setattr(launches.specs, "wide_math", lambda dtype, precision, cc: asked.append(precision) or
+                        wide_math(dtype, precision, cc))
+    rng = np.random.default_rng(32)
+    cache = Cache(rng, 3, 45, 2, 24, np.float32, 7)
+    q = rng.standard_normal((3, 3, 4, 24)).astype(np.float32)
+    lens = np.array([5, 0, 31], np.int32)
+    call = dict(cache_seqlens=lens, causal=True, num_splits=2, **cache.kwargs(), **EMU)
+    out = cuflash.attention_with_kvcache(q, cache.k, cache.v, precision=precision, **call)
+    assert asked and set(asked) == {precision}
+    assert not np.array_equal(out, cuflash.attention_with_kvcache(q, cache.k, cache.v, **call))
+    keys, values = cache.logical(cache.k), cache.logical(cache.v)
+    padded = dict(seqlens_k=lens, causal=True)
+    ref = reference.attention(q, keys, values, compute_dtype=np.float64, **padded)
+    base = reference.attention(q, keys, values, compute_dtype=baseline, **padded)
+    assert_attention_close(out, ref, base, mult=2, name="out",
+                           magnitude=reference.term_magnitudes(q, keys, values, **padded)["out"])
+
+
 def test_float64_paged_split():
     _call("float64", 6, 3, "window_alibi", seqlen_q=1, new=1)
 

@@ -114,6 +114,29 @@ def test_each_sequence_is_bitwise_its_padded_batch_entry(dtype):
         np.testing.assert_array_equal(g, pack(gp, cu))
 
 
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+def test_precision_reaches_the_varlen_kernels(precision):
+    """attention_varlen takes precision= as attention does (it had no such option): float32 sequences are bitwise
+    the padded batch's entries under the same precision, forward and backward, and not IEEE's results."""
+    rng = np.random.default_rng(16)
+    q, k, v, dout, cq, ck = ragged(rng, LEN_Q, LEN_K, 4, 2, 16, np.float32)
+    options = {"causal": True}
+    out, lse = cuflash.attention_varlen(q, k, v, cq, ck, return_lse=True, backend="emulate", precision=precision,
+                                        **options)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, backend="emulate", deterministic=True,
+                                              precision=precision, **options)
+    padded = Padded(q, k, v, dout, cq, ck, options)
+    qp, kp, vp, dop = padded.arrays
+    out_p, lse_p = cuflash.attention(qp, kp, vp, return_lse=True, backend="emulate", precision=precision,
+                                     **padded.cuflash_options)
+    np.testing.assert_array_equal(out, pack(out_p, cq))
+    grads_p = cuflash.attention_backward(dop, qp, kp, vp, out_p, lse_p, backend="emulate", deterministic=True,
+                                         precision=precision, **padded.cuflash_options)
+    for g, gp, cu in zip(grads, grads_p, (cq, ck, ck)):
+        np.testing.assert_array_equal(g, pack(gp, cu))
+    assert not np.array_equal(out, cuflash.attention_varlen(q, k, v, cq, ck, backend="emulate", **options))
+
+
 def test_max_seqlen_upper_bound_changes_nothing():
     """A grid sized by a larger max_seqlen: the extra blocks of every sequence write nothing."""
     rng = np.random.default_rng(15)

@@ -305,6 +305,11 @@ ERRORS = [
     ("softcap", dict(softcap=0.0), ValueError, r"softcap"),
     ("scale", dict(scale=float("inf")), ValueError, r"scale"),
     ("return_lse", dict(return_lse="yes"), TypeError, r"return_lse must be a bool"),
+    ("precision-name", dict(precision="TF32"), ValueError, r"precision must be one of 'ieee', '3xtf32', 'tf32'"),
+    ("precision-type", dict(precision=3), TypeError, r"precision must be one of .* got int"),
+    ("precision-float64", dict(q=Q.astype(np.float64), k_cache=KC.astype(np.float64), v_cache=VC.astype(np.float64),
+                               k_new=KN.astype(np.float64), v_new=VN.astype(np.float64), precision="tf32"),
+     ValueError, r"float64 inputs take only precision='ieee'"),
     # backend="emulate" computes KV caches now (tests/test_kernels_emulated_kvcache.py); "cuda" takes CuPy arrays only
     ("backend", dict(backend="cuda"), (TypeError, RuntimeError), r"backend 'cuda'"),
     # paged

@@ -46,7 +46,7 @@ def cp(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(precision="bogus"), ValueError, r"precision must be one of 'ieee', '3xtf32', 'tf32', got 'bogus'"),
-    (dict(precision=None), ValueError, "precision must be one of"),
+    (dict(precision=None), TypeError, "precision must be one of .* got NoneType"),
     (dict(head_dims=(0,)), ValueError, r"head_dims must be an int or a sequence of ints in \[1, 256\], got 0"),
     (dict(head_dims=(-64,)), ValueError, "head_dims must be .* got -64"),
     (dict(head_dims=(257,)), ValueError, "head_dims must be .* got 257"),

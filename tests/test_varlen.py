@@ -397,6 +397,10 @@ ERRORS = [
     ("backend-cuda-numpy", dict(backend="cuda"), (TypeError, RuntimeError), r"backend 'cuda'"),
     ("backend-name", dict(backend="tpu"), ValueError, r"unknown backend 'tpu'"),
     ("return_lse", dict(return_lse=1), TypeError, r"return_lse must be a bool"),
+    ("precision-name", dict(precision="TF32"), ValueError, r"precision must be one of 'ieee', '3xtf32', 'tf32'"),
+    ("precision-type", dict(precision=None), TypeError, r"precision must be one of .* got NoneType"),
+    ("precision-float16", dict(q=Q.astype(np.float16), k=K.astype(np.float16), v=V.astype(np.float16),
+                               precision="3xtf32"), ValueError, r"float16 inputs take only precision='ieee'"),
 ]
 
 

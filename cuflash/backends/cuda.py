@@ -22,7 +22,7 @@ from ..cuda import params
 from ..cuda import specs
 from ..cuda.compile import KERNEL_OPTIONS
 from ..cuda.source import kernel_source
-from ..problem import Problem, check_current_device
+from ..problem import Problem, check_current_device, check_precision_name
 
 MIN_CC = 80
 #: what this backend computes (checked once, by cuflash.backends.select)
@@ -287,9 +287,10 @@ def warmup(dtypes=tuple(specs.CTYPES), head_dims=specs.NATIVE_HEAD_DIMS, *, back
     # checked before the device so that a typo is reported as such, on any machine, before minutes of compiling
     names = _warmup_dtypes(dtypes)
     dims = _warmup_head_dims(head_dims)
-    if not isinstance(precision, str) or precision not in specs.PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(map(repr, specs.PRECISIONS))}, got {precision!r}")
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+    check_precision_name(precision)
+    if not isinstance(workers, int) or isinstance(workers, bool):
+        raise TypeError(f"workers must be a positive int, got {type(workers).__name__} {workers!r}")
+    if workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
     ok, why = available()
     if not ok:

@@ -471,9 +471,19 @@ def check_dropout(dropout_p, seed, what="dropout_p"):
     return p, (None if seed is None else int(seed))
 
 
+def check_precision_name(precision) -> str:
+    """One of :data:`PRECISIONS` (TypeError for a non-str, ValueError for another name), whatever the dtype: the
+    options' check, and ``warmup``'s."""
+    form = f"one of {', '.join(map(repr, PRECISIONS))}"
+    if not isinstance(precision, str):
+        raise TypeError(f"precision must be {form}, got {type(precision).__name__} {_brief(precision)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be {form}, got {_brief(precision)}")
+    return precision
+
+
 def _check_precision(precision, element_type: str) -> str:
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+    check_precision_name(precision)
     if precision != "ieee" and element_type != "float32":
         raise ValueError(f"precision={precision!r} selects float32 tensor-core arithmetic; {element_type} inputs "
                          f"take only precision='ieee' (their arithmetic is fixed by the dtype)")

@@ -10,9 +10,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .core import (FLOAT_DTYPES, Problem, _check_element_type, _check_modifiers, _check_qkv, _check_scale, _check_window,
-                   _is_cupy, _overlap, array_module, check_dropout, check_one_place_per_element, dtype_name, native,
-                   stats_dtype)
+from .core import (FLOAT_DTYPES, Problem, _check_element_type, _check_modifiers, _check_precision, _check_qkv,
+                   _check_scale, _check_window, _is_cupy, _overlap, array_module, check_dropout,
+                   check_one_place_per_element, dtype_name, native, stats_dtype)
 
 
 def _host_ints(x):
@@ -82,9 +82,8 @@ class VarlenProblem:
 
     kind = "varlen"
     #: what the kernels' launch code reads of a padded Problem: a varlen call has no BlockMask (refused by
-    #: make_varlen_problem) and float32 runs in IEEE arithmetic
+    #: make_varlen_problem)
     block_mask = None
-    precision = "ieee"
 
     xp: Any
     q: Any
@@ -104,6 +103,8 @@ class VarlenProblem:
     seed: Optional[int] = None
     element_type: str = ""
     mods: Any = None
+    #: the float32 arithmetic of the CUDA kernels (:data:`PRECISIONS`), as :attr:`Problem.precision`
+    precision: str = "ieee"
 
     batch = property(lambda self: len(self.offsets_q) - 1)
     total_q = property(lambda self: self.q.shape[0])
@@ -127,7 +128,7 @@ class VarlenProblem:
         k0, k1 = (int(x) for x in self.offsets_k[i:i + 2])
         p = Problem(self.xp, self.q[None, q0:q1], self.k[None, k0:k1], self.v[None, k0:k1], (1,), self.scale,
                     self.causal, self.window_left, self.window_right, None, None, None, self.dropout_p, self.seed,
-                    self.element_type, self.mods, batch_offset=i)
+                    self.element_type, self.mods, self.precision, batch_offset=i)
         if dout is None:
             return p
         return p, dout[None, q0:q1], out[None, q0:q1], lse[None, :, q0:q1]
@@ -136,7 +137,7 @@ class VarlenProblem:
 def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
                         causal=False, scale=None, window=None, block_mask=None, dropout_p=0.0, seed=None,
                         dtype=None, bias=None, alibi_slopes=None, softcap=None, score_mod=None, mask_mod=None,
-                        mod_arrays=None) -> VarlenProblem:
+                        mod_arrays=None, precision="ieee") -> VarlenProblem:
     """Validate a ragged-batch call (:func:`cuflash.attention_varlen`) and return its :class:`VarlenProblem`."""
     xp = array_module(q, k, v, names=("q", "k", "v"))
     q, k, v = native(q), native(k), native(v)
@@ -145,6 +146,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=Non
             raise ValueError(f"{name} must be packed as (total_tokens, heads, head_dim), got shape {tuple(a.shape)}")
     element_type = _check_element_type(q, dtype)
     _check_qkv(q, k, v, element_type)
+    precision = _check_precision(precision, element_type)
     if block_mask is not None:
         raise ValueError("block_mask is not supported by attention_varlen: a BlockMask's grid has fixed sequence "
                          "lengths; mask within each sequence with mask_mod (q_idx, kv_idx are positions in the "
@@ -164,7 +166,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=Non
     mods = _check_modifiers(xp, (batch,), extents, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
                             score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays, like=q)
     return VarlenProblem(xp, q, k, v, cu_q, cu_k, off_q, off_k, max_q, max_k, scale, bool(causal), left, right,
-                         dropout_p, seed, element_type, mods)
+                         dropout_p, seed, element_type, mods, precision)
 
 
 def check_varlen_backward(problem: VarlenProblem, dout, out, lse):
@@ -203,10 +205,8 @@ class KVCacheProblem:
     """
 
     kind = "kvcache"
-    #: what the kernels' launch code reads of a padded Problem: no BlockMask or dropout in a KV-cache call, and
-    #: float32 runs in IEEE arithmetic
+    #: what the kernels' launch code reads of a padded Problem: no BlockMask or dropout in a KV-cache call
     block_mask = None
-    precision = "ieee"
     dropout_p = 0.0
     seed = None
 
@@ -227,6 +227,8 @@ class KVCacheProblem:
     window_right: Optional[int]
     element_type: str = ""
     mods: Any = None
+    #: the float32 arithmetic of the CUDA kernels (:data:`PRECISIONS`), as :attr:`Problem.precision`
+    precision: str = "ieee"
 
     batch = property(lambda self: self.q.shape[0])
     seqlen_q = property(lambda self: self.q.shape[1])
@@ -261,7 +263,8 @@ class KVCacheProblem:
         """Sequence ``b`` as a batch-1 :class:`Problem` of its queries against ``k``, ``v`` ``(1, L, Hkv, D)`` (its
         keys, a view of the contiguous cache or gathered pages); modifiers read at ``b``."""
         return Problem(self.xp, self.q[b:b + 1], k, v, (1,), self.scale, self.causal, self.window_left,
-                       self.window_right, None, None, None, 0.0, None, self.element_type, self.mods, batch_offset=b)
+                       self.window_right, None, None, None, 0.0, None, self.element_type, self.mods, self.precision,
+                       batch_offset=b)
 
 
 def _check_cache_arrays(q, k_cache, v_cache, paged: bool):
@@ -387,7 +390,7 @@ def _check_splits(num_splits):
 
 def make_kvcache_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                          num_splits=None, causal=False, window=None, alibi_slopes=None, softcap=None,
-                         scale=None) -> KVCacheProblem:
+                         scale=None, precision="ieee") -> KVCacheProblem:
     """Validate a call of :func:`cuflash.attention_with_kvcache` and return its :class:`KVCacheProblem`."""
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new}
     given = {name: a for name, a in arrays.items() if a is not None or name in ("q", "k_cache", "v_cache")}
@@ -404,6 +407,7 @@ def make_kvcache_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
     element_type = _check_element_type(q, None)
     if element_type not in FLOAT_DTYPES:
         raise TypeError(f"q must be floating point ({', '.join(FLOAT_DTYPES)}), got {q.dtype}")
+    precision = _check_precision(precision, element_type)
     paged = block_table is not None
     _check_cache_arrays(q, k_cache, v_cache, paged)
     _check_new(q, k_cache, k_new, v_new)
@@ -423,4 +427,4 @@ def make_kvcache_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
     mods = _check_modifiers(xp, (batch,), extents, bias=None, alibi_slopes=alibi_slopes, softcap=softcap,
                             score_mod=None, mask_mod=None, mod_arrays=None, like=q)
     return KVCacheProblem(xp, q, k_cache, v_cache, cache, cache_host, k_new, v_new, table, table_host,
-                          _check_splits(num_splits), scale, bool(causal), left, right, element_type, mods)
+                          _check_splits(num_splits), scale, bool(causal), left, right, element_type, mods, precision)
