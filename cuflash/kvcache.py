@@ -24,8 +24,8 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
                            block_table: Optional[Array] = None, num_splits: Optional[int] = None,
                            causal: bool = False, window: Optional[tuple[Optional[int], Optional[int]]] = None,
                            alibi_slopes: Optional[Array] = None, softcap: Optional[float] = None,
-                           scale: Optional[float] = None, return_lse: bool = False, precision: Precision = "ieee",
-                           backend: Optional[str] = None) -> Any:
+                           scale: Optional[float] = None, return_lse: bool = False, dtype: Optional[str] = None,
+                           precision: Precision = "ieee", backend: Optional[str] = None) -> Any:
     """Append ``k_new``/``v_new`` to the KV cache in place, then attend ``q`` to each sequence's cached keys.
 
     Parameters
@@ -68,6 +68,9 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
         Softmax scale; default ``1 / sqrt(head_dim)``.
     return_lse : bool, default False
         Also return the log-sum-exp.
+    dtype : {None, "bfloat16"}
+        ``"bfloat16"`` declares ``uint16`` arrays (``q``, the caches, ``k_new``, ``v_new``) of bfloat16 bits (CuPy
+        without ``ml_dtypes``; the kernels' backends), as for :func:`cuflash.attention`; ``out`` is bfloat16 bits too.
     precision : {"ieee", "3xtf32", "tf32"}, default "ieee"
         The arithmetic of float32 inputs on the CUDA kernels, as for :func:`cuflash.attention` (the NumPy backend
         computes float32 in float32 whatever the mode; other dtypes take only ``"ieee"``).
@@ -105,6 +108,7 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
     with edge.device():
         problem = make_kvcache_problem(natives["q"], natives["k_cache"], natives["v_cache"], k_new=natives["k_new"],
                                        v_new=natives["v_new"], num_splits=num_splits, causal=causal, window=window,
-                                       softcap=softcap, scale=scale, precision=precision, **options)
+                                       softcap=softcap, scale=scale, dtype=dtype, precision=precision,
+                                       **options)
         out, lse = backends.select(problem, backend).forward_kvcache(problem)
         return (edge.export(out), edge.export(lse)) if return_lse else edge.export(out)

@@ -82,6 +82,27 @@ def test_precision_reaches_the_kvcache_kernels(monkeypatch, precision, baseline)
                            magnitude=reference.term_magnitudes(q, keys, values, **padded)["out"])
 
 
+def test_bfloat16_bits_declared_by_dtype_are_the_bfloat16_call():
+    """dtype="bfloat16" over uint16 arrays (CuPy without ml_dtypes) as attention takes it (the KV cache had no dtype
+    option): the same bits as the ml_dtypes.bfloat16 call, out, lse and the appended caches, paged and split."""
+    rng = np.random.default_rng(33)
+    bf16 = _dtype("bfloat16")
+    cache = Cache(rng, 2, 40, 2, 16, bf16, 8)
+    q = rng.standard_normal((2, 3, 4, 16)).astype(bf16)
+    k_new, v_new = (rng.standard_normal((2, 2, 2, 16)).astype(bf16) for _ in range(2))
+    call = dict(cache_seqlens=np.array([4, 19], np.int32), causal=True, num_splits=2, return_lse=True,
+                **cache.kwargs(), **EMU)
+    k_bits, v_bits = cache.k.view(np.uint16).copy(), cache.v.view(np.uint16).copy()
+    out, lse = cuflash.attention_with_kvcache(q, cache.k, cache.v, k_new=k_new, v_new=v_new, **call)
+    out_bits, lse_bits = cuflash.attention_with_kvcache(q.view(np.uint16), k_bits, v_bits, k_new=k_new.view(np.uint16),
+                                                        v_new=v_new.view(np.uint16), dtype="bfloat16", **call)
+    assert out_bits.dtype == np.uint16
+    np.testing.assert_array_equal(out_bits, out.view(np.uint16))
+    np.testing.assert_array_equal(lse_bits, lse)
+    np.testing.assert_array_equal(k_bits, cache.k.view(np.uint16))
+    np.testing.assert_array_equal(v_bits, cache.v.view(np.uint16))
+
+
 def test_float64_paged_split():
     _call("float64", 6, 3, "window_alibi", seqlen_q=1, new=1)
 

@@ -237,7 +237,7 @@ class KVCacheProblem:
     head_dim = property(lambda self: self.q.shape[3])
     dtype = property(lambda self: self.q.dtype)
     group = property(lambda self: self.q.shape[2] // self.k_cache.shape[2])
-    bf16_bits = False
+    bf16_bits = property(lambda self: self.element_type == "bfloat16" and dtype_name(self.q.dtype) == "uint16")
     paged = property(lambda self: self.block_table is not None)
     page_size = property(lambda self: self.k_cache.shape[1] if self.block_table is not None else None)
     seqlen_new = property(lambda self: 0 if self.k_new is None else self.k_new.shape[1])
@@ -390,7 +390,7 @@ def _check_splits(num_splits):
 
 def make_kvcache_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                          num_splits=None, causal=False, window=None, alibi_slopes=None, softcap=None,
-                         scale=None, precision="ieee") -> KVCacheProblem:
+                         scale=None, dtype=None, precision="ieee") -> KVCacheProblem:
     """Validate a call of :func:`cuflash.attention_with_kvcache` and return its :class:`KVCacheProblem`."""
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new}
     given = {name: a for name, a in arrays.items() if a is not None or name in ("q", "k_cache", "v_cache")}
@@ -404,7 +404,7 @@ def make_kvcache_problem(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_ne
     if k_new is not None:  # the NumPy/CuPy views of the caches (of another library's: what DLPack shares)
         for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
             check_one_place_per_element(name, a, "a cache the new tokens are written into")
-    element_type = _check_element_type(q, None)
+    element_type = _check_element_type(q, dtype)
     if element_type not in FLOAT_DTYPES:
         raise TypeError(f"q must be floating point ({', '.join(FLOAT_DTYPES)}), got {q.dtype}")
     precision = _check_precision(precision, element_type)
