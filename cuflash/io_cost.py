@@ -117,6 +117,7 @@ class _Visits:
     pairs_rows: float  # Σ over visited pairs of the query tile's height
     pairs_cols: float  # Σ over visited pairs of the key tile's width
     kv_seen: float     # key rows of the key tiles some query tile visits (a key tile no query sees is never loaded)
+    rows_unseen: float = 0.0  # query rows of the query tiles that visit no key tile (no keys, a window past them)
 
 
 def _band_visits(lo, hi, rows, cols, n_bh: int, density: Optional[float]) -> _Visits:
@@ -134,10 +135,11 @@ def _band_visits(lo, hi, rows, cols, n_bh: int, density: Optional[float]) -> _Vi
         seen = (cover > 0).astype(np.float64)
     else:
         seen = 1.0 - (1.0 - float(density)) ** cover
+    unseen = (width == 0) if density is None else (1.0 - float(density)) ** width  # per query tile
     return _Visits(pairs=float(width.sum()) * scale, total=n_bh * len(rows) * n_k,
                    pairs_rows=float((width * rows).sum()) * scale,
                    pairs_cols=float((col_pre[hi] - col_pre[lo]).sum()) * scale,
-                   kv_seen=float((seen @ cols).sum()) * n_bh)
+                   kv_seen=float((seen @ cols).sum()) * n_bh, rows_unseen=float((unseen * rows).sum()) * n_bh)
 
 
 def _grid_visits(keep: np.ndarray, rows, cols, n_bh: int, density: Optional[float]) -> _Visits:
@@ -146,34 +148,38 @@ def _grid_visits(keep: np.ndarray, rows, cols, n_bh: int, density: Optional[floa
     visit = _visit_counts(keep, n_bh, density)
     if density is None:
         seen = keep.any(axis=2).astype(np.float64)  # (Bm|1, Hm|1, nk)
+        unseen = (~keep.any(axis=3)).astype(np.float64)  # (Bm|1, Hm|1, nq)
     else:
         seen = 1.0 - (1.0 - float(density)) ** keep.sum(axis=2)
+        unseen = (1.0 - float(density)) ** keep.sum(axis=3)
+    reps = n_bh // (keep.shape[0] * keep.shape[1])
     return _Visits(pairs=float(visit.sum()), total=n_bh * visit.size,
                    pairs_rows=float((visit * rows[:, None]).sum()), pairs_cols=float((visit * cols[None, :]).sum()),
-                   kv_seen=float((seen @ cols).sum()) * (n_bh // (keep.shape[0] * keep.shape[1])))
+                   kv_seen=float((seen @ cols).sum()) * reps, rows_unseen=float((unseen @ rows).sum()) * reps)
 
 
 # --------------------------------------------------------------------------------------------
 # Ledgers
 # --------------------------------------------------------------------------------------------
 def _standard_fwd(sq, sk, d, s: _Sizes, masked: bool) -> dict:
-    ledger = {"read Q, K (S = QK^T)": (sq + sk) * d * s.x,
+    both = sq > 0 and sk > 0  # a product with an empty side reads nothing: its result is empty, or zeros
+    ledger = {"read Q, K (S = QK^T)": (sq + sk) * d * s.x * both,
               "write S": sq * sk * s.x}
     if masked:
         ledger["mask: read S, write S"] = 2 * sq * sk * s.x
     ledger["softmax: read S, write P"] = 2 * sq * sk * s.x
-    ledger["read P, V (O = PV)"] = (sq * sk + sk * d) * s.x
+    ledger["read P, V (O = PV)"] = (sq * sk + sk * d) * s.x * both
     ledger["write O"] = sq * d * s.x
     return ledger
 
 
 def _standard_bwd(sq, sk, d, s: _Sizes) -> dict:
-    nn = sq * sk
-    return {"dV = P^T dO: read P, dO; write dV": (nn + sq * d + sk * d) * s.x,
-            "dP = dO V^T: read dO, V; write dP": (sq * d + sk * d + nn) * s.x,
+    nn, both = sq * sk, sq > 0 and sk > 0  # (as _standard_fwd) with an empty side, only the zero gradients written
+    return {"dV = P^T dO: read P, dO; write dV": ((nn + sq * d) * both + sk * d) * s.x,
+            "dP = dO V^T: read dO, V; write dP": ((sq * d + sk * d) * both + nn) * s.x,
             "dS = P*(dP - D): read P, dP; write dS": 3 * nn * s.x,
-            "dQ = dS K: read dS, K; write dQ": (nn + sk * d + sq * d) * s.x,
-            "dK = dS^T Q: read dS, Q; write dK": (nn + sq * d + sk * d) * s.x}
+            "dQ = dS K: read dS, K; write dQ": ((nn + sk * d) * both + sq * d) * s.x,
+            "dK = dS^T Q: read dS, Q; write dK": ((nn + sq * d) * both + sk * d) * s.x}
 
 
 def _tiled_fwd(v: _Visits, n_bh, rows, d, s: _Sizes, order: str) -> dict:
@@ -181,8 +187,8 @@ def _tiled_fwd(v: _Visits, n_bh, rows, d, s: _Sizes, order: str) -> dict:
     ``density``); ``rows``: real tile heights."""
     pairs_rows, pairs_cols, kv_seen = v.pairs_rows, v.pairs_cols, v.kv_seen
     sq = n_bh * float(rows.sum())
-    if order == "fa2":
-        return {"read Q": sq * d * s.x,
+    if order == "fa2":  # a query tile that visits no key tile never loads Q_i (flash_fwd.cu: with the first K_j)
+        return {"read Q": (sq - v.rows_unseen) * d * s.x,
                 "read K, V per visited tile": 2 * pairs_cols * d * s.x,
                 "write O": sq * d * s.x,
                 "write lse": sq * s.f}
@@ -191,7 +197,10 @@ def _tiled_fwd(v: _Visits, n_bh, rows, d, s: _Sizes, order: str) -> dict:
             "read Q, O per visited tile": 2 * pairs_rows * d * s.x,
             "read m, l per visited tile": 2 * pairs_rows * s.f,
             "write O per visited tile": pairs_rows * d * s.x,
-            "write m, l per visited tile": 2 * pairs_rows * s.f}
+            "write m, l per visited tile": 2 * pairs_rows * s.f,
+            # line 2 initializes O, l, m in HBM; Theorem 2 leaves that out, but a row no key tile visits keeps it as
+            # its result (0 where no key is seen), so its zeros are written once
+            "initialize O, m, l of rows no key tile visits": v.rows_unseen * (d * s.x + 2 * s.f)}
 
 
 def _tiled_bwd(v: _Visits, n_bh, rows, cols, d, s: _Sizes) -> dict:

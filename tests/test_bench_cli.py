@@ -187,12 +187,32 @@ def test_io_cost_of_an_empty_problem_is_nothing(kw):
     assert cost.standard == cost.tiled == 0 and cost.ratio == 1.0
 
 
-def test_io_cost_without_keys_writes_the_empty_rows():
-    """No keys: no tile is visited and K, V are never read, but Q is read and the zero rows of O and their lse are
-    written, as attention does."""
-    cost = io_cost(seqlen_q=8, seqlen_k=0, head_dim=64)
-    assert cost.visited == {"fwd": (0, 0)} and cost.tiled_ledger["read K, V per visited tile"] == 0
-    assert cost.tiled_ledger["write O"] == 8 * 64 * 2 and cost.tiled_ledger["write lse"] == 8 * 4
+@pytest.mark.parametrize("order", ["fa2", "fa1"])
+def test_io_cost_without_keys_writes_the_empty_rows(order):
+    """No keys: no tile is visited, so nothing is read (the kernel loads Q_i with the first K_j), but the zero rows
+    of O and their statistics are written, as attention does (FA1's order wrote nothing: its O and l, m come from
+    Algorithm 1's initialization, line 2, which Theorem 2 leaves out); standard attention writes its O alone."""
+    cost = io_cost(seqlen_q=8, seqlen_k=0, head_dim=64, order=order)
+    assert cost.visited == {"fwd": (0, 0)}
+    stats = {"fa2": 8 * 4, "fa1": 2 * 8 * 4}[order]  # lse; or m and l
+    assert cost.tiled == 8 * 64 * 2 + stats and cost.standard == 8 * 64 * 2
+
+
+def test_io_cost_without_queries_reads_nothing():
+    """No queries: neither ledger reads K or V (standard attention's products have an empty side); the backward
+    writes the zero dK, dV."""
+    assert io_cost(seqlen_q=0, seqlen_k=64, head_dim=64).standard == 0
+    cost = io_cost(seqlen_q=0, seqlen_k=64, head_dim=64, op="bwd")
+    assert cost.standard == cost.tiled == 2 * 64 * 64 * 2 and cost.ratio == 1.0
+
+
+def test_a_window_past_every_key_loads_no_query_tile():
+    """Query tiles whose window holds no key are not loaded by FA2's order (the kernel's Q_i comes with the first
+    K_j) and are written from Algorithm 1's initialization in FA1's."""
+    fa2 = io_cost(seqlen_q=256, seqlen_k=64, head_dim=64, window=(0, 0), block_q=64, block_k=64)
+    assert fa2.visited["fwd"][0] == 1 and fa2.tiled_ledger["read Q"] == 64 * 64 * 2  # the last query tile (bottom-right)
+    fa1 = io_cost(seqlen_q=256, seqlen_k=64, head_dim=64, window=(0, 0), block_q=64, block_k=64, order="fa1")
+    assert fa1.tiled_ledger["initialize O, m, l of rows no key tile visits"] == 3 * 64 * (64 * 2 + 2 * 4)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -595,7 +595,8 @@ def test_from_mask_mod_classifies_in_float32_and_float64(rule, f32, f64):
                       Case(q, k, v, q, dict(block_mask=bm)))
 
 
-@pytest.mark.parametrize("c", [1e300, np.array([1e300, 1.0])])
+@pytest.mark.parametrize("c", [1e300, np.longdouble(1e300), np.array([1e300, 1.0])],
+                         ids=["float", "longdouble", "array"])
 def test_a_mask_operand_beyond_the_working_precision_is_refused_as_mask_mods(c):
     """from_mask_mod's float operands are refused where they overflow the working precision, as mask_mod='s are: a
     float32 problem turned c = 1e300 into inf and dropped every element of its partial blocks (all-zero outputs,

@@ -5,8 +5,10 @@ threads (a queue transport standing in for the adapters). The adapters run in te
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
+import threading
 import types
 
 import numpy as np
@@ -626,3 +628,56 @@ def test_an_error_in_a_ring_step_leaves_after_the_transfers_in_flight(monkeypatc
         run_threads(3, rank_fn)
     assert {rank for rank, _ in started} == {0, 1, 2}
     assert all(waited for _, waited in started), [(r, bool(w)) for r, w in started]
+
+
+def test_a_ring_call_takes_one_blas_whatever_another_thread_sets(monkeypatch):
+    """A ring call is one backend call per step; CUFLASH_BLAS changed during it (here: after the ranks' first reads,
+    as another thread could) takes effect from the next call: each rank's out, and its gradients, are the all-MKL
+    bits, not a mix of MKL's and OpenBLAS's steps (the NumPy backend's call_scope around the steps)."""
+    from cuflash.backends import _blas
+
+    if _blas._load_mkl()[0] is None:
+        pytest.skip(f"MKL products: {_blas._load_mkl()[1]}")
+    thread_comms(monkeypatch)
+    monkeypatch.setenv("CUFLASH_NUM_THREADS", "1")
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((1, 1200, 2, 64)).astype(np.float32) for _ in range(4))
+    local = [[dist.shard_sequence(x, 2, r) for x in (q, k, v, do)] for r in range(2)]
+
+    def forward(r, comm):
+        return dist.ring_attention(*local[r][:3], comm, return_lse=True, backend="numpy")
+
+    def backward(r, comm, saved):
+        return dist.ring_attention_backward(local[r][3], *local[r][:3], *saved[r], comm, backend="numpy")
+
+    runs = {}
+    for choice in ("mkl", "numpy"):
+        monkeypatch.setenv("CUFLASH_BLAS", choice)
+        saved = run_threads(2, forward)
+        runs[choice] = saved, run_threads(2, lambda r, comm: backward(r, comm, saved))
+    assert not np.array_equal(runs["mkl"][0][0][0], runs["numpy"][0][0][0])  # else this test would show nothing
+    chosen = _blas._chosen_mkl
+
+    def flip_after_two_reads():
+        reads, lock = [], threading.Lock()
+
+        def read():
+            with lock:
+                answer = chosen()  # MKL until the change below
+                reads.append(answer)
+                if len(reads) == 2:  # both ranks have read it: every later read sees the other thread's "numpy"
+                    os.environ["CUFLASH_BLAS"] = "numpy"
+                return answer
+        return read
+
+    saved_mkl = runs["mkl"][0]
+    for phase in ("forward", "backward"):
+        monkeypatch.setenv("CUFLASH_BLAS", "mkl")
+        monkeypatch.setattr(_blas, "_chosen_mkl", flip_after_two_reads())
+        if phase == "forward":
+            got, want = run_threads(2, forward), saved_mkl
+        else:
+            got, want = run_threads(2, lambda r, comm: backward(r, comm, saved_mkl)), runs["mkl"][1]
+        for r in range(2):
+            for x, y in zip(got[r], want[r]):
+                np.testing.assert_array_equal(x, y, err_msg=f"{phase}, rank {r}")

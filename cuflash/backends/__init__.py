@@ -6,6 +6,8 @@ types), ``BF16_BITS`` (takes uint16 arrays declared ``dtype="bfloat16"``), ``MAX
 any) and ``ARRAYS`` ("numpy" or "cupy"). :func:`select` checks a
 problem against those once, so no backend re-checks dtypes or head dims. ``details() -> str``, optional: more
 than availability for the list of backends (:func:`status`), kept out of ``available()``, which every call asks.
+``call_scope()``, optional: a context manager that an operation made of several of the backend's calls (a ring's
+steps) runs them in, so that they see one configuration (the NumPy backend's BLAS).
 
 Ragged batches and KV caches: a backend with ``VARLEN = True`` takes a
 :class:`~cuflash.problem.VarlenProblem` in ``forward_varlen(problem) -> (out (total_q, Hq, D), lse (Hq,

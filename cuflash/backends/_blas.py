@@ -275,14 +275,23 @@ def one_choice(fn):
     left MKL's count unpinned in a worker (then multithreaded). Calls nest: an inner one keeps the outer choice."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if _CALL.get() is not None:
+        with one_call():
             return fn(*args, **kwargs)
-        token = _CALL.set((_chosen_mkl(),))
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _CALL.reset(token)
     return call
+
+
+@contextmanager
+def one_call():
+    """The scope of :func:`one_choice`'s one answer, for an operation made of several backend calls (a ring's steps,
+    each a call of the backend: they read ``CUFLASH_BLAS`` once each before)."""
+    if _CALL.get() is not None:
+        yield
+        return
+    token = _CALL.set((_chosen_mkl(),))
+    try:
+        yield
+    finally:
+        _CALL.reset(token)
 
 
 def _mkl():

@@ -36,7 +36,7 @@ from .. import _env
 from ..dropout import keep_mask
 from ..problem import Problem, stats_dtype, visible
 from ..tiling import Schedule, Tile
-from ._blas import (add_product, describe, normal_exp, one_choice, products, single_threaded,
+from ._blas import (add_product, describe, normal_exp, one_call, one_choice, products, single_threaded,
                     worker_single_threaded)
 
 #: Default tile of one head, measured on 2 cores (fp32, N = 4096, 4 heads, d = 64 and 128):
@@ -74,6 +74,10 @@ LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
 def available():
     return True, "always available"
+
+
+#: the scope of an operation made of several calls of this backend (a ring's steps): one BLAS for all of them
+call_scope = one_call
 
 
 def details():

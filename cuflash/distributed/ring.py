@@ -164,12 +164,13 @@ def ring_attention(q, k, v, comm, *, causal=False, window=None, scale=None, retu
     check_flags(return_lse=return_lse)  # before any communication, as every argument
     s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
                backend=backend, what="forward")
-    if s.method == "ulysses":
-        from . import ulysses
+    with _one_call(s):
+        if s.method == "ulysses":
+            from . import ulysses
 
-        out, lse = ulysses.forward(s)
-    else:
-        out, lse = _ring_forward(s)
+            out, lse = ulysses.forward(s)
+        else:
+            out, lse = _ring_forward(s)
     p = s.problem
     out = p.unflatten(out, p.q.shape[1:])
     lse = p.unflatten(lse, (p.heads_q, p.seqlen_q))
@@ -386,6 +387,12 @@ def _ring_forward(s: Setup):
     return out, lse
 
 
+def _one_call(s: Setup):
+    """The backend's scope for the steps of one ring call (``call_scope``, where it has one): the NumPy backend's
+    steps read ``CUFLASH_BLAS`` once each, and another thread changing it mid-ring mixed MKL's and OpenBLAS's bits."""
+    return getattr(s.module, "call_scope", contextlib.nullcontext)()
+
+
 @contextlib.contextmanager
 def _completed_on_error(handles):
     """A ring step while the transfers of ``handles`` (a list the step appends to as it posts them) run; should the
@@ -415,12 +422,13 @@ def _backward(dout, q, k, v, out, lse, comm, *, causal=False, window=None, scale
     s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
                backend=backend, what="backward", extra=check, flag=int(bool(changed)))
     dout_f, out_f, lse_f = saved["arrays"]
-    if s.method == "ulysses":
-        from . import ulysses
+    with _one_call(s):
+        if s.method == "ulysses":
+            from . import ulysses
 
-        dq, dk, dv = ulysses.backward(s, dout_f, out_f, lse_f, deterministic)
-    else:
-        dq, dk, dv = _ring_backward(s, dout_f, out_f, lse_f, deterministic)
+            dq, dk, dv = ulysses.backward(s, dout_f, out_f, lse_f, deterministic)
+        else:
+            dq, dk, dv = _ring_backward(s, dout_f, out_f, lse_f, deterministic)
     p = s.problem
     return (p.unflatten(dq, p.q.shape[1:]), p.unflatten(dk, p.k.shape[1:]), p.unflatten(dv, p.v.shape[1:]))
 

@@ -548,7 +548,8 @@ def _check_fits_working(x, name: str, dtype) -> None:
     work = stats_dtype(dtype)
     if isinstance(x, numbers.Number):  # an int, bool or float of mod_arrays (ints are held to int32 elsewhere)
         with np.errstate(over="ignore"):
-            bad = isinstance(x, float) and math.isfinite(x) and not np.isfinite(work.type(x))
+            # np.floating too: a np.longdouble is no float (1e300 passed, and made every key masked in float32)
+            bad = isinstance(x, (float, np.floating)) and bool(np.isfinite(x)) and not np.isfinite(work.type(x))
     elif x is None or x.dtype.kind != "f" or x.dtype.itemsize <= work.itemsize:
         return
     else:
