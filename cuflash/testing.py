@@ -296,7 +296,8 @@ def _reference_options(case: Case):
     if p:
         from .dropout import dropout_mask
 
-        shape = case.q.shape[:-3] + (case.q.shape[-2], case.q.shape[-3], case.k.shape[-3])
+        heads, seq = (-3, -2) if opts.get("layout") == "bhsd" else (-2, -3)  # the axes of the case's layout
+        shape = case.q.shape[:-3] + (case.q.shape[heads], case.q.shape[seq], case.k.shape[seq])
         return opts, dict(dropout_mask=dropout_mask(shape, seed=seed, p=p), dropout_p=p)
     return opts, {}
 

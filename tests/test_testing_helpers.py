@@ -27,6 +27,19 @@ def make_case(dtype=np.float32, seed=0, shape=(1, 6, 2, 4), **options):
 
 
 # ------------------------------------------------------------------ fn modifying its inputs in place
+def test_dropout_cases_in_the_bhsd_layout_are_checked():
+    """The reference's keep-mask takes the case's layout: a bhsd case with dropout (heads, Sq, Sk all different) was
+    a broadcast error in check_forward; now it passes for cuflash, and fails for a fn that drops other elements."""
+    rng = np.random.default_rng(2)
+    q, do = (rng.standard_normal((2, 3, 20, 8)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((2, 3, 17, 8)).astype(np.float32) for _ in range(2))
+    case = Case(q, k, v, do, dict(layout="bhsd", dropout_p=0.2, seed=3))
+    out, lse = check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, **o), case)
+    check_backward(cuflash.attention_backward, case, out, lse)
+    with pytest.raises(AssertionError, match="out"):
+        check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, **dict(o, seed=4)), case)
+
+
 def test_a_forward_fn_that_scales_q_in_place_fails():
     """fn did ``q *= s`` and computed with the case's scale: the reference, computed afterwards from the same q,
     moved with it and the check passed with a true error of order 1."""
