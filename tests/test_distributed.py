@@ -331,7 +331,8 @@ def test_bad_local_input_raises_before_the_communicator_is_touched():
         dist.ring_attention_vjp(q, q, q, Untouchable(), deterministic="yes")
     # the function called, not the ring_attention it passes the options to
     with pytest.raises(TypeError, match=r"^ring_attention_vjp\(\) got an unexpected keyword argument 'foo' \(it "
-                                        r"takes causal, window, scale, layout, method, backend, deterministic\)"):
+                                        r"takes causal, window, scale, layout, method, precision, backend, "
+                                        r"deterministic\)"):
         dist.ring_attention_vjp(q, q, q, Untouchable(), foo=1)
     for bad, error in (([[0.0]], TypeError), (np.ma.masked_array(q), TypeError)):
         for layout in ("contiguous", "zigzag"):  # both layouts check x (contiguous sliced it silently)
@@ -681,3 +682,34 @@ def test_a_ring_call_takes_one_blas_whatever_another_thread_sets(monkeypatch):
         for r in range(2):
             for x, y in zip(got[r], want[r]):
                 np.testing.assert_array_equal(x, y, err_msg=f"{phase}, rank {r}")
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_precision_reaches_each_blocks_kernels(monkeypatch, method):
+    """ring_attention takes precision= as attention does (it had none): on the kernels (emulated), float32 blocks run
+    the asked arithmetic, forward and backward; the ranks must agree on it; float16 takes only "ieee"."""
+    from cuflash.cuda import launch as launches
+
+    thread_comms(monkeypatch)
+    asked = []
+    wide_math = launches.specs.wide_math
+    monkeypatch.setattr(launches.specs, "wide_math", lambda dtype, precision, cc: asked.append(precision) or
+                        wide_math(dtype, precision, cc))
+    rng = np.random.default_rng(5)
+    q, k, v, do = (rng.standard_normal((1, 40, 2, 16)).astype(np.float32) for _ in range(4))
+
+    def rank(r, comm, precision):
+        local = [dist.shard_sequence(x, 2, r) for x in (q, k, v, do)]
+        opts = dict(causal=True, method=method, backend="emulate", precision=precision)
+        out, lse = dist.ring_attention(*local[:3], comm, return_lse=True, **opts)
+        return (out,) + dist.ring_attention_backward(local[3], *local[:3], out, lse, comm, **opts)
+
+    tf32 = run_threads(2, lambda r, comm: rank(r, comm, "tf32"))
+    assert asked and set(asked) == {"tf32"}
+    ieee = run_threads(2, lambda r, comm: rank(r, comm, "ieee"))
+    assert all(not np.array_equal(a, b) for a, b in zip(tf32[0], ieee[0]))  # out, dq, dk, dv of rank 0
+    with pytest.raises(ValueError, match="the ranks' calls do not match"):
+        run_threads(2, lambda r, comm: rank(r, comm, ("tf32", "ieee")[r]))
+    with pytest.raises(ValueError, match="float16 inputs take only precision='ieee'"):
+        dist.ring_attention(*(x.astype(np.float16) for x in (q, k, v)), ThreadComm(ThreadWorld(1), 0),
+                            precision="tf32")

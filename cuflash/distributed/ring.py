@@ -132,6 +132,8 @@ _DOC_OPTIONS = """
     method : {"ring", "ulysses"}, default "ring"
         ``"ring"``: K/V blocks circulate (any head counts). ``"ulysses"``: all-to-all to whole sequences of
         ``heads / P`` heads (needs ``heads`` and ``heads_kv`` divisible by the number of ranks).
+    precision : {"ieee", "3xtf32", "tf32"}, default "ieee"
+        The arithmetic of float32 inputs on the CUDA kernels of each block, as for :func:`cuflash.attention`.
     backend : {None, "numpy", "cuda", "emulate"}
         The backend of each block's attention, as in :func:`cuflash.attention`.
 
@@ -141,7 +143,7 @@ _DOC_OPTIONS = """
 
 
 def ring_attention(q, k, v, comm, *, causal=False, window=None, scale=None, return_lse=False, layout="contiguous",
-                   method="ring", backend=None):
+                   method="ring", precision="ieee", backend=None):
     """Exact attention over a sequence split across ranks; each rank gets its own rows of the result.
 
     Parameters
@@ -163,7 +165,7 @@ def ring_attention(q, k, v, comm, *, causal=False, window=None, scale=None, retu
     """
     check_flags(return_lse=return_lse)  # before any communication, as every argument
     s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
-               backend=backend, what="forward")
+               precision=precision, backend=backend, what="forward")
     with _one_call(s):
         if s.method == "ulysses":
             from . import ulysses
@@ -178,7 +180,7 @@ def ring_attention(q, k, v, comm, *, causal=False, window=None, scale=None, retu
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False, window=None, scale=None,
-                            layout="contiguous", method="ring", deterministic=False, backend=None):
+                            layout="contiguous", method="ring", precision="ieee", deterministic=False, backend=None):
     """Gradients of :func:`ring_attention`: each rank gets dQ, dK, dV of its own q, k, v.
 
     Parameters
@@ -197,7 +199,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False, wind
     dq, dk, dv : arrays with the shapes and dtype of this rank's q, k, v
     """
     return _backward(dout, q, k, v, out, lse, comm, causal=causal, window=window, scale=scale, layout=layout,
-                     method=method, deterministic=deterministic, backend=backend)
+                     method=method, precision=precision, deterministic=deterministic, backend=backend)
 
 
 def ring_attention_vjp(q, k, v, comm, **options):
@@ -232,10 +234,10 @@ for _fn in (ring_attention, ring_attention_backward):
 
 
 # ------------------------------------------------------------------------------------------------ setup
-def _setup(q, k, v, comm, *, causal, window, scale, layout, method, backend, what, extra=None, flag=0):
+def _setup(q, k, v, comm, *, causal, window, scale, layout, method, precision, backend, what, extra=None, flag=0):
     """Validate locally, then agree with the other ranks on lengths and options (one small all-gather)."""
     array_module(q, k, v, names=("q", "k", "v"), foreign=False)  # NumPy or CuPy only here: the error says so
-    problem = make_problem(q, k, v, causal=causal, window=window, scale=scale)
+    problem = make_problem(q, k, v, causal=causal, window=window, scale=scale, precision=precision)
     if problem.xp is not np:  # before any transfer: a NCCL send from another GPU fails on this rank only
         check_current_device(problem.xp.cuda.Device().id, q=q, k=k, v=v)
     check_layout(layout)
@@ -251,7 +253,7 @@ def _setup(q, k, v, comm, *, causal, window, scale, layout, method, backend, wha
     size = transport.size
     signature = repr((what, problem.batch_shape, problem.heads_q, problem.heads_kv, problem.head_dim,
                       str(problem.dtype), problem.scale, bool(causal), _window_key(window), layout, method,
-                      backend))
+                      problem.precision, backend))
     meta = transport.allgather_ints([problem.seqlen_q, problem.seqlen_k, zlib.crc32(signature.encode()), flag])
     _agree(meta, signature, transport.rank)
     # after the agreement, so that every rank raises it: a rank raising alone leaves the others in the all-gather
@@ -327,7 +329,7 @@ def pair_window(s: Setup, qs: Segment, ks: Segment):
 
 
 def _pair_problem(s: Setup, q, k, v, bounds):
-    p = make_problem(q, k, v, scale=s.problem.scale)
+    p = make_problem(q, k, v, scale=s.problem.scale, precision=s.problem.precision)
     return dataclasses.replace(p, window_left=bounds[0], window_right=bounds[1])
 
 
@@ -412,7 +414,7 @@ def _completed_on_error(handles):
 
 # ------------------------------------------------------------------------------------------------ backward
 def _backward(dout, q, k, v, out, lse, comm, *, causal=False, window=None, scale=None, layout="contiguous",
-              method="ring", deterministic=False, backend=None, changed=()):
+              method="ring", precision="ieee", deterministic=False, backend=None, changed=()):
     check_flags(deterministic=deterministic)
     saved = {}
 
@@ -420,7 +422,7 @@ def _backward(dout, q, k, v, out, lse, comm, *, causal=False, window=None, scale
         saved["arrays"] = check_backward(problem, dout, out, lse)
 
     s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
-               backend=backend, what="backward", extra=check, flag=int(bool(changed)))
+               precision=precision, backend=backend, what="backward", extra=check, flag=int(bool(changed)))
     dout_f, out_f, lse_f = saved["arrays"]
     with _one_call(s):
         if s.method == "ulysses":

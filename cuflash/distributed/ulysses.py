@@ -98,7 +98,7 @@ def to_rows(s, tensors):
 def _whole_problem(s, q, k, v):
     """The single-device problem of this rank's heads over the whole sequences (causal/window as the user gave)."""
     p = s.problem
-    return make_problem(q, k, v, scale=p.scale, window=(s.left, s.right))
+    return make_problem(q, k, v, scale=p.scale, window=(s.left, s.right), precision=p.precision)
 
 
 def forward(s):
