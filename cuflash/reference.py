@@ -175,6 +175,18 @@ def _bshd(options, *arrays):
     return layout, [_layout.to_bshd(a, layout) for a in arrays]
 
 
+def _problem(options, q, k, v, *rows):
+    """``(layout, problem, rows, dv)`` of cuflash.attention's arguments: a value head dim of v's own zero-padded as
+    the API pads it (:func:`cuflash._layout.pad_head_dims`; exact: the zero columns add exact zeros), ``rows``
+    (``dout``, ``out``: v's head dim, or None) padded alike, and ``dv`` v's head dim to cut results to (else None).
+    The reference refused such a v, which cuflash.attention takes."""
+    layout, (q, k, v, *rows) = _bshd(options, q, k, v, *rows)
+    q, k, v, kw, dv = _layout.pad_head_dims(q, k, v, options)
+    if dv is not None and v.shape[-1] != dv:  # v was padded
+        rows = [r if not hasattr(r, "shape") else _layout.pad_last(r, v.shape[-1], "dout/out") for r in rows]
+    return layout, make_problem(q, k, v, **kw), rows, dv
+
+
 def attention(q, k, v, *, return_lse=False, dropout_mask=None, dropout_p=0.0, compute_dtype=np.float64, **options):
     """Float64 attention with every cuflash option (``**options``: those of :func:`cuflash.attention`).
 
@@ -182,13 +194,13 @@ def attention(q, k, v, *, return_lse=False, dropout_mask=None, dropout_p=0.0, co
     dropout explicitly: ``P`` is multiplied by the mask and by ``1/(1 - p)`` after normalization.
     Returns ``out`` (in ``layout``; and ``lse``, ``(..., heads, Sq)``) in ``compute_dtype`` (float64 by default).
     """
-    layout, (q, k, v) = _bshd(options, q, k, v)
-    p = make_problem(q, k, v, **options)
+    layout, p, _, dv = _problem(options, q, k, v)
     with _tf32_mode(isinstance(compute_dtype, str) and compute_dtype == TF32):
         qg, kg, vg = _grouped(p, _compute_dtype(compute_dtype))
         prob, lse = _probabilities(p, qg, kg)
         prob = _apply_dropout(prob, p, dropout_mask, dropout_p)
-        out = _layout.from_bshd(p.unflatten(_ungroup(_mm_seen(prob, vg), p), p.q.shape[1:]), layout)
+        out = p.unflatten(_ungroup(_mm_seen(prob, vg), p), p.q.shape[1:])
+        out = _layout.from_bshd(out if dv is None else out[..., :dv], layout)
     lse = p.unflatten(lse.reshape(p.batch, p.heads_q, p.seqlen_q), (p.heads_q, p.seqlen_q))
     return (out, lse) if return_lse else out
 
@@ -203,13 +215,14 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, dropout_mask=None, 
     dimensions the bias broadcasts. ``out``/``lse`` are accepted for signature parity and checked, not
     used: the reference recomputes everything.
     """
-    layout, (dout, q, k, v, out) = _bshd(options, dout, q, k, v, out)
-    p = make_problem(q, k, v, **options)
+    d = q.shape[-1]
+    layout, p, (dout, out), dv = _problem(options, q, k, v, dout, out)
     if out is not None and lse is not None:
         check_backward(p, dout, out, lse)
     with _tf32_mode(isinstance(compute_dtype, str) and compute_dtype == TF32):
         grads = _backward(p, dout, dropout_mask, dropout_p, _compute_dtype(compute_dtype), return_dbias)
-    return tuple(_layout.from_bshd(g, layout) for g in grads[:3]) + tuple(grads[3:])
+    dq, dk, dv_ = grads[:3] if dv is None else (grads[0][..., :d], grads[1][..., :d], grads[2][..., :dv])
+    return tuple(_layout.from_bshd(g, layout) for g in (dq, dk, dv_)) + tuple(grads[3:])
 
 
 def _backward(p, dout, dropout_mask, dropout_p, compute_dtype, return_dbias):
@@ -283,8 +296,7 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     its floor at two roundings of these. Returns a dict with keys ``out``, ``lse`` and, given ``dout``, ``dq``,
     ``dk``, ``dv`` (and ``dbias`` with ``bias=``).
     """
-    _, (q, k, v, dout) = _bshd(options, q, k, v, dout)
-    p = make_problem(q, k, v, **options)
+    _, p, (dout,), _ = _problem(options, q, k, v, dout)
     qg, kg, vg = _grouped(p, np.dtype(np.float64))
     prob, lse = _probabilities(p, qg, kg)
     s0, s1, _ = _scores(p, qg, kg)

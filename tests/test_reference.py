@@ -275,7 +275,7 @@ def test_testing_helpers_refuse_what_they_would_misread():
     with pytest.raises(TypeError, match="dtypes must be a non-empty tuple of dtype names"):
         attention_cases(dtypes="float16")
     ref = np.ones(3)
-    with pytest.raises(TypeError, match="actual must be a real \(float or integer\) array"):
+    with pytest.raises(TypeError, match=r"actual must be a real \(float or integer\) array"):
         assert_attention_close(ref + 1000j, ref, ref.astype(np.float32))
 
 
@@ -355,3 +355,29 @@ def test_the_reference_takes_layout_as_cuflash_does():
         reference.term_magnitudes(q, k, v, dout)
     with pytest.raises(ValueError, match="layout"):
         reference.attention(q, k, v, layout="sbhd")
+
+
+@pytest.mark.parametrize("dv", [3, 9])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_a_value_head_dim_of_its_own_is_the_zero_padded_problem(dv, layout):
+    """reference.attention takes v with its own head dim, as cuflash.attention does (it refused it, so the testing
+    helpers could not check that case): exactly the problem zero-padded to the larger head dim (zero columns add
+    exact zeros), cut back; forward, backward and the term magnitudes, with the default scale of q's head dim."""
+    rng = np.random.default_rng(6)
+    d = 5
+    q, k = rng.standard_normal((2, 7, 4, d)), rng.standard_normal((2, 6, 2, d))
+    v, dout = rng.standard_normal((2, 6, 2, dv)), rng.standard_normal((2, 7, 4, dv))
+    width = max(d, dv)
+    pad = lambda x: np.concatenate([x, np.zeros(x.shape[:-1] + (width - x.shape[-1],))], axis=-1)  # noqa: E731
+    swap = (lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2))) if layout == "bhsd" else (lambda x: x)  # noqa
+    options = dict(causal=True, scale=1 / math.sqrt(d), layout=layout)
+    out, lse = reference.attention(*map(swap, (q, k, v)), return_lse=True, **dict(options, scale=None))
+    want, want_lse = reference.attention(*map(swap, map(pad, (q, k, v))), return_lse=True, **options)
+    np.testing.assert_array_equal(out, want[..., :dv])
+    np.testing.assert_array_equal(lse, want_lse)
+    grads = reference.attention_backward(*map(swap, (dout, q, k, v)), **options)
+    padded = reference.attention_backward(*map(swap, map(pad, (dout, q, k, v))), **options)
+    for g, w, n in zip(grads, padded, (d, d, dv)):
+        np.testing.assert_array_equal(g, w[..., :n])
+    mags = reference.term_magnitudes(*map(swap, (q, k, v, dout)), **options)
+    assert mags == reference.term_magnitudes(*map(swap, map(pad, (q, k, v, dout))), **options)
