@@ -175,12 +175,19 @@ def _bshd(options, *arrays):
     return layout, [_layout.to_bshd(a, layout) for a in arrays]
 
 
-def _problem(options, q, k, v, *rows):
+def _problem(options, q, k, v, **rows):
     """``(layout, problem, rows, dv)`` of cuflash.attention's arguments: a value head dim of v's own zero-padded as
     the API pads it (:func:`cuflash._layout.pad_head_dims`; exact: the zero columns add exact zeros), ``rows``
-    (``dout``, ``out``: v's head dim, or None) padded alike, and ``dv`` v's head dim to cut results to (else None).
-    The reference refused such a v, which cuflash.attention takes."""
-    layout, (q, k, v, *rows) = _bshd(options, q, k, v, *rows)
+    (name -> ``dout``, ``out``: q's shape with v's head dim, checked as the API checks them, or None) padded alike,
+    and ``dv`` v's head dim to cut results to (else None). The reference refused such a v, which cuflash.attention
+    takes."""
+    for name, r in rows.items():
+        if hasattr(r, "shape") and hasattr(q, "shape") and hasattr(v, "shape"):
+            want = tuple(q.shape[:-1]) + tuple(v.shape[-1:])
+            if tuple(r.shape) != want:  # a wider one was cut silently, another a bare reshape error
+                raise ValueError(f"{name} must have shape {want} (q's shape with v's head_dim), got "
+                                 f"{tuple(r.shape)}")
+    layout, (q, k, v, *rows) = _bshd(options, q, k, v, *rows.values())
     q, k, v, kw, dv = _layout.pad_head_dims(q, k, v, options)
     if dv is not None and v.shape[-1] != dv:  # v was padded
         rows = [r if not hasattr(r, "shape") else _layout.pad_last(r, v.shape[-1], "dout/out") for r in rows]
@@ -216,7 +223,7 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, dropout_mask=None, 
     used: the reference recomputes everything.
     """
     d = q.shape[-1]
-    layout, p, (dout, out), dv = _problem(options, q, k, v, dout, out)
+    layout, p, (dout, out), dv = _problem(options, q, k, v, dout=dout, out=out)
     if out is not None and lse is not None:
         check_backward(p, dout, out, lse)
     with _tf32_mode(isinstance(compute_dtype, str) and compute_dtype == TF32):
@@ -296,7 +303,7 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     its floor at two roundings of these. Returns a dict with keys ``out``, ``lse`` and, given ``dout``, ``dq``,
     ``dk``, ``dv`` (and ``dbias`` with ``bias=``).
     """
-    _, p, (dout,), _ = _problem(options, q, k, v, dout)
+    _, p, (dout,), _ = _problem(options, q, k, v, dout=dout)
     qg, kg, vg = _grouped(p, np.dtype(np.float64))
     prob, lse = _probabilities(p, qg, kg)
     s0, s1, _ = _scores(p, qg, kg)

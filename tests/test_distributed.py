@@ -710,6 +710,11 @@ def test_precision_reaches_each_blocks_kernels(monkeypatch, method):
     assert all(not np.array_equal(a, b) for a, b in zip(tf32[0], ieee[0]))  # out, dq, dk, dv of rank 0
     with pytest.raises(ValueError, match="the ranks' calls do not match"):
         run_threads(2, lambda r, comm: rank(r, comm, ("tf32", "ieee")[r]))
+    # the same name as a np.str_ on one rank is the same call (its repr differs: the ranks compared reprs)
+    mixed = run_threads(2, lambda r, comm: rank(r, comm, (np.str_("tf32"), "tf32")[r]))
+    for r in range(2):
+        for a, b in zip(mixed[r], tf32[r]):
+            np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="float16 inputs take only precision='ieee'"):
         dist.ring_attention(*(x.astype(np.float16) for x in (q, k, v)), ThreadComm(ThreadWorld(1), 0),
                             precision="tf32")

@@ -381,3 +381,19 @@ def test_a_value_head_dim_of_its_own_is_the_zero_padded_problem(dv, layout):
         np.testing.assert_array_equal(g, w[..., :n])
     mags = reference.term_magnitudes(*map(swap, (q, k, v, dout)), **options)
     assert mags == reference.term_magnitudes(*map(swap, map(pad, (q, k, v, dout))), **options)
+
+
+@pytest.mark.parametrize("dv", [3, 5, 9])
+def test_dout_and_out_of_another_width_are_refused_as_the_api_refuses_them(dv):
+    """dout (and out) must have q's shape with v's head dim, as cuflash.attention_backward requires: a wider one was
+    cut silently where v is padded, and a bare reshape error elsewhere."""
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((1, 4, 2, 5)), rng.standard_normal((1, 6, 2, 5)), rng.standard_normal((1, 6, 2, dv))
+    wrong = rng.standard_normal((1, 4, 2, dv + 2))
+    with pytest.raises(ValueError, match=rf"dout must have shape \(1, 4, 2, {dv}\) \(q's shape with v's head_dim\)"):
+        reference.attention_backward(wrong, q, k, v)
+    with pytest.raises(ValueError, match=r"dout must have shape"):
+        reference.term_magnitudes(q, k, v, wrong)
+    out, lse = reference.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=rf"out must have shape \(1, 4, 2, {dv}\)"):
+        reference.attention_backward(out, q, k, v, wrong, lse)

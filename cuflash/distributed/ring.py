@@ -252,8 +252,8 @@ def _setup(q, k, v, comm, *, causal, window, scale, layout, method, precision, b
     transport = comms.transport(comm, problem.xp)
     size = transport.size
     signature = repr((what, problem.batch_shape, problem.heads_q, problem.heads_kv, problem.head_dim,
-                      str(problem.dtype), problem.scale, bool(causal), _window_key(window), layout, method,
-                      problem.precision, backend))
+                      str(problem.dtype), problem.scale, bool(causal), _window_key(window), str(layout), str(method),
+                      problem.precision, None if backend is None else str(backend)))  # str: np.str_ has its own repr
     meta = transport.allgather_ints([problem.seqlen_q, problem.seqlen_k, zlib.crc32(signature.encode()), flag])
     _agree(meta, signature, transport.rank)
     # after the agreement, so that every rank raises it: a rank raising alone leaves the others in the all-gather

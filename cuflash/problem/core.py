@@ -479,11 +479,11 @@ def check_precision_name(precision) -> str:
         raise TypeError(f"precision must be {form}, got {type(precision).__name__} {_brief(precision)}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be {form}, got {_brief(precision)}")
-    return precision
+    return str(precision)  # a np.str_ as the str it equals (it has another repr: ranks compare reprs)
 
 
 def _check_precision(precision, element_type: str) -> str:
-    check_precision_name(precision)
+    precision = check_precision_name(precision)
     if precision != "ieee" and element_type != "float32":
         raise ValueError(f"precision={precision!r} selects float32 tensor-core arithmetic; {element_type} inputs "
                          f"take only precision='ieee' (their arithmetic is fixed by the dtype)")
