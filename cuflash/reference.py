@@ -222,12 +222,12 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, dropout_mask=None, 
     dimensions the bias broadcasts. ``out``/``lse`` are accepted for signature parity and checked, not
     used: the reference recomputes everything.
     """
-    d = q.shape[-1]
     layout, p, (dout, out), dv = _problem(options, q, k, v, dout=dout, out=out)
     if out is not None and lse is not None:
         check_backward(p, dout, out, lse)
     with _tf32_mode(isinstance(compute_dtype, str) and compute_dtype == TF32):
         grads = _backward(p, dout, dropout_mask, dropout_p, _compute_dtype(compute_dtype), return_dbias)
+    d = None if dv is None else q.shape[-1]  # q's own head dim (q is an array: the problem took it)
     dq, dk, dv_ = grads[:3] if dv is None else (grads[0][..., :d], grads[1][..., :d], grads[2][..., :dv])
     return tuple(_layout.from_bshd(g, layout) for g in (dq, dk, dv_)) + tuple(grads[3:])
 
