@@ -77,6 +77,20 @@ def pad_last(a: Any, width: int, name: str) -> Any:
     return padded
 
 
+def padded_width(q: Any, k: Any, v: Any) -> Optional[int]:
+    """The head dim that :func:`pad_head_dims` pads q, k and v to (the larger of v's and q's and k's) where v's
+    differs, else None: also for callers that pad stand-ins of the arrays instead (``cuflash.jax``'s trace-time
+    checks, which must allocate nothing)."""
+    arrays = (q, k, v)
+    if not all(hasattr(a, "shape") and hasattr(a, "ndim") and hasattr(a, "dtype") for a in arrays):
+        return None
+    if (q.ndim < 3 or not q.ndim == k.ndim == v.ndim or tuple(k.shape[:-1]) != tuple(v.shape[:-1])
+            or q.shape[-1] != k.shape[-1] or v.shape[-1] == k.shape[-1] or min(k.shape[-1], v.shape[-1]) < 1
+            or len({dtype_name(a.dtype) for a in arrays}) > 1):  # the name: a big-endian q is q's dtype too
+        return None
+    return max(int(k.shape[-1]), int(v.shape[-1]))
+
+
 def pad_head_dims(q: Any, k: Any, v: Any, options: Mapping[str, Any]
                    ) -> tuple[Any, Any, Any, dict[str, Any], Optional[int]]:
     """``(q, k, v, make_problem keywords, head_dim_v or None)``: when v's head dim differs from q's and k's, the
@@ -84,12 +98,7 @@ def pad_head_dims(q: Any, k: Any, v: Any, options: Mapping[str, Any]
     the default scale is fixed to ``1/sqrt(head_dim)`` of q and k. Anything that is not such a case is passed on
     unchanged for :func:`~cuflash.problem.make_problem` to judge."""
     kw = {name: value for name, value in options.items() if name != "layout"}
-    arrays = (q, k, v)
-    if not all(hasattr(a, "shape") and hasattr(a, "ndim") and hasattr(a, "dtype") for a in arrays):
-        return q, k, v, kw, None
-    if (q.ndim < 3 or not q.ndim == k.ndim == v.ndim or tuple(k.shape[:-1]) != tuple(v.shape[:-1])
-            or q.shape[-1] != k.shape[-1] or v.shape[-1] == k.shape[-1] or min(k.shape[-1], v.shape[-1]) < 1
-            or len({dtype_name(a.dtype) for a in arrays}) > 1):  # the name: a big-endian q is q's dtype too
+    if padded_width(q, k, v) is None:
         return q, k, v, kw, None
     d, dv = int(k.shape[-1]), int(v.shape[-1])
     if kw.get("scale") is None:

@@ -29,6 +29,8 @@ from typing import Optional
 import numpy as np
 
 from . import mods
+# problem imports this module only inside make_problem: these come in at its top without a cycle
+from .problem.core import _check_fits_working, _check_mod_arrays, check_int
 
 DEFAULT_BLOCK = (128, 128)
 #: entries BlockMask.derived keeps per mask (tile lists and operands per device, stream and tile size): enough for a
@@ -42,6 +44,10 @@ def _prefix() -> str:
     """Operand names unique to one mask, across processes too: masks built in forked workers, or pickled, meet in
     ``&`` and ``|``, whose operands must not overwrite each other's (a per-process counter gave both the same)."""
     return f"cuflash_m{uuid.uuid4().hex}_"
+
+
+#: the length of every :func:`_prefix` (a mask's operand names are the prefix and the caller's name)
+_PREFIX_LEN = len(_prefix())
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -82,21 +88,9 @@ def _frozen(a):
     return a
 
 
-def _check_length(x, name) -> int:
-    return _check_count(x, name)
-
-
 def _lengths(seqlen_q, seqlen_k):
-    sq = _check_length(seqlen_q, "seqlen_q")
-    return sq, sq if seqlen_k is None else _check_length(seqlen_k, "seqlen_k")
-
-
-def _check_count(x, name, low=0) -> int:
-    if not _is_int(x):  # a float, bool or array is a TypeError, as attention()'s own ints (window=(3.0, 0))
-        raise TypeError(f"{name} must be an int >= {low}, got {x!r}")
-    if x < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {x!r}")
-    return int(x)
+    sq = check_int(seqlen_q, "seqlen_q")
+    return sq, sq if seqlen_k is None else check_int(seqlen_k, "seqlen_k")
 
 
 def _same(x, y) -> bool:
@@ -142,8 +136,8 @@ class BlockMask:
         self.states.setflags(write=False)  # the mask is a value: the caller's array is copied, and this one frozen
         self.block = _check_block(block)
         nq, nk = self.states.shape[2:]
-        self.seqlen_q = nq * self.block[0] if seqlen_q is None else _check_length(seqlen_q, "seqlen_q")
-        self.seqlen_k = nk * self.block[1] if seqlen_k is None else _check_length(seqlen_k, "seqlen_k")
+        self.seqlen_q = nq * self.block[0] if seqlen_q is None else check_int(seqlen_q, "seqlen_q")
+        self.seqlen_k = nk * self.block[1] if seqlen_k is None else check_int(seqlen_k, "seqlen_k")
         if _cdiv(self.seqlen_q, self.block[0]) != nq or _cdiv(self.seqlen_k, self.block[1]) != nk:
             raise ValueError(f"grid {self.states.shape[2:]} does not cover seqlen_q={self.seqlen_q}, "
                              f"seqlen_k={self.seqlen_k} in blocks of {self.block}")
@@ -209,8 +203,8 @@ class BlockMask:
         """BigBird/Longformer style, in blocks: the first ``global_blocks`` query and key blocks are dense, and
         every query block sees the key blocks within ``local_blocks`` of its diagonal."""
         sq, sk = _lengths(seqlen_q, seqlen_k)
-        g = _check_count(global_blocks, "global_blocks")
-        w = _check_count(local_blocks, "local_blocks")
+        g = check_int(global_blocks, "global_blocks")
+        w = check_int(local_blocks, "local_blocks")
         qi, kj = cls._block_indices(sq, sk, block)
         return cls((np.abs(qi - kj) <= w) | (qi < g) | (kj < g), block=block, seqlen_q=sq, seqlen_k=sk)
 
@@ -219,8 +213,8 @@ class BlockMask:
         """Sparse-Transformer style, in blocks: query block ``i`` sees key block ``j`` when
         ``i % stride == j % stride``, plus the band ``|i - j| <= local_blocks``."""
         sq, sk = _lengths(seqlen_q, seqlen_k)
-        stride = _check_count(stride, "stride", 1)
-        w = _check_count(local_blocks, "local_blocks")
+        stride = check_int(stride, "stride", 1)
+        w = check_int(local_blocks, "local_blocks")
         qi, kj = cls._block_indices(sq, sk, block)
         return cls((qi % stride == kj % stride) | (np.abs(qi - kj) <= w), block=block, seqlen_q=sq, seqlen_k=sk)
 
@@ -246,7 +240,7 @@ class BlockMask:
             raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
         if len(window) != 2:
             raise ValueError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
-        left, right = (None if w is None else min(_check_count(w, f"window {side}"), sq + sk)
+        left, right = (None if w is None else min(check_int(w, f"window {side}"), sq + sk)
                        for side, w in zip(("left", "right"), window))
         bq, bk = _check_block(block)
         sched = Schedule(sq, sk, bq, bk, left=left, right=right)
@@ -268,13 +262,13 @@ class BlockMask:
     def prefix_lm(cls, seqlen, prefix_len, *, block=DEFAULT_BLOCK):
         """Prefix-LM: the first ``prefix_len`` keys are seen by every query (bidirectional prefix), the rest
         causally: ``kv_idx < prefix_len or kv_idx <= q_idx``."""
-        n = _check_length(seqlen, "seqlen")
-        p = min(_check_length(prefix_len, "prefix_len"), n)
+        n = check_int(seqlen, "seqlen")
+        p = min(check_int(prefix_len, "prefix_len"), n)
         return cls.causal(n, block=block) | cls.sliding_window(n, window=(None, None), block=block).columns(0, p)
 
     def columns(self, start: int, stop: int) -> "BlockMask":
         """This mask restricted to the key columns ``[start, stop)`` (element-exact)."""
-        a, b = _check_length(start, "start"), _check_length(stop, "stop")
+        a, b = check_int(start, "start"), check_int(stop, "stop")
         bk = self.block[1]
         col = np.arange(_cdiv(self.seqlen_k, bk))
         lo, hi = col * bk, np.minimum((col + 1) * bk, self.seqlen_k)
@@ -383,9 +377,7 @@ class BlockMask:
         float64 inputs), which the mask does not know: a block is full or skipped only when it is so in float32
         and in float64 alike, else partial (its elements are then tested in the working precision)."""
         sq, sk = _lengths(seqlen_q, seqlen_k)
-        batch, heads = _check_count(batch, "batch", 1), _check_count(heads, "heads", 1)
-        from .problem.core import _check_mod_arrays  # attention()'s check of mod_arrays (problem imports this module)
-
+        batch, heads = check_int(batch, "batch", 1), check_int(heads, "heads", 1)
         arrays = {n: v if isinstance(v, numbers.Number) else np.array(v)  # copies: a caller's later change must not
                   for n, v in _check_mod_arrays(mod_arrays, np).items()}  # reach the mask
         rule = mods.parse(mask_mod, kind="mask", arrays=arrays, what="mask_mod")
@@ -520,8 +512,8 @@ class BlockMask:
         """The element mask ``(batch|1, heads|1, Sq, Sk)`` (O(N²): for references and tests) of the first
         ``seqlen_q`` x ``seqlen_k`` elements (default: all of them); ``dtype``: the working precision of the rule's
         floats (see :meth:`keep`)."""
-        sq = self.seqlen_q if seqlen_q is None else _check_length(seqlen_q, "seqlen_q")
-        sk = self.seqlen_k if seqlen_k is None else _check_length(seqlen_k, "seqlen_k")
+        sq = self.seqlen_q if seqlen_q is None else check_int(seqlen_q, "seqlen_q")
+        sk = self.seqlen_k if seqlen_k is None else check_int(seqlen_k, "seqlen_k")
         if sq > self.seqlen_q or sk > self.seqlen_k:
             raise ValueError(f"to_dense: seqlen_q, seqlen_k = {sq}, {sk} exceed this mask's {self.seqlen_q}, "
                              f"{self.seqlen_k}")
@@ -535,11 +527,9 @@ class BlockMask:
         ``dtype``, as ``attention(mask_mod=...)`` refuses it (:func:`cuflash.problem.core._check_fits_working`): the
         blocks were classified in float32 and float64 alike, but a partial block's elements are tested in the
         problem's precision, where 1e300 turns into inf and every element was dropped, silently."""
-        from .problem.core import _check_fits_working  # problem imports this module
-
         for key, value in sorted(self.values.items()):
             if isinstance(value, (numbers.Real, np.ndarray)):
-                _check_fits_working(value, f"block_mask's mod_arrays[{key[len(_prefix()):]!r}]", dtype)
+                _check_fits_working(value, f"block_mask's mod_arrays[{key[_PREFIX_LEN:]!r}]", dtype)
 
     def check_fits(self, batch, heads, seqlen_q, seqlen_k):
         """Raise ``ValueError`` unless this mask matches a problem of the given sizes."""

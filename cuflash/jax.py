@@ -430,11 +430,10 @@ def _validate(q: Any, k: Any, v: Any, sq: Any, sk: Any, bias: Any, static: dict[
 
     layout = _layout.check_layout(static["layout"])
     qd, kd, vd = (_layout.to_bshd(stand_in(a), layout) for a in (q, k, v))
-    d, dv = kd.shape[-1], vd.shape[-1]
-    if kd.ndim == vd.ndim and kd.shape[:-1] == vd.shape[:-1] and dv != d and dv and qd.shape[-1] == d:
-        # as _layout.pad_head_dims at run time: the smaller head dim is padded to the larger, which the backend
-        # then sees (its MAX_HEAD_DIM)
-        qd, kd, vd = (np.broadcast_to(np.zeros((), a.dtype), a.shape[:-1] + (max(d, dv),)) for a in (qd, kd, vd))
+    width = _layout.padded_width(qd, kd, vd)
+    if width is not None:  # as _layout.pad_head_dims at run time (the backend sees the padded head dim, its
+        # MAX_HEAD_DIM), on stand-ins: no memory
+        qd, kd, vd = (np.broadcast_to(np.zeros((), a.dtype), a.shape[:-1] + (width,)) for a in (qd, kd, vd))
     options = {name: value for name, value in static.items() if name != "layout"}
     problem = make_problem(qd, kd, vd, seqlens_q=values(sq), seqlens_k=values(sk), bias=stand_in(bias), **options,
                            **host)

@@ -18,6 +18,7 @@ inputs are held against a long-double reference (:func:`check_forward`, :func:`c
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -313,7 +314,7 @@ def _copy(x):
     """A copy of a NumPy/CuPy array (same type), of a dict of them (``mod_arrays``), else ``x`` itself."""
     if isinstance(x, np.ndarray) or _is_cupy(x):
         return x.copy()
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):  # options may hold any mapping (mod_arrays)
         return {key: _copy(value) for key, value in x.items()}
     return x
 
@@ -337,8 +338,8 @@ def _same(now, before) -> bool:
 
 def _changed(name, now, before):
     """The names of the arrays (recursing into dicts) of ``now`` that differ from their copy in ``before``."""
-    if isinstance(before, dict):
-        if not isinstance(now, dict) or now.keys() != before.keys():
+    if isinstance(before, dict):  # a _copy: every mapping became a dict
+        if not isinstance(now, Mapping) or now.keys() != before.keys():
             yield name
             return
         for key in before:

@@ -23,13 +23,12 @@ form an interval too.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
 
-from .problem import visible
+from .problem import check_int, visible
 
 
 def cdiv(a, b):
@@ -39,17 +38,6 @@ def cdiv(a, b):
 # --------------------------------------------------------------------------------------------
 # Argument checks of the public entry points (once per call or construction, never per tile)
 # --------------------------------------------------------------------------------------------
-def _int_arg(x, name: str, low: Optional[int] = 0) -> int:
-    """``x`` as an int ``>= low`` (any int for ``low`` None). Floats are refused, not truncated (a 4.5-row tile would
-    silently become 4), and so are bools (True is not a length)."""
-    form = "an int" if low is None else f"an int >= {low}"
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be {form}, got {x!r}")
-    if low is not None and x < low:
-        raise ValueError(f"{name} must be {form}, got {x!r}")
-    return int(x)
-
-
 def _lengths_arg(x, name: str, full: int):
     """Per-sequence lengths as int64 ``(B,)`` in ``[0, full]`` (a scalar is one sequence); None stays None."""
     if x is None:
@@ -126,9 +114,9 @@ def classify_grid(grid, block, block_q: int, block_k: int, seqlen_q: int, seqlen
     if not isinstance(block, (tuple, list)) or len(block) != 2:
         raise ValueError(f"block must be a pair (rows, columns) of ints >= 1, got {block!r}")
     # a 0-row mask block would divide by zero (NumPy warns and every tile comes out kept)
-    bq, bk = _int_arg(block[0], "block rows", 1), _int_arg(block[1], "block columns", 1)
-    block_q, block_k = _int_arg(block_q, "block_q", 1), _int_arg(block_k, "block_k", 1)
-    seqlen_q, seqlen_k = _int_arg(seqlen_q, "seqlen_q"), _int_arg(seqlen_k, "seqlen_k")
+    bq, bk = check_int(block[0], "block rows", 1), check_int(block[1], "block columns", 1)
+    block_q, block_k = check_int(block_q, "block_q", 1), check_int(block_k, "block_k", 1)
+    seqlen_q, seqlen_k = check_int(seqlen_q, "seqlen_q"), check_int(seqlen_k, "seqlen_k")
     want = (cdiv(seqlen_q, bq), cdiv(seqlen_k, bk))
     if grid.ndim != 4 or grid.shape[2:] != want:  # a smaller grid would be indexed past its end
         raise ValueError(f"grid must have shape (batch|1, heads|1, {want[0]}, {want[1]}) for blocks of {bq} x {bk} "
@@ -160,11 +148,11 @@ class Schedule:
                  left: Optional[int] = None, right: Optional[int] = None, block_mask=None):
         # checked once here: the per-tile methods trust these (a negative length gave an empty grid, a float tile
         # was truncated, a negative window or a length past the padded one a wrong schedule)
-        self.seqlen_q, self.seqlen_k = _int_arg(seqlen_q, "seqlen_q"), _int_arg(seqlen_k, "seqlen_k")
-        self.block_q, self.block_k = _int_arg(block_q, "block_q", 1), _int_arg(block_k, "block_k", 1)
+        self.seqlen_q, self.seqlen_k = check_int(seqlen_q, "seqlen_q"), check_int(seqlen_k, "seqlen_k")
+        self.block_q, self.block_k = check_int(block_q, "block_q", 1), check_int(block_k, "block_k", 1)
         # any int: ring attention's pair windows are the global band seen from a pair, shifted, and may be negative
-        left = None if left is None else _int_arg(left, "left", None)
-        right = None if right is None else _int_arg(right, "right", None)
+        left = None if left is None else check_int(left, "left", None)
+        right = None if right is None else check_int(right, "right", None)
         self.left, self.right, self.block_mask = left, right, block_mask
         lq, lk = _lengths_arg(len_q, "len_q", self.seqlen_q), _lengths_arg(len_k, "len_k", self.seqlen_k)
         if lq is not None and lk is not None and lq.shape != lk.shape:
@@ -381,7 +369,7 @@ def kv_splits(sm_count: int, blocks: int, key_tiles: int) -> int:
     """
     # O(1) checks (called once per KV-cache call): blocks=0 divided by zero
     for name, value, low in (("sm_count", sm_count, 1), ("blocks", blocks, 1), ("key_tiles", key_tiles, 0)):
-        _int_arg(value, name, low)
+        check_int(value, name, low)
     if blocks >= sm_count or key_tiles < 4:
         return 1
     return max(1, min(cdiv(sm_count, blocks), key_tiles // 2, MAX_KV_SPLITS))

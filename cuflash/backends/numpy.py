@@ -1115,7 +1115,7 @@ class _GradShifts:
 
     With ``a, b, x, y`` the largest row norm of dO, V, Q, K within the sequences' lengths (padding past them is never
     read: 3e38 there shifted every sequence's dS into the subnormals; where it may overflow under these shifts the
-    call takes the guarded path, :meth:`padding_overflows`) and ``z = 1/(1 - dropout)`` (O_i an average of
+    call takes the guarded path, :meth:`state`) and ``z = 1/(1 - dropout)`` (O_i an average of
     rows of V, times z at most; Cauchy-Schwarz; the rows of P sum to 1):
 
     - ``|dP_ij| z, |D_i|, |dP_ij z - D_i|, |dS_ij| <= C = 2 a b z`` (every partial sum of the products too);
@@ -1168,12 +1168,13 @@ class _GradShifts:
                 over(chain + 1 + y))
 
     def __call__(self):
-        return (0, 0, 0) if self._together is None else self._together()[0]
+        return self.state()[0]
 
-    def padding_overflows(self) -> bool:
-        """Whether rows past the sequences' lengths are so large that the shifts of the sequences' own rows may let
-        their products overflow: then the call takes the guarded path, where they meet only P = 0 and dS = 0."""
-        return self._together is not None and self._together()[1]
+    def state(self):
+        """``(shifts, padding_overflows)``: the shifts, and whether rows past the sequences' lengths are so large that
+        the shifts of the sequences' own rows may let their products overflow (then the call takes the guarded path,
+        where they meet only P = 0 and dS = 0). One wait on the parts for both, per column."""
+        return ((0, 0, 0), False) if self._together is None else self._together()
 
 
 def _largest_rows(x, wt, lengths, s0):
@@ -1313,10 +1314,10 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
             return
         k0, k1 = tiles[0].k0, tiles[0].k1
         prep, rows = prepared(chunk), row_operands(chunk)
-        ec, eq, ek = grad_shifts()
+        (ec, eq, ek), padding_overflows = grad_shifts.state()
         # guarded (see _seen_product): some input of the block is not finite, or the padding past the lengths may
         # overflow under the sequences' shifts (_GradShifts); then also P = 0, dS = 0 where unseen
-        kt, bounds, guarded = prep.kt, prep.bounds, prep.any_nonfinite or grad_shifts.padding_overflows()
+        kt, bounds, guarded = prep.kt, prep.bounds, prep.any_nonfinite or padding_overflows
         k_j, kt_j, v_j = k[bs, hs, :, k0:k1, :], kt[..., k0:k1], v[bs, hs, :, k0:k1, :]
         vt_j = np.swapaxes(v_j, -1, -2)
         # Finite inputs without a score modifier: the shift by lse (line 11, S - L) and D (line 14, dP - D) ride in

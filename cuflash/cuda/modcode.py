@@ -162,7 +162,9 @@ MOD_MARGIN = 256
 def _device_array(xp, a, t: str, real: str = "float", margin_axes=()):
     """``a`` on ``xp`` in the kernels' element type, and its element strides per axis (0 where it broadcasts).
     Each axis of ``margin_axes`` that does not broadcast gets :data:`MOD_MARGIN` zeros past its end."""
-    small = compact(a)  # converting it copies only what the caller stored; integers in int32: problem validation saw to it (mods.Expr.check_int_range)
+    # converting the compact view copies only what the caller stored; integers in int32: problem validation saw to it
+    # (mods.Expr.check_int_range)
+    small = compact(a)
     dt = np.dtype(np.float64 if (t == "float" and real == "double") else _DEVICE_DTYPE[t])
     if small.dtype == np.bool_:
         small = small.view(np.uint8)

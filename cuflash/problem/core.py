@@ -471,6 +471,18 @@ def check_dropout(dropout_p, seed, what="dropout_p"):
     return p, (None if seed is None else int(seed))
 
 
+def check_int(x, name: str, low: Optional[int] = 0) -> int:
+    """``x`` as an int ``>= low`` (any int for ``low`` None): the one check of an int argument (tile sizes, lengths,
+    a BlockMask's counts). Floats are refused, not truncated (a 4.5-row tile would silently become 4), and so are
+    bools (True is not a length)."""
+    form = "an int" if low is None else f"an int >= {low}"
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be {form}, got {x!r}")
+    if low is not None and x < low:
+        raise ValueError(f"{name} must be {form}, got {x!r}")
+    return int(x)
+
+
 def check_precision_name(precision) -> str:
     """One of :data:`PRECISIONS` (TypeError for a non-str, ValueError for another name), whatever the dtype: the
     options' check, and ``warmup``'s."""
