@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ._fp import ignore_fp_errors
 from .interop import Edge
 from .problem import array_module, dtype_name, native
 
@@ -73,19 +74,22 @@ def merge_attention_states(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[An
         return edge.export(out.astype(outs[0].dtype, copy=False)), edge.export(lse.astype(lses[0].dtype, copy=False))
 
 
+@ignore_fp_errors
 def merge_parts(xp: Any, outs: Sequence[Any], lses: Sequence[Any], work: np.dtype[Any]) -> tuple[Any, Any]:
     """The merge on validated arrays: ``(out, lse)`` in the working dtype ``work`` (no checks, no final rounding).
 
-    :mod:`cuflash.distributed` calls this directly to keep its running accumulator in ``work`` across steps.
+    :mod:`cuflash.distributed` calls this directly to keep its running accumulator in ``work`` across steps. NumPy's
+    floating-point errors are ignored whatever the caller set (a part's weight underflows as a rule; NaN and
+    infinities are handled below).
     """
     lse_all = xp.stack([xp.asarray(x).astype(work, copy=False) for x in lses])  # (n, ..., H, Sq)
     top = lse_all.max(axis=0)
     # A row that is -inf everywhere would compute (-inf) - (-inf) = NaN: shift it by 0 instead, so that every
     # weight is exp(-inf) = 0 and the row gets out 0, lse -inf. A +inf lse (a part saw an infinite score) makes
-    # the row's lse +inf, as logsumexp over the union does; out's NaN there and every NaN propagate.
+    # the row's lse +inf, as logsumexp over the union does (its weights inf - inf = NaN: handled below); out's NaN
+    # there and every NaN propagate.
     top = xp.where(top == -np.inf, work.type(0), top)
-    with np.errstate(invalid="ignore"):  # inf - inf where a part's lse is +inf: handled below
-        weights = xp.exp(lse_all - top)
+    weights = xp.exp(lse_all - top)
     total = weights.sum(axis=0)
     seen = total != 0  # a NaN total stays NaN (NaN != 0), never passes for "sees no key"
     safe_total = xp.where(seen, total, work.type(1))

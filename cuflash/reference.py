@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _layout
+from ._fp import ignore_fp_errors
 from .problem import as_float, check_backward, make_problem, stats_dtype
 
 
@@ -194,6 +195,7 @@ def _problem(options, q, k, v, **rows):
     return layout, make_problem(q, k, v, **kw), rows, dv
 
 
+@ignore_fp_errors
 def attention(q, k, v, *, return_lse=False, dropout_mask=None, dropout_p=0.0, compute_dtype=np.float64, **options):
     """Float64 attention with every cuflash option (``**options``: those of :func:`cuflash.attention`).
 
@@ -212,6 +214,7 @@ def attention(q, k, v, *, return_lse=False, dropout_mask=None, dropout_p=0.0, co
     return (out, lse) if return_lse else out
 
 
+@ignore_fp_errors
 def attention_backward(dout, q, k, v, out=None, lse=None, *, dropout_mask=None, dropout_p=0.0,
                        compute_dtype=np.float64, return_dbias=False, **options):
     """Analytic float64 gradients ``(dq, dk, dv)`` of :func:`attention` (and ``dbias`` with ``return_dbias``).
@@ -285,6 +288,7 @@ def _reduce_bias(p, ds):
     return ds.sum(axis=axes, keepdims=True).reshape(p.mods.bias_shape)
 
 
+@ignore_fp_errors
 def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **options):
     """Largest magnitude of the terms each result is summed from, in float64, times the condition of ``exp``.
 

@@ -113,8 +113,8 @@ def test_shifted_is_the_unshifted_scaled(options, monkeypatch):
 def test_huge_padding_leaves_the_sequences_alone(padded):
     """Padding past ``seqlens_q``/``seqlens_k`` is never read: 3e38 there (V's keys, or those and dO's rows) set the
     shifts of every sequence, pushing dS = P (dP - D) of V ~ 2^-116 into the subnormals (dP = dO V^T 2^-ec: up to
-    100x the naive error), or to nothing (both: ec = 137). The shifts come from each sequence's own rows; padding
-    that overflows under them is guarded (it meets only P = 0 and dS = 0)."""
+    100x the naive error), or to nothing (both: ec = 137). The NumPy backend now zero-fills a padding that holds
+    anything else, as the kernels do on load (tests/test_unseen_values.py: its bits are those of zero padding)."""
     rng = np.random.default_rng(5)
     q, k, do = (rng.standard_normal(s).astype(np.float32) for s in ((2, 50, 2, 16), (2, 70, 1, 16), (2, 50, 2, 16)))
     v = np.ldexp(rng.standard_normal((2, 70, 1, 16)), -116).astype(np.float32)

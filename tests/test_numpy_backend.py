@@ -900,3 +900,32 @@ def test_a_row_that_sees_one_key_returns_its_value_exactly_beside_longer_rows(dt
     out = cuflash.attention(q, k, v, causal=True, seqlens_q=np.array([n, 600]), seqlens_k=np.array([n, n]),
                             backend="numpy")
     np.testing.assert_array_equal(out[0, 0, 0], v[0, 0, 0])
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_the_callers_floating_point_error_settings_change_nothing(monkeypatch, threads):
+    """``np.seterr(all="raise")`` in the caller made ordinary calls raise FloatingPointError (underflow in a product,
+    in exp2: the softmax's tail underflows as a rule), and warnings as errors made them raise RuntimeWarning: the
+    workers run in copies of the caller's context, which holds NumPy's error state. The backend, the merge and the
+    reference now ignore floating-point errors whatever the caller set (the algorithm handles what they would
+    report), with the same bits; the caller's setting is as it was after the call."""
+    monkeypatch.setenv("CUFLASH_NUM_THREADS", threads)
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((2, 600, 2, 16)).astype(np.float32) * 4 for _ in range(4))
+    opts = dict(causal=True, seqlens_q=np.array([600, 300], np.int32), dropout_p=0.1, seed=1)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+    grads = cuflash.attention_backward(do, q, k, v, out, lse, **opts)
+    merged = cuflash.merge_attention_states([out, out], [lse, lse - 200])
+    ref = cuflash.reference.attention(q, k, v, causal=True, compute_dtype=np.float32)
+    old = np.seterr(all="raise")
+    try:
+        assert np.array_equal(ref, cuflash.reference.attention(q, k, v, causal=True, compute_dtype=np.float32))
+        assert all(np.array_equal(a, b) for a, b in zip(
+            (out, lse), cuflash.attention(q, k, v, return_lse=True, **opts)))
+        assert all(np.array_equal(a, b) for a, b in zip(grads, cuflash.attention_backward(do, q, k, v, out, lse,
+                                                                                          **opts)))
+        assert all(np.array_equal(a, b) for a, b in zip(
+            merged, cuflash.merge_attention_states([out, out], [lse, lse - 200])))
+        assert np.geterr() == dict(divide="raise", over="raise", under="raise", invalid="raise")
+    finally:
+        np.seterr(**old)

@@ -12,6 +12,8 @@ to the clean one wherever it is finite.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -102,6 +104,30 @@ def test_padding_is_never_read_emulated():
     clean, (q, k, v, do) = _padding(case, rng)
     out, lse = check_forward(_forward("emulate", (q, k, v)), clean)
     check_backward(_backward("emulate", (do, q, k, v)), clean, out, lse)
+
+
+@pytest.mark.parametrize("poison", ["max", "nan", "inf"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_padding_changes_no_bit_numpy(dtype, poison):
+    """The NumPy backend's results of the sequences are bit for bit those of zero padding, whatever the padding
+    holds: the largest finite values (their scores overflowed, which changed the bounds' decisions and so the last
+    bits, and raised RuntimeWarnings: an exception for a caller running with warnings as errors), NaN or infinities
+    (which sent the call down the guarded path: other bits again)."""
+    rng = np.random.default_rng(8)
+    q, k, v, do = (rng.standard_normal((2, 600, 2, 32)).astype(dtype) for _ in range(4))
+    opts = dict(seqlens_q=np.array([300, 600], np.int32), seqlens_k=np.array([200, 600], np.int32))
+    fill = dict(max=np.finfo(dtype).max, nan=np.nan, inf=-np.inf)[poison]
+    q[0, 300:], k[0, 200:], v[0, 200:], do[0, 300:] = 0, 0, 0, 0
+    hq, hk, hv, hdo = q.copy(), k.copy(), v.copy(), do.copy()
+    hq[0, 300:], hk[0, 200:], hv[0, 200:], hdo[0, 300:] = fill, fill, fill, fill
+    clean = cuflash.attention(q, k, v, return_lse=True, backend="numpy", **opts)
+    clean += cuflash.attention_backward(do, q, k, v, *clean, backend="numpy", **opts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        poisoned = cuflash.attention(hq, hk, hv, return_lse=True, backend="numpy", **opts)
+        poisoned += cuflash.attention_backward(hdo, hq, hk, hv, *poisoned, backend="numpy", **opts)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), poisoned, clean):
+        assert np.array_equal(a, b), name
 
 
 @pytest.mark.parametrize("poison_out", [False, True], ids=["lse", "lse_and_out"])

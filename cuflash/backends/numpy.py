@@ -21,7 +21,6 @@ once, O(N·d).
 from __future__ import annotations
 
 import collections
-import contextlib
 import contextvars
 import functools
 import math
@@ -33,6 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import _env
+from .._fp import ignore_fp_errors
 from ..dropout import keep_mask
 from ..problem import Problem, stats_dtype, visible
 from ..tiling import Schedule, Tile
@@ -85,6 +85,13 @@ def details():
     return describe()
 
 
+def _entry(fn):
+    """A backend entry point: one BLAS for the whole call (:func:`one_choice`), NumPy's floating-point errors ignored
+    (:func:`cuflash._fp.ignore_fp_errors`; non-finite inputs reach exactly the results that see them,
+    :func:`_seen_product`, and padding is zeroed, :func:`_without_padding`)."""
+    return one_choice(ignore_fp_errors(fn))
+
+
 def _run(fn, items, consume=None):
     """``fn(x)`` for every item on the worker threads, BLAS on one thread throughout.
 
@@ -102,7 +109,7 @@ def _run(fn, items, consume=None):
             return
 
         def run(x):
-            with worker_single_threaded():
+            with worker_single_threaded(), np.errstate(all="ignore"):  # NumPy 1's is per thread (_entry)
                 return fn(x)
 
         window = 4 * threads
@@ -199,6 +206,30 @@ def _grouped(x, problem, dtype):
     """
     b, s, h, d = x.shape
     return x.transpose(0, 2, 1, 3).astype(dtype, copy=False).reshape(b, problem.heads_kv, h // problem.heads_kv, s, d)
+
+
+def _without_padding(x, lengths):
+    """``x`` (grouped: batch first, rows on axis -2) with its rows past each sequence's length ``lengths[b]`` at 0,
+    as the CUDA kernels fill them on load. Then nothing the padding holds (an uninitialized buffer's NaN or 3e38)
+    enters a bound, a finiteness check, the guarded path or a product's rounding: a sequence's bits are those of
+    zero padding, and no overflow there raises a RuntimeWarning. A copy only where some padding element is not 0
+    (one pass over the padding to tell)."""
+    if lengths is None:
+        return x
+    rows = x.shape[-2]
+    dirty = [(b, int(n)) for b, n in enumerate(lengths) if n < rows and np.any(x[b, ..., int(n):, :])]
+    if not dirty:
+        return x
+    x = x.copy()
+    for b, n in dirty:
+        x[b, ..., n:, :] = 0
+    return x
+
+
+def _padding_lengths(problem):
+    """``(len_q, len_k)`` where the batch is padded (``seqlens_q``/``seqlens_k``), else ``(None, None)``."""
+    padded = problem.seqlens_q is not None or problem.seqlens_k is not None
+    return problem.lengths if padded else (None, None)
 
 
 def _result_zeros(grouped_shape, problem, wt):
@@ -336,7 +367,6 @@ def _per_chunk(problem, rule, q, k, v, wt, matmul, also=(), ones_column=False, f
 
     def parts(chunk):  # a closure, not a method: nothing here refers back to the _PerBlock (no cycle to collect)
         qc, kc, vc = q[chunk], k[chunk], v[chunk]
-        seen = None if problem.seqlens_k is None else problem.lengths[1][chunk[0]]  # the keys of each sequence
         kt, copy = _keys_transposed(problem, kc, matmul)
         norms = [functools.partial(_Bounds.row_norms, x) for x in (kc, vc)] if bounded else []
         # With the norms, V's largest row norm stands in for max|V| (the pass below only where it does not settle
@@ -349,9 +379,8 @@ def _per_chunk(problem, rule, q, k, v, wt, matmul, also=(), ones_column=False, f
             kv = results[len(copy):len(copy) + len(norms)]
             checks = results[len(copy) + len(norms):][:len(exact) + len(others)]
             kmax, vmax = (_Bounds.largest(x) for x in kv) if kv else (None, None)
-            vseen = vmax if seen is None or not kv else _Bounds.largest(kv[1], seen)  # no padding: V's own
-            bounds = _Bounds(problem, rule, kmax, vmax, vseen, wt) if kv else None
-            v_nonfinite, v_scale = _v_checks(problem, wt, vc, vmax, checks[0] if exact else None, seen)
+            bounds = _Bounds(problem, rule, kmax, vmax, wt) if kv else None
+            v_nonfinite, v_scale = _v_checks(problem, wt, vc, vmax, checks[0] if exact else None)
             return _Prepared(kt, bounds, v_nonfinite, v_nonfinite or any(checks[len(exact):]), v1, v_scale)
 
         return copy + norms + exact + others + ones, finish
@@ -359,33 +388,20 @@ def _per_chunk(problem, rule, q, k, v, wt, matmul, also=(), ones_column=False, f
     return _PerBlock(parts)
 
 
-def _v_checks(problem, wt, v, vnorm, vmax, seen=None):
+def _v_checks(problem, wt, v, vnorm, vmax):
     """``(whether V holds an infinity or NaN, the power of two it runs at (:func:`_v_scale`))``, from ``vmax = max|V|``
     (:func:`_largest`) or, where the bounds computed them instead, from V's largest row norms ``vnorm``: an upper
     bound on max|V| (raised by the rounding of d squares) that settles both for every V but those near the dtype's
-    largest or not finite, where the exact pass decides as before (same results, one pass fewer).
-
-    ``seen``: the keys of each sequence (``seqlens_k``). The scale comes from them alone: a huge value in the padding
-    past a sequence's length scaled its tiny values into the subnormals (padding is never read for its values;
-    its keys meet P = 0 only, so nothing there can overflow). Whether V is finite is asked of all of it, as the
-    products meet the padding's keys of the shorter sequences in a tile (a NaN there needs the guarded product)."""
+    largest or not finite, where the exact pass decides as before (same results, one pass fewer). (The padding past
+    the sequences' lengths holds zeros here: :func:`_without_padding`.)"""
     if vmax is None:
         bound = float(np.max(vnorm, initial=0.0)) * (1 + 2.0 ** -8)
         if math.isfinite(bound) and _v_scale(problem, wt, bound) == 1.0:
             return False, 1.0
         vmax = _largest(v)
     if not math.isfinite(vmax):  # an infinity or NaN in V: the scale from the finite values
-        return True, _v_scale(problem, wt, max((_largest_finite(x) for x in _sequences(v, seen)), default=0.0))
-    vmax = vmax if seen is None else max((_largest(x) for x in _sequences(v, seen)), default=0.0)
+        return True, _v_scale(problem, wt, _largest_finite(v))
     return False, _v_scale(problem, wt, vmax)
-
-
-def _sequences(x, seen):
-    """Per batch element of ``x`` (batch first, keys on axis -2), its rows of keys ``[0, seen[i])``; all of ``x``
-    for ``seen`` None."""
-    if seen is None:
-        return [x]
-    return [x[i, ..., :int(n), :] for i, n in enumerate(seen)]
 
 
 #: Working dtypes whose forward sums the rows of P in the product when MKL runs it (:func:`_rowsum_in_pv`).
@@ -753,23 +769,20 @@ class _Bounds:
             return np.sqrt(np.einsum("...d,...d->...", x, x))
 
     @staticmethod
-    def largest(norms, seen=None):
-        """The largest of :meth:`row_norms` per (batch, kv head) pair, (nb, nh, 1) float64; over each sequence's
-        keys ``[0, seen[i])`` only, for ``seen`` given. For V, max|V| lies between this norm r and r / sqrt(d) (below,
-        the upper end bounds overflow, the lower one underflow)."""
-        if seen is not None:
-            norms = np.where(np.arange(norms.shape[-1]) < np.asarray(seen).reshape(-1, 1, 1, 1), norms, 0)
+    def largest(norms):
+        """The largest of :meth:`row_norms` per (batch, kv head) pair, (nb, nh, 1) float64. For V, max|V| lies between
+        this norm r and r / sqrt(d) (below, the upper end bounds overflow, the lower one underflow)."""
         return norms.max(axis=-1, initial=0.0).astype(np.float64)
 
-    def __init__(self, problem, rule, kmax, vnorm, vnorm_seen, wt):
-        """``kmax``, ``vnorm``: :meth:`largest` of the block's K and V row norms; ``vnorm_seen``: V's over the keys of
-        each sequence, which bound max|V| from below (a huge value in the padding past a sequence's length made the
-        bound of its tiny values too high: P V fell into the subnormals)."""
+    def __init__(self, problem, rule, kmax, vnorm, wt):
+        """``kmax``, ``vnorm``: :meth:`largest` of the block's K and V row norms (the padding past the sequences'
+        lengths holds zeros here, :func:`_without_padding`: a huge value there made the lower bound on the max|V| of
+        a sequence's tiny values too high, and P V fell into the subnormals)."""
         fi = np.finfo(wt)
         drop = -math.log2(1.0 - problem.dropout_p) if problem.dropout_p else 0.0
         with np.errstate(divide="ignore"):
             vlog = np.log2(vnorm) + 2.0 ** -6  # -inf for a norm of 0
-            vlog_low = np.log2(vnorm_seen) + 2.0 ** -6 - 0.5 * math.log2(max(problem.v.shape[-1], 1)) - 2.0 ** -5
+            vlog_low = vlog - 0.5 * math.log2(max(problem.v.shape[-1], 1)) - 2.0 ** -5
         nk = math.log2(max(problem.seqlen_k, 1))
         scale = abs(float(rule.tile)) if rule.tile is not None else 1.0
         # per (batch, kv head): the Cauchy-Schwarz factor with room for the rounding of the norms (d ulps), and the
@@ -944,7 +957,7 @@ def run_many(works):
     return [work.finish() for work in works]
 
 
-@one_choice
+@_entry
 def forward(problem: Problem, *, block_q=None, block_k=None, schedule=None):
     """Return ``out (B, Sq, Hq, D)`` in q's dtype and ``lse (B, Hq, Sq)``."""
     return run_many([forward_work(problem, block_q=block_q, block_k=block_k, schedule=schedule)])[0]
@@ -965,7 +978,9 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
     range: the partial ``out`` and ``lse`` over those keys, for :func:`cuflash.merge.merge_parts`); ``cast=False``
     leaves ``out`` in the working dtype (a part to be merged is rounded once, after the merge)."""
     wt = _work_dtype(problem)
-    q, k, v = (_grouped(x, problem, wt) for x in (problem.q, problem.k, problem.v))
+    len_q, len_k = _padding_lengths(problem)
+    q, k, v = (_without_padding(_grouped(x, problem, wt), n)
+               for x, n in ((problem.q, len_q), (problem.k, len_k), (problem.v, len_k)))
     # the outputs first: a problem too large for memory (a zero-stride batch of 2**30) fails here at once, before the
     # plan lists its blocks of (batch, head) pairs (that took minutes and gigabytes before a bare MemoryError)
     out = _result_zeros(q.shape, problem, wt)
@@ -1009,10 +1024,7 @@ def forward_work(problem: Problem, *, block_q=None, block_k=None, schedule=None,
         tiles = masks.settled(_in_range(list(sched.row(i)), key_tiles, lay.block_k), chunk)
         if not tiles:
             return
-        # non-finite inputs reach exactly the results that see them, without RuntimeWarnings on the way (as
-        # NumPy's own would come from the scores of rows and keys that are then masked); finite ones raise none
-        with np.errstate(invalid="ignore"):
-            row_block(chunk, tiles, prepared(chunk))
+        row_block(chunk, tiles, prepared(chunk))
 
     def row_block(chunk, tiles, prep):
         bs, hs = chunk
@@ -1113,10 +1125,9 @@ class _GradShifts:
     dS = P (dP - D) fits), or Q or K near it with ``|scale| < 1`` (the sums of dS Q and dS K, multiplied by the
     scale only at the end).
 
-    With ``a, b, x, y`` the largest row norm of dO, V, Q, K within the sequences' lengths (padding past them is never
-    read: 3e38 there shifted every sequence's dS into the subnormals; where it may overflow under these shifts the
-    call takes the guarded path, :meth:`state`) and ``z = 1/(1 - dropout)`` (O_i an average of
-    rows of V, times z at most; Cauchy-Schwarz; the rows of P sum to 1):
+    With ``a, b, x, y`` the largest row norm of dO, V, Q, K (their padding past the sequences' lengths at 0,
+    :func:`_without_padding`: 3e38 there shifted every sequence's dS into the subnormals) and ``z = 1/(1 - dropout)``
+    (O_i an average of rows of V, times z at most; Cauchy-Schwarz; the rows of P sum to 1):
 
     - ``|dP_ij| z, |D_i|, |dP_ij z - D_i|, |dS_ij| <= C = 2 a b z`` (every partial sum of the products too);
     - ``|sum_i dS_ij Q_i| <= Sq (H/Hkv) x C`` (the rows of the group's heads), ``|sum_j dS_ij K_j| <= y C``
@@ -1142,20 +1153,12 @@ class _GradShifts:
             if self.shifts(*(big + 0.5 * math.log2(max(t.shape[-1], 1)) for t in (do, v, q, k))) == (0, 0, 0):
                 return
         arrays = (do, v, q, k)
-        padded = problem.seqlens_q is not None or problem.seqlens_k is not None
-        len_q, len_k = problem.lengths if padded else (None, None)
         spans = [_key_parts(x.shape[1]) for x in arrays]
-        parts = [functools.partial(_largest_rows, x[:, s0:s1], wt, n, s0)
-                 for x, n, sp in zip(arrays, (len_q, len_k, len_q, len_k), spans) for s0, s1 in sp]
+        parts = [functools.partial(_largest_row, x[:, s0:s1], wt) for x, sp in zip(arrays, spans) for s0, s1 in sp]
         ends = np.cumsum([len(sp) for sp in spans]).tolist()
 
         def finish(results):
-            def per_array(pick):
-                return [max((pick(r) for r in results[e0:e1]), default=-math.inf)
-                        for e0, e1 in zip([0] + ends[:-1], ends)]
-
-            shifts = self.shifts(*per_array(lambda r: r[0]))
-            return shifts, self.shifts(*per_array(max)) != shifts
+            return self.shifts(*(max(results[e0:e1], default=-math.inf) for e0, e1 in zip([0] + ends[:-1], ends)))
 
         self._together = _Together(parts, finish)
 
@@ -1168,24 +1171,7 @@ class _GradShifts:
                 over(chain + 1 + y))
 
     def __call__(self):
-        return self.state()[0]
-
-    def state(self):
-        """``(shifts, padding_overflows)``: the shifts, and whether rows past the sequences' lengths are so large that
-        the shifts of the sequences' own rows may let their products overflow (then the call takes the guarded path,
-        where they meet only P = 0 and dS = 0). One wait on the parts for both, per column."""
-        return ((0, 0, 0), False) if self._together is None else self._together()
-
-
-def _largest_rows(x, wt, lengths, s0):
-    """``(seen, padding)``: :func:`_largest_row` of the rows of ``x`` (B, rows from ``s0``, H, D) inside each
-    sequence's length ``lengths[b]`` and of those past it (-inf: none; ``lengths`` None: all rows are inside)."""
-    rows = x.shape[1]
-    if lengths is None or (lengths >= s0 + rows).all():
-        return _largest_row(x, wt), -math.inf
-    cut = np.clip(lengths - s0, 0, rows)
-    return (max((_largest_row(x[b, :c], wt) for b, c in enumerate(cut)), default=-math.inf),
-            max((_largest_row(x[b, c:], wt) for b, c in enumerate(cut)), default=-math.inf))
+        return (0, 0, 0) if self._together is None else self._together()
 
 
 def _unscale(x, scale, shift):
@@ -1252,7 +1238,7 @@ def _row_operands(rule, q, do, o, lse_r, big_d, shifts, prepared, bounded) -> _P
     return _PerBlock(parts)
 
 
-@one_choice
+@_entry
 def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, schedule=None,
              deterministic=False, dbias=False):
     """FA2 Algorithm 2: ``(dq, dk, dv)`` by recomputing P from ``lse``; no N×N buffer.
@@ -1266,12 +1252,10 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
                   scratch=None):
     """The backward of one problem as :class:`_Work` (its dQ accumulators folded in item order)."""
     wt = _work_dtype(problem)
-    q = _grouped(problem.q, problem, wt)
+    len_q, len_k = _padding_lengths(problem)
+    q, k, v, do, o = (_without_padding(_grouped(x, problem, wt), n) for x, n in
+                      ((problem.q, len_q), (problem.k, len_k), (problem.v, len_k), (dout, len_q), (out, len_q)))
     rule = _exp_rule(problem, wt, q)
-    k = _grouped(problem.k, problem, wt)
-    v = _grouped(problem.v, problem, wt)
-    do = _grouped(dout, problem, wt)
-    o = _grouped(out, problem, wt)
     lse_r = np.asarray(lse, dtype=np.float64).reshape(q.shape[:-1]) / (LN2 * rule.bits)  # in the rule's base
     lay, sched = _plan(problem, block_q, block_k, schedule, BACKWARD_TILE_ELEMENTS)  # after an array of the rows
     # rows that saw nothing (-inf), and padding rows past a sequence's length whatever they hold (padding is never
@@ -1285,7 +1269,7 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
     coarse = bool(np.abs(lse_r[np.isfinite(lse_r)]).max(initial=0) >= 2.0 ** np.finfo(wt).nmant)
     big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
     # dO, and Q and K in the sums of dS Q and dS K, at powers of two where an intermediate could overflow
-    bshd = lambda x, y: x if x.dtype == wt else _ungroup(y)  # noqa: E731  (the inputs, or the upcast copies)
+    bshd = lambda x, y: x if np.may_share_memory(x, y) else _ungroup(y)  # noqa: E731  (the inputs, or our copies)
     grad_shifts = _GradShifts(problem, wt, bshd(problem.q, q), bshd(problem.k, k), bshd(problem.v, v), bshd(dout, do))
     matmul = products()
     prepared = _per_chunk(problem, rule, q, k, v, wt, matmul, also=(do, big_d))
@@ -1314,10 +1298,9 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
             return
         k0, k1 = tiles[0].k0, tiles[0].k1
         prep, rows = prepared(chunk), row_operands(chunk)
-        (ec, eq, ek), padding_overflows = grad_shifts.state()
-        # guarded (see _seen_product): some input of the block is not finite, or the padding past the lengths may
-        # overflow under the sequences' shifts (_GradShifts); then also P = 0, dS = 0 where unseen
-        kt, bounds, guarded = prep.kt, prep.bounds, prep.any_nonfinite or padding_overflows
+        ec, eq, ek = grad_shifts()
+        # guarded (see _seen_product): some input of the block is not finite; then also P = 0, dS = 0 where unseen
+        kt, bounds, guarded = prep.kt, prep.bounds, prep.any_nonfinite
         k_j, kt_j, v_j = k[bs, hs, :, k0:k1, :], kt[..., k0:k1], v[bs, hs, :, k0:k1, :]
         vt_j = np.swapaxes(v_j, -1, -2)
         # Finite inputs without a score modifier: the shift by lse (line 11, S - L) and D (line 14, dP - D) ride in
@@ -1335,60 +1318,58 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
         dkt_j = np.zeros(shape + (d, k1 - k0), dtype=wt)
         dvt_j = np.zeros(dkt_j.shape, dtype=wt)
         part = dbias_part(chunk, k0, k1) if dbias else None
-        # guarded: dP and dS of unseen elements may be NaN (0 * inf, inf - inf) until set to 0 (silently, as above)
-        with np.errstate(invalid="ignore") if guarded else contextlib.nullcontext():
-            # a partial tile as row strips cut to the keys they see (as the forward's: a causal diagonal tile costs
-            # 5/8 of its products)
-            for t in [strip for tile in tiles for strip in masks.strips(tile, chunk)]:
-                i, c = slice(t.i0, t.i1), slice(t.k0 - k0, t.k1 - k0)  # rows; keys within the column
-                q_i, do_i = q[bs, hs, :, i, :], do[bs, hs, :, i, :]
-                q1_i, do1_i, d_i = rows.q1[..., i, :], rows.do1[..., i, :], rows.big_d[..., i]
-                qs_i, dop_i = q1_i[..., :d], do1_i[..., :d]  # Q·fold; dO·2^-ec (D is of it too)
-                tile_shape = shape + (t.i1 - t.i0, t.k1 - t.k0)
-                s = scratch.get("s", tile_shape, wt)
-                shift = lse_r[bs, hs, :, i]  # L of the rows, in the rule's base
-                # S as the forward's (line 11), or S - L where every L is finite (a row that saw nothing has L = inf:
-                # there S - L is left to the pass, as IEEE gives it; in BLAS an infinity meets the zeros of its padding)
-                folded = fold_lse and bool(np.isfinite(shift).all())
-                _scores(*((q1_i, kt1_j[..., c]) if folded else (qs_i, kt_j[..., c])), rule, s, matmul)
-                s0 = None
+        # A partial tile as row strips cut to the keys they see (as the forward's: a causal diagonal tile costs 5/8 of
+        # its products). guarded: dP and dS of unseen elements may be NaN (0 * inf, inf - inf) until set to 0.
+        for t in [strip for tile in tiles for strip in masks.strips(tile, chunk)]:
+            i, c = slice(t.i0, t.i1), slice(t.k0 - k0, t.k1 - k0)  # rows; keys within the column
+            q_i, do_i = q[bs, hs, :, i, :], do[bs, hs, :, i, :]
+            q1_i, do1_i, d_i = rows.q1[..., i, :], rows.do1[..., i, :], rows.big_d[..., i]
+            qs_i, dop_i = q1_i[..., :d], do1_i[..., :d]  # Q·fold; dO·2^-ec (D is of it too)
+            tile_shape = shape + (t.i1 - t.i0, t.k1 - t.k0)
+            s = scratch.get("s", tile_shape, wt)
+            shift = lse_r[bs, hs, :, i]  # L of the rows, in the rule's base
+            # S as the forward's (line 11), or S - L where every L is finite (a row that saw nothing has L = inf:
+            # there S - L is left to the pass, as IEEE gives it; in BLAS an infinity meets the zeros of its padding)
+            folded = fold_lse and bool(np.isfinite(shift).all())
+            _scores(*((q1_i, kt1_j[..., c]) if folded else (qs_i, kt_j[..., c])), rule, s, matmul)
+            s0 = None
+            if modifiers is not None:
+                s0 = modifiers.score(s, t, chunk, keep_s0=modified)
+                modifiers.mask(s, t, chunk)
+            _mask_scores(s, masks, t, chunk)
+            if not folded:
+                s -= shift[..., None]
+            if coarse:
+                np.minimum(s, 0, out=s)
+            normal = t.full and modifiers is None and bounds is not None and bool(rows.normal[..., i].all())
+            p = _exp(s, rule, clamp=not normal and not guarded, normal=normal)  # guarded: as the forward
+            if guarded:  # a row whose lse is NaN (it sees a NaN score) still has P = 0 where it sees nothing
                 if modifiers is not None:
-                    s0 = modifiers.score(s, t, chunk, keep_s0=modified)
-                    modifiers.mask(s, t, chunk)
-                _mask_scores(s, masks, t, chunk)
-                if not folded:
-                    s -= shift[..., None]
-                if coarse:
-                    np.minimum(s, 0, out=s)
-                normal = t.full and modifiers is None and bounds is not None and bool(rows.normal[..., i].all())
-                p = _exp(s, rule, clamp=not normal and not guarded, normal=normal)  # guarded: as the forward
-                if guarded:  # a row whose lse is NaN (it sees a NaN score) still has P = 0 where it sees nothing
-                    if modifiers is not None:
-                        modifiers.mask(p, t, chunk, fill=0.0)
-                    _mask_scores(p, masks, t, chunk, fill=0.0)
-                z = _dropout_scale(problem, t, chunk, wt)
-                _seen_product(np.swapaxes(do_i, -1, -2), p if z is None else p * z, guarded, dvt_j[..., c], matmul,
-                              add=True, zeros="b")  # line 16
-                # line 13, dP = dO V^T (and with fold_d line 14's dP - D)
-                dp = matmul(do1_i if fold_d else dop_i, vt_j[..., c], out=scratch.get("dp", tile_shape, wt))
-                if z is not None:
-                    dp *= z  # dP of the dropped P, back through the keep-mask
-                    if guarded:  # a dropped element contributes nothing, an infinite dP (0 * inf) neither
-                        np.copyto(dp, 0, where=z == 0)
-                if not fold_d:
-                    dp -= d_i[..., None]
-                ds = np.multiply(p, dp, out=dp)
-                if guarded:  # dP - D of a row or key the element does not see may be inf or NaN; P = 0 there
-                    np.copyto(ds, 0, where=p == 0)
-                if modified:  # the chain rule through the score modifier (and the bias's gradient before it)
-                    if part is not None:
-                        modifiers.dbias(ds, s0, t, chunk, part, k0, guarded)
-                    modifiers.backprop(ds, s0, t, chunk)
-                k_c = k_j[..., c, :]
-                _seen_product(ds, k_c if ek == ec else np.ldexp(k_c, ec - ek), guarded, dq_acc[..., i, :], matmul,
-                              add=True)  # line 20
-                _seen_product(np.swapaxes(q_i if eq == ec else np.ldexp(q_i, ec - eq), -1, -2), ds, guarded,
-                              dkt_j[..., c], matmul, add=True, zeros="b")  # line 21
+                    modifiers.mask(p, t, chunk, fill=0.0)
+                _mask_scores(p, masks, t, chunk, fill=0.0)
+            z = _dropout_scale(problem, t, chunk, wt)
+            _seen_product(np.swapaxes(do_i, -1, -2), p if z is None else p * z, guarded, dvt_j[..., c], matmul,
+                          add=True, zeros="b")  # line 16
+            # line 13, dP = dO V^T (and with fold_d line 14's dP - D)
+            dp = matmul(do1_i if fold_d else dop_i, vt_j[..., c], out=scratch.get("dp", tile_shape, wt))
+            if z is not None:
+                dp *= z  # dP of the dropped P, back through the keep-mask
+                if guarded:  # a dropped element contributes nothing, an infinite dP (0 * inf) neither
+                    np.copyto(dp, 0, where=z == 0)
+            if not fold_d:
+                dp -= d_i[..., None]
+            ds = np.multiply(p, dp, out=dp)
+            if guarded:  # dP - D of a row or key the element does not see may be inf or NaN; P = 0 there
+                np.copyto(ds, 0, where=p == 0)
+            if modified:  # the chain rule through the score modifier (and the bias's gradient before it)
+                if part is not None:
+                    modifiers.dbias(ds, s0, t, chunk, part, k0, guarded)
+                modifiers.backprop(ds, s0, t, chunk)
+            k_c = k_j[..., c, :]
+            _seen_product(ds, k_c if ek == ec else np.ldexp(k_c, ec - ek), guarded, dq_acc[..., i, :], matmul,
+                          add=True)  # line 20
+            _seen_product(np.swapaxes(q_i if eq == ec else np.ldexp(q_i, ec - eq), -1, -2), ds, guarded,
+                          dkt_j[..., c], matmul, add=True, zeros="b")  # line 21
         dk[bs, hs, :, k0:k1, :] = np.swapaxes(_unscale(dkt_j.sum(axis=2, keepdims=True), scale, eq), -1, -2)
         dv[bs, hs, :, k0:k1, :] = np.swapaxes(dvt_j.sum(axis=2, keepdims=True), -1, -2)
         if part is not None:
@@ -1430,21 +1411,21 @@ def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=Non
 
 # Ragged batches and KV caches (VARLEN, KVCACHE) live in cuflash/backends/numpy_ragged.py, which builds on this
 # module; these entry points of the backend contract import it when first called (no import cycle).
-@one_choice
+@_entry
 def forward_varlen(problem):
     from .numpy_ragged import forward_varlen
 
     return forward_varlen(problem)
 
 
-@one_choice
+@_entry
 def backward_varlen(problem, dout, out, lse, *, deterministic=False):
     from .numpy_ragged import backward_varlen
 
     return backward_varlen(problem, dout, out, lse, deterministic=deterministic)
 
 
-@one_choice
+@_entry
 def forward_kvcache(problem):
     from .numpy_ragged import forward_kvcache
 
