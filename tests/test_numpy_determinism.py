@@ -202,6 +202,38 @@ def test_an_interrupt_between_a_restores_get_and_set_still_restores(restore_blas
         assert blas_threads() == before and _blas._active == 0
 
 
+@pytest.mark.parametrize("blas", ["numpy", "mkl"])
+def test_an_interrupt_as_the_restore_starts_still_restores(restore_blas, monkeypatch, blas):
+    """A Ctrl-C lands where Python calls something, the first line of the function that restores the counts too,
+    before any try inside it: the record of the counts to restore was dropped, and OpenBLAS stayed at one thread for
+    the rest of the process (every later call then took 1 for the setting to come back to; found under a timer
+    firing KeyboardInterrupt into calls in a loop). Here that function raises at its entry, once per call of it."""
+    if blas == "mkl" and _blas._mkl_library() is None:
+        pytest.skip("MKL is not installed")
+    monkeypatch.setenv("CUFLASH_BLAS", blas)
+    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
+    before, real = blas_threads(), _blas._unpin
+    q, k, v, _ = _inputs()
+    cuflash.attention(q[:, :10], k[:, :10], v[:, :10])  # MKL loaded (and its count recorded) before
+    for victim in range(1, 4):  # the n-th restore of a call (worker, caller, process-wide) meets the interrupt
+        seen = [0]
+
+        def unpin(saved):
+            seen[0] += 1
+            if seen[0] == victim and saved:
+                raise KeyboardInterrupt
+            return real(saved)
+        monkeypatch.setattr(_blas, "_unpin", unpin)
+        try:
+            cuflash.attention(q[:, :10], k[:, :10], v[:, :10])
+        except KeyboardInterrupt:
+            pass
+        monkeypatch.setattr(_blas, "_unpin", real)
+        assert blas_threads() == before and _blas._active == 0, f"restore {victim} interrupted"
+        cuflash.attention(q[:, :10], k[:, :10], v[:, :10])
+        assert blas_threads() == before, f"after restore {victim} was interrupted, a whole call"
+
+
 def test_a_fork_while_another_thread_is_in_a_call_leaves_the_child_free(restore_blas):
     """The child of a fork taken while another thread held the BLAS lock inside a call inherited the lock held (its
     first call waited for ever) and the pinned count, which no thread of its own would restore."""

@@ -110,15 +110,28 @@ def _pin(counts, saved):
 
 
 def _unpin(saved):
+    """Restore the counts ``saved`` (:func:`_pin`'s record), the last first (MKL's two views of one count, see
+    :func:`_controllers_of`, unwind in turn), each entry removed only once its count is back: an interrupt anywhere
+    in here leaves in ``saved`` exactly what is still to restore."""
+    while saved:
+        c, n = saved[-1]
+        if n is not None and c.get() != n:
+            c.set(n)
+        saved.pop()
+
+
+def _restore(saved):
+    """:func:`_unpin` until ``saved`` is empty, then the first interrupt met on the way raised again. A Ctrl-C lands
+    where Python calls something, _unpin's own first line included, before any ``try`` inside it: a restore that
+    dropped its record there left OpenBLAS at one thread for the rest of the process. A few tries at most (a count
+    that cannot be set fails every time); what is left stays in ``saved``."""
     pending = None
-    for c, n in reversed(saved):  # in reverse: MKL's two views of one count (see _controllers_of) unwind in turn
-        for _ in range(3):  # a Ctrl-C between its get and its set left this count pinned: try it again
-            try:
-                if n is not None and c.get() != n:
-                    c.set(n)
-                break
-            except BaseException as exc:  # noqa: BLE001 - a Ctrl-C while restoring: restore the rest, then raise it
-                pending = pending or exc
+    for _ in range(8):
+        try:
+            _unpin(saved)
+            break
+        except BaseException as exc:  # noqa: BLE001 - a Ctrl-C while restoring: restore the rest, then raise it
+            pending = pending or exc
     if pending is not None:
         raise pending
 
@@ -131,13 +144,13 @@ def single_threaded():
     count (OpenMP) is pinned in the calling thread here and by :func:`worker_single_threaded`
     in each worker thread.
     """
-    global _active, _saved
+    global _active
     counts = _controllers()
     entered, local = False, []
     try:  # every pin inside: a Ctrl-C in one (a call: where CPython raises it) left OpenBLAS pinned for good
         with _lock:
             if _active == 0:
-                _saved = []
+                _restore(_saved)  # what an interrupted restore left (its counts' true settings) goes back first
                 _pin([c for c in counts if not c.per_thread], _saved)
             _active += 1
             entered = True  # no call between the two
@@ -145,15 +158,12 @@ def single_threaded():
         yield
     finally:
         try:
-            _unpin(local)
+            _restore(local)
         finally:
             with _lock:
                 _active -= entered
                 if _active == 0:  # the last use (or the first, interrupted while pinning) restores
-                    try:  # _saved kept until restored: an interrupt between taking it and restoring lost it
-                        _unpin(_saved)
-                    finally:
-                        _saved = []
+                    _restore(_saved)
 
 
 def _after_fork_in_child():
@@ -164,7 +174,7 @@ def _after_fork_in_child():
     _lock, _active = threading.Lock(), 0
     saved, _saved = _saved, []
     try:
-        _unpin(saved)
+        _restore(saved)
     except Exception:  # noqa: BLE001 - a library that cannot be set in the child keeps its count: not worth failing
         pass
 
@@ -181,7 +191,7 @@ def worker_single_threaded():
         _pin([c for c in _controllers() if c.per_thread], local)
         yield
     finally:
-        _unpin(local)
+        _restore(local)
 
 
 # --------------------------------------------------------------------------------------------
