@@ -381,7 +381,9 @@ def _cast_error(name: str, have: Any, got: Any) -> TypeError:
 
 
 def _concrete(name: str, a: Any) -> Any:
-    """A concrete host array (or None / a number) of an option cuflash does not differentiate."""
+    """A concrete host array (or None / a number) of an option cuflash does not differentiate: a read-only copy, as
+    calls are kept by these values (:meth:`_Call.of`): a reference to the caller's array gave a later call with equal
+    values the array as the caller had changed it since."""
     if a is None or isinstance(a, numbers.Number):
         return a
     if isinstance(a, jax.core.Tracer):
@@ -391,7 +393,9 @@ def _concrete(name: str, a: Any) -> Any:
     _refuse_masked(name, a)
     if not isinstance(a, (np.ndarray, np.generic, jax.Array)):
         raise TypeError(f"{name} must be an array (NumPy or JAX) or a number, got {type(a).__name__}")
-    return np.asarray(a)
+    host = np.array(a, copy=True)
+    host.flags.writeable = False
+    return host
 
 
 def _concrete_dict(arrays: Mapping[str, Any]) -> dict[str, Any]:

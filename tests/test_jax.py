@@ -187,6 +187,22 @@ def test_calls_outside_jit_reuse_their_functions_and_callbacks(callback):
     assert np.array_equal(np.asarray(changed), cuflash.attention(*map(np.asarray, (q, k, v)), alibi_slopes=slopes))
 
 
+def test_a_host_array_changed_after_a_call_does_not_reach_a_later_call_with_its_old_values(callback):
+    """Configurations are kept by the values of their host arrays, and kept a reference to the caller's array: a later
+    call with an equal array found that configuration, which computed with the first array as changed since."""
+    q, k, v = (jnp.asarray(a) for a in _arrays((1, 16, 2, 8), (1, 16, 2, 8), seed=9))
+    slopes, weights = np.array([0.5, 0.25], np.float32), np.linspace(-1, 1, 16).astype(np.float32)
+    cases = [lambda a: dict(alibi_slopes=a, causal=True),
+             lambda a: dict(score_mod="score + w[kv_idx]", mod_arrays={"w": a})]
+    for options, values in zip(cases, (slopes, weights)):
+        mine = values.copy()
+        cj.attention(q, k, v, **options(mine))
+        mine *= 8  # the caller's array, changed in place after the call
+        got = cj.attention(q, k, v, **options(values.copy()))
+        want = cuflash.attention(*map(np.asarray, (q, k, v)), **options(values))
+        assert np.array_equal(np.asarray(got), want), options(values)
+
+
 def test_a_torch_tensor_jax_cannot_take_is_refused_naming_it():
     """A tensor that requires grad gave torch's RuntimeError from inside jnp.asarray, naming no argument."""
     torch = pytest.importorskip("torch")
