@@ -181,7 +181,8 @@ class Edge:
         if hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__"):
             try:
                 kind, _ = device_kind(a)
-            except (TypeError, ValueError, RuntimeError) as exc:  # another accelerator, torch's meta device, ...
+            except (BufferError, TypeError, ValueError, RuntimeError) as exc:  # another accelerator, torch's meta
+                # device, a sharded JAX array (DLPack's __dlpack_device__ raises BufferError where it cannot export)
                 raise TypeError(f"{name}: {exc}") from None
             try:
                 if kind == "cpu":

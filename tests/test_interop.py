@@ -234,6 +234,20 @@ def test_unsupported_dlpack_device_is_named():
         cuflash.attention(CASES["plain"].q, CASES["plain"].k, CASES["plain"].v, bias=OnAnotherAccelerator())
 
 
+def test_an_array_that_cannot_be_exported_is_named():
+    """DLPack's ``__dlpack_device__`` raises BufferError where the array cannot be exported (a JAX array sharded over
+    several devices): that came out as a bare BufferError naming nothing."""
+    class Sharded:
+        def __dlpack__(self, **kw):
+            raise AssertionError("must not be read")
+
+        def __dlpack_device__(self):
+            raise BufferError("__dlpack__ only supported for unsharded arrays.")
+
+    with pytest.raises(TypeError, match="k: __dlpack__ only supported for unsharded arrays"):
+        cuflash.attention(CASES["plain"].q, Sharded(), CASES["plain"].v)
+
+
 def test_numpy_calls_do_not_import_array_api_compat():
     """The conversion layer costs NumPy and CuPy callers nothing: array-api-compat is loaded only for arrays of
     other libraries."""
