@@ -393,6 +393,8 @@ def _backward(edge: Edge, arrays: tuple[Any, ...], options: dict[str, Any], buff
         dout_f, out_f, lse_f = check_backward(problem, doutb, outb, lse, layout)
         if return_dbias and (problem.mods is None or problem.mods.bias_shape is None):
             raise ValueError("return_dbias=True needs bias=: there is no bias to differentiate")
+        if return_dbias:
+            _check_dbias_export(edge, options["bias"])
         _check_grad_buffers(buffers, problem, (q, k, v, dout, out, lse), options, packed, layout)
         module = backends.select(problem, backend)
         grads = module.backward(problem, dout_f, out_f, lse_f, deterministic=deterministic, dbias=return_dbias)
@@ -408,6 +410,26 @@ def _backward(edge: Edge, arrays: tuple[Any, ...], options: dict[str, Any], buff
     if packed == "qkv" and not return_dbias:
         return results[0]
     return results
+
+
+def _check_dbias_export(edge: Edge, bias: Any) -> None:
+    """dbias comes back in the caller's array type and in bias's dtype. Where the caller's library cannot take that
+    dtype (a NumPy bias of the other byte order, or of ml_dtypes' bfloat16, beside torch tensors; a float64 one beside
+    JAX arrays without x64, which came back float32), a TypeError before the backward, not a BufferError after it or
+    a silent cast: an empty array of the dtype is handed over first."""
+    if edge.namespace is None:
+        return
+    want = bias.dtype  # a NumPy dtype: bias is NumPy or CuPy here
+    try:
+        got = edge.export(bias.reshape(-1)[:0].copy())  # writable, as dbias is (JAX refuses a read-only one)
+    except (BufferError, TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"return_dbias=True: dbias comes back as a {edge.library} array of bias's dtype {want}, which "
+                        f"{edge.library} cannot take ({type(exc).__name__}: {exc}); pass bias as a {edge.library} "
+                        f"array or in a dtype it takes") from None
+    if str(got.dtype).rpartition(".")[2] != want.name:
+        raise TypeError(f"return_dbias=True: dbias in bias's dtype {want} would come back as a {edge.library} array "
+                        f"of {str(got.dtype).rpartition('.')[2]}; pass bias in a dtype {edge.library} keeps (JAX: "
+                        f"float64 needs jax_enable_x64)")
 
 
 def _named(qkv: Sequence[Any], packed: Optional[str]) -> dict[str, Any]:

@@ -248,6 +248,32 @@ def test_an_array_that_cannot_be_exported_is_named():
         cuflash.attention(CASES["plain"].q, Sharded(), CASES["plain"].v)
 
 
+def test_a_dbias_the_callers_library_cannot_take_is_refused_before_the_backward(monkeypatch):
+    """dbias comes back in the caller's array type, in bias's dtype: a NumPy bias of the other byte order beside
+    torch tensors gave a BufferError after the whole backward, and a float64 one beside JAX arrays (x64 off) a
+    float32 dbias. Both are TypeErrors now, before the backend runs; a dtype the library takes comes back as it is."""
+    from cuflash import backends
+
+    torch = pytest.importorskip("torch")
+    c = CASES["plain"]
+    q, k, v = (torch.from_numpy(a) for a in (c.q, c.k, c.v))
+    good = np.zeros(c.q.shape[1:2] * 2, np.float64)
+    out, lse = cuflash.attention(q, k, v, bias=good, return_lse=True)
+    dbias = cuflash.attention_backward(torch.ones_like(out), q, k, v, out, lse, bias=good, return_dbias=True)[3]
+    assert isinstance(dbias, torch.Tensor) and dbias.dtype == torch.float64
+    monkeypatch.setattr(backends, "select", lambda *a, **kw: pytest.fail("the backward ran"))
+    with pytest.raises(TypeError, match="return_dbias=True: dbias .* >f4"):
+        cuflash.attention_backward(torch.ones_like(out), q, k, v, out, lse, bias=good.astype(">f4"),
+                                   return_dbias=True)
+    jnp = pytest.importorskip("jax.numpy")
+    import jax
+
+    if not jax.config.jax_enable_x64:
+        q, k, v, out, lse = (jnp.asarray(np.asarray(a)) for a in (q, k, v, out, lse))
+        with pytest.raises(TypeError, match="float64 would come back as a .* float32"):
+            cuflash.attention_backward(jnp.ones_like(out), q, k, v, out, lse, bias=good, return_dbias=True)
+
+
 def test_numpy_calls_do_not_import_array_api_compat():
     """The conversion layer costs NumPy and CuPy callers nothing: array-api-compat is loaded only for arrays of
     other libraries."""
