@@ -375,3 +375,29 @@ def test_one_blas_per_call_whatever_another_thread_sets(monkeypatch):
             for name, x, y in zip(("dq", "dk", "dv"), runs["mkl"][2:], grads):
                 assert np.array_equal(x, y), f"{name}: CUFLASH_BLAS changed during the backward"
         monkeypatch.setattr(_blas._env, "get", get)
+
+
+def test_a_call_reads_the_thread_count_once(monkeypatch):
+    """CUFLASH_NUM_THREADS was read again by every pool of a call (a KV-cache call runs one per group of sequences):
+    another thread setting a malformed value meanwhile failed the call after its cache append. It is read once, as
+    the call starts, with CUFLASH_BLAS; here a KV-cache call of several groups and a backward."""
+    from cuflash import _env
+    from cuflash.backends import numpy_ragged
+
+    reads = [0]
+
+    def counted(real=_env.worker_threads):
+        reads[0] += 1
+        return real()
+    monkeypatch.setattr(_env, "worker_threads", counted)
+    monkeypatch.setattr(numpy_ragged, "KV_GATHER_BYTES", 1)  # one group per sequence
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((3, 1, 2, 16)).astype(np.float16)  # upcast: copied, so grouped
+    kc, vc = (rng.standard_normal((3, 64, 2, 16)).astype(np.float16) for _ in range(2))
+    cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([10, 64, 30], np.int32))
+    assert reads[0] == 1
+    q, k, v, do = _inputs()
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    reads[0] = 0
+    cuflash.attention_backward(do, q, k, v, out, lse)
+    assert reads[0] == 1

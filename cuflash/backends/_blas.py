@@ -280,9 +280,10 @@ _CALL: contextvars.ContextVar = contextvars.ContextVar("cuflash_blas_of_the_call
 def one_choice(fn):
     """``fn`` (a backend entry point) with one BLAS for the whole call: :func:`_mkl` is asked once, when it starts,
     and every product, ``exp`` and thread pin of the call (its worker threads run in copies of its context) takes
-    that answer. ``CUFLASH_BLAS`` was read again for each problem's products, each ``exp`` rule and each worker's
-    pins: another thread changing it during a ragged call gave some sequences MKL's bits and others OpenBLAS's, or
-    left MKL's count unpinned in a worker (then multithreaded). Calls nest: an inner one keeps the outer choice."""
+    that answer; likewise its worker threads (:func:`call_threads`). ``CUFLASH_BLAS`` was read again for each
+    problem's products, each ``exp`` rule and each worker's pins: another thread changing it during a ragged call
+    gave some sequences MKL's bits and others OpenBLAS's, or left MKL's count unpinned in a worker (then
+    multithreaded). Calls nest: an inner one keeps the outer choice."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         with one_call():
@@ -297,7 +298,7 @@ def one_call():
     if _CALL.get() is not None:
         yield
         return
-    token = _CALL.set((_chosen_mkl(),))
+    token = _CALL.set((_chosen_mkl(), _env.worker_threads()))
     try:
         yield
     finally:
@@ -308,6 +309,14 @@ def _mkl():
     """The MKL of the running call (:func:`one_choice`), else :func:`_chosen_mkl`."""
     call = _CALL.get()
     return _chosen_mkl() if call is None else call[0]
+
+
+def call_threads() -> int:
+    """The worker threads of the running call (``CUFLASH_NUM_THREADS``, read once when it starts, as ``CUFLASH_BLAS``:
+    another thread changing it to something malformed during a KV-cache call failed it after the cache append), else
+    :func:`cuflash._env.worker_threads`."""
+    call = _CALL.get()
+    return _env.worker_threads() if call is None else call[1]
 
 
 def _chosen_mkl():

@@ -31,12 +31,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .. import _env
 from .._fp import ignore_fp_errors
 from ..dropout import keep_mask
 from ..problem import Problem, stats_dtype, visible
 from ..tiling import Schedule, Tile
-from ._blas import (add_product, describe, normal_exp, one_call, one_choice, products, single_threaded,
+from ._blas import (add_product, call_threads, describe, normal_exp, one_call, one_choice, products, single_threaded,
                     worker_single_threaded)
 
 #: Default tile of one head, measured on 2 cores (fp32, N = 4096, 4 heads, d = 64 and 128):
@@ -100,7 +99,7 @@ def _run(fn, items, consume=None):
     backward's dQ accumulators) never all exist at once.
     """
     items = list(items)
-    threads = _env.worker_threads()  # parsed before any work: a malformed value fails here, naming the variable
+    threads = call_threads()  # parsed before any work: a malformed value fails there, naming the variable
     consume = consume or (lambda x, r: None)
     with single_threaded():
         if len(items) < 2 or threads < 2:

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _env
 from ..merge import merge_parts
 from ..problem import KVCacheProblem, VarlenProblem, stats_dtype
-from ._blas import products
 from .numpy import BLOCK_K, _Scratch, _work_dtype, backward_work, forward_work, run_many
 
 #: Bytes of keys and values gathered from a paged cache (or upcast) per batch of sequences of forward_kvcache:
@@ -112,8 +110,8 @@ def forward_kvcache(problem: KVCacheProblem):
     wt = _work_dtype(problem)
     out = np.zeros(problem.q.shape, dtype=problem.dtype)
     lse = np.full((problem.batch, problem.heads_q, problem.seqlen_q), -np.inf, dtype=wt)
-    _env.worker_threads()  # CUFLASH_NUM_THREADS and CUFLASH_BLAS refused (if they are) before the append:
-    products()  # a refused call leaves the caches alone
+    # CUFLASH_NUM_THREADS and CUFLASH_BLAS were read (a malformed value refused) as the call started (the backend's
+    # entry, _blas.one_call), before the append: a refused call leaves the caches alone
     append_kvcache(problem)
     scratch = _Scratch()
     live = _live(np.full(problem.batch, problem.seqlen_q), problem.lengths_k)
