@@ -83,6 +83,21 @@ def _host_array(a, name, form):
                          f"different lengths?): {e}") from None
 
 
+def _check_working_dtype(dtype):
+    """``dtype`` of :meth:`BlockMask.keep` / :meth:`BlockMask.to_dense`, refused unless it is a working precision:
+    the rule's floats are computed in it, and in an int, bool, float16 or complex dtype they gave other elements
+    (``keep`` at int32 truncates a fractional bound), silently."""
+    if dtype is None:
+        return
+    form = "float32 or float64 (the working precision of the problem) or None"
+    try:
+        name = np.dtype(dtype).name
+    except (TypeError, ValueError):  # NumPy's "data type 'bfloat16' not understood" named no argument
+        raise TypeError(f"dtype must be {form}, got {dtype!r}") from None
+    if name not in ("float32", "float64"):
+        raise TypeError(f"dtype must be {form}, got {name}")
+
+
 def _frozen(a):
     a.setflags(write=False)
     return a
@@ -472,6 +487,7 @@ class BlockMask:
         float64 inputs), in which the rule's floats are computed, as every backend does. None: a rule without
         floats as it is; one with floats must give the same elements in float32 and float64, else ValueError
         (pass the problem's working precision)."""
+        _check_working_dtype(dtype)
         return self._keep(dtype=dtype, **self._indices(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx))
 
     def _keep(self, b, h, q_idx, kv_idx, dtype=None):

@@ -29,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 
+from .problem import check_int
 from .tiling import Schedule, classify_grid
 
 OPS = ("fwd", "bwd", "fwd_bwd")
@@ -276,8 +277,10 @@ def io_cost(*, seqlen_q: int, head_dim: int, seqlen_k: Optional[int] = None, bat
     from .problem import _check_window
 
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
-    _check_args(op=op, order=order, density=density, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
-                batch=batch, heads=heads)
+    # the sizes as Python ints: the ledgers multiply them, and a NumPy int (np.int32(70000)) would wrap silently
+    seqlen_q, seqlen_k, head_dim, batch, heads = _check_args(
+        op=op, order=order, density=density, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, batch=batch,
+        heads=heads).values()
     _check_cc(cc)
     tile_sizes = dict(block_q=block_q, block_k=block_k, bwd_block_q=bwd_block_q, bwd_block_k=bwd_block_k)
     _check_args(op=op, order=order, density=None, **{n: t for n, t in tile_sizes.items() if t is not None})
@@ -326,26 +329,22 @@ def _check_cc(cc) -> int:
 EMPTY_OK = ("seqlen_q", "seqlen_k", "batch", "heads")
 
 
-def _check_args(*, op, order, density, **sizes):
+def _check_args(*, op, order, density, **sizes) -> dict:
+    """The checked ``sizes``, as Python ints in the order given."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if order != "fa2" and op == "bwd":
         raise ValueError(f"order is the forward's loop order; op='bwd' has one (FA2's), got order={order!r}")
-    for name, val in sizes.items():
-        # lengths, batch and heads may be 0 (an empty problem, as attention takes one); head dim and tiles not
-        least = 0 if name in EMPTY_OK else 1
-        form = "an int >= 0" if least == 0 else "a positive int"
-        if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
-            raise TypeError(f"{name} must be {form}, got {type(val).__name__}")
-        if val < least:
-            raise ValueError(f"{name} must be {form}, got {val!r}")
+    # lengths, batch and heads may be 0 (an empty problem, as attention takes one); head dim and tiles not
+    sizes = {name: check_int(val, name, 0 if name in EMPTY_OK else 1) for name, val in sizes.items()}
     if density is not None and (isinstance(density, (bool, np.bool_)) or not isinstance(
             density, (int, float, np.integer, np.floating))):
         raise TypeError(f"density must be a number in [0, 1], got {type(density).__name__}")
     if density is not None and not 0.0 <= float(density) <= 1.0:
         raise ValueError(f"density must be a number in [0, 1], got {density!r}")
+    return sizes
 
 
 def _tiles(head_dim, op, block_q, block_k, cc) -> tuple[int, int]:

@@ -188,10 +188,12 @@ def _problem(options, q, k, v, **rows):
             if tuple(r.shape) != want:  # a wider one was cut silently, another a bare reshape error
                 raise ValueError(f"{name} must have shape {want} (q's shape with v's head_dim), got "
                                  f"{tuple(r.shape)}")
+    names = tuple(rows)
     layout, (q, k, v, *rows) = _bshd(options, q, k, v, *rows.values())
     q, k, v, kw, dv = _layout.pad_head_dims(q, k, v, options)
     if dv is not None and v.shape[-1] != dv:  # v was padded
-        rows = [r if not hasattr(r, "shape") else _layout.pad_last(r, v.shape[-1], "dout/out") for r in rows]
+        rows = [r if not hasattr(r, "shape") else _layout.pad_last(r, v.shape[-1], name)
+                for name, r in zip(names, rows)]
     return layout, make_problem(q, k, v, **kw), rows, dv
 
 
@@ -204,10 +206,11 @@ def attention(q, k, v, *, return_lse=False, dropout_mask=None, dropout_p=0.0, co
     Returns ``out`` (in ``layout``; and ``lse``, ``(..., heads, Sq)``) in ``compute_dtype`` (float64 by default).
     """
     layout, p, _, dv = _problem(options, q, k, v)
+    keep = _dropout_mask(p, dropout_mask, dropout_p)
     with _tf32_mode(isinstance(compute_dtype, str) and compute_dtype == TF32):
         qg, kg, vg = _grouped(p, _compute_dtype(compute_dtype))
         prob, lse = _probabilities(p, qg, kg)
-        prob = _apply_dropout(prob, p, dropout_mask, dropout_p)
+        prob = _apply_dropout(prob, keep, dropout_p)
         out = p.unflatten(_ungroup(_mm_seen(prob, vg), p), p.q.shape[1:])
         out = _layout.from_bshd(out if dv is None else out[..., :dv], layout)
     lse = p.unflatten(lse.reshape(p.batch, p.heads_q, p.seqlen_q), (p.heads_q, p.seqlen_q))
@@ -222,23 +225,27 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, dropout_mask=None, 
     dP = dO Vᵀ, D = rowsum(dO∘O), dS = P∘(dP − D) (the gradient of the modified score),
     dS₀ = dS · d(score modifier)/d(score), dQ = scale·dS₀ K, dK = scale·dS₀ᵀQ, dV = PᵀdO, with dK, dV
     summed over the query heads of a group; dbias = dS · d(score modifier)/d(bias), summed over the
-    dimensions the bias broadcasts. ``out``/``lse`` are accepted for signature parity and checked, not
-    used: the reference recomputes everything.
+    dimensions the bias broadcasts. ``dout`` is checked as :func:`cuflash.attention_backward` checks it;
+    ``out``/``lse`` are accepted for signature parity and checked, not used: the reference recomputes everything.
     """
     layout, p, (dout, out), dv = _problem(options, q, k, v, dout=dout, out=out)
-    if out is not None and lse is not None:
-        check_backward(p, dout, out, lse)
+    # dout is checked as cuflash.attention_backward checks it whether or not out and lse are given (a masked dout
+    # lost its mask, an int one or a list was computed with): a missing out or lse gets a stand-in that passes
+    if lse is None:
+        lse = p.xp.zeros(p.batch_shape + (p.heads_q, p.seqlen_q), stats_dtype(p.dtype))
+    check_backward(p, dout, dout if out is None else out, lse, layout)
+    keep = _dropout_mask(p, dropout_mask, dropout_p)
     with _tf32_mode(isinstance(compute_dtype, str) and compute_dtype == TF32):
-        grads = _backward(p, dout, dropout_mask, dropout_p, _compute_dtype(compute_dtype), return_dbias)
+        grads = _backward(p, dout, keep, dropout_p, _compute_dtype(compute_dtype), return_dbias)
     d = None if dv is None else q.shape[-1]  # q's own head dim (q is an array: the problem took it)
     dq, dk, dv_ = grads[:3] if dv is None else (grads[0][..., :d], grads[1][..., :d], grads[2][..., :dv])
     return tuple(_layout.from_bshd(g, layout) for g in (dq, dk, dv_)) + tuple(grads[3:])
 
 
-def _backward(p, dout, dropout_mask, dropout_p, compute_dtype, return_dbias):
+def _backward(p, dout, keep, dropout_p, compute_dtype, return_dbias):
     qg, kg, vg = _grouped(p, compute_dtype)
     prob, _ = _probabilities(p, qg, kg)
-    pd = _apply_dropout(prob, p, dropout_mask, dropout_p)
+    pd = _apply_dropout(prob, keep, dropout_p)
     r = _rounder(qg.dtype)
     b, sq, hq, d = p.q.shape
     do = p.host_float(dout, qg.dtype).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
@@ -247,7 +254,7 @@ def _backward(p, dout, dropout_mask, dropout_p, compute_dtype, return_dbias):
     with np.errstate(invalid="ignore"):  # an unseen row or key may make dP NaN: it meets P = 0 below
         dpd = _mm(do, np.swapaxes(vg, -1, -2))
     # d(P∘Z/(1-p))/dP: a dropped element's dP contributes nothing, an infinite one (0 * inf) neither
-    dprob = _apply_dropout(dpd, p, dropout_mask, dropout_p, drop_nonfinite=True)
+    dprob = _apply_dropout(dpd, keep, dropout_p, drop_nonfinite=True)
     big_d = r((do * o).sum(axis=-1, keepdims=True))
     with np.errstate(invalid="ignore"):  # dP - D of an unseen row or key may be inf or NaN; it meets P = 0
         ds = r(np.where(prob != 0, prob * r(dprob - big_d), 0))
@@ -354,19 +361,32 @@ def rounding(dtype) -> float:
     return 2.0 ** -7 if np.dtype(dtype).name == "bfloat16" else float(np.finfo(dtype).eps)
 
 
-def _apply_dropout(x, p, mask, dropout_p, drop_nonfinite=False):
+def _dropout_mask(p, mask, dropout_p):
+    """``dropout_mask`` as the ``(B, Hkv, G, Sq, Sk)`` boolean view that multiplies P (None without one), checked
+    with ``dropout_p`` before anything is computed."""
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)) \
             or not 0.0 <= as_float(dropout_p) < 1.0:  # as the float it computes with (longdouble 1 - 2**-60 is 1.0)
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if mask is None:
         if dropout_p:
             raise ValueError("the reference needs an explicit dropout_mask when dropout_p > 0")
-        return x
+        return None
     if isinstance(mask, np.ma.MaskedArray) or np.asarray(mask).dtype != np.bool_:  # 2.0 would double the output
         raise TypeError(f"dropout_mask must be a plain boolean array (True: kept), got "
                         f"{type(mask).__name__} of dtype {np.asarray(mask).dtype}")
-    m = np.broadcast_to(np.asarray(mask), p.batch_shape + (p.heads_q, p.seqlen_q, p.seqlen_k))
-    m = m.reshape(p.batch, p.heads_kv, p.group, p.seqlen_q, p.seqlen_k)
+    want = p.batch_shape + (p.heads_q, p.seqlen_q, p.seqlen_k)
+    try:
+        m = np.broadcast_to(np.asarray(mask), want)
+    except ValueError:  # NumPy's "operands could not be broadcast together" named neither the argument nor the shape
+        raise ValueError(f"dropout_mask must be broadcastable to (..., heads, seqlen_q, seqlen_k) = {want}, got shape "
+                         f"{np.shape(mask)}") from None
+    return m.reshape(p.batch, p.heads_kv, p.group, p.seqlen_q, p.seqlen_k)
+
+
+def _apply_dropout(x, m, dropout_p, drop_nonfinite=False):
+    """``x`` (P, or dP in the backward) times the checked mask ``m`` of :func:`_dropout_mask` and ``1/(1 - p)``."""
+    if m is None:
+        return x
     if not drop_nonfinite:  # P: a NaN probability (its row sees a NaN score) stays NaN, dropped or not
         return _rounder(x.dtype)(x * m / x.dtype.type(1.0 - float(dropout_p)))
     with np.errstate(invalid="ignore"):

@@ -156,8 +156,12 @@ def attention_cases(*, dtypes=("float32",), max_seqlen=160, head_dims=None, max_
 
     # Every argument is checked here, when the strategy is built, not when a draw first meets it (block size 0 was a
     # ZeroDivisionError deep in a draw; head dim 0 and int/bool/complex dtypes silently built cases of no meaning).
-    if isinstance(dtypes, (str, bytes)) or not hasattr(dtypes, "__iter__") or not tuple(dtypes):
-        raise TypeError(f"dtypes must be a non-empty tuple of dtype names, e.g. ('float16',), got {dtypes!r}")
+    form = "a non-empty tuple of dtype names, e.g. ('float16',)"
+    if isinstance(dtypes, (str, bytes)) or not hasattr(dtypes, "__iter__"):
+        raise TypeError(f"dtypes must be {form}, got {dtypes!r}")
+    dtypes = tuple(dtypes)  # once: a generator checked by a tuple of its own was empty when the dtypes were drawn
+    if not dtypes:
+        raise TypeError(f"dtypes must be {form}, got ()")
     dtypes = tuple(_input_dtype(dt, f"dtypes[{i}]") for i, dt in enumerate(dtypes))
     max_seqlen = _int(max_seqlen, "max_seqlen", 1)
     head_dims = None if head_dims is None else _ints(head_dims, "head_dims")

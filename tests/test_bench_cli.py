@@ -161,13 +161,13 @@ def test_backward_ledger_counts_query_tiles_per_key_block():
 
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(op="both"), ValueError, "op must be"), (dict(seqlen_q=-1), ValueError, "seqlen_q must be an int >= 0"),
-    (dict(head_dim=0), ValueError, "head_dim must be a positive int"), (dict(density=1.5), ValueError, "density"),
+    (dict(head_dim=0), ValueError, "head_dim must be an int >= 1"), (dict(density=1.5), ValueError, "density"),
     (dict(order="fa3"), ValueError, "order"), (dict(causal="no"), TypeError, "causal must be a bool"),
     (dict(window=(-300, -300)), ValueError, "window left must be >= 0"),
     (dict(window=(1.5, 0)), TypeError, "window left must be an int"),
-    (dict(block_q=64.9), TypeError, "block_q must be a positive int, got float"),
-    (dict(block_q=True), TypeError, "block_q must be a positive int, got bool"),
-    (dict(batch=np.True_), TypeError, "batch must be an int >= 0, got bool"),
+    (dict(block_q=64.9), TypeError, "block_q must be an int >= 1, got 64.9"),
+    (dict(block_q=True), TypeError, "block_q must be an int >= 1, got True"),
+    (dict(batch=np.True_), TypeError, r"batch must be an int >= 0, got (np\.)?True"),
     (dict(density=True), TypeError, "density must be a number"),
     (dict(density="0.5"), TypeError, "density must be a number"),
     (dict(dtype="int8"), ValueError, "dtype must be float16"),
@@ -177,6 +177,20 @@ def test_io_cost_rejects_bad_arguments(kw, exc, match):
     args = dict(seqlen_q=128, head_dim=64, block_q=64, block_k=64) | kw
     with pytest.raises(exc, match=match):
         io_cost(**args)
+
+
+@pytest.mark.parametrize("kw", [dict(seqlen_q=np.int32(70000), head_dim=np.int32(64)),
+                                dict(seqlen_q=np.int64(70000), seqlen_k=np.int16(1000), head_dim=64, op="fwd_bwd"),
+                                dict(seqlen_q=128, head_dim=64, batch=np.int64(2**40), heads=np.int64(2**40)),
+                                dict(seqlen_q=np.uint16(60000), head_dim=np.uint8(255), heads=np.int8(100))])
+def test_io_cost_counts_numpy_int_sizes_as_python_ints(kw):
+    """NumPy int sizes give the bytes their Python ints give: the ledgers multiply the sizes, and in a NumPy int
+    they wrapped (np.int32(70000) gave 581134336 bytes for 39235840000; batch * heads = 2**80 as np.int64 gave 0)."""
+    cost = io_cost(**kw)
+    expected = io_cost(**{n: int(v) if isinstance(v, np.integer) else v for n, v in kw.items()})
+    assert cost.standard == expected.standard > 0 and cost.tiled == expected.tiled > 0
+    assert cost.standard_ledger == expected.standard_ledger and cost.tiled_ledger == expected.tiled_ledger
+    assert all(type(b) is int for b in (cost.standard, *cost.standard_ledger.values()))
 
 
 @pytest.mark.parametrize("kw", [dict(seqlen_q=0), dict(seqlen_q=8, batch=0),

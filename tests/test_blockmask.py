@@ -403,6 +403,24 @@ def test_to_dense_and_keep_take_dtype_by_keyword_only():
     assert bm.keep(0, 0, 1, 1, dtype=np.float32) and not bm.keep(0, 0, 1, 2, dtype=np.float64)
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, bool, np.float16, np.complex64, "int32", np.dtype(object),
+                                   "bfloat16", "not a dtype", object()])
+def test_to_dense_and_keep_refuse_a_dtype_that_is_no_working_precision(dtype):
+    """dtype is the precision the rule's floats are computed in, float32 or float64: an int or bool one gave other
+    elements (``kv_idx <= q_idx * 0.5 + 0.5`` kept 16 of 64 differently in int32), silently; "bfloat16" raised
+    NumPy's own error, which named no argument."""
+    bm = BlockMask.from_mask_mod("kv_idx <= q_idx * 0.5 + 0.5", seqlen_q=8, block=(4, 4))
+    form = re.escape("dtype must be float32 or float64 (the working precision of the problem) or None, got ")
+    with pytest.raises(TypeError, match=form):
+        bm.to_dense(dtype=dtype)
+    with pytest.raises(TypeError, match=form):
+        bm.keep(0, 0, np.arange(8)[:, None], np.arange(8), dtype=dtype)
+    i, j = np.arange(8)[:, None], np.arange(8)
+    for working in (np.float32, "float64", np.dtype(np.float32), np.float64):  # every spelling of the two
+        np.testing.assert_array_equal(bm.to_dense(dtype=working)[0, 0], j <= i * 0.5 + 0.5)
+        np.testing.assert_array_equal(bm.keep(0, 0, i, j, dtype=working), j <= i * 0.5 + 0.5)
+
+
 def test_from_mask_mod_takes_any_mapping_of_mod_arrays():
     """mod_arrays is a Mapping: a read-only MappingProxyType was refused ("must be a dict")."""
     from types import MappingProxyType

@@ -7,6 +7,7 @@ code) and computes each row with ``math.fsum``. The finite-difference checks dif
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -265,6 +266,60 @@ def test_reference_refuses_what_it_would_misread():
     for dt in (np.complex128, np.int64):
         with pytest.raises(TypeError, match="compute_dtype must be a real floating-point dtype"):
             reference.attention(q, k, v, compute_dtype=dt)
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["without-out-lse", "with-out-lse"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_reference_backward_checks_dout_as_the_api_does(saved, layout):
+    """dout was checked only with both out and lse given: a masked dout (every element masked) gave nonzero
+    gradients, its mask dropped; an int dout or a list was computed with. Refused as cuflash.attention_backward
+    refuses them, in either layout, with out and lse or without."""
+    rng = np.random.default_rng(5)
+    q, k, v, do = (rng.standard_normal((1, 5, 2, 4)) for _ in range(4))
+    out, lse = reference.attention(q, k, v, return_lse=True)
+    swap = (lambda a: a) if layout == "bshd" else (lambda a: a.swapaxes(1, 2))
+    q, k, v, do, out = map(swap, (q, k, v, do, out))
+    bad = [(np.ma.masked_array(do, mask=np.ones(do.shape, bool)), TypeError, r"dout is a numpy\.ma\.MaskedArray"),
+           (np.ones(do.shape, np.int64), TypeError, "dout must have q's dtype float64, got int64"),
+           (np.ones(do.shape, bool), TypeError, "dout must have q's dtype float64, got bool"),
+           (do.astype(np.float32), TypeError, "dout must have q's dtype float64, got float32"),
+           (do.tolist(), TypeError, r"dout must be a numpy\.ndarray or cupy\.ndarray"),
+           (None, TypeError, r"dout must be a numpy\.ndarray or cupy\.ndarray"),
+           (do[..., :3], ValueError, "dout must have (q's )?shape"),
+           (do[:, :, :1], ValueError, "dout must have (q's )?shape")]
+    extra = dict(out=out, lse=lse) if saved else {}
+    for dout, error, match in bad:
+        with pytest.raises(error, match=match):
+            reference.attention_backward(dout, q, k, v, layout=layout, **extra)
+        with pytest.raises(error, match=match):
+            cuflash.attention_backward(dout, q, k, v, out, lse, layout=layout)
+    # a valid dout's gradients are those of the API, given out and lse or not
+    grads = reference.attention_backward(do, q, k, v, layout=layout, **extra)
+    for got, want in zip(grads, cuflash.attention_backward(do, q, k, v, out, lse, layout=layout)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    # v of a head dim of its own, wider than q's or narrower (dout zero-padded to q's: named dout, not "dout/out")
+    for dv in (6, 3):
+        vw, dow = (swap(rng.standard_normal((1, 5, 2, dv))) for _ in range(2))
+        with pytest.raises(TypeError, match=r"^dout is a numpy\.ma\.MaskedArray"):
+            reference.attention_backward(np.ma.masked_array(dow, mask=True), q, k, vw, layout=layout)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 5, 4), (3, 5, 5), (1, 1, 2, 5, 5), (5, 4)])
+def test_reference_names_a_dropout_mask_of_the_wrong_shape(shape):
+    """A dropout_mask that does not broadcast to (..., heads, Sq, Sk) raised NumPy's own broadcast error, which named
+    neither dropout_mask nor the shape it must take, and only after the scores were computed."""
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((1, 5, 2, 4)) for _ in range(4))
+    form = re.escape(f"dropout_mask must be broadcastable to (..., heads, seqlen_q, seqlen_k) = (1, 2, 5, 5), got "
+                     f"shape {shape}")
+    with pytest.raises(ValueError, match=form):
+        reference.attention(q, k, v, dropout_mask=np.ones(shape, bool), dropout_p=0.5)
+    with pytest.raises(ValueError, match=form):
+        reference.attention_backward(do, q, k, v, dropout_mask=np.ones(shape, bool), dropout_p=0.5)
+    for fine in [(1, 2, 5, 5), (2, 1, 5), (5,), ()]:  # shapes that broadcast are taken, as before
+        keep = np.ones(fine, bool)
+        np.testing.assert_array_equal(reference.attention(q, k, v, dropout_mask=keep, dropout_p=0.5),
+                                      2 * reference.attention(q, k, v))
 
 
 def test_testing_helpers_refuse_what_they_would_misread():

@@ -226,6 +226,7 @@ def test_reference_dtype_refuses_what_is_no_input_dtype(dtype):
     (dict(dtypes=("complex64",)), TypeError, r"dtypes\[0\] must be one of"),
     (dict(dtypes=(None,)), TypeError, r"dtypes\[0\] must be one of"),
     (dict(dtypes=()), TypeError, r"dtypes must be a non-empty tuple"),
+    (dict(dtypes=iter(())), TypeError, r"dtypes must be a non-empty tuple .*, got \(\)$"),
     (dict(dtypes="float16"), TypeError, r"dtypes must be a non-empty tuple"),
     (dict(head_dims=(0,)), ValueError, r"head_dims\[0\] must be at least 1"),
     (dict(head_dims=(16, -1)), ValueError, r"head_dims\[1\] must be at least 1"),
@@ -244,6 +245,17 @@ def test_attention_cases_checks_its_arguments_when_called(kwargs, error, match):
     bool/int/complex dtypes built cases by casting normal samples."""
     with pytest.raises(error, match=match):
         attention_cases(**kwargs)
+
+
+@settings(max_examples=20)
+@given(attention_cases(dtypes=(dt for dt in ("float16", "float32")), max_seqlen=8, head_dims=(d for d in (4, 8)),
+                       block_sizes=iter((1, 3)), max_batch_dims=1, block_mask=True))
+def test_attention_cases_takes_its_tuples_as_any_iterable(case):
+    """An iterable is read once: a generator of dtypes was consumed by the check that it is non-empty, and the
+    strategy, left with no dtype to draw, raised InvalidArgument at its first draw."""
+    assert case.q.dtype.name in ("float16", "float32") and case.q.shape[-1] in (4, 8)
+    bm = case.options.get("block_mask")
+    assert bm is None or set(bm.block) <= {1, 3}
 
 
 @settings(max_examples=5)
