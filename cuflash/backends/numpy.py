@@ -1250,162 +1250,215 @@ def backward(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, sc
 def backward_work(problem: Problem, dout, out, lse, *, block_q=None, block_k=None, schedule=None, dbias=False,
                   scratch=None):
     """The backward of one problem as :class:`_Work` (its dQ accumulators folded in item order)."""
-    wt = _work_dtype(problem)
-    len_q, len_k = _padding_lengths(problem)
-    q, k, v, do, o = (_without_padding(_grouped(x, problem, wt), n) for x, n in
-                      ((problem.q, len_q), (problem.k, len_k), (problem.v, len_k), (dout, len_q), (out, len_q)))
-    rule = _exp_rule(problem, wt, q)
-    lse_r = np.asarray(lse, dtype=np.float64).reshape(q.shape[:-1]) / (LN2 * rule.bits)  # in the rule's base
-    lay, sched = _plan(problem, block_q, block_k, schedule, BACKWARD_TILE_ELEMENTS)  # after an array of the rows
-    # rows that saw nothing (-inf), and padding rows past a sequence's length whatever they hold (padding is never
-    # read: a NaN there made every P of the row NaN): P = exp(S - inf) = 0
-    padding = np.arange(problem.seqlen_q) >= problem.lengths[0][:, None]  # (B, Sq)
-    lse_r = np.where(np.isneginf(lse_r) | padding[:, None, None, :], np.inf, lse_r).astype(wt)
-    # P = exp(S - lse) <= 1, but past 2^p (p: the dtype's mantissa bits) the lse's rounding exceeds 1 and S - lse
-    # may come out far above 0: exp overflows (float32 from |lse| ~ 2^30 in base 2), and inf * 0 makes gradients NaN.
-    # There the arguments are clamped at 0 (a pass per tile, only for such huge scores): finite gradients, as
-    # accurate as a float32 lse allows.
-    coarse = bool(np.abs(lse_r[np.isfinite(lse_r)]).max(initial=0) >= 2.0 ** np.finfo(wt).nmant)
-    big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
-    # dO, and Q and K in the sums of dS Q and dS K, at powers of two where an intermediate could overflow
-    bshd = lambda x, y: x if np.may_share_memory(x, y) else _ungroup(y)  # noqa: E731  (the inputs, or our copies)
-    grad_shifts = _GradShifts(problem, wt, bshd(problem.q, q), bshd(problem.k, k), bshd(problem.v, v), bshd(dout, do))
-    matmul = products()
-    prepared = _per_chunk(problem, rule, q, k, v, wt, matmul, also=(do, big_d))
-    row_operands = _row_operands(rule, q, do, o, lse_r, big_d, grad_shifts, prepared, _Bounds.applies(problem))
-    dk = _result_zeros(k.shape, problem, wt)
-    dv = _result_zeros(k.shape, problem, wt)  # not zeros_like, which writes its zeros (1.4 ms for 4 MiB, on one core)
-    scale = wt.type(problem.scale)
-    scratch, masks = scratch or _Scratch(), _Masks(sched, problem)
-    modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
-    modified = modifiers is not None and problem.mods.score is not None
-    columns = [t for t in range(sched.n_k) if ((sched.lo <= t) & (t < sched.hi)).any()]
-    slots = max(1, min(DQ_CHUNKS, len(columns)))
+    return _Backward(problem, dout, out, lse, block_q, block_k, schedule, dbias, scratch).work()
 
-    def dbias_part(chunk, k0, k1):
-        """The item's share of dbias for key tile [k0, k1): zeros in the compact bias's shape there."""
-        bs, hs = chunk
-        shape = problem.mods.bias_compact
-        nb = len(range(problem.batch)[bs]) if shape[0] > 1 else 1
-        nh = len(range(problem.heads_kv)[hs]) * problem.group if shape[1] > 1 else 1
-        return np.zeros((nb, nh, shape[2], k1 - k0 if shape[3] > 1 else 1), dtype=wt)
 
-    def column(t, chunk, dq_acc, parts):
-        bs, hs = chunk
-        tiles = masks.settled(sched.column(t), chunk)
-        if not tiles:
-            return
-        k0, k1 = tiles[0].k0, tiles[0].k1
-        prep, rows = prepared(chunk), row_operands(chunk)
-        ec, eq, ek = grad_shifts()
-        # guarded (see _seen_product): some input of the block is not finite; then also P = 0, dS = 0 where unseen
-        kt, bounds, guarded = prep.kt, prep.bounds, prep.any_nonfinite
-        k_j, kt_j, v_j = k[bs, hs, :, k0:k1, :], kt[..., k0:k1], v[bs, hs, :, k0:k1, :]
-        vt_j = np.swapaxes(v_j, -1, -2)
-        # Finite inputs without a score modifier: the shift by lse (line 11, S - L) and D (line 14, dP - D) ride in
-        # the products as one more inner term each, [Q | -L] [K^T ; 1] and [dO | -D] [V^T ; 1], instead of a pass
-        # over each score tile (65 terms cost MKL 2% more than 64; a pass over the tile, 33%).
-        fold_lse = not guarded and not modified and rule.tile is None
-        fold_d = not guarded and problem.dropout_p == 0  # with dropout, dP is scaled before D is subtracted
-        kt1_j = _stacked(kt_j, 1, -2, scratch, "kt1") if fold_lse else None
-        if fold_d:
-            vt_j = _stacked(vt_j, 1, -2, scratch, "vt1")
-        shape, d = q[bs, hs].shape[:3], q.shape[-1]
-        # dK_j and dV_j transposed, (d, keys): MKL's gemm runs dV^T += dO^T P at 1.1-1.3x the speed of dV += P^T dO
-        # (measured single-threaded on 512 x 512 tiles, head_dim 64 and 128: a transposed A slows it, a transposed B
-        # does not), likewise dK^T += Q^T dS
-        dkt_j = np.zeros(shape + (d, k1 - k0), dtype=wt)
-        dvt_j = np.zeros(dkt_j.shape, dtype=wt)
-        part = dbias_part(chunk, k0, k1) if dbias else None
-        # A partial tile as row strips cut to the keys they see (as the forward's: a causal diagonal tile costs 5/8 of
-        # its products). guarded: dP and dS of unseen elements may be NaN (0 * inf, inf - inf) until set to 0.
-        for t in [strip for tile in tiles for strip in masks.strips(tile, chunk)]:
-            i, c = slice(t.i0, t.i1), slice(t.k0 - k0, t.k1 - k0)  # rows; keys within the column
-            q_i, do_i = q[bs, hs, :, i, :], do[bs, hs, :, i, :]
-            q1_i, do1_i, d_i = rows.q1[..., i, :], rows.do1[..., i, :], rows.big_d[..., i]
-            qs_i, dop_i = q1_i[..., :d], do1_i[..., :d]  # Q·fold; dO·2^-ec (D is of it too)
-            tile_shape = shape + (t.i1 - t.i0, t.k1 - t.k0)
-            s = scratch.get("s", tile_shape, wt)
-            shift = lse_r[bs, hs, :, i]  # L of the rows, in the rule's base
-            # S as the forward's (line 11), or S - L where every L is finite (a row that saw nothing has L = inf:
-            # there S - L is left to the pass, as IEEE gives it; in BLAS an infinity meets the zeros of its padding)
-            folded = fold_lse and bool(np.isfinite(shift).all())
-            _scores(*((q1_i, kt1_j[..., c]) if folded else (qs_i, kt_j[..., c])), rule, s, matmul)
-            s0 = None
-            if modifiers is not None:
-                s0 = modifiers.score(s, t, chunk, keep_s0=modified)
-                modifiers.mask(s, t, chunk)
-            _mask_scores(s, masks, t, chunk)
-            if not folded:
-                s -= shift[..., None]
-            if coarse:
-                np.minimum(s, 0, out=s)
-            normal = t.full and modifiers is None and bounds is not None and bool(rows.normal[..., i].all())
-            p = _exp(s, rule, clamp=not normal and not guarded, normal=normal)  # guarded: as the forward
-            if guarded:  # a row whose lse is NaN (it sees a NaN score) still has P = 0 where it sees nothing
-                if modifiers is not None:
-                    modifiers.mask(p, t, chunk, fill=0.0)
-                _mask_scores(p, masks, t, chunk, fill=0.0)
-            z = _dropout_scale(problem, t, chunk, wt)
-            _seen_product(np.swapaxes(do_i, -1, -2), p if z is None else p * z, guarded, dvt_j[..., c], matmul,
-                          add=True, zeros="b")  # line 16
-            # line 13, dP = dO V^T (and with fold_d line 14's dP - D)
-            dp = matmul(do1_i if fold_d else dop_i, vt_j[..., c], out=scratch.get("dp", tile_shape, wt))
-            if z is not None:
-                dp *= z  # dP of the dropped P, back through the keep-mask
-                if guarded:  # a dropped element contributes nothing, an infinite dP (0 * inf) neither
-                    np.copyto(dp, 0, where=z == 0)
-            if not fold_d:
-                dp -= d_i[..., None]
-            ds = np.multiply(p, dp, out=dp)
-            if guarded:  # dP - D of a row or key the element does not see may be inf or NaN; P = 0 there
-                np.copyto(ds, 0, where=p == 0)
-            if modified:  # the chain rule through the score modifier (and the bias's gradient before it)
-                if part is not None:
-                    modifiers.dbias(ds, s0, t, chunk, part, k0, guarded)
-                modifiers.backprop(ds, s0, t, chunk)
-            k_c = k_j[..., c, :]
-            _seen_product(ds, k_c if ek == ec else np.ldexp(k_c, ec - ek), guarded, dq_acc[..., i, :], matmul,
-                          add=True)  # line 20
-            _seen_product(np.swapaxes(q_i if eq == ec else np.ldexp(q_i, ec - eq), -1, -2), ds, guarded,
-                          dkt_j[..., c], matmul, add=True, zeros="b")  # line 21
-        dk[bs, hs, :, k0:k1, :] = np.swapaxes(_unscale(dkt_j.sum(axis=2, keepdims=True), scale, eq), -1, -2)
-        dv[bs, hs, :, k0:k1, :] = np.swapaxes(dvt_j.sum(axis=2, keepdims=True), -1, -2)
-        if part is not None:
-            parts.append((k0, k1, np.ldexp(part, ec, out=part) if ec else part))
+@dataclass
+class _Column:
+    """What the strips of one key column ``[k0, k1)`` of one block of pairs share (FA2 Alg. 2 lines 6-7): the
+    column's K_j, K_j^T and V_j^T (with a row of ones where the shifts ride in the products), the row operands, the
+    gradient shifts and the accumulators dK_j^T, dV_j^T (and the block's share of dbias)."""
+
+    chunk: tuple
+    k0: int
+    rows: "_Rows"
+    shifts: tuple            # (ec, eq, ek) of _GradShifts
+    bounds: Optional["_Bounds"]
+    guarded: bool            # some input of the block is not finite (see _seen_product)
+    fold_lse: bool           # S - L in the product [Q | -L] [K^T ; 1]
+    fold_d: bool             # dP - D in the product [dO | -D] [V^T ; 1]
+    k_j: np.ndarray
+    kt_j: np.ndarray
+    kt1_j: Optional[np.ndarray]
+    vt_j: np.ndarray         # V_j^T, or [V_j^T ; 1] with fold_d
+    dkt_j: np.ndarray
+    dvt_j: np.ndarray
+    part: Optional[np.ndarray]  # this column's share of dbias
+
+
+class _Backward:
+    """FA2 Algorithm 2 on one problem: its key columns (the outer loop, line 5) dealt to work items, each a block
+    of (batch, kv head) pairs (:func:`layout`) and one of ``slots`` dQ accumulators; what the items share is made
+    here, once, or by the first items that need it (:func:`_per_chunk`, :func:`_row_operands`)."""
+
+    def __init__(self, problem, dout, out, lse, block_q, block_k, schedule, dbias, scratch):
+        self.problem, self.dbias = problem, dbias
+        self.wt = wt = _work_dtype(problem)
+        len_q, len_k = _padding_lengths(problem)
+        q, k, v, do, o = (_without_padding(_grouped(x, problem, wt), n) for x, n in
+                          ((problem.q, len_q), (problem.k, len_k), (problem.v, len_k), (dout, len_q), (out, len_q)))
+        self.q, self.k, self.v, self.do = q, k, v, do
+        self.rule = rule = _exp_rule(problem, wt, q)
+        lse_r = np.asarray(lse, dtype=np.float64).reshape(q.shape[:-1]) / (LN2 * rule.bits)  # in the rule's base
+        self.lay, self.sched = _plan(problem, block_q, block_k, schedule, BACKWARD_TILE_ELEMENTS)  # after the rows
+        # rows that saw nothing (-inf), and padding rows past a sequence's length whatever their lse holds (a NaN
+        # there made every P of the row NaN): P = exp(S - inf) = 0
+        padding = np.arange(problem.seqlen_q) >= problem.lengths[0][:, None]  # (B, Sq)
+        self.lse_r = lse_r = np.where(np.isneginf(lse_r) | padding[:, None, None, :], np.inf, lse_r).astype(wt)
+        # P = exp(S - lse) <= 1, but past 2^p (p: the dtype's mantissa bits) the lse's rounding exceeds 1 and S - lse
+        # may come out far above 0: exp overflows (float32 from |lse| ~ 2^30 in base 2), and inf * 0 makes gradients
+        # NaN. There the arguments are clamped at 0 (a pass per tile, only for such huge scores): finite gradients,
+        # as accurate as a float32 lse allows.
+        self.coarse = bool(np.abs(lse_r[np.isfinite(lse_r)]).max(initial=0) >= 2.0 ** np.finfo(wt).nmant)
+        big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
+        # dO, and Q and K in the sums of dS Q and dS K, at powers of two where an intermediate could overflow
+        bshd = lambda x, y: x if np.may_share_memory(x, y) else _ungroup(y)  # noqa: E731  (the inputs, or copies)
+        self.grad_shifts = _GradShifts(problem, wt, bshd(problem.q, q), bshd(problem.k, k), bshd(problem.v, v),
+                                       bshd(dout, do))
+        self.matmul = products()
+        self.prepared = _per_chunk(problem, rule, q, k, v, wt, self.matmul, also=(do, big_d))
+        self.row_operands = _row_operands(rule, q, do, o, lse_r, big_d, self.grad_shifts, self.prepared,
+                                          _Bounds.applies(problem))
+        self.dq = _result_zeros(q.shape, problem, wt)
+        self.dk = _result_zeros(k.shape, problem, wt)
+        self.dv = _result_zeros(k.shape, problem, wt)  # not zeros_like, which writes its zeros (1.4 ms for 4 MiB)
+        self.db = np.zeros(problem.mods.bias_compact, wt) if dbias else None
+        self.scratch, self.masks = scratch or _Scratch(), _Masks(self.sched, problem)
+        self.modifiers = _Mods(problem, wt) if _Mods.active(problem) else None
+        self.modified = self.modifiers is not None and problem.mods.score is not None
+        sched = self.sched
+        self.columns = [t for t in range(sched.n_k) if ((sched.lo <= t) & (t < sched.hi)).any()]
+        self.slots = max(1, min(DQ_CHUNKS, len(self.columns)))
+
+    def work(self) -> _Work:
+        return _Work([(0, (chunk, slot)) for chunk in self.lay.chunks for slot in range(self.slots)],
+                     self._item, self._finish, self._fold)
 
     # Key tiles are dealt round-robin to a fixed number of dQ accumulators (O(N·d) each), summed
     # in a fixed order: dQ is bitwise the same whatever the thread count or schedule.
-    def item(work):
+    def _item(self, work):
         chunk, slot = work
-        dq_acc = np.zeros(q[chunk].shape, dtype=wt)
+        dq_acc = np.zeros(self.q[chunk].shape, dtype=self.wt)
         parts: list = []
-        for t in columns[slot::slots]:
-            column(t, chunk, dq_acc, parts)
+        for t in self.columns[slot::self.slots]:
+            self._column(t, chunk, dq_acc, parts)
         return dq_acc, parts
 
-    dq = _result_zeros(q.shape, problem, wt)
-    db = np.zeros(problem.mods.bias_compact, wt) if dbias else None
-
-    def fold(work, result):  # in item order: dq = ((0 + slot 0) + slot 1) + ... per pair block; dbias likewise
+    def _fold(self, work, result):  # in item order: dq = ((0 + slot 0) + slot 1) + ... per pair block; dbias likewise
         dq_part, parts = result
-        dq[work[0]] += dq_part
-        if work[1] == slots - 1:  # the block's last item: its K^T and row operands (O(N·d) each) go now, not at the
-            prepared.release(work[0])  # end of the call (+65% of the backward's peak at B = 32, H = 32, N = 512)
-            row_operands.release(work[0])
+        self.dq[work[0]] += dq_part
+        if work[1] == self.slots - 1:  # the block's last item: its K^T and row operands (O(N·d) each) go now, not at
+            self.prepared.release(work[0])  # the end of the call (+65% of the backward's peak at B = H = 32, N = 512)
+            self.row_operands.release(work[0])
         bs, hs = work[0]
+        db, group = self.db, self.problem.group
         for k0, k1, part in parts:
             b_at = bs if db.shape[0] > 1 else slice(None)
-            h_at = slice(hs.start * problem.group, hs.stop * problem.group) if db.shape[1] > 1 else slice(None)
+            h_at = slice(hs.start * group, hs.stop * group) if db.shape[1] > 1 else slice(None)
             db[b_at, h_at, :, slice(k0, k1) if db.shape[3] > 1 else slice(None)] += part
 
-    def finish():
-        _unscale(dq, scale, grad_shifts()[2])
-        cast = lambda x: _ungroup(x).astype(problem.dtype, copy=False)  # noqa: E731
-        grads = cast(dq), cast(dk), cast(dv)
-        return grads + (db,) if dbias else grads
+    def _finish(self):
+        _unscale(self.dq, self.wt.type(self.problem.scale), self.grad_shifts()[2])
+        cast = lambda x: _ungroup(x).astype(self.problem.dtype, copy=False)  # noqa: E731
+        grads = cast(self.dq), cast(self.dk), cast(self.dv)
+        return grads + (self.db,) if self.dbias else grads
 
-    return _Work([(0, (chunk, slot)) for chunk in lay.chunks for slot in range(slots)], item, finish, fold)
+    def _dbias_part(self, chunk, k0, k1):
+        """The item's share of dbias for key tile [k0, k1): zeros in the compact bias's shape there."""
+        bs, hs = chunk
+        problem = self.problem
+        shape = problem.mods.bias_compact
+        nb = len(range(problem.batch)[bs]) if shape[0] > 1 else 1
+        nh = len(range(problem.heads_kv)[hs]) * problem.group if shape[1] > 1 else 1
+        return np.zeros((nb, nh, shape[2], k1 - k0 if shape[3] > 1 else 1), dtype=self.wt)
+
+    def _column(self, t, chunk, dq_acc, parts):
+        """Lines 6-22 for key column ``t`` of the block ``chunk``: its strips, then dK_j and dV_j written."""
+        tiles = self.masks.settled(self.sched.column(t), chunk)
+        if not tiles:
+            return
+        col = self._column_operands(chunk, tiles[0].k0, tiles[0].k1)
+        # A partial tile as row strips cut to the keys they see (as the forward's: a causal diagonal tile costs 5/8 of
+        # its products). guarded: dP and dS of unseen elements may be NaN (0 * inf, inf - inf) until set to 0.
+        for strip in [strip for tile in tiles for strip in self.masks.strips(tile, chunk)]:
+            self._strip(strip, col, dq_acc)
+        (bs, hs), k0, k1 = chunk, col.k0, tiles[0].k1
+        ec, eq, _ = col.shifts
+        scale = self.wt.type(self.problem.scale)
+        self.dk[bs, hs, :, k0:k1, :] = np.swapaxes(_unscale(col.dkt_j.sum(axis=2, keepdims=True), scale, eq), -1, -2)
+        self.dv[bs, hs, :, k0:k1, :] = np.swapaxes(col.dvt_j.sum(axis=2, keepdims=True), -1, -2)
+        if col.part is not None:
+            parts.append((k0, k1, np.ldexp(col.part, ec, out=col.part) if ec else col.part))
+
+    def _column_operands(self, chunk, k0, k1) -> _Column:
+        bs, hs = chunk
+        prep = self.prepared(chunk)
+        guarded = prep.any_nonfinite
+        k_j, kt_j = self.k[bs, hs, :, k0:k1, :], prep.kt[..., k0:k1]
+        vt_j = np.swapaxes(self.v[bs, hs, :, k0:k1, :], -1, -2)
+        # Finite inputs without a score modifier: the shift by lse (line 11, S - L) and D (line 14, dP - D) ride in
+        # the products as one more inner term each, [Q | -L] [K^T ; 1] and [dO | -D] [V^T ; 1], instead of a pass
+        # over each score tile (65 terms cost MKL 2% more than 64; a pass over the tile, 33%).
+        fold_lse = not guarded and not self.modified and self.rule.tile is None
+        fold_d = not guarded and self.problem.dropout_p == 0  # with dropout, dP is scaled before D is subtracted
+        kt1_j = _stacked(kt_j, 1, -2, self.scratch, "kt1") if fold_lse else None
+        if fold_d:
+            vt_j = _stacked(vt_j, 1, -2, self.scratch, "vt1")
+        shape, d = self.q[bs, hs].shape[:3], self.q.shape[-1]
+        # dK_j and dV_j transposed, (d, keys): MKL's gemm runs dV^T += dO^T P at 1.1-1.3x the speed of dV += P^T dO
+        # (measured single-threaded on 512 x 512 tiles, head_dim 64 and 128: a transposed A slows it, a transposed B
+        # does not), likewise dK^T += Q^T dS
+        dkt_j = np.zeros(shape + (d, k1 - k0), dtype=self.wt)
+        return _Column(chunk, k0, self.row_operands(chunk), self.grad_shifts(), prep.bounds, guarded, fold_lse,
+                       fold_d, k_j, kt_j, kt1_j, vt_j, dkt_j, np.zeros(dkt_j.shape, dtype=self.wt),
+                       self._dbias_part(chunk, k0, k1) if self.dbias else None)
+
+    def _strip(self, t, col, dq_acc):
+        """Lines 8-21 for the rows and keys of the strip ``t`` of column ``col``: P recomputed from L, dV_j, dP, dS,
+        then dQ_i and dK_j."""
+        problem, wt, rule, masks, modifiers, matmul = (self.problem, self.wt, self.rule, self.masks, self.modifiers,
+                                                        self.matmul)
+        chunk, rows, guarded = col.chunk, col.rows, col.guarded
+        (bs, hs), (ec, eq, ek), d = chunk, col.shifts, self.q.shape[-1]
+        i, c = slice(t.i0, t.i1), slice(t.k0 - col.k0, t.k1 - col.k0)  # rows; keys within the column
+        q_i, do_i = self.q[bs, hs, :, i, :], self.do[bs, hs, :, i, :]
+        q1_i, do1_i, d_i = rows.q1[..., i, :], rows.do1[..., i, :], rows.big_d[..., i]
+        qs_i, dop_i = q1_i[..., :d], do1_i[..., :d]  # Q·fold; dO·2^-ec (D is of it too)
+        tile_shape = q_i.shape[:3] + (t.i1 - t.i0, t.k1 - t.k0)
+        s = self.scratch.get("s", tile_shape, wt)
+        shift = self.lse_r[bs, hs, :, i]  # L of the rows, in the rule's base
+        # S as the forward's (line 11), or S - L where every L is finite (a row that saw nothing has L = inf:
+        # there S - L is left to the pass, as IEEE gives it; in BLAS an infinity meets the zeros of its padding)
+        folded = col.fold_lse and bool(np.isfinite(shift).all())
+        _scores(*((q1_i, col.kt1_j[..., c]) if folded else (qs_i, col.kt_j[..., c])), rule, s, matmul)
+        s0 = None
+        if modifiers is not None:
+            s0 = modifiers.score(s, t, chunk, keep_s0=self.modified)
+            modifiers.mask(s, t, chunk)
+        _mask_scores(s, masks, t, chunk)
+        if not folded:
+            s -= shift[..., None]
+        if self.coarse:
+            np.minimum(s, 0, out=s)
+        normal = t.full and modifiers is None and col.bounds is not None and bool(rows.normal[..., i].all())
+        p = _exp(s, rule, clamp=not normal and not guarded, normal=normal)  # guarded: as the forward
+        if guarded:  # a row whose lse is NaN (it sees a NaN score) still has P = 0 where it sees nothing
+            if modifiers is not None:
+                modifiers.mask(p, t, chunk, fill=0.0)
+            _mask_scores(p, masks, t, chunk, fill=0.0)
+        z = _dropout_scale(problem, t, chunk, wt)
+        _seen_product(np.swapaxes(do_i, -1, -2), p if z is None else p * z, guarded, col.dvt_j[..., c], matmul,
+                      add=True, zeros="b")  # line 16
+        # line 13, dP = dO V^T (and with fold_d line 14's dP - D)
+        dp = matmul(do1_i if col.fold_d else dop_i, col.vt_j[..., c], out=self.scratch.get("dp", tile_shape, wt))
+        if z is not None:
+            dp *= z  # dP of the dropped P, back through the keep-mask
+            if guarded:  # a dropped element contributes nothing, an infinite dP (0 * inf) neither
+                np.copyto(dp, 0, where=z == 0)
+        if not col.fold_d:
+            dp -= d_i[..., None]
+        ds = np.multiply(p, dp, out=dp)
+        if guarded:  # dP - D of a row or key the element does not see may be inf or NaN; P = 0 there
+            np.copyto(ds, 0, where=p == 0)
+        if self.modified:  # the chain rule through the score modifier (and the bias's gradient before it)
+            if col.part is not None:
+                modifiers.dbias(ds, s0, t, chunk, col.part, col.k0, guarded)
+            modifiers.backprop(ds, s0, t, chunk)
+        k_c = col.k_j[..., c, :]
+        _seen_product(ds, k_c if ek == ec else np.ldexp(k_c, ec - ek), guarded, dq_acc[..., i, :], matmul,
+                      add=True)  # line 20
+        _seen_product(np.swapaxes(q_i if eq == ec else np.ldexp(q_i, ec - eq), -1, -2), ds, guarded,
+                      col.dkt_j[..., c], matmul, add=True, zeros="b")  # line 21
 
 
 # Ragged batches and KV caches (VARLEN, KVCACHE) live in cuflash/backends/numpy_ragged.py, which builds on this
