@@ -337,18 +337,21 @@ def _check_loads(library: Path, cmd) -> None:
 
 
 def _compile(tc: Toolchain, directory: Path, key: str, text: str, options, sanitize: bool, debug: bool) -> Path:
-    # Unique temporaries, then renames: parallel test processes may build the same library at once.
-    fd, tmp_src = tempfile.mkstemp(suffix=".cpp", prefix=key + ".", dir=directory)
-    tmp_out = Path(tmp_src).with_suffix(".so.tmp")
+    # Unique temporaries, then renames: parallel test processes may build the same library at once. The source goes
+    # into a folder of its own (mode 0700, empty): a quoted include is looked for first beside the source, and a
+    # wrapper.h lying in the cache folder was compiled into every kernel, then recorded under the clean key.
+    work = Path(tempfile.mkdtemp(prefix=key + ".", dir=directory))
+    tmp_src, tmp_out = work / "kernel.cpp", work / "kernel.so.tmp"
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        tmp_src.write_text(text)
         pch = None if sanitize or debug else precompiled_shim(tc, directory)
-        cmd = command(tc, Path(tmp_src), tmp_out, options, sanitize=sanitize, debug=debug, shim=pch or SHIM)
+        cmd = command(tc, tmp_src, tmp_out, options, sanitize=sanitize, debug=debug, shim=pch or SHIM)
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise CompileError(f"g++ failed to compile the kernel for emulation (kept at {tmp_src}.failed):\n"
+            failed = directory / f"{work.name}.cpp.failed"
+            os.replace(tmp_src, failed)
+            raise CompileError(f"g++ failed to compile the kernel for emulation (kept at {failed}):\n"
                                f"{proc.stderr[-8000:]}\ncommand: {' '.join(cmd)}")
         _check_loads(tmp_out, cmd)
         os.chmod(tmp_out, 0o700)  # whatever the umask: nobody else may change code we load
@@ -358,9 +361,5 @@ def _compile(tc: Toolchain, directory: Path, key: str, text: str, options, sanit
         _cache.write_record(directory / f"{key}.json", {"library": target.name, "sha256": digest})
         compile_log.append((target.name, time.perf_counter() - start))
         return target
-    except CompileError:
-        os.replace(tmp_src, tmp_src + ".failed")
-        raise
     finally:
-        for leftover in (Path(tmp_src), tmp_out):
-            leftover.unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)

@@ -94,8 +94,12 @@ def _writable(path: Path) -> bool:
 
 
 def _configured(raw: str) -> Path:
-    path = Path(raw).expanduser()
     accepted = _env.VARIABLES[VARIABLE].accepted
+    try:
+        path = Path(raw).expanduser()
+    except RuntimeError as exc:  # ~nosuchuser/x: "Could not determine home directory", naming nothing
+        raise ValueError(f"environment variable {VARIABLE}={raw!r} cannot be expanded ({exc}): expected "
+                         f"{accepted}") from None
     try:
         created = _make_private(path)
     except OSError as exc:

@@ -94,6 +94,18 @@ def test_a_planted_library_is_not_loaded(built_cache, tmp_path):
     assert not marker.exists(), "the planted library's constructor ran"
 
 
+def test_a_header_lying_in_the_cache_is_not_compiled_in(built_cache, tmp_path):
+    """The translation unit ends with a quoted ``#include "wrapper.h"``, looked for first beside the source: a
+    wrapper.h in the cache folder (CUFLASH_EMULATE_CACHE may name any private folder) was compiled into every kernel
+    built there, and the library recorded under the clean key. The source now compiles in an empty folder."""
+    cache, marker = _copy(built_cache, tmp_path, with_pch=True), tmp_path / "marker"
+    runtime = ROOT / "kernels" / "emulate" / "wrapper.h"
+    (cache / "wrapper.h").write_text(runtime.read_text() + MARKER_INITIALIZER % marker)
+    proc = _run(cache, options=("-DCUFLASH_PLANTED_HEADER_TEST",), pch=True)  # a key of its own: compiled now
+    _assert_correct(proc)
+    assert not marker.exists(), "the header planted in the cache was compiled in"
+
+
 def test_a_truncated_library_is_rebuilt(built_cache, tmp_path):
     cache = _copy(built_cache, tmp_path)
     for library in _libraries(cache):
@@ -314,6 +326,13 @@ def test_a_cache_below_a_directory_others_can_write_is_an_error(private_env, mon
     monkeypatch.delenv("CUFLASH_EMULATE_CACHE")
     monkeypatch.setenv("HOME", str(shared / "home"))
     with pytest.raises(ValueError, match=r"emulator's cache .* is not a safe place .*shared above it is writable"):
+        emu.cache_dir()
+
+
+def test_a_cache_under_an_unknown_users_home_is_named(monkeypatch):
+    """~nosuchuser/x: Path.expanduser raised a bare RuntimeError ("Could not determine home directory")."""
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE", "~cuflash-no-such-user-x9/cache")
+    with pytest.raises(ValueError, match=r"CUFLASH_EMULATE_CACHE=.*cannot be expanded"):
         emu.cache_dir()
 
 
