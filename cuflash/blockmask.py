@@ -189,6 +189,15 @@ class BlockMask:
         copy derives its own."""
         return {name: value for name, value in self.__dict__.items() if name != "_derived"}
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy is a value too: its arrays read-only again (pickle and deepcopy make them writeable, which made the
+        copy changeable in place and every :meth:`derived` call of it check a CRC of all its operands)."""
+        self.__dict__.update(state)
+        _frozen(self.states)
+        for value in self.values.values():
+            if isinstance(value, np.ndarray):
+                _frozen(value)
+
     def _checksum(self) -> tuple:
         parts = [zlib.crc32(np.ascontiguousarray(self.states).view(np.uint8))]
         for name, value in sorted(self.values.items()):

@@ -727,6 +727,25 @@ def test_a_mask_used_by_a_backend_still_pickles_and_copies():
         assert np.array_equal(cuflash.attention(q, k, v, block_mask=twin, backend="emulate"), out)
 
 
+def test_a_copied_mask_stays_read_only():
+    """Pickle and deepcopy gave back writeable arrays: the copy could be changed in place (the original refuses), and
+    every derived() call of it took a CRC of all its operands (0.5 ms a call for a 4096^2 dense mask)."""
+    import copy
+    import pickle
+
+    mask = BlockMask.from_mask_mod("kv_idx <= q_idx + t[q_idx]", seqlen_q=64, seqlen_k=64, block=(16, 16),
+                                   mod_arrays={"t": np.arange(64) % 7})
+    for twin in (pickle.loads(pickle.dumps(mask)), copy.deepcopy(mask)):
+        arrays = [twin.states] + [a for a in twin.values.values() if isinstance(a, np.ndarray)]
+        assert len(arrays) >= 2 and not any(a.flags.writeable for a in arrays)
+        with pytest.raises(ValueError, match="read-only"):
+            twin.states[...] = 2
+        checks = []
+        twin._checksum = lambda: checks.append(1)  # derived() of a read-only mask trusts what it kept
+        twin.derived(("k",), lambda: 1)
+        assert not checks
+
+
 def test_a_mask_is_its_own_value_and_names_its_operands_uniquely(monkeypatch):
     """from_mask_mod copies the caller's arrays (a later change of theirs does not reach the mask, whose states were
     classified from the old values); operand names are unique across processes, so a mask built in another process
