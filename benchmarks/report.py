@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import stat
+import tempfile
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -110,13 +111,17 @@ def write_results(payload_by_fig: dict, out_dir: Path, *, plots: bool = True) ->
 
 def _write_whole(path: Path, text: str):
     """``text`` into ``path`` through a temporary file beside it: a run killed while writing a checkpoint leaves
-    the previous file whole, never a truncated JSON (os.replace is atomic within one file system)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    the previous file whole, never a truncated JSON (os.replace is atomic within one file system). The temporary
+    file is created new (mkstemp: a symlink planted at a predictable name was written through, its target
+    overwritten)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        tmp.write_text(text)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # as a plain write would leave it (mkstemp's files are 0600)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 

@@ -964,3 +964,20 @@ def test_a_run_that_measures_nothing_fails_and_says_why(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: nothing was measured" in err and "time limit" in err
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def test_a_checkpoint_is_not_written_through_a_symlink_planted_at_its_temporary_name(tmp_path):
+    """The whole-file write of a results JSON went through a temporary file of a predictable name
+    (``.<name>.<pid>.tmp``), written with a plain open: a symlink planted there had its target overwritten."""
+    import os
+
+    from benchmarks import report
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    path = tmp_path / "fig1_throughput.json"
+    os.symlink(victim, tmp_path / f".{path.name}.{os.getpid()}.tmp")
+    report._write_whole(path, '{"a": 1}\n')
+    assert victim.read_text() == "keep me"
+    assert path.read_text() == '{"a": 1}\n' and not path.is_symlink()
+    assert (path.stat().st_mode & 0o777) == 0o644
