@@ -400,6 +400,21 @@ class Expr:
     def uses_score(self) -> bool:
         return _uses(self.root, "score")
 
+    @property
+    def float_constants(self) -> tuple:
+        """The float literals of the expression (a problem refuses one beyond its working precision, as it refuses
+        such a number in ``mod_arrays``)."""
+        return tuple(_float_constants(self.root))
+
+
+def _float_constants(n: Node):
+    if n.op == "const" and n.type == "float":
+        yield n.value
+    if n.op == "bits":
+        yield from _float_constants(n.value[0])
+    for a in n.args:
+        yield from _float_constants(a)
+
 
 def _depth(tree) -> int:
     """The depth of an :mod:`ast` tree, without recursion (a deep tree is what is being checked)."""
@@ -620,6 +635,25 @@ _CPP_DOUBLE = {"abs": "fabs", "min": "nan_min", "max": "nan_max", "exp": "exp", 
                "sqrt": "sqrt"}
 
 
+def _cpp_real(value: float, double: bool) -> str:
+    """A float constant in C++, as the value NumPy's evaluation computes with (``dtype.type(value)``): in float
+    kernels the float32 nearest the double, written so that the compiler reads exactly it. The double's decimal
+    string with an ``f`` was rounded to float a second time (1 + 2^-24, a tie, became 1 + 2^-23 where NumPy has 1:
+    a mask of other elements), and one past float32's range was a compile error in NVRTC ("floating constant is out
+    of range"; 1e-50, or 1e-25 ** 2 folded in a derivative): now 0 there, as in NumPy. The float32 value's shortest
+    double digits name it exactly (a float is a double, and its neighbours are far wider apart)."""
+    if not double:
+        with np.errstate(over="ignore", under="ignore"):
+            value = float(np.float32(value))
+    if math.isinf(value):
+        if double:
+            return "wide::Real<double>::pos_inf()" if value > 0 else "wide::Real<double>::neg_inf()"
+        return "pos_inf()" if value > 0 else "neg_inf()"
+    if math.isnan(value):
+        return "__longlong_as_double(0x7ff8000000000000LL)" if double else "__int_as_float(0x7fc00000)"
+    return f"{value!r}" if double else f"{value!r}f"
+
+
 def _cpp(n: Node, read, real: str = "float") -> str:
     op = n.op
     double = real == "double"
@@ -628,13 +662,7 @@ def _cpp(n: Node, read, real: str = "float") -> str:
             return "true" if n.value else "false"
         if n.type == "int":
             return str(n.value)
-        if math.isinf(n.value):
-            if double:
-                return "wide::Real<double>::pos_inf()" if n.value > 0 else "wide::Real<double>::neg_inf()"
-            return "pos_inf()" if n.value > 0 else "neg_inf()"
-        if math.isnan(n.value):
-            return "__longlong_as_double(0x7ff8000000000000LL)" if double else "__int_as_float(0x7fc00000)"
-        return f"{float(n.value)!r}" if double else f"{float(n.value)!r}f"
+        return _cpp_real(float(n.value), double)
     if op == "var":
         return n.value
     if op == "scalar":

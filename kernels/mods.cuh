@@ -16,12 +16,18 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // Python's floor division and modulo (the modifier language's // and %), not C's truncation toward zero. A zero
 // divisor gives 0 for both, as NumPy's floor_divide and mod do (C's a / 0 traps on a CPU, and is garbage on a GPU).
+// A divisor of -1 never divides: INT_MIN / -1 overflows, which traps on a CPU (the emulator died of SIGFPE) and is
+// undefined on a GPU; the range check keeps it out of the problem's own elements, but padding rows are evaluated
+// too. x % -1 is 0, and -x wraps as two's complement does.
 __device__ __forceinline__ int floor_div(int a, int b) {
   if (b == 0) return 0;
+  if (b == -1) return static_cast<int>(0u - static_cast<unsigned>(a));
   const int q = a / b;
   return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
-__device__ __forceinline__ int floor_mod(int a, int b) { return b == 0 ? 0 : a - floor_div(a, b) * b; }
+__device__ __forceinline__ int floor_mod(int a, int b) {
+  return (b == 0 || b == -1) ? 0 : a - floor_div(a, b) * b;
+}
 
 // min and max that propagate a NaN, as NumPy's minimum and maximum (fminf/fmaxf return the other operand).
 template <typename A, typename B>

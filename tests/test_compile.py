@@ -233,3 +233,27 @@ def test_modifier_helpers_compile_for_nvrtc(tmp_path):
     for arch in (80, 90):
         mapping, _ = cc.compile_names(inline_includes(probe), ["k"], arch)
         assert "k" in mapping
+
+
+@pytest.mark.parametrize("real, text", [
+    ("float", "score * 1e-50 + score / 1e25 / 1e25 + score * 1e-40 + score * 1.0000000596046448"),
+    ("double", "score * 5e-324 + score * 1e-310 + score * 1e300"),
+])
+def test_float_literals_past_the_real_types_range_compile_for_nvrtc(real, text, tmp_path):
+    """A float literal is written as the value the kernels compute with (the float32 nearest, for float kernels):
+    the double's digits with an f were an NVRTC error ("floating constant is out of range") for 1e-50, and for
+    1e-25 ** 2, which the derivative folds (dscore is in every modifier's struct: the forward failed too)."""
+    _need_cupy()
+    from cuflash import mods
+    from cuflash.cuda import modcode
+    from cuflash.cuda.source import KERNELS_DIR, inline_includes
+
+    _, code = modcode.render(mods.Modifiers(mods.parse(text, kind="score"), None, {}), real=real)
+    probe = tmp_path / "probe.cu"
+    headers = ("mods.cuh", "wide_math.cuh") if real == "double" else ("mods.cuh",)
+    probe.write_text("".join(f'#include "{KERNELS_DIR / h}"\n' for h in headers) + code +
+                     '\nextern "C" __global__ void k() {}\n')
+    source = inline_includes(probe)
+    for arch in (80, 90):
+        mapping, _ = cc.compile_names(source, ["k"], arch)
+        assert "k" in mapping

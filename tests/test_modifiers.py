@@ -2,6 +2,7 @@
 CuPy's cuda backend), forward and backward (dbias included), against the float64 reference at the usual rule."""
 from __future__ import annotations
 
+import fractions
 import re
 
 import numpy as np
@@ -156,9 +157,36 @@ def _same_on_every_backend(**options):
     dict(score_mod="max(score, nan)"),  # NaN propagates, as numpy.maximum (fmaxf dropped it)
     dict(score_mod="min(score, nan)"),
     dict(mask_mod="s[h] > 0", mod_arrays={"s": np.array([(1, 5), (2, 0)], dtype=[("a", "i1"), ("x", "<i4")])["x"]}),
-], ids=["mod-zero", "div-zero", "uint8", "max-nan", "min-nan", "field-view"])
+    # INT_MIN % -1 (and // -1) trapped too, inside the problem or in a tile's padding rows, where q_idx = 8 wraps
+    dict(mask_mod="w[q_idx] % (kv_idx - 1) == 0", mod_arrays={"w": np.array([0] * 3 + [-2 ** 31] + [0] * 4, np.int32)}),
+    dict(score_mod="score + (q_idx * 268435456) % (kv_idx - 1)"),
+    # float literals as NumPy takes them: rounded to float32 once (1 + 2^-24 is a tie: 1, not the 1 + 2^-23 the
+    # compiler made of the double's digits with an f), and past float32's range as 0, not an NVRTC error
+    dict(mask_mod="kv_idx * 1.0000000596046448 == kv_idx * 1.0"),
+    dict(score_mod="score * 1e-50 + score / 1e25 / 1e25 + score * 1e-40 + score"),
+], ids=["mod-zero", "div-zero", "uint8", "max-nan", "min-nan", "field-view", "intmin-mod", "padding-wrap",
+        "literal-tie", "literal-range"])
 def test_hostile_modifiers_mean_the_same_everywhere(options):
     _same_on_every_backend(**options)
+
+
+@pytest.mark.parametrize("options, fits_float64", [
+    (dict(score_mod="score + 1e39"), True), (dict(mask_mod="kv_idx * -1e39 < 0"), True),
+    (dict(score_mod="score - x", mod_arrays={"x": fractions.Fraction(10 ** 39)}), True),
+    (dict(score_mod="score - x", mod_arrays={"x": fractions.Fraction(10 ** 400)}), False),
+], ids=["score-literal", "mask-literal", "fraction", "fraction-past-float64"])
+def test_finite_constants_beyond_the_working_precision_are_refused(options, fits_float64):
+    """1e39 in the text became inf in float32 (all-NaN outputs, or every key masked) where the same number in
+    mod_arrays was refused; a Fraction in mod_arrays slipped past that check too. float64 inputs take what fits."""
+    q, k, v = _tiny()
+    with pytest.raises(ValueError, match="beyond the largest float32"):
+        cuflash.attention(q, k, v, **options)
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    if fits_float64:
+        assert np.isfinite(cuflash.attention(q64, k64, v64, **options)).all()
+    else:
+        with pytest.raises(ValueError, match="beyond the largest float64"):
+            cuflash.attention(q64, k64, v64, **options)
 
 
 def test_modifiers_the_kernels_cannot_hold_or_the_parser_cannot_nest_are_refused():

@@ -560,8 +560,16 @@ def _check_fits_working(x, name: str, dtype) -> None:
     work = stats_dtype(dtype)
     if isinstance(x, numbers.Number):  # an int, bool or float of mod_arrays (ints are held to int32 elsewhere)
         with np.errstate(over="ignore"):
-            # np.floating too: a np.longdouble is no float (1e300 passed, and made every key masked in float32)
-            bad = isinstance(x, (float, np.floating)) and bool(np.isfinite(x)) and not np.isfinite(work.type(x))
+            # np.floating too: a np.longdouble is no float (1e300 passed, and made every key masked in float32); any
+            # other real (a Fraction, a Decimal: typed float, and cast as one) likewise
+            past_float64 = False
+            if isinstance(x, numbers.Real) and not isinstance(x, (numbers.Integral, np.bool_, np.floating)):
+                try:
+                    x = float(x)
+                except OverflowError:  # finite, and beyond float64 too: past any working precision
+                    past_float64 = True
+            bad = past_float64 or (isinstance(x, (float, np.floating)) and bool(np.isfinite(x))
+                                   and not np.isfinite(work.type(x)))
     elif x is None or x.dtype.kind != "f" or x.dtype.itemsize <= work.itemsize:
         return
     else:
@@ -674,6 +682,9 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
     if mask_mod is not None:
         mask = mods.parse(mask_mod, kind="mask", arrays=values, what="mask_mod")
         mask.check_against(values, extents, "mask_mod")
+    for what, expr in (("score_mod", step if score_mod is not None else None), ("mask_mod", mask)):
+        for c in expr.float_constants if expr is not None else ():
+            _check_fits_working(c, f"{what}'s constant {c!r}", like.dtype)  # 1e39 became inf in float32
     used = {o.name for e in (score, mask) if e is not None for o in e.operands}
     unused = sorted(set(values) - used)
     if unused:
