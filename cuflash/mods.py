@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import math
 import numbers
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -442,6 +443,9 @@ def parse(text: str, *, kind: str, arrays: Optional[dict] = None, what: Optional
                 "score", "inf", "nan") or name in FUNCTIONS or (name.startswith(RESERVED_PREFIX) and not internal):
             raise ValueError(f"mod_arrays key {name!r} must be an identifier other than the variables, the functions "
                              f"and names starting with {RESERVED_PREFIX!r}")
+        if unicodedata.normalize("NFKC", name) != name:  # the expression's names are read in NFKC form
+            raise ValueError(f"mod_arrays key {name!r} must be written as Python reads it in an expression, "
+                             f"{unicodedata.normalize('NFKC', name)!r} (NFKC): the text's {name!r} names that")
     if len(text) > MAX_TEXT:
         raise ValueError(f"{what} must be at most {MAX_TEXT} characters, got {len(text)}")
     try:

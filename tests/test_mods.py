@@ -271,6 +271,8 @@ def test_dbias_takes_the_declared_shape_of_a_broadcast_view(backend, dtype, stor
     (dict(mod_arrays={"w": np.zeros(7)}), ValueError, "without score_mod or mask_mod"),
     (dict(score_mod="score", mod_arrays=[1]), TypeError, "mod_arrays must be a dict"),
     (dict(score_mod="score + w", mod_arrays={"w": "x"}), TypeError, "must be an array or a number"),
+    # the text's fullwidth name is read as "w": the key named a name the expression cannot write
+    (dict(score_mod="score + \uff57[kv_idx]", mod_arrays={"\uff57": np.zeros(9)}), ValueError, "NFKC"),
 ])
 def test_modifier_arguments_are_validated(kw, exc, match):
     q, k, v, _ = _qkv()
