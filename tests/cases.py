@@ -99,6 +99,29 @@ def modifier_cases() -> dict:
     return out
 
 
+def hostile_modifier_cases() -> dict:
+    """``{name: options}``: modifiers at the edges of the language's arithmetic, for float32 ``(1, 8, 2, 32)`` inputs
+    (tests/test_modifiers.py on the NumPy backend and the emulator, tests/test_gpu_modifiers.py on a GPU): each
+    backend against the float64 reference, NaN exactly where it has NaN."""
+    field = np.array([(1, 5), (2, 0)], dtype=[("a", "i1"), ("x", "<i4")])["x"]  # a strided view of int32 fields
+    return {
+        "mod-zero": dict(mask_mod="q_idx % kv_idx == 0"),  # x % 0: the kernels trapped (SIGFPE); now 0, as NumPy
+        "div-zero": dict(mask_mod="q_idx // kv_idx >= 0"),
+        "uint8": dict(mask_mod="u[kv_idx] - 5 < 0", mod_arrays={"u": np.full(8, 3, np.uint8)}),  # 64-bit, not 254
+        "max-nan": dict(score_mod="max(score, nan)"),  # NaN propagates, as numpy.maximum (fmaxf dropped it)
+        "min-nan": dict(score_mod="min(score, nan)"),
+        "field-view": dict(mask_mod="s[h] > 0", mod_arrays={"s": field}),
+        # INT_MIN % -1 (and // -1) trapped too, inside the problem or in a tile's padding rows, where q_idx = 8 wraps
+        "intmin-mod": dict(mask_mod="w[q_idx] % (kv_idx - 1) == 0",
+                           mod_arrays={"w": np.array([0] * 3 + [-2 ** 31] + [0] * 4, np.int32)}),
+        "padding-wrap": dict(score_mod="score + (q_idx * 268435456) % (kv_idx - 1)"),
+        # float literals as NumPy takes them: rounded to float32 once (1 + 2^-24 is a tie: 1, not the 1 + 2^-23 the
+        # compiler made of the double's digits with an f), and past float32's range as 0, not an NVRTC error
+        "literal-tie": dict(mask_mod="kv_idx * 1.0000000596046448 == kv_idx * 1.0"),
+        "literal-range": dict(score_mod="score * 1e-50 + score / 1e25 / 1e25 + score * 1e-40 + score"),
+    }
+
+
 # ================================================================================================ backward
 def _bf16_rule_works() -> bool:
     try:

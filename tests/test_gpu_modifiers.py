@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash.testing import attention_cases, check_backward, check_forward
+from cuflash.testing import Case, attention_cases, check_backward, check_forward
 
-from cases import bf16, host, make_case, modifier_cases
+from cases import bf16, hostile_modifier_cases, host, make_case, modifier_cases
 
 import gpu_support  # noqa: E402
 
 cp, pytestmark, DTYPES = gpu_support.setup()
 CASES = modifier_cases()
+HOSTILE = hostile_modifier_cases()
 
 
 def on_gpu(options):
@@ -63,3 +64,19 @@ def test_modifier(name, dtype, d, deterministic):
                      max_examples=60, shards=4)
 def test_hypothesis_modifiers(case):
     check(case, deterministic=bool(case.q.shape[-1] % 2))
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_modifier(name):
+    """tests/test_modifiers.py's hostile modifiers in the float32 kernels (the emulator passes them in CI): the
+    language's integer edges (x % 0, INT_MIN % -1, a product wrapping in the padding rows: a trap on a CPU, undefined
+    on a GPU before kernels/mods.cuh guarded them) and float literals rounded to float32 once, or past its range."""
+    options = HOSTILE[name]
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, 2, 32)).astype(np.float32) for _ in range(3))
+    with np.errstate(all="ignore"):
+        ref = cuflash.reference.attention(q, k, v, **options)
+    if np.isnan(ref).any():
+        np.testing.assert_array_equal(np.isnan(gpu_forward(q, k, v, **options)[0]), np.isnan(ref))
+    else:
+        check_forward(gpu_forward, Case(q, k, v, q, options))
