@@ -38,6 +38,10 @@ import numpy as np
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
 #: the longest modifier text and the deepest expression tree taken (the parser and evaluators recurse over it)
 MAX_TEXT, MAX_DEPTH = 20000, 200
+#: the most operations a score modifier's derivative may take, written out as the kernels' C++ and NumPy's passes
+#: compute it (no common subexpressions: d tanh(u) = (1 - tanh(u)^2) du repeats u, so nested functions grow it
+#: quadratically; 150 tanh around a 600-term sum, 6.9 kB of text, gave 383k operations and 2 MB of C++)
+MAX_DERIVATIVE = 50000
 LENGTH_VARS = ("q_len", "kv_len")
 #: names cuflash gives its own operands (bias, ALiBi slopes, softcap): user mod_arrays may not start with it
 RESERVED_PREFIX = "cuflash_"
@@ -325,7 +329,12 @@ class Expr:
         problem's own index (``bias[b, h, q_idx, kv_idx]``): the factor the backward multiplies dS by."""
         if self.kind != "score":
             raise ValueError("only a score modifier has a derivative")
-        return Expr(f"d/d{wrt}({self.text})", "score", _simplify(_d(self.root, wrt)), self.operands)
+        root = _simplify(_d(self.root, wrt))
+        size = _size(root, {})
+        if size > MAX_DERIVATIVE:
+            raise ValueError(f"score_mod: its derivative would take {size} operations, at most {MAX_DERIVATIVE} (each "
+                             f"function nested around a long expression repeats it there); nest fewer levels")
+        return Expr(f"d/d{wrt}({self.text})", "score", root, self.operands)
 
     def compose(self, inner: "Expr") -> "Expr":
         """This score modifier applied to the result of ``inner`` (``score`` replaced by ``inner``'s tree)."""
@@ -406,6 +415,15 @@ class Expr:
         """The float literals of the expression (a problem refuses one beyond its working precision, as it refuses
         such a number in ``mod_arrays``)."""
         return tuple(_float_constants(self.root))
+
+
+def _size(n: Node, memo: dict) -> int:
+    """The operations of the tree written out (a subtree counted wherever it appears), in time linear in its
+    distinct nodes."""
+    key = id(n)
+    if key not in memo:
+        memo[key] = 1 + sum(_size(a, memo) for a in n.args) + (_size(n.value[0], memo) if n.op == "bits" else 0)
+    return memo[key]
 
 
 def _float_constants(n: Node):

@@ -181,6 +181,13 @@ def test_modifiers_the_kernels_cannot_hold_or_the_parser_cannot_nest_are_refused
                  "q_idx > 0 and " * 2000 + "True"):
         with pytest.raises(ValueError, match="mask_mod (is nested|must be at most)"):
             cuflash.attention(q, k, v, mask_mod=text)
+    def balanced(n):  # a sum of n scores nested log2(n) deep
+        return "score" if n == 1 else f"({balanced(n // 2)} + {balanced(n - n // 2)})"
+    nested = balanced(40)
+    for _ in range(180):  # d tanh(u) = (1 - tanh(u)^2) du repeats u: 62k operations of C++ and NumPy passes
+        nested = f"tanh({nested})"
+    with pytest.raises(ValueError, match="score_mod: its derivative would take 61741 operations, at most 50000"):
+        cuflash.attention(q, k, v, score_mod=nested)
     deep = "+".join(["score * 0.01"] * 90)  # 90 terms: within the limit, and every recursion copes with it
     out, lse = cuflash.attention(q, k, v, score_mod=deep, return_lse=True)
     grads = cuflash.attention_backward(q, q, k, v, out, lse, score_mod=deep)

@@ -678,6 +678,7 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
         step = mods.parse(score_mod, kind="score", arrays=values, what="score_mod")
         step.check_against(values, extents, "score_mod")
         score = step if score is None else step.compose(score)
+        score.derivative("score")  # one the backward could not compute in reasonable time is refused before anything
     mask = None
     if mask_mod is not None:
         mask = mods.parse(mask_mod, kind="mask", arrays=values, what="mask_mod")
