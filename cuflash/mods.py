@@ -22,7 +22,8 @@ array's values, must stay in int32 at every index of the problem (bounds carried
 operands' values and the extents, checked before anything runs; NumPy computes in 64 bits and so agrees). Floats
 are the working precision (float32, float64 for float64 inputs). ``x // 0`` and ``x % 0`` are 0 (NumPy's),
 ``min``/``max`` propagate a NaN (``numpy.minimum``/``maximum``). An expression is at most :data:`MAX_TEXT`
-characters and :data:`MAX_DEPTH` levels deep.
+characters and :data:`MAX_DEPTH` levels deep, and a score modifier's derivative at most :data:`MAX_DERIVATIVE`
+operations.
 """
 from __future__ import annotations
 
