@@ -67,6 +67,20 @@ def test_error_raised_alike_on_every_rank(ranks, name, tmp_path_factory):
         assert got[0] == kind and fragment in got[1], f"rank {rank} raised {got[0]}: {got[1]}"
 
 
+@pytest.mark.parametrize("name", sorted(ring_cases.ONE_RANK_ERRORS))
+@pytest.mark.parametrize("ranks", RANKS)
+def test_an_error_on_one_rank_is_raised_on_every_rank(ranks, name, tmp_path_factory):
+    """Bad input or environment on rank 0 only (a shape, CUFLASH_NUM_THREADS, dout, gather's axis): it raised
+    alone before the first exchange, and the other ranks waited in it for ever. Rank 0 raises its own error, the
+    others one naming rank 0."""
+    raised = results(ranks, tmp_path_factory)[name]["raised"]
+    assert len(raised) == ranks
+    for rank, got in enumerate(raised):
+        kind, fragment = ring_cases.ONE_RANK_ERRORS[name] if rank == 0 else ring_cases.ONE_RANK_REFUSED
+        assert got is not None, f"rank {rank} raised nothing"
+        assert got[0] == kind and fragment in got[1], f"rank {rank} raised {got[0]}: {got[1]}"
+
+
 def test_memory_per_rank_does_not_grow_with_ranks(tmp_path_factory):
     """At a fixed local length, 3 and 4 ranks (sub-communicators of the 4-rank run) give the same peak: an
     implementation holding O(total) K/V would need one more local K/V block (512 KiB here) at 4 ranks."""

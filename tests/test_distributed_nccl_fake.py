@@ -164,16 +164,29 @@ def test_nccl_communicator_of_another_gpu_is_refused(world):
 
 
 def test_arrays_of_another_gpu_are_refused_before_any_transfer(world):
-    """q, k, v on GPU 0 with the current device (and communicator) GPU 1: refused before the metadata exchange; it
-    failed inside NCCL on that rank only, and the other ranks waited for it."""
+    """q, k, v on GPU 0 on the rank whose current device (and communicator) is GPU 1: refused before any transfer of
+    data; it failed inside NCCL on that rank only, and the other ranks waited for it. Now that rank raises its error
+    and the other one a ValueError naming it, after the metadata exchange only."""
     fake, w, nccl = world(2)
     q0 = fake.asarray(np.zeros((8, 2, 32), np.float16))
-    with fake.cuda.Device(1):
-        comm = nccl.NcclCommunicator(1, device=1)
-        calls = len(w.log)
-        with pytest.raises(ValueError, match="q is on GPU 0 but the current device is GPU 1"):
-            dist.ring_attention(q0, q0, q0, comm)
-        assert len(w.log) == calls  # no transfer was recorded
+    raised = [None, None]
+
+    def rank_fn(rank):
+        try:
+            with fake.cuda.Device(rank):
+                dist.ring_attention(q0, q0, q0, nccl.NcclCommunicator(rank))
+        except ValueError as exc:
+            raised[rank] = str(exc)
+
+    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a rank thread hung"
+    assert "q is on GPU 0 but the current device is GPU 1" in (raised[1] or "")
+    assert "the call was refused on rank(s) [1]" in (raised[0] or "")
+    assert not {what for _, what, _ in w.log} & {"send", "recv"}  # no transfer of data
 
 
 def test_gather_sequence_over_nccl(world):

@@ -60,6 +60,38 @@ def transport(comm, xp):
                     f"(cupy.cuda.nccl.NcclCommunicator), got {type(comm).__module__}.{type(comm).__name__}")
 
 
+def module_of(a):
+    """CuPy for a CuPy array, else NumPy: the transport a rank needs for the first exchange even where its own checks
+    of ``a`` failed (it must still take part, see :func:`allgather_checked`)."""
+    if type(a).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def allgather_checked(comm, xp, values, failure):
+    """``(transport, meta)``: the adapter for ``comm`` (:func:`transport`) and the all-gather of each rank's ints
+    ``values``, with whether its own checks failed (``failure``: the exception, or None), raised on every rank: a
+    rank that raised alone before a collective left the others waiting in it for ever (a bad shape, or a malformed
+    CUFLASH_NUM_THREADS, on one rank only). The failed rank raises its own error, the others a ValueError naming it.
+    Where ``comm`` is no communicator either, no exchange can tell the others: this rank's own error is raised."""
+    try:
+        adapter = transport(comm, xp)
+    except Exception:
+        if failure is not None:
+            raise failure from None
+        raise
+    meta = adapter.allgather_ints([0] * len(values) + [1] if failure is not None else list(values) + [0])
+    failed = [int(r) for r in np.flatnonzero(meta[:, -1])]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise ValueError(f"the call was refused on rank(s) {failed} (the error is raised there); every rank raises, "
+                         f"none is left waiting for the others")
+    return adapter, meta[:, :-1]
+
+
 def _bytes(a, xp):
     """A contiguous array as a flat uint8 view (the wire format: any dtype travels as its bytes)."""
     if not a.flags.c_contiguous:

@@ -219,13 +219,17 @@ def gather_sequence(x, comm, *, layout="contiguous", axis=-3):
 
     from . import comm as comms
 
-    check_layout(layout)
-    xp = _module(x)
-    axis = _axis(x, axis)
-    transport = comms.transport(comm, xp)
-    rest = tuple(d for i, d in enumerate(x.shape) if i != axis)
-    signature = repr((x.ndim, axis, rest, str(x.dtype), layout))
-    meta = transport.allgather_ints([x.shape[axis], zlib.crc32(signature.encode())])
+    xp, failure = None, None
+    try:  # every rank takes part in the exchange below, this one's own error then raised on every rank
+        check_layout(layout)
+        xp = _module(x)
+        axis = _axis(x, axis)
+        rest = tuple(d for i, d in enumerate(x.shape) if i != axis)
+        signature = repr((x.ndim, axis, rest, str(x.dtype), layout))
+    except Exception as exc:  # noqa: BLE001 - raised after the exchange, on every rank
+        failure = exc
+    local = [0, 0] if failure is not None else [x.shape[axis], zlib.crc32(signature.encode())]
+    transport, meta = comms.allgather_checked(comm, xp or comms.module_of(x), local, failure)
     differ = [int(r) for r in np.flatnonzero(meta[:, 1] != meta[0, 1])]
     if differ:
         raise ValueError(f"gather_sequence: rank(s) {differ} differ from rank 0 in the dimensions other than axis "

@@ -164,9 +164,9 @@ def ring_attention(q, k, v, comm, *, causal=False, window=None, scale=None, retu
         Only when ``return_lse``.
     """
     check_flags(return_lse=return_lse)  # before any communication, as every argument
-    s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
-               precision=precision, backend=backend, what="forward")
-    with _one_call(s):
+    with contextlib.ExitStack() as scope:
+        s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
+                   precision=precision, backend=backend, what="forward", scope=scope)
         if s.method == "ulysses":
             from . import ulysses
 
@@ -234,8 +234,41 @@ for _fn in (ring_attention, ring_attention_backward):
 
 
 # ------------------------------------------------------------------------------------------------ setup
-def _setup(q, k, v, comm, *, causal, window, scale, layout, method, precision, backend, what, extra=None, flag=0):
-    """Validate locally, then agree with the other ranks on lengths and options (one small all-gather)."""
+def _setup(q, k, v, comm, *, causal, window, scale, layout, method, precision, backend, what, scope, extra=None,
+           flag=0):
+    """Validate locally, then agree with the other ranks on lengths and options (one small all-gather, which also
+    carries whether this rank's checks failed: every rank raises then, :func:`comms.allgather_checked`). ``scope``
+    (an ExitStack around the whole call) takes the backend's call scope."""
+    problem = failure = None
+    try:
+        problem, module, signature = _local_checks(q, k, v, causal=causal, window=window, scale=scale, layout=layout,
+                                                   method=method, precision=precision, backend=backend, what=what,
+                                                   extra=extra, scope=scope)
+    except Exception as exc:  # noqa: BLE001 - raised after the exchange, on every rank
+        failure = exc
+    local = [0, 0, 0, 0] if problem is None else [problem.seqlen_q, problem.seqlen_k, zlib.crc32(signature.encode()),
+                                                  flag]
+    xp = problem.xp if problem is not None else comms.module_of(q)
+    transport, meta = comms.allgather_checked(comm, xp, local, failure)
+    size = transport.size
+    _agree(meta, signature, transport.rank)
+    # after the agreement, so that every rank raises it: a rank raising alone leaves the others in the all-gather
+    if method == "ulysses" and (problem.heads_q % size or problem.heads_kv % size):
+        raise ValueError(f"method='ulysses' splits heads over ranks: heads ({problem.heads_q}) and heads_kv "
+                         f"({problem.heads_kv}) must be divisible by the number of ranks ({size}); use method='ring'")
+    q_len, kv_len = [int(x) for x in meta[:, 0]], [int(x) for x in meta[:, 1]]
+    lq, lk = sum(q_len), sum(kv_len)
+    left, right = _check_window(window, causal, lq + lk)
+    return Setup(problem, transport, module, method, left, right, lk - lq,
+                 _segments(q_len, layout, "q"), _segments(kv_len, layout, "k"), kv_len, q_len)
+
+
+def _local_checks(q, k, v, *, causal, window, scale, layout, method, precision, backend, what, extra, scope):
+    """``(problem, backend module, signature)`` of this rank's call, checked without communication; the signature
+    (what every rank must agree on) as text. The backend's scope for the call's steps (``call_scope``, where it has
+    one) is entered into ``scope`` here: the NumPy backend reads CUFLASH_BLAS and CUFLASH_NUM_THREADS as it starts
+    (a malformed value on one rank is then refused before the exchange, as every check here), and its steps keep
+    that one reading (another thread changing CUFLASH_BLAS mid-ring mixed MKL's and OpenBLAS's bits)."""
     array_module(q, k, v, names=("q", "k", "v"), foreign=False)  # NumPy or CuPy only here: the error says so
     problem = make_problem(q, k, v, causal=causal, window=window, scale=scale, precision=precision)
     if problem.xp is not np:  # before any transfer: a NCCL send from another GPU fails on this rank only
@@ -247,24 +280,13 @@ def _setup(q, k, v, comm, *, causal, window, scale, layout, method, precision, b
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
     module = backends.select(problem, backend)
+    scope.enter_context(getattr(module, "call_scope", contextlib.nullcontext)())
     if extra is not None:
         extra(problem)
-    transport = comms.transport(comm, problem.xp)
-    size = transport.size
     signature = repr((what, problem.batch_shape, problem.heads_q, problem.heads_kv, problem.head_dim,
                       str(problem.dtype), problem.scale, bool(causal), _window_key(window), str(layout), str(method),
                       problem.precision, None if backend is None else str(backend)))  # str: np.str_ has its own repr
-    meta = transport.allgather_ints([problem.seqlen_q, problem.seqlen_k, zlib.crc32(signature.encode()), flag])
-    _agree(meta, signature, transport.rank)
-    # after the agreement, so that every rank raises it: a rank raising alone leaves the others in the all-gather
-    if method == "ulysses" and (problem.heads_q % size or problem.heads_kv % size):
-        raise ValueError(f"method='ulysses' splits heads over ranks: heads ({problem.heads_q}) and heads_kv "
-                         f"({problem.heads_kv}) must be divisible by the number of ranks ({size}); use method='ring'")
-    q_len, kv_len = [int(x) for x in meta[:, 0]], [int(x) for x in meta[:, 1]]
-    lq, lk = sum(q_len), sum(kv_len)
-    left, right = _check_window(window, causal, lq + lk)
-    return Setup(problem, transport, module, method, left, right, lk - lq,
-                 _segments(q_len, layout, "q"), _segments(kv_len, layout, "k"), kv_len, q_len)
+    return problem, module, signature
 
 
 def _window_key(window):
@@ -389,12 +411,6 @@ def _ring_forward(s: Setup):
     return out, lse
 
 
-def _one_call(s: Setup):
-    """The backend's scope for the steps of one ring call (``call_scope``, where it has one): the NumPy backend's
-    steps read ``CUFLASH_BLAS`` once each, and another thread changing it mid-ring mixed MKL's and OpenBLAS's bits."""
-    return getattr(s.module, "call_scope", contextlib.nullcontext)()
-
-
 @contextlib.contextmanager
 def _completed_on_error(handles):
     """A ring step while the transfers of ``handles`` (a list the step appends to as it posts them) run; should the
@@ -421,10 +437,11 @@ def _backward(dout, q, k, v, out, lse, comm, *, causal=False, window=None, scale
     def check(problem):
         saved["arrays"] = check_backward(problem, dout, out, lse)
 
-    s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
-               precision=precision, backend=backend, what="backward", extra=check, flag=int(bool(changed)))
-    dout_f, out_f, lse_f = saved["arrays"]
-    with _one_call(s):
+    with contextlib.ExitStack() as scope:
+        s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
+                   precision=precision, backend=backend, what="backward", extra=check, flag=int(bool(changed)),
+                   scope=scope)
+        dout_f, out_f, lse_f = saved["arrays"]
         if s.method == "ulysses":
             from . import ulysses
 

@@ -76,6 +76,17 @@ ERRORS = {
     "error_in_a_ring_step": ("RuntimeError", "pair computation failed; the next call matched the one before"),
 }
 
+#: name -> exception type name and message fragment of the one rank (rank 0) whose own checks fail: it raised alone
+#: before the first exchange and left the others waiting in it for ever; now it raises its error, and every other
+#: rank a ValueError naming it (ONE_RANK_REFUSED)
+ONE_RANK_ERRORS = {
+    "one_rank_bad_shape": ("ValueError", "head_dim of q (16) and k (8) must match"),
+    "one_rank_bad_environment": ("ValueError", "CUFLASH_NUM_THREADS"),
+    "one_rank_bad_dout": ("ValueError", "dout must have q's shape"),
+    "one_rank_gather_bad_axis": ("ValueError", "axis 5 is out of range"),
+}
+ONE_RANK_REFUSED = ("ValueError", "the call was refused on rank(s) [0]")
+
 #: local length per rank of the memory probe (the same at every P, so its peak must not grow with P)
 MEMORY_LOCAL = 512
 
@@ -213,6 +224,23 @@ def run_error(name, comm):
             vjp(dl)
         elif name == "error_in_a_ring_step":
             return _error_in_a_ring_step(ql, kl, vl, comm)
+        elif name == "one_rank_bad_shape":
+            dist.ring_attention(ql, kl[..., :8] if rank == 0 else kl, vl, comm)
+        elif name == "one_rank_bad_environment":
+            old = os.environ.get("CUFLASH_NUM_THREADS")
+            if rank == 0:
+                os.environ["CUFLASH_NUM_THREADS"] = "abc"
+            try:
+                dist.ring_attention(ql, kl, vl, comm)
+            finally:
+                if rank == 0:
+                    os.environ.pop("CUFLASH_NUM_THREADS") if old is None else os.environ.update(CUFLASH_NUM_THREADS=old)
+        elif name == "one_rank_bad_dout":
+            out, lse = dist.ring_attention(ql, kl, vl, comm, causal=True, return_lse=True)
+            dist.ring_attention_backward(dl[..., :1, :, :] if rank == 0 else dl, ql, kl, vl, out, lse, comm,
+                                         causal=True)
+        elif name == "one_rank_gather_bad_axis":
+            dist.gather_sequence(ql, comm, axis=5 if rank == 0 else -3)
     except Exception as exc:  # noqa: BLE001 - the record says what was raised
         return type(exc).__name__, str(exc)
     return None
@@ -328,7 +356,7 @@ def main(out_path):
         if rank == 0:
             failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
             records[name] = record if not failed else {"ok": False, "error": "\n".join(failed)}
-    for name in ERRORS if mode == "numpy" else ():
+    for name in (*ERRORS, *ONE_RANK_ERRORS) if mode == "numpy" else ():
         if only and name not in only.split(","):
             continue
         raised = comm.gather(run_error(name, comm), root=0)
