@@ -203,6 +203,8 @@ def test_device_query_is_cached_per_device(make_fake):
     with cp.cuda.Device(3):  # an architecture the table does not know: the 48 KiB every GPU allows
         assert cuda._device() == (3, 87, 48 * 1024)
     assert cuda._device() == (0, 90, 227 * 1024) and cp._attribute_reads == 4
+    # the SM count of the split-KV heuristic comes with them: each KV-cache call asked the driver again
+    assert [cuda._sm_count() for _ in range(3)] == [132] * 3 and cp._attribute_reads == 4
 
 
 def test_params_struct_holds_null_and_device_pointers(cp):
@@ -521,11 +523,13 @@ def test_compile_cache_and_shared_memory_opt_in(cp):
     module = (*specs.helper_names("float16"), main.name_expression, dq_spec.name_expression)
     # one forward module, one backward module holding all four kernels (both dQ modes share it)
     fwd_module, bwd_module = modules(cp)
-    assert fwd_module.name_expressions == (fwd.name_expression,) and fwd_module.code == kernel_source(fwd.source)
+    assert fwd_module.name_expressions == specs.forward_module(fwd, "float16")
+    assert fwd_module.code == kernel_source(fwd.source)
     assert bwd_module.name_expressions == module and bwd_module.code == kernel_source(main.source)
     assert fwd_module.options == bwd_module.options == KERNEL_OPTIONS
     # every kernel above 48 KiB opted in to exactly what it launches with; the small helpers did not
-    assert fwd.smem_bytes > 48 * 1024 and function(fwd).max_dynamic_shared_size_bytes == fwd.smem_bytes
+    assert fwd.smem_bytes > 48 * 1024
+    assert function(fwd, specs.forward_module(fwd, "float16")).max_dynamic_shared_size_bytes == fwd.smem_bytes
     for s in (main, dq_spec):
         assert s.smem_bytes > 48 * 1024 and function(s, module).max_dynamic_shared_size_bytes == s.smem_bytes
     preprocess = cuda._memoized()[1](kernel_source(main.source), module, module[0], 0)
@@ -589,10 +593,12 @@ def test_warmup_compiles_once(cp):
     done = cuda.warmup(dtypes=(np.float16, "bfloat16"), head_dims=(59, 64, 128), file=err)
     want = [specs.select("fwd", dt, d, 227 * 1024, cc=90) for dt in ("float16", "bfloat16") for d in (64, 128)]
     assert done == want
-    assert [m.name_expressions for m in modules(cp)] == [(s.name_expression,) for s in want]
+    # the module every forward call of the spec builds, a split KV-cache call's too (it compiled once more)
+    assert [m.name_expressions for m in modules(cp)] == [specs.forward_module(s, s.dtype) for s in want]
     assert "4/4 done" in err.getvalue() and "cuflash warmup [" in err.getvalue()
     for s in want:
-        assert function(s).max_dynamic_shared_size_bytes == max(s.smem_bytes, 48 * 1024)
+        assert function(s, specs.forward_module(s, s.dtype)).max_dynamic_shared_size_bytes == max(s.smem_bytes,
+                                                                                                   48 * 1024)
     quiet = io.StringIO()
     assert cuda.warmup(dtypes=(np.float16, "bfloat16"), head_dims=(59, 64, 128), progress=False, file=quiet) == want
     assert len(modules(cp)) == 4 and quiet.getvalue() == ""  # the second call compiles nothing
@@ -600,6 +606,11 @@ def test_warmup_compiles_once(cp):
     case = make_case(1, 30, 30, 1, 1, 128, np.float16)
     check_forward(gpu_forward(cp), case)
     assert len(modules(cp)) == 4 and len(cp._launches) == 1
+    # and a split KV-cache call at that head dim (the combine is in the module): no compile either
+    caches = [cp.asarray(np.zeros((1, 300, 1, 128), np.float16)) for _ in range(2)]
+    cuflash.attention_with_kvcache(cp.asarray(case.q[:, :1]), *caches, cache_seqlens=cp.asarray(np.array([300],
+                                   np.int32)), num_splits=2)
+    assert len(modules(cp)) == 4 and len(cp._launches) == 3  # the forward's split and the combine
     # the default: every native head dim in both dtypes
     all_specs = cuda.warmup(progress=False)
     assert len(all_specs) == 2 * len(specs.NATIVE_HEAD_DIMS) and len(modules(cp)) == len(all_specs)
@@ -688,16 +699,49 @@ def test_varlen_wide_and_empty(cp):
 def test_kvcache_refused_by_the_grid_leaves_the_device_cache_as_it_was(cp):
     """The kernels' grid limit (batch x num_splits) is checked before the append, as on the emulator."""
     rng = np.random.default_rng(24)
-    q = rng.standard_normal((2, 1, 4, 40)).astype(np.float16)
-    k_cache, v_cache = (rng.standard_normal((2, 64, 2, 40)).astype(np.float16) for _ in range(2))
-    k_new, v_new = (rng.standard_normal((2, 1, 2, 40)).astype(np.float16) for _ in range(2))
+    b = 65536
+    q = rng.standard_normal((b, 1, 1, 8)).astype(np.float16)
+    k_cache, v_cache = (rng.standard_normal((b, 2, 1, 8)).astype(np.float16) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((b, 1, 1, 8)).astype(np.float16) for _ in range(2))
     k_dev, v_dev = cp.asarray(k_cache), cp.asarray(v_cache)
     n = len(cp._launches)
-    with pytest.raises(ValueError, match=r"x num_splits \(40000\) must be at most 65535"):
-        cuflash.attention_with_kvcache(cp.asarray(q), k_dev, v_dev, cache_seqlens=cp.asarray(np.array([5, 9],
-                                       np.int32)), k_new=cp.asarray(k_new), v_new=cp.asarray(v_new), num_splits=40000)
+    with pytest.raises(ValueError, match=r"batch \(65536\) x num_splits \(1\) must be at most 65535"):
+        cuflash.attention_with_kvcache(cp.asarray(q), k_dev, v_dev, cache_seqlens=cp.asarray(np.ones(b, np.int32)),
+                                       k_new=cp.asarray(k_new), v_new=cp.asarray(v_new), num_splits=1)
     assert len(cp._launches) == n
     assert np.array_equal(k_dev.get(), k_cache) and np.array_equal(v_dev.get(), v_cache)
+
+
+@pytest.mark.parametrize("option", ["cache_seqlens", "alibi_slopes", "block_table"])
+def test_kvcache_numpy_scalar_options_are_named_as_on_the_host(cp, option):
+    """A NumPy scalar beside CuPy caches: the overlap check took its memory for a device array (AttributeError:
+    'memoryview' object has no attribute 'ptr'); now the argument's own TypeError, as with NumPy caches."""
+    x = cp.asarray(np.zeros((2, 1, 2, 32), np.float16))
+    kc, vc = (cp.asarray(np.zeros((2, 16, 2, 32), np.float16)) for _ in range(2))
+    args = dict(cache_seqlens=cp.asarray(np.array([3, 4], np.int32)))
+    args[option] = np.int32(0) if option == "block_table" else np.float32(0.5) if option == "alibi_slopes" \
+        else np.int32(3)
+    with pytest.raises(TypeError, match=option):
+        cuflash.attention_with_kvcache(x, kc, vc, k_new=x, v_new=x, **args)
+
+
+def test_kvcache_splits_are_capped_at_the_key_tiles(cp):
+    """num_splits past the key tiles left shares empty: 40000 was refused by the grid limit where the NumPy backend
+    takes it, and 3000 launched 6000 blocks and workspaces for mostly nothing. Capped at the key tiles: the same
+    launches and bits as num_splits = the key tiles."""
+    rng = np.random.default_rng(25)
+    q = rng.standard_normal((2, 1, 4, 40)).astype(np.float16)
+    k_cache, v_cache = (rng.standard_normal((2, 200, 2, 40)).astype(np.float16) for _ in range(2))
+    lens = cp.asarray(np.array([150, 7], np.int32))
+    tiles = -(-150 // specs.select("fwd", "float16", 40, 227 * 1024, cc=90).block_n)
+    runs = []
+    for splits in (tiles, 40000):
+        n = len(cp._launches)
+        runs.append(cuflash.attention_with_kvcache(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache),
+                                                   cache_seqlens=lens, num_splits=splits, return_lse=True))
+        assert cp._launches[n].grid == (1, 4, 2 * tiles)
+    for a, b in zip(*runs):
+        assert np.array_equal(a.get(), b.get())
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

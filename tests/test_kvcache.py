@@ -365,21 +365,40 @@ def test_bad_input_is_refused_before_the_cache_is_touched(changes, exc, match):
     np.testing.assert_array_equal(v_cache, stored["v_cache"])
 
 
-@pytest.mark.parametrize("backend, env, changes, match", [
-    ("emulate", {}, dict(num_splits=70000), r"batch \(2\) x num_splits \(70000\) must be at most 65535"),
-    ("numpy", {"CUFLASH_NUM_THREADS": "many"}, {}, r"CUFLASH_NUM_THREADS"),
+def _batch_past_the_grid():
+    """A KV cache of 65536 sequences: one block each already passes the kernels' grid limit (batch x num_splits at
+    most 65535; num_splits past the key tiles is capped, so no longer a way to reach it)."""
+    b = 65536
+    return dict(q=np.zeros((b, 1, 1, 8), np.float16), k_cache=np.zeros((b, 2, 1, 8), np.float16),
+                v_cache=np.zeros((b, 2, 1, 8), np.float16), cache_seqlens=np.ones(b, np.int32),
+                k_new=np.ones((b, 1, 1, 8), np.float16), v_new=np.ones((b, 1, 1, 8), np.float16), num_splits=1)
+
+
+@pytest.mark.parametrize("backend, env, make, match", [
+    ("emulate", {}, _batch_past_the_grid, r"batch \(65536\) x num_splits \(1\) must be at most 65535"),
+    ("numpy", {"CUFLASH_NUM_THREADS": "many"}, None, r"CUFLASH_NUM_THREADS"),
 ], ids=["emulate-grid", "numpy-env"])
-def test_a_call_the_backend_refuses_leaves_the_cache_as_it_was(monkeypatch, backend, env, changes, match):
+def test_a_call_the_backend_refuses_leaves_the_cache_as_it_was(monkeypatch, backend, env, make, match):
     """What only a backend can check (the kernels' grid limits, an environment variable) is checked before the new
     tokens are appended."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    k_cache, v_cache = KC.copy(), VC.copy()
+    args = make() if make else dict(q=Q, k_cache=KC.copy(), v_cache=VC.copy(), cache_seqlens=LENS, k_new=KN, v_new=VN)
+    before = {n: args[n].copy() for n in ("k_cache", "v_cache")}
     with pytest.raises(ValueError, match=match):
-        cuflash.attention_with_kvcache(Q, k_cache, v_cache, cache_seqlens=LENS, k_new=KN, v_new=VN, backend=backend,
-                                       **changes)
-    np.testing.assert_array_equal(k_cache, KC)
-    np.testing.assert_array_equal(v_cache, VC)
+        cuflash.attention_with_kvcache(backend=backend, **args)
+    for n in ("k_cache", "v_cache"):
+        np.testing.assert_array_equal(args[n], before[n])
+
+
+def test_kvcache_splits_past_the_key_tiles_give_the_same_bits_on_every_backend():
+    """num_splits past the key tiles leaves shares empty: the NumPy backend and the kernels cap it there (the kernels
+    refused 70000 by their grid limit), with the bits of num_splits = the key tiles."""
+    for backend in ("numpy", "emulate"):
+        runs = [cuflash.attention_with_kvcache(Q, KC.copy(), VC.copy(), cache_seqlens=LENS, k_new=KN, v_new=VN,
+                                               num_splits=n, backend=backend, return_lse=True) for n in (64, 70000)]
+        for a, b in zip(*runs):
+            assert np.array_equal(a, b), backend
 
 
 def test_unused_table_entries_are_not_read():

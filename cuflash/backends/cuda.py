@@ -64,8 +64,13 @@ def _memoized():
     def device():
         dev = cupy.cuda.Device()
         cc = int(dev.compute_capability)
-        smem = dev.attributes.get("MaxSharedMemoryPerBlockOptin") or specs.SMEM_LIMIT.get(cc, 48 * 1024)
-        return dev.id, cc, int(smem)
+        attributes = dev.attributes  # one query of the driver builds them all: once per device
+        smem = attributes.get("MaxSharedMemoryPerBlockOptin") or specs.SMEM_LIMIT.get(cc, 48 * 1024)
+        try:
+            sms = int(attributes.get("MultiProcessorCount") or 108)
+        except (TypeError, ValueError):  # a value the split-KV heuristic cannot take: an A100's count
+            sms = 108
+        return dev.id, cc, int(smem), sms
 
     @cupy.memoize(for_each_device=True)
     def module(source: str, names: tuple):
@@ -94,7 +99,7 @@ def _memoized():
 
 def _device():
     """(device id, compute capability as int, opt-in shared memory per block) of the current device."""
-    return _memoized()[0]()
+    return _memoized()[0]()[:3]
 
 
 def available():
@@ -209,11 +214,10 @@ def _check_kvcache_devices(problem, more):
 
 
 def _sm_count() -> int:
-    """Streaming multiprocessors of the current device (the split-KV heuristic's input); 108 if unknown."""
-    try:
-        return int(_cupy().cuda.Device().attributes.get("MultiProcessorCount") or 108)
-    except Exception:  # a device query CuPy cannot answer
-        return 108
+    """Streaming multiprocessors of the current device (the split-KV heuristic's input; 108 if unknown), queried
+    once per device with the rest of :func:`_device`'s: every KV-cache call asked the driver for all the device's
+    attributes again."""
+    return _memoized()[0]()[3]
 
 
 _WARMUP_DTYPES = (*specs.CTYPES, *specs.WIDE_CTYPES)
@@ -303,7 +307,7 @@ def warmup(dtypes=tuple(specs.CTYPES), head_dims=specs.NATIVE_HEAD_DIMS, *, back
         f, b, q = ("wfwd", "wbwd", "wdq") if wide else ("fwd", "bwd", "dq")
         for d in dims:
             fwd = specs.select(f, dt, d, max_smem, math=math, cc=cc)
-            jobs.setdefault(fwd, ((fwd.name_expression,), fwd))
+            jobs.setdefault(fwd, (specs.forward_module(fwd, dt), fwd))
             if backward:
                 try:
                     pair = (specs.select(b, dt, d, max_smem, math=math, cc=cc),

@@ -275,7 +275,8 @@ def forward_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80],
     if mods is not None:
         values["mods"] = mods
     launch = _launch(spec, source, (_cdiv(sq, spec.block_m), hq, b), values, (q, k, v, out, lse, *mask_keep,
-                                                                              *mods_keep))
+                                                                              *mods_keep),
+                     specs.forward_module(spec, problem.element_type))
     return ForwardLaunch(launch, out, lse, d)
 
 
@@ -438,7 +439,8 @@ def forward_varlen_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], spec
     if mods is not None:
         values["mods"] = mods
     grid = (_cdiv(problem.max_seqlen_q, spec.block_m), hq, problem.batch)
-    return ForwardLaunch(_launch(spec, source, grid, values, (q, k, v, out, lse, *cu, *mods_keep)), out, lse, d)
+    return ForwardLaunch(_launch(spec, source, grid, values, (q, k, v, out, lse, *cu, *mods_keep),
+                                 specs.forward_module(spec, problem.element_type)), out, lse, d)
 
 
 def _backward_pair(problem, spec, dq_spec, max_smem: int, cc: int):
@@ -523,7 +525,11 @@ def check_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_co
                          f"{sq}, cache capacity {capacity}, {hq} heads")
     m_tiles = _cdiv(sq, spec.block_m)
     key_tiles = _cdiv(int(np.max(problem.lengths_k, initial=0)), spec.block_n)
-    splits = problem.num_splits or tiling.kv_splits(sm_count, m_tiles * hq * b, key_tiles)
+    # More splits than key tiles leave shares empty (the kernel's per = ceil(tiles / splits) is then 1, so each split
+    # up to the tiles' count takes one tile either way): capped, the same partials and bits, as the NumPy backend
+    # caps them; num_splits=40000 was refused by the grid limit, and 3000 launched 6000 blocks and workspaces for
+    # mostly nothing.
+    splits = max(1, min(problem.num_splits or tiling.kv_splits(sm_count, m_tiles * hq * b, key_tiles), key_tiles))
     if b * splits > 65535:
         raise ValueError(f"the CUDA KV-cache forward launches one block per (tile, head, batch x split): batch ({b}) "
                          f"x num_splits ({splits}) must be at most 65535")
@@ -578,15 +584,15 @@ def forward_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_
     if mods is not None:
         values["mods"] = mods
     keep = tuple(keep) + tuple(mods_keep)
+    module = specs.forward_module(spec, problem.element_type)
     if splits == 1:
-        return KVCacheLaunch((_launch(spec, source, (m_tiles, hq, b), values, keep),), out, lse, d, 1)
+        return KVCacheLaunch((_launch(spec, source, (m_tiles, hq, b), values, keep, module),), out, lse, d, 1)
     # Split-KV: partials in the accumulator type (float32; float64 for float64), one slab per split laid out like
     # out / lse, then the combine over (rows / 4, heads, batch) writes out and lse.
     o_acc, lse_acc = xp.empty((splits, b, sq, hq, d8), dtype=st), xp.empty((splits, b, hq, sq), dtype=st)
     values["split"] = (params.address(o_acc), params.address(lse_acc), b * sq * hq * d8, b * hq * sq, splits)
     keep += (o_acc, lse_acc)
-    combine = specs.combine_name(problem.element_type)
-    module = (spec.name_expression, combine)
+    combine = module[1]
     main = _launch(spec, source, (m_tiles, hq, b * splits), values, keep, module)
     merge = LaunchSpec(source=source, name_expression=combine, grid=(_cdiv(sq, ROWS_PER_BLOCK), hq, b),
                        block=(32 * ROWS_PER_BLOCK, 1, 1), shared_bytes=0, args=(params.pack(**values),),

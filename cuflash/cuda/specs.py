@@ -542,6 +542,13 @@ def combine_name(dtype: str) -> str:
     return f"{COMBINE}<{WIDE_CTYPES.get(dtype) or CTYPES[dtype]}, {acc}>"
 
 
+def forward_module(spec: KernelSpec, dtype: str) -> tuple:
+    """The names a forward kernel's module is compiled with, the same for every call that launches it: the kernel
+    and its dtype's split-KV combine. A module is one NVRTC compile of the whole kernel file; a split KV-cache call
+    compiled it once more for the combine, after attention or ``warmup`` had compiled it without."""
+    return (spec.name_expression, combine_name(dtype))
+
+
 def source_helpers(source: str) -> list[str]:
     """The helper kernels compiled with every module of ``source`` (the backward files' preprocess/convert, the
     forward files' split-KV combine)."""

@@ -175,8 +175,8 @@ def _overlap(a, b) -> bool:
             return bool(np.shares_memory(a, b, max_work=100_000))
         except _TOO_HARD:
             return True
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return False  # host and device memory
+    if isinstance(a, (np.ndarray, np.generic)) or isinstance(b, (np.ndarray, np.generic)):
+        return False  # host and device memory (a NumPy scalar beside a CuPy cache has no device pointer to compare)
 
     def span(x):
         if x.size == 0:
