@@ -206,6 +206,16 @@ def test_wrong_types_are_type_errors_and_wrong_values_value_errors():
     assert ring_step(100, dtype=np.dtype("float64"), **kw) == ring_step(100, dtype="float64", **kw)
 
 
+def test_the_cost_model_names_results_past_floats_range():
+    """Sizes and rates the checks accept, whose results leave float's range: a bare OverflowError (an exact int of
+    bytes divided by a rate) and an infinite or NaN closed form given to math.ceil."""
+    with pytest.raises(ValueError, match=r"about 10\^310 bytes a step, past float's range"):
+        ring_step(10 ** 300, heads=10 ** 10, head_dim=1, flops_per_s=1.0, bytes_per_s=1.0)
+    for flops, rate in ((1e308, 1e-300), (1e-320, 1e-320)):
+        with pytest.raises(ValueError, match="past what the model computes in floats"):
+            min_local_seqlen(heads=1, head_dim=1, flops_per_s=flops, bytes_per_s=rate)
+
+
 def test_an_axis_order_for_layout_says_what_layout_means_here():
     """layout is the axis order on cuflash.attention but the sharding here: "bshd" was answered only with "must be
     one of 'contiguous', 'zigzag'"."""

@@ -155,7 +155,12 @@ def ring_step(seqlen_local, *, heads, head_dim, heads_kv=None, batch=1, dtype="b
     elem = _BYTES[name] + ((8 if name == "float64" else 4) if op == "bwd" else 0)
     sent = 2 * batch * n * hkv * head_dim * elem
     flops = 4.0 * batch * heads * n * n * head_dim * busy_fraction(causal, layout) * (_BWD_FLOPS if op == "bwd" else 1)
-    return RingStep(sent, flops, latency_s + sent / bytes_per_s, flops / flops_per_s)
+    try:
+        comm_s = latency_s + sent / bytes_per_s
+    except OverflowError:  # sent is an exact int: past float's range it cannot divide (a bare OverflowError before)
+        raise ValueError(f"the sizes give about 10^{len(str(sent)) - 1} bytes a step, past float's range: the model "
+                         f"computes in floats") from None
+    return RingStep(sent, flops, comm_s, flops / flops_per_s)
 
 
 def min_local_seqlen(*, heads, head_dim, heads_kv=None, batch=1, dtype="bfloat16", causal=False, layout="zigzag",
@@ -170,6 +175,9 @@ def min_local_seqlen(*, heads, head_dim, heads_kv=None, batch=1, dtype="bfloat16
                     layout=layout, op=op, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s)
     a, c = one.compute_s, one.comm_s
     n = (c + math.sqrt(c * c + 4 * a * latency_s)) / (2 * a)
+    if not math.isfinite(n):  # rates at the ends of float's range (flops_per_s 1e308 with bytes_per_s 1e-300)
+        raise ValueError(f"these rates give a local length of {n}: past what the model computes in floats (a step's "
+                         f"seconds of transfer per key {c:.3g}, of computation per key squared {a:.3g})")
     n = max(1, math.ceil(n - 1e-9))
     while not ring_step(n, heads=heads, head_dim=head_dim, heads_kv=heads_kv, batch=batch, dtype=dtype, causal=causal,
                         layout=layout, op=op, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s,
