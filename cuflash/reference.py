@@ -324,7 +324,7 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
         s_terms = abs(p.scale) * _mm(np.abs(qg), np.swapaxes(np.abs(kg), -1, -2))
     s = np.where(prob > 0, np.maximum(np.maximum(np.abs(s0), np.abs(s1)), s_terms), 0.0)  # -inf: inf * 0 is NaN
     exponent = s.max(initial=0) + np.abs(lse[np.isfinite(lse)]).max(initial=0)
-    cond = 1.0 + exponent * rounding(stats_dtype(p.dtype)) / rounding(p.dtype)
+    cond = 1.0 + exponent * rounding(stats_dtype(p.dtype)) / rounding(p.element_type or p.dtype)  # bits: bfloat16
     slope = 1.0
     if p.mods is not None and p.mods.score is not None:
         dscore = np.broadcast_to(p.mods.dscore.evaluate(_env(p, s0), _host_values(p)), prob.shape)  # may be 0-d
@@ -358,6 +358,8 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
 def rounding(dtype) -> float:
     """One ulp at 1.0 (machine epsilon) of ``dtype``: the size of one rounding, relative (bfloat16: 2**-7).
     Also :func:`cuflash.testing.rounding`, the unit of the tolerance rule."""
+    if isinstance(dtype, str) and dtype == "bfloat16":  # the name, without ml_dtypes imported (NumPy knows it not)
+        return 2.0 ** -7
     return 2.0 ** -7 if np.dtype(dtype).name == "bfloat16" else float(np.finfo(dtype).eps)
 
 

@@ -215,7 +215,9 @@ def assert_attention_close(actual, ref64, baseline, *, mult=2.0, name="out", mag
     roundings at ``magnitude``, the largest term the result is summed from
     (:func:`cuflash.reference.term_magnitudes`; default the largest ``|ref64|``), so cases where
     the naive computation happens to be exact, or results that cancel to ~0, do not demand the
-    impossible. ``-inf`` entries (rows that see no key) must match exactly; NaN never passes. Where the naive
+    impossible. ``-inf`` entries (rows that see no key) must match exactly; NaN never passes. Where the exact result
+    is past the range of ``actual``'s dtype (80000 in float16), its infinity is the correctly rounded answer and
+    passes (a finite value there is held to the bound). Where the naive
     computation itself is not finite (a float16 score or row sum that overflows) it sets no bound: those elements
     are held to the bound of the others (an infinite naive error would pass anything). The maxima are over the
     whole tensor: one badly conditioned row widens the bound of every row (split such a case to judge rows apart).
@@ -225,6 +227,7 @@ def assert_attention_close(actual, ref64, baseline, *, mult=2.0, name="out", mag
     mult = _real_number(mult, "mult", positive=True)
     magnitude = None if magnitude is None else _real_number(magnitude, "magnitude", positive=False)
     actual = _real_array(actual, "actual", name)
+    result_dtype = actual.dtype
     ref64 = _real_array(ref64, "ref64", name)
     baseline = _real_array(baseline, "baseline", name, floating=True)
     floor_u = rounding(baseline.dtype)
@@ -240,9 +243,16 @@ def assert_attention_close(actual, ref64, baseline, *, mult=2.0, name="out", mag
                                         f"(a NaN among the inputs it reads?)")
     _require(not np.isnan(actual).any(), f"{name}: NaN in the result")
     inf_ref = np.isinf(ref64)
-    _require(np.array_equal(np.isinf(actual), inf_ref) and np.array_equal(actual[inf_ref], ref64[inf_ref]),
-             f"{name}: infinite entries differ from the reference (rows that see no key must be -inf)")
-    fin = ~inf_ref
+    if result_dtype.kind == "f" or result_dtype.name == "bfloat16":
+        with np.errstate(over="ignore"):
+            rounded = ref64.astype(result_dtype).astype(wide)  # the reference in the result's dtype
+        past = ~inf_ref & np.isinf(rounded) & (actual == rounded)  # overflowed as a correctly rounded result does
+    else:
+        past = np.zeros(ref64.shape, bool)
+    _require(np.array_equal(np.isinf(actual) & ~past, inf_ref) and np.array_equal(actual[inf_ref], ref64[inf_ref]),
+             f"{name}: infinite entries differ from the reference (rows that see no key must be -inf; a result "
+             f"past the dtype's range may be its infinity)")
+    fin = ~inf_ref & ~past
     if not fin.any():
         return
     err = np.abs(actual[fin] - ref64[fin]).max()
@@ -292,6 +302,20 @@ def _real_number(x, what, positive):
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise AssertionError(message)
+
+
+def _element_dtype(case: Case):
+    """The inputs' element type: bfloat16 for uint16 bits with ``dtype="bfloat16"`` (the form CuPy without bfloat16
+    takes, and cuflash documents), else q's dtype."""
+    return _input_dtype("bfloat16", "dtype") if case.options.get("dtype") == "bfloat16" else np.dtype(case.q.dtype)
+
+
+def _elements(x, case: Case):
+    """A result of ``case`` as values: uint16 bits with ``dtype="bfloat16"`` viewed as bfloat16 (on the host)."""
+    if case.options.get("dtype") != "bfloat16":
+        return x
+    x = _host(x)
+    return x.view(_element_dtype(case)) if getattr(x, "dtype", None) == np.uint16 else x
 
 
 def _reference_options(case: Case):
@@ -383,11 +407,13 @@ def check_forward(fn, case: Case):
              f"fn must return (out, lse), got {_values(result)}: the lse is checked too (e.g. "
              f"functools.partial(cuflash.attention, return_lse=True))")
     out, lse = result
+    out = _elements(out, before)
     opts, drop = _reference_options(before)
-    ref, ref_lse = reference.attention(before.q, before.k, before.v, return_lse=True, compute_dtype=reference_dtype(
-        before.q.dtype), **opts, **drop)
-    base, base_lse = reference.attention(before.q, before.k, before.v, return_lse=True,
-                                         compute_dtype=before.q.dtype, **opts, **drop)
+    element = _element_dtype(before)
+    ref, ref_lse = reference.attention(before.q, before.k, before.v, return_lse=True,
+                                       compute_dtype=reference_dtype(element), **opts, **drop)
+    base, base_lse = reference.attention(before.q, before.k, before.v, return_lse=True, compute_dtype=element,
+                                         **opts, **drop)
     mags = reference.term_magnitudes(before.q, before.k, before.v, **opts, **drop)
     assert_attention_close(out, ref, base, mult=2, name="out", magnitude=_finite(mags["out"]))
     assert_attention_close(lse, ref_lse, base_lse, mult=2, name="lse", magnitude=_finite(mags["lse"]))
@@ -398,7 +424,8 @@ def check_backward(fn, case: Case, out, lse, *, dbias=None):
     """Hold ``fn(dout, q, k, v, out, lse, **options) -> (dq, dk, dv)`` to the rule (mult 3).
 
     ``dbias`` (default: when the case has a ``bias``): ``fn`` is called with ``return_dbias=True`` and its
-    fourth result held to the rule too (the naive baseline rounded to the bias's dtype, as the result is).
+    fourth result held to the rule too (the naive baseline rounded to the bias's dtype, as the result is, where that
+    is the coarser one: a float32 bias of float16 inputs keeps float16's floor, the precision dbias is computed in).
     ``fn`` must not modify its inputs, ``out`` and ``lse`` included (AssertionError naming the array)."""
     dbias = "bias" in case.options if dbias is None else dbias
     extra = {"return_dbias": True} if dbias else {}
@@ -410,13 +437,18 @@ def check_backward(fn, case: Case, out, lse, *, dbias=None):
     _require(isinstance(grads, (tuple, list)) and len(grads) == want,
              f"fn must return {'(dq, dk, dv, dbias)' if dbias else '(dq, dk, dv)'}, got {_values(grads)}: a "
              f"gradient left out would go unchecked")
+    grads = tuple(_elements(g, before) for g in grads[:3]) + tuple(grads[3:])
     opts, drop = _reference_options(before)
-    refs = reference.attention_backward(before.dout, before.q, before.k, before.v, compute_dtype=reference_dtype(
-        before.q.dtype), **opts, **drop, **extra)
-    bases = reference.attention_backward(before.dout, before.q, before.k, before.v,
-                                         compute_dtype=before.q.dtype, **opts, **drop, **extra)
+    element = _element_dtype(before)
+    refs = reference.attention_backward(before.dout, before.q, before.k, before.v,
+                                        compute_dtype=reference_dtype(element), **opts, **drop, **extra)
+    bases = reference.attention_backward(before.dout, before.q, before.k, before.v, compute_dtype=element, **opts,
+                                         **drop, **extra)
     if dbias:
-        bases = bases[:3] + (np.asarray(bases[3]).astype(np.asarray(before.options["bias"]).dtype),)
+        bias = before.options["bias"]
+        bias_dtype = bias.dtype if hasattr(bias, "dtype") else np.asarray(bias).dtype  # CuPy's: no implicit copy
+        if rounding(bias_dtype) > rounding(bases[3].dtype):
+            bases = bases[:3] + (np.asarray(bases[3]).astype(bias_dtype),)
     mags = reference.term_magnitudes(before.q, before.k, before.v, before.dout, **opts, **drop)
     for name, g, r, b in zip(("dq", "dk", "dv", "dbias"), grads, refs, bases):
         assert_attention_close(g, r, b, mult=3, name=name, magnitude=_finite(mags[name]))

@@ -263,3 +263,55 @@ def test_attention_cases_takes_its_tuples_as_any_iterable(case):
                        block_sizes=(1, 3), max_batch_dims=1))
 def test_attention_cases_draws_the_accepted_dtypes(case):
     assert case.q.dtype.name in ("bfloat16", "float16", "float32") and case.q.shape[-1] == 4
+
+
+def test_dbias_of_a_wider_bias_keeps_the_inputs_floor():
+    """The naive float16 dbias was rounded to a float32 bias's dtype, and the floor taken in float32's unit, 8000x
+    too small: where the naive error happened to be 0 (one key: dS = P (dP - D) is 0 exactly, and the float16
+    computation leaves 3e-5 of rounding), cuflash's own correct dbias failed."""
+    import functools
+
+    q, k, v, do = (np.float16([[[x]]]) for x in (-0.1083, 1.342, 0.1952, -0.716))
+    case = Case(q, k, v, do, options=dict(bias=np.float32([[-0.136]]), dropout_p=0.1, seed=1))
+    out, lse = check_forward(functools.partial(cuflash.attention, return_lse=True), case)
+    check_backward(cuflash.attention_backward, case, out, lse)
+
+
+def test_a_result_past_the_dtypes_range_may_be_its_infinity():
+    """out = 80000 (two keys of V = 40000 under dropout 0.5) is inf in float16, the correctly rounded answer, which
+    failed as 'infinite entries differ from the reference'; a finite value there, or -inf, still fails."""
+    import functools
+
+    q = k = np.ones((1, 1, 1), np.float16)
+    v = np.full((1, 1, 1), 40000, np.float16)
+    case = Case(q, k, v, q, options=dict(dropout_p=0.5, seed=1))
+    fn = functools.partial(cuflash.attention, return_lse=True)
+    out, _ = fn(q, k, v, dropout_p=0.5, seed=1)
+    assert np.isinf(out).all()
+    check_forward(fn, case)
+    for wrong in (np.float16(60000), np.float16(-np.inf)):
+        with pytest.raises(AssertionError, match="out: "):
+            check_forward(lambda *a, **o: (np.full_like(out, wrong), fn(*a, **o)[1]), case)
+
+
+@pytest.mark.emulate
+def test_bfloat16_bits_are_checked_as_bfloat16():
+    """uint16 bits with dtype="bfloat16" (the form CuPy without bfloat16 takes) were refused: the checks took the
+    bits' dtype for the inputs' (reference_dtype(uint16)) and compared bits with values."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from cuflash import emulate
+
+    emulate.skip_unless_available()
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal((1, 16, 2, 16)).astype(ml_dtypes.bfloat16).view(np.uint16) for _ in range(4))
+    case = Case(q, k, v, do, options=dict(dtype="bfloat16", causal=True))
+
+    def fwd(*a, **o):
+        return cuflash.attention(*a, return_lse=True, backend="emulate", **o)
+
+    def bwd(*a, **o):
+        return cuflash.attention_backward(*a, backend="emulate", **o)
+    out, lse = check_forward(fwd, case)
+    check_backward(bwd, case, fwd(q, k, v, dtype="bfloat16", causal=True)[0], lse)
+    with pytest.raises(AssertionError, match="out: max error"):  # bits of another result fail
+        check_forward(lambda *a, **o: (np.roll(fwd(*a, **o)[0], 1, axis=1), fwd(*a, **o)[1]), case)
