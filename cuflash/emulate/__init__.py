@@ -37,10 +37,14 @@ _by_spec: dict[tuple, Library] = {}  # skips hashing the source on repeated laun
 
 
 def available() -> tuple[bool, str]:
-    """(True, description of the toolchain) or (False, why emulated kernels cannot run here)."""
+    """(True, description of the toolchain) or (False, why emulated kernels cannot run here): no toolchain, or no
+    safe cache for the libraries it builds (``python -m cuflash`` listed the backend as available beside a
+    world-writable CUFLASH_EMULATE_CACHE, which every launch then refused)."""
     try:
         tc, reason = find()
-    except ValueError as exc:  # a malformed CUFLASH_EMULATE_CXX: launches raise it, this reports it
+        if tc is not None:
+            cache_dir()
+    except ValueError as exc:  # a malformed CUFLASH_EMULATE_CXX or CUFLASH_EMULATE_CACHE: launches raise it
         return False, str(exc)
     return tc is not None, reason
 

@@ -307,6 +307,9 @@ def test_a_world_writable_cache_is_an_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(cache))
     with pytest.raises(ValueError, match=r"CUFLASH_EMULATE_CACHE=.*writable by other users"):
         _launch()
+    # and the backend is reported unavailable, with that reason (python -m cuflash listed it as available)
+    ok, why = emu.available()
+    assert not ok and "writable by other users" in why
 
 
 def test_a_cache_below_a_directory_others_can_write_is_an_error(private_env, monkeypatch, tmp_path):
