@@ -31,14 +31,24 @@ case "$what" in
     tests | bench | all | sanitize | profile) ;;
     *) echo "usage: bash benchmarks/gpu_session.sh [tests|bench|all|sanitize|profile]" >&2; exit 2 ;;
 esac
+OUT="${OUT:-/tmp/cuflash-out}"
+# a relative OUT names a folder under the caller's, as any path argument would: resolved before the cd below, which
+# made it one under the checkout
+[[ "$OUT" = /* ]] || OUT="$PWD/$OUT"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root="$PWD"
 py="${PYTHON:-python3}"
+# 0 or 1 (empty: 0), and nothing else: the script tested "= 1" where session.py read the value as JSON, so that
+# GPU_SESSION_DRY_RUN=true ran for real on the device while session.json said "dry_run": true
 dry="${GPU_SESSION_DRY_RUN:-0}"
-OUT="${OUT:-/tmp/cuflash-out}"
+[[ "$dry" =~ ^[01]$ ]] ||
+    { echo "GPU_SESSION_DRY_RUN must be 1 (a dry run on a fake GPU) or 0 (the real one), got '$dry'" >&2; exit 2; }
 budget="${GPU_SESSION_SECONDS:-580}"
-[[ "$budget" =~ ^[0-9]+$ ]] && [ "$budget" -ge 150 ] ||
-    { echo "GPU_SESSION_SECONDS must be a whole number of seconds >= 150, got '$budget'" >&2; exit 2; }
+[[ "$budget" =~ ^[0-9]{1,9}$ ]] && [ "$((10#$budget))" -ge 150 ] ||
+    { echo "GPU_SESSION_SECONDS must be a whole number of seconds from 150 to 999999999, got '$budget'" >&2; exit 2; }
+# in decimal from here on: shell arithmetic reads a leading 0 as octal (0600 was 384 s, 0900 an error that ended
+# the script before its report); at most 9 digits, so that the arithmetic below cannot overflow
+budget=$((10#$budget))
 mkdir -p "$OUT"
 log="$OUT/session.txt"
 : > "$log"

@@ -57,6 +57,8 @@ import cuflash
 from cuflash import _env
 from cuflash.backends import numpy as nb
 
+from . import environment
+
 
 #: Seconds of idle time before each implementation's calls in a round (see the module docstring).
 IDLE_S = 0.3
@@ -294,10 +296,10 @@ def memory_case(batch, heads, n, d=64, dtype=np.float32, causal=True, rss=True):
 
 
 def _meta(torch):
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
+    # this checkout's commit and whether its tree differs from it, as benchmarks.run records them: `git rev-parse
+    # HEAD` in the current folder recorded another repository's HEAD (or null) when run from outside the checkout,
+    # and never that the code measured had uncommitted changes
+    commit, dirty = environment.git_commit()
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -305,7 +307,7 @@ def _meta(torch):
     except (OSError, StopIteration):
         pass
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
-                cpu=cpu, cores=_cores(),
+                dirty=dirty, cpu=cpu, cores=_cores(),
                 versions=dict(python=platform.python_version(), numpy=np.__version__, cuflash=cuflash.__version__,
                               torch=None if torch is None else torch.__version__, mkl=_version("mkl")),
                 products=_products(),
@@ -441,6 +443,8 @@ def main(argv=None):
         ap.exit(2, f"{ap.prog}: error: {exc}\n")
     if args.replace and args.out is None:
         ap.error("--replace needs --out (there is no file to replace)")
+    if args.no_speed and args.no_memory:  # measured nothing, wrote a result without results and exited 0
+        ap.error("--no-speed and --no-memory together leave nothing to measure; give at most one of them")
     why = None if args.out is None else check_out(args.out, args.replace)
     if why:
         ap.error(f"--out {args.out}: {why}")

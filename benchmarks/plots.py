@@ -12,7 +12,16 @@ _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#
 
 
 def write_plots(payload_by_fig: dict, out_dir: Path) -> list[Path]:
-    """Write ``<figure>.png`` for every ``{figure: JSON object}`` into ``out_dir``; none without matplotlib."""
+    """Write ``<figure>.png`` for every ``{figure: JSON object}`` into ``out_dir``; none without matplotlib. A figure
+    without records (every cuflash case failed: its JSON lists the failures) is skipped with a message: there is
+    nothing to draw, and its plotter asked matplotlib for a grid of 0 x 0 panels (a ValueError)."""
+    empty = [fig for fig, payload in payload_by_fig.items() if not payload["records"]]
+    if empty:
+        print(f"plots skipped for {', '.join(empty)}: no records (see 'failed' and 'skipped' in the JSON)",
+              file=sys.stderr)
+        payload_by_fig = {fig: payload for fig, payload in payload_by_fig.items() if fig not in empty}
+    if not payload_by_fig:
+        return []
     try:
         import matplotlib
 

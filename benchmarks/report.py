@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import stat
 import tempfile
@@ -69,6 +70,15 @@ FILE_FIELDS = {"figure": str, "title": str, "commit": str, "date": str, "device"
                "skipped": list, "failed": list}
 #: file-level fields added later, with the value an older file means (2026-11-26: failed)
 LATER_FILE_FIELDS = {"failed": []}
+#: the bound of an integer field (a magnitude below it): a JSON integer has none, and 10**400 passed the type check
+#: and was an OverflowError in --replot's plots (a float cannot hold it); every count and byte size fits in int64
+INT_LIMIT = 2**63
+#: the record fields that hold a measurement: a finite number >= 0 where not null (json.loads takes NaN and
+#: Infinity, and a negative time or rate is no measurement; either drew a plot and a table of nonsense)
+MEASURED_FIELDS = ("ms", "tflops", "gbps", "host_ms")
+#: the largest figure JSON read back (a run's figure JSON is at most a few MiB): a file of 1 TiB at a figure's name
+#: was read whole, a MemoryError traceback in --replot and in a run's look at its --out
+MAX_JSON_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -150,18 +160,26 @@ def read_json(path: Path):
     """The JSON value held by the regular file ``path``; anything else is a ValueError naming it. Every figure JSON
     read back goes through here (--replot, and the other runs a run's --out holds). The file is opened without
     blocking (a FIFO would hang the open, then the read) and without following a symbolic link, and is checked to be
-    a regular file before a byte is read; JSON nested deeper than the parser recurses is malformed like any other."""
+    a regular file before a byte is read, and no larger than :data:`MAX_JSON_BYTES`; JSON nested deeper than the
+    parser recurses is malformed like any other."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:  # a file this user cannot read, a symbolic link (ELOOP under O_NOFOLLOW)
         why = "a symbolic link, not a regular file" if exc.errno == errno.ELOOP else exc.strerror or exc
         raise ValueError(f"{path}: cannot be read ({why})") from None
     try:
-        kind = not_regular(os.fstat(fd).st_mode)
+        st = os.fstat(fd)
+        kind = not_regular(st.st_mode)
         if kind:  # a folder opens read-only on Linux; fdopen would raise, a FIFO's read would wait for a writer
             raise ValueError(f"{path}: cannot be read ({kind}, not a regular file)")
+        if st.st_size > MAX_JSON_BYTES:  # read whole, it would exhaust the memory before the parser saw a byte
+            raise ValueError(f"{path}: cannot be read ({st.st_size} bytes, more than the {MAX_JSON_BYTES >> 20} MiB "
+                             f"a figure JSON may hold)")
         with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read()
+            data = f.read(MAX_JSON_BYTES + 1)  # a file grown since the fstat is read no further than the bound
+        if len(data) > MAX_JSON_BYTES:
+            raise ValueError(f"{path}: cannot be read (more than the {MAX_JSON_BYTES >> 20} MiB a figure JSON may "
+                             f"hold)")
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     finally:
@@ -203,18 +221,32 @@ def load_figure(path: Path, fig: str) -> dict:
         wrong = sorted(name for name, value in rec.items() if not _fits(value, RECORD_TYPES[name]))
         if wrong:
             raise ValueError(f"{path}: a record's fields {wrong} are not of their type "
-                             f"({', '.join(f'{n}={rec[n]!r}' for n in wrong)})")
+                             f"({', '.join(f'{n}={_shown(rec[n])}' for n in wrong)})")
+        unmeasured = [name for name in MEASURED_FIELDS if rec[name] is not None and not rec[name] >= 0]
+        if unmeasured:  # NaN fails ">= 0" too
+            raise ValueError(f"{path}: a record's fields {unmeasured} are no measurement (a finite number >= 0 or "
+                             f"null) ({', '.join(f'{n}={_shown(rec[n])}' for n in unmeasured)})")
     return payload
 
 
 def _fits(value, types: tuple) -> bool:
     """Whether a JSON value fits a field annotated with ``types``: bool, a subclass of int in Python, is no number
-    here; a float field takes a JSON integer too (a hand-written 1 for 1.0)."""
+    here; a float field takes a JSON integer too (a hand-written 1 for 1.0). A number fits only where finite and of
+    a magnitude below :data:`INT_LIMIT` (an integer; a float field's integer too): what the table and the plots
+    compute with it must not overflow."""
     if isinstance(value, bool):
         return bool in types
-    if isinstance(value, int) and float in types:
-        return True
+    if isinstance(value, int):
+        return (int in types or float in types) and abs(value) < INT_LIMIT
+    if isinstance(value, float):
+        return float in types and math.isfinite(value)
     return isinstance(value, types)
+
+
+def _shown(value) -> str:
+    """``repr(value)`` cut to 40 characters, for messages: an integer of 4000 digits is refused, not quoted whole."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
 
 
 def load_results(folder: Path) -> dict:

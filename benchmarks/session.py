@@ -13,9 +13,9 @@
     workers do not each compile what their tests meet first, several the same module at once (a module takes
     0.5-1 s of NVRTC: the compile check). ``--quick``: float16 at head_dim 64 only (the dry run).
 ``python3 -m benchmarks.session finish --out FILE [--probe FILE] [--junit XML] [--set KEY=VALUE ...]``
-    Write ``session.json``: the probe's facts, the JUnit summary, every ``KEY=VALUE`` (VALUE a number where KEY
-    is ``status``, ``golden_files`` or ends in ``_rc`` and VALUE is one, else kept as text: a commit such as
-    ``0e12345`` stays a commit) and the files of FILE's folder.
+    Write ``session.json``: the probe's facts, the JUnit summary, every ``KEY=VALUE`` (VALUE a number or null
+    where KEY is one of :data:`NUMBER_FIELDS` or ends in ``_rc`` and VALUE is one, else kept as text: a commit such
+    as ``0e12345`` stays a commit) and the files of FILE's folder.
 ``python3 -m benchmarks.session tree-hash [ROOT]``
     The SHA-256 of the tree's source files (:func:`tree_hash`; also the probe's ``tree_sha256``): the device's
     copy has no ``.git``, so this is what proves which code ran. Compare it with the same command here.
@@ -141,10 +141,16 @@ def _junit(args) -> int:
     return 0
 
 
+#: the fields gpu_session.sh sets that are numbers (or null) where their text is one, besides those ending in _rc:
+#: ``sanitize`` holds ``null`` where the step did not run, else each tool's status as text ("memcheck:0,..."), and
+#: was recorded as the string "null"; ``budget_s`` (the script's whole seconds) as a string
+NUMBER_FIELDS = ("status", "golden_files", "dry_run", "sanitize", "budget_s")
+
+
 def _parse_value(key: str, text: str):
     """A number for the status and step fields where ``text`` is one (``null``: a step that did not run); text
     otherwise, whatever it looks like."""
-    if key in ("status", "golden_files", "dry_run") or key.endswith("_rc"):
+    if key in NUMBER_FIELDS or key.endswith("_rc"):
         try:
             return json.loads(text)
         except ValueError:

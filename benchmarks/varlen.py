@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 import cuflash
+from cuflash import _env
 
 from .numpy_backend import _meta, _out_file, _peak, check_out, write_json
 
@@ -101,7 +102,13 @@ def main(argv=None):
     ap.add_argument("--replace", action="store_true", help="overwrite the --out file if it exists")
     ap.add_argument("--quick", action="store_true", help="3 rounds, caches up to 16k")
     args = ap.parse_args(argv)
-    # refused before the first measurement, as benchmarks.numpy_backend does (an existing file was overwritten)
+    # refused before the first measurement, as benchmarks.numpy_backend does: the environment as `python -m cuflash`
+    # checks it (CUFLASH_BLAS=x was a traceback at the first case, under the table's header), then --out (an
+    # existing file was overwritten)
+    try:
+        _env.check_all()
+    except ValueError as exc:
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
     if args.replace and args.out is None:
         ap.error("--replace needs --out (there is no file to replace)")
     why = None if args.out is None else check_out(args.out, args.replace)
@@ -129,7 +136,12 @@ def main(argv=None):
     result["decode_fit"] = dict(intercept_ms=a, ms_per_1k_tokens=1e3 * b, r2=r2)
     print(f"decode time = {a:.2f} ms + {1e3 * b:.3f} ms per 1k cached tokens, R² = {r2:.4f}")
     if args.out:
-        write_json(args.out, result, replace=args.replace)
+        try:
+            write_json(args.out, result, replace=args.replace)
+        except OSError as exc:  # checked up front; what changed since (disk full, a file made there) is said, and
+            # write_json's message names the temporary file that keeps the results
+            print(f"{ap.prog}: error: cannot write --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -981,3 +981,125 @@ def test_a_checkpoint_is_not_written_through_a_symlink_planted_at_its_temporary_
     assert victim.read_text() == "keep me"
     assert path.read_text() == '{"a": 1}\n' and not path.is_symlink()
     assert (path.stat().st_mode & 0o777) == 0o644
+
+
+def test_a_figure_json_over_the_size_bound_is_refused_unread(tmp_path, capsys, monkeypatch):
+    """A figure JSON was read whole whatever its size: a (sparse) file of 1 TiB at a figure's name was a MemoryError
+    traceback in --replot and in a run's look at its --out. Refused from its size (report.MAX_JSON_BYTES, 256 MiB),
+    one line naming the file and its size; --replace removes it as another run's unreadable file."""
+    path = tmp_path / "fig1_throughput.json"
+    size = 256 * 2**20 + 1
+    with open(path, "wb") as f:
+        f.truncate(size)  # sparse: no disk taken
+    match = f"fig1_throughput.json: cannot be read ({size} bytes, more than the 256 MiB a figure JSON may hold)"
+    with pytest.raises(ValueError, match=re.escape(match)):
+        report.load_results(tmp_path)
+    assert run.main(["--replot", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+    measure = run.run_cases
+    monkeypatch.setattr(run, "run_cases", _no_measuring)
+    with pytest.raises(SystemExit) as exc:
+        run.main(SMOKE + ["--out", str(tmp_path), "--only", "decode", "--impl", "cuflash"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "unreadable: " in err and match in err
+    monkeypatch.setattr(run, "run_cases", measure)
+    assert run.main(SMOKE + ["--out", str(tmp_path), "--only", "decode", "--impl", "cuflash", "--replace"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fig5_decode.json"]
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("seqlen_q", 10**400,
+     r"\['seqlen_q'\] are not of their type \(seqlen_q=1" + "0" * 29 + r"\.\.\. \(401 characters\)\)"),
+    ("peak_bytes", 2**63, r"\['peak_bytes'\] are not of their type"),
+    ("batch", -2**63, r"\['batch'\] are not of their type"),
+    ("ms", 10**400, r"\['ms'\] are not of their type"),  # an integer in a float field is bounded too
+    ("ms", float("nan"), r"\['ms'\] are not of their type \(ms=nan\)"),
+    ("tflops", float("inf"), r"\['tflops'\] are not of their type \(tflops=inf\)"),
+    ("density", float("-inf"), r"\['density'\] are not of their type"),
+    ("ms", -1.5, r"\['ms'\] are no measurement \(a finite number >= 0 or null\) \(ms=-1\.5\)"),
+    ("gbps", -3, r"\['gbps'\] are no measurement"),
+    ("host_ms", -0.001, r"\['host_ms'\] are no measurement"),
+], ids=["seqlen_q-10**400", "peak_bytes-2**63", "batch--2**63", "ms-10**400", "ms-nan", "tflops-inf", "density--inf",
+        "ms-negative", "gbps-negative", "host_ms-negative"])
+def test_load_results_bounds_the_numbers_and_takes_only_measurements(tmp_path, field, value, match, capsys):
+    """Any JSON integer passed as an int (10**400 was an OverflowError traceback in --replot's plots), and NaN,
+    Infinity and negative times and rates passed as measurements: each is refused naming the field, in one line."""
+    payload = json.loads((COMMITTED / "fig5_decode.json").read_text())
+    payload["records"][0][field] = value
+    (tmp_path / "fig5_decode.json").write_text(json.dumps(payload))  # json writes NaN and Infinity as such
+    with pytest.raises(ValueError, match=r"fig5_decode.json: a record's fields " + match):
+        report.load_results(tmp_path)
+    assert run.main(["--replot", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert re.search(match, err) and "Traceback" not in err
+
+
+def test_load_results_takes_numbers_up_to_the_bounds(tmp_path):
+    """The bounds refuse nothing a run writes: int64's extremes, zero times, a null measurement."""
+    payload = json.loads((COMMITTED / "fig5_decode.json").read_text())
+    payload["records"][0].update(peak_bytes=2**63 - 1, seqlen_q=-(2**63 - 1), ms=0, tflops=0.0, gbps=None)
+    (tmp_path / "fig5_decode.json").write_text(json.dumps(payload))
+    assert report.load_results(tmp_path)["decode"]["records"][0]["peak_bytes"] == 2**63 - 1
+
+
+def test_replot_says_in_one_line_when_a_number_overflows_the_plots(tmp_path, capsys, monkeypatch):
+    """A number the schema does not bound (a skipped entry's seqlen, the device's bandwidth) that matplotlib cannot
+    make a float of was an OverflowError traceback: replot caught ZeroDivisionError alone of the ArithmeticErrors."""
+    from benchmarks import plots
+
+    _committed(tmp_path, "fig5_decode.json")
+
+    def overflows(payload_by_fig, out_dir):
+        raise OverflowError("int too large to convert to float")
+
+    monkeypatch.setattr(plots, "write_plots", overflows)
+    assert run.main(["--replot", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path}: its results cannot be plotted (OverflowError: int too large to convert to float)" \
+        in err and "Traceback" not in err
+
+
+def test_a_figure_without_records_is_not_drawn(tmp_path, capsys):
+    """A figure whose cuflash cases all failed has failures and no record: its plotter asked matplotlib for a grid
+    of 0 x 0 panels (a ValueError); it is skipped, saying so, with or without matplotlib."""
+    from benchmarks import plots
+
+    payload = json.loads((COMMITTED / "fig1_throughput.json").read_text())
+    payload.update(records=[], failed=[dict(impl="cuflash", reason="RuntimeError: broken")])
+    assert plots.write_plots({"throughput": payload}, tmp_path) == []
+    assert "plots skipped for throughput: no records" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_plot_error_does_not_replace_the_runs_status(tmp_path, capsys, monkeypatch):
+    """Every cuflash case failing (a figure of failures without records) made the plots raise after the JSON was
+    written: a traceback and status 1 for the run's 3. The figure is not drawn, and whatever else the plots raise
+    is one error line after which the run's status stands (1 where the run itself succeeded: the plots are missing)."""
+    from benchmarks import plots
+
+    def cuflash_breaks(case, impl, *args, **kw):
+        raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+    pairs = [cases.Case("throughput", "cpu", "fwd", "float32", 1, 2, sq, 64, 16, impls=("cuflash",)) for sq in (1, 2)]
+    monkeypatch.setattr(run, "suite", lambda device, mode: pairs)
+    measure = run.measure
+    monkeypatch.setattr(run, "measure", cuflash_breaks)
+    argv = ["--smoke", "--device", "cpu", "--no-progress", "--out", str(tmp_path)]  # plots asked for
+    assert run.main(argv) == 3
+    err = capsys.readouterr().err
+    assert "plots skipped for throughput: no records" in err and "Traceback" not in err
+    assert [e["seqlen_q"] for e in json.loads((tmp_path / "fig1_throughput.json").read_text())["failed"]] == [1, 2]
+
+    def plots_break(payload_by_fig, out_dir):
+        raise ValueError("Number of rows must be a positive integer, not 0")
+
+    monkeypatch.setattr(plots, "write_plots", plots_break)
+    assert run.main(argv) == 3
+    err = capsys.readouterr().err
+    assert "error: the plots could not be drawn (ValueError: Number of rows must be" in err
+    assert "error: cuflash failed in 2 cases" in err
+    monkeypatch.setattr(run, "measure", measure)  # a run that succeeds: the missing plots fail it
+    assert run.main(argv) == 1
+    assert "error: the plots could not be drawn" in capsys.readouterr().err
+    assert json.loads((tmp_path / "fig1_throughput.json").read_text())["records"]

@@ -5,6 +5,7 @@ Every bad option or ``CUFLASH_*`` variable is refused in one line with a nonzero
 these tests replace the measuring with functions that fail when called, so that a refusal found late fails here, and
 none of them times anything (a few seconds in all).
 """
+import json
 import os
 import re
 import subprocess
@@ -50,6 +51,16 @@ def nb(monkeypatch):
     return nb_bench
 
 
+def _memory_only(nb, monkeypatch):
+    """``--no-speed --quick`` in no time: the memory grid's cases replaced by records of their shape (torch, which
+    only the speed cases use, not imported)."""
+    monkeypatch.setattr(nb, "_torch", lambda threads: None)
+    monkeypatch.setattr(nb, "memory_case", lambda b, h, n: dict(
+        batch=b, heads=h, seqlen=n, fwd_peak_bytes=1, bwd_peak_bytes=1, fwd_rss_bytes=None, bwd_rss_bytes=None,
+        array_bytes=1, naive_scores_bytes=1))
+    return ["--no-speed", "--quick"]
+
+
 def _refused(bench, argv, capsys) -> str:
     with pytest.raises(SystemExit) as exc:
         bench.main(argv)
@@ -65,16 +76,14 @@ def test_an_existing_out_file_is_kept_unless_replace(nb, tmp_path, capsys, monke
     line = _refused(nb, ["--out", str(out)], capsys)
     assert str(out) in line and "exists" in line and "--replace" in line
     assert out.read_text() == "earlier results\n"
-    monkeypatch.setattr(nb, "_torch", lambda threads: None)  # nothing is measured with --no-speed --no-memory
-    assert nb.main(["--no-speed", "--no-memory", "--out", str(out), "--replace"]) == 0
+    assert nb.main(_memory_only(nb, monkeypatch) + ["--out", str(out), "--replace"]) == 0
     assert '"threads"' in out.read_text()
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # no temporary or probe file left behind
 
 
 def test_a_new_out_file_is_written_in_folders_made_for_it(nb, tmp_path, monkeypatch):
-    monkeypatch.setattr(nb, "_torch", lambda threads: None)
     out = tmp_path / "a" / "b" / "r.json"
-    assert nb.main(["--no-speed", "--no-memory", "--out", str(out)]) == 0
+    assert nb.main(_memory_only(nb, monkeypatch) + ["--out", str(out)]) == 0
     assert out.read_text().startswith("{")
 
 
@@ -120,6 +129,38 @@ def test_replace_without_out_is_refused(nb, capsys):
     assert "--replace needs --out" in _refused(nb, ["--replace"], capsys)
 
 
+def test_no_speed_with_no_memory_is_refused(nb, tmp_path, capsys):
+    """Together they measured nothing, wrote a result without results and exited 0."""
+    out = tmp_path / "r.json"
+    line = _refused(nb, ["--no-speed", "--no-memory", "--out", str(out)], capsys)
+    assert "--no-speed and --no-memory together leave nothing to measure" in line
+    assert not out.exists()
+
+
+def test_the_commit_recorded_is_this_checkouts_not_the_current_folders(nb, tmp_path, monkeypatch):
+    """`git rev-parse HEAD` ran in the current folder: from inside another repository its HEAD was recorded (from
+    outside any, null), and a dirty tree never said so. The commit and dirty flag are environment.git_commit's, as
+    benchmarks.run records them, wherever the tool is started."""
+    import shutil
+
+    from benchmarks import environment
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    other = tmp_path / "other-repo"
+    other.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "other"]):
+        subprocess.run(git + args, cwd=other, check=True, capture_output=True)
+    theirs = subprocess.run(["git", "rev-parse", "HEAD"], cwd=other, check=True, capture_output=True,
+                            text=True).stdout.strip()
+    monkeypatch.chdir(other)
+    out = tmp_path / "r.json"
+    assert nb.main(_memory_only(nb, monkeypatch) + ["--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["commit"], result["dirty"]) == environment.git_commit() and result["commit"] != theirs
+
+
 @pytest.mark.parametrize("threads", ["1025", "2000", "50000"])
 def test_threads_take_what_cuflash_num_threads_takes(nb, threads, capsys):
     """2000 was a ValueError traceback from CUFLASH_NUM_THREADS at the first call, 50000 a segfault in torch."""
@@ -152,8 +193,9 @@ def test_a_file_made_at_out_during_the_run_is_not_overwritten(nb, tmp_path, caps
     def someone_writes(threads):
         out.write_text("theirs\n")
 
+    argv = _memory_only(nb, monkeypatch)
     monkeypatch.setattr(nb, "_torch", someone_writes)
-    assert nb.main(["--no-speed", "--no-memory", "--out", str(out)]) == 1
+    assert nb.main(argv + ["--out", str(out)]) == 1
     line = _error_line(capsys.readouterr().err, NB)
     kept = re.search(r"the results are kept in (\S+)$", line).group(1)
     assert out.read_text() == "theirs\n" and '"threads"' in Path(kept).read_text()

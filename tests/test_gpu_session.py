@@ -29,14 +29,16 @@ needs_emulator = pytest.mark.skipif(not emulate.available()[0], reason=f"CPU emu
                                                                        f"{emulate.available()[1]}")
 
 
-def session(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """Run the script's dry run with ``env`` on top of a clean environment; ``(process, $OUT)``. As on a device
-    machine, the tree is no git checkout there (GIT_DIR points nowhere): the commit is GPU_SESSION_COMMIT's."""
+def session(tmp_path: Path, *args: str, cwd=None, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run the script's dry run with ``env`` on top of a clean environment (in the folder ``cwd``); ``(process,
+    $OUT)``. As on a device machine, the tree is no git checkout there (GIT_DIR points nowhere): the commit is
+    GPU_SESSION_COMMIT's."""
     out = tmp_path / "out"
     base = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_", "GPU_SESSION_", "CUFLASH_GOLDEN"))}
-    base.update(OUT=str(out), PYTHON=sys.executable, GPU_SESSION_DRY_RUN="1", GPU_SESSION_COMMIT=COMMIT,
-                GIT_DIR=str(tmp_path / "no-git"), **env)
-    done = subprocess.run(["bash", str(SCRIPT), *args], env=base, capture_output=True, text=True, timeout=180)
+    base.update({"OUT": str(out), "PYTHON": sys.executable, "GPU_SESSION_DRY_RUN": "1", "GPU_SESSION_COMMIT": COMMIT,
+                 "GIT_DIR": str(tmp_path / "no-git")}, **env)
+    done = subprocess.run(["bash", str(SCRIPT), *args], env=base, capture_output=True, text=True, timeout=180,
+                          cwd=cwd)
     return done, out
 
 
@@ -177,6 +179,57 @@ def test_a_killed_session_says_so(tmp_path, golden_copy):
 def test_unknown_step_is_a_usage_error(tmp_path):
     done, _ = session(tmp_path, "benchmark")
     assert done.returncode == 2 and "usage:" in done.stderr
+
+
+@pytest.mark.parametrize("given, seconds", [("0600", 600), ("0900", 900), ("580", 580)])
+def test_a_budget_with_a_leading_zero_is_read_in_decimal(tmp_path, given, seconds):
+    """GPU_SESSION_SECONDS passed its check as decimal digits, but shell arithmetic read a leading 0 as octal: 0600
+    gave every step the limits of 384 s, 0900 ended the script ("value too great for base") before it wrote
+    session.json. (The fake nvidia-smi without GPUs ends the session at its probe: a second, not a dry run.)"""
+    done, out = session(tmp_path, "bench", FAKE_GPUS="", GPU_SESSION_SECONDS=given)
+    assert done.returncode == 1 and "no GPU visible to nvidia-smi" in done.stdout, done.stdout + done.stderr
+    facts = session_json(out)
+    assert facts["budget_s"] == seconds and facts["status"] == 1  # a number, as the steps' statuses are
+    assert facts["sanitize"] is None and facts["tests_rc"] is None  # steps that did not run: null, not "null"
+    assert f", {seconds} s, DRY RUN" in (out / "session.txt").read_text()
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("GPU_SESSION_SECONDS", "0149"), ("GPU_SESSION_SECONDS", "1e3"), ("GPU_SESSION_SECONDS", "1" + "0" * 19),
+    ("GPU_SESSION_DRY_RUN", "true"), ("GPU_SESSION_DRY_RUN", "yes"), ("GPU_SESSION_DRY_RUN", "2"),
+    ("GPU_SESSION_DRY_RUN", " 1")])
+def test_a_bad_budget_or_dry_run_flag_is_a_usage_error(tmp_path, variable, value):
+    """GPU_SESSION_DRY_RUN=true ran the real session (the script tested "= 1") while session.json said "dry_run":
+    true (session.py read the value as JSON). A budget of 20 digits, which the decimal arithmetic would wrap, stays
+    refused. Each is refused, status 2, with a line naming the variable, before anything is run or written."""
+    done, out = session(tmp_path, "bench", **{variable: value})
+    assert done.returncode == 2 and f"{variable} must be " in done.stderr and repr(value) in done.stderr.replace(
+        '"', "'"), done.stdout + done.stderr
+    assert not out.exists()
+
+
+def test_a_relative_out_is_under_the_callers_folder(tmp_path, request):
+    """The script changes into the checkout before making $OUT: a relative OUT landed in the checkout, not in the
+    folder the caller named it from."""
+    name = f"out-{os.getpid()}-{tmp_path.name}"
+    request.addfinalizer(lambda: shutil.rmtree(REPO / name, ignore_errors=True))  # where the defect put it
+    done, _ = session(tmp_path, "bench", cwd=tmp_path, OUT=name, FAKE_GPUS="")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert session_json(tmp_path / name)["status"] == 1 and not (REPO / name).exists()
+
+
+def test_session_json_numbers_the_sanitize_step_and_the_budget(tmp_path):
+    """"sanitize" is null where the step did not run (it was the text "null"), and budget_s a number (it was text);
+    the tools' statuses stay text."""
+    from benchmarks import session as sess
+
+    out = tmp_path / "session.json"
+    assert sess.main(["finish", "--out", str(out), "--set", "sanitize=null", "budget_s=580", "status=0"]) == 0
+    facts = json.loads(out.read_text())
+    assert facts["sanitize"] is None and facts["budget_s"] == 580
+    for text in ("memcheck:0,racecheck:0,synccheck:0,initcheck:0", "unfinished", "warm-up=1"):
+        assert sess.main(["finish", "--out", str(out), "--set", f"sanitize={text}"]) == 0
+        assert json.loads(out.read_text())["sanitize"] == text
 
 
 @needs_emulator
