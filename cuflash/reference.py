@@ -315,6 +315,9 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     ``dk``, ``dv`` (and ``dbias`` with ``bias=``).
     """
     _, p, (dout,), _ = _problem(options, q, k, v, dout=dout)
+    _check_dropout_p(dropout_p)  # 1.0 gave infinite magnitudes, -1 smaller ones, as attention's own check refuses
+    if dropout_mask is not None:
+        _dropout_mask(p, dropout_mask, dropout_p)  # its form and shape (the magnitudes need only dropout_p)
     qg, kg, vg = _grouped(p, np.dtype(np.float64))
     prob, lse = _probabilities(p, qg, kg)
     s0, s1, _ = _scores(p, qg, kg)
@@ -363,12 +366,16 @@ def rounding(dtype) -> float:
     return 2.0 ** -7 if np.dtype(dtype).name == "bfloat16" else float(np.finfo(dtype).eps)
 
 
-def _dropout_mask(p, mask, dropout_p):
-    """``dropout_mask`` as the ``(B, Hkv, G, Sq, Sk)`` boolean view that multiplies P (None without one), checked
-    with ``dropout_p`` before anything is computed."""
+def _check_dropout_p(dropout_p):
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)) \
             or not 0.0 <= as_float(dropout_p) < 1.0:  # as the float it computes with (longdouble 1 - 2**-60 is 1.0)
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+
+
+def _dropout_mask(p, mask, dropout_p):
+    """``dropout_mask`` as the ``(B, Hkv, G, Sq, Sk)`` boolean view that multiplies P (None without one), checked
+    with ``dropout_p`` before anything is computed."""
+    _check_dropout_p(dropout_p)
     if mask is None:
         if dropout_p:
             raise ValueError("the reference needs an explicit dropout_mask when dropout_p > 0")

@@ -452,3 +452,18 @@ def test_dout_and_out_of_another_width_are_refused_as_the_api_refuses_them(dv):
     out, lse = reference.attention(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match=rf"out must have shape \(1, 4, 2, {dv}\)"):
         reference.attention_backward(out, q, k, v, wrong, lse)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(dropout_p=1.0), ValueError, r"dropout_p must be a float in \[0, 1\)"),
+    (dict(dropout_p=-1), ValueError, r"dropout_p must be a float in \[0, 1\)"),
+    (dict(dropout_p="x"), ValueError, r"dropout_p must be a float in \[0, 1\)"),
+    (dict(dropout_p=0.5, dropout_mask=np.ones((3, 3), bool)), ValueError, "dropout_mask must be broadcastable"),
+])
+def test_term_magnitudes_checks_dropout_as_attention_does(kw, exc, match):
+    """term_magnitudes took dropout_p = 1 (infinite magnitudes: a bound that passes anything), -1 (smaller ones) and
+    'x' (a bare TypeError), and ignored a dropout_mask of the wrong shape."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 5, 2, 8)) for _ in range(3))
+    with pytest.raises(exc, match=match):
+        reference.term_magnitudes(q, k, v, **kw)
