@@ -28,6 +28,7 @@ operations.
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import numbers
 import unicodedata
@@ -821,12 +822,12 @@ class Modifiers:
     bias_shape: Optional[tuple] = None
     bias_compact: Optional[tuple] = None
 
-    @property
+    @functools.cached_property  # one differentiation per call: the NumPy backward asked again at every tile strip
     def dscore(self) -> Optional[Expr]:
         """d(score modifier)/d(score): the backward's factor on dS; None when there is no score modifier."""
         return None if self.score is None else self.score.derivative("score")
 
-    @property
+    @functools.cached_property
     def dbias(self) -> Optional[Expr]:
         """d(score modifier)/d(bias element): the factor dbias is dS times (1 unless a score_mod follows)."""
         return None if self.bias_shape is None else self.score.derivative("cuflash_bias")

@@ -643,6 +643,13 @@ def _check_mod_arrays(mod_arrays, xp):
     return out
 
 
+def _check_literals(expr, what: str, dtype) -> None:
+    """The float literals of the caller's expression held to the working precision, as a number of ``mod_arrays``
+    is (``score + 1e39`` became inf in float32)."""
+    for c in expr.float_constants:
+        _check_fits_working(c, f"{what}'s constant {c!r}", dtype)
+
+
 def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, score_mod, mask_mod, mod_arrays,
                      like):
     """The :class:`cuflash.mods.Modifiers` of a call (None without any): built-ins composed in the order
@@ -677,15 +684,13 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
     if score_mod is not None:
         step = mods.parse(score_mod, kind="score", arrays=values, what="score_mod")
         step.check_against(values, extents, "score_mod")
+        _check_literals(step, "score_mod", like.dtype)
         score = step if score is None else step.compose(score)
-        score.derivative("score")  # one the backward could not compute in reasonable time is refused before anything
     mask = None
     if mask_mod is not None:
         mask = mods.parse(mask_mod, kind="mask", arrays=values, what="mask_mod")
         mask.check_against(values, extents, "mask_mod")
-    for what, expr in (("score_mod", step if score_mod is not None else None), ("mask_mod", mask)):
-        for c in expr.float_constants if expr is not None else ():
-            _check_fits_working(c, f"{what}'s constant {c!r}", like.dtype)  # 1e39 became inf in float32
+        _check_literals(mask, "mask_mod", like.dtype)
     used = {o.name for e in (score, mask) if e is not None for o in e.operands}
     unused = sorted(set(values) - used)
     if unused:
@@ -697,7 +702,10 @@ def _check_modifiers(xp, batch_shape, extents, *, bias, alibi_slopes, softcap, s
         array_module(like, *on_gpu.values(), names=("q", *on_gpu))
     for name, a in given.items():
         _check_fits_working(a, name, like.dtype)
-    return mods.Modifiers(score, mask, {**values, **internal}, bias_shape, bias_compact)
+    modifiers = mods.Modifiers(score, mask, {**values, **internal}, bias_shape, bias_compact)
+    if score_mod is not None:
+        modifiers.dscore  # noqa: B018 - a derivative too large to compute is refused before anything; kept for the rest
+    return modifiers
 
 
 def check_backward(problem: Problem, dout, out, lse, layout="bshd"):
