@@ -641,6 +641,60 @@ def test_an_error_in_a_ring_step_leaves_after_the_transfers_in_flight(monkeypatc
     assert all(waited for _, waited in started), [(r, bool(w)) for r, w in started]
 
 
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("what", ["forward", "backward"])
+def test_an_error_in_one_ranks_computation_is_raised_on_every_rank(monkeypatch, what, method):
+    """One rank's pair computation raises (its second one in the ring, as a device out-of-memory on one GPU would; its
+    only one in Ulysses): it raised alone, and its neighbours waited for ever for the blocks it no longer passed on
+    (here the thread transport's 60 s timeout, then queue.Empty). Now that rank passes every block on without
+    computing, and at the end it raises its own error and every other rank a RuntimeError naming it; the
+    communicator is clean for the next call (a message left over would be received in its place: other bits)."""
+    import threading
+
+    from cuflash.backends import numpy as nb
+
+    thread_comms(monkeypatch)
+    size, failing = 3, 1
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((24, 3, 8)) for _ in range(4))
+    local = [[dist.shard_sequence(x, size, r) for x in (q, k, v, dout)] for r in range(size)]
+    armed, calls, real = threading.Event(), threading.local(), getattr(nb, what)
+
+    def fails_on_one_rank(*args, **kwargs):
+        calls.n = getattr(calls, "n", 0) + 1
+        if armed.is_set() and calls.rank == failing and calls.n == (1 if method == "ulysses" else 2):
+            raise RuntimeError(f"{what} failed on rank {failing}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(nb, what, fails_on_one_rank)
+
+    def call(r, comm):
+        kw = dict(method=method, backend="numpy")
+        out, lse = dist.ring_attention(*local[r][:3], comm, return_lse=True, **kw)
+        if what == "forward":
+            return out, lse
+        return dist.ring_attention_backward(local[r][3], *local[r][:3], out, lse, comm, **kw)
+
+    def rank_fn(r, comm):
+        calls.rank, calls.n = r, 0
+        try:
+            call(r, comm)
+        except Exception as exc:  # noqa: BLE001 - each rank's error is checked below
+            return exc
+        return None
+
+    clean = run_threads(size, call)
+    armed.set()
+    raised = run_threads(size, rank_fn)
+    for r, exc in enumerate(raised):
+        want = f"{what} failed on rank {failing}" if r == failing else f"the call failed on rank(s) [{failing}]"
+        assert isinstance(exc, RuntimeError) and want in str(exc), (r, repr(exc))
+    armed.clear()
+    for r, (got, want) in enumerate(zip(run_threads(size, call), clean)):
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(x, y, err_msg=f"rank {r}")
+
+
 def test_a_ring_call_takes_one_blas_whatever_another_thread_sets(monkeypatch):
     """A ring call is one backend call per step; CUFLASH_BLAS changed during it (here: after the ranks' first reads,
     as another thread could) takes effect from the next call: each rank's out, and its gradients, are the all-MKL

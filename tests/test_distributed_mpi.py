@@ -81,6 +81,22 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(ranks, name, tmp_path_fact
         assert got[0] == kind and fragment in got[1], f"rank {rank} raised {got[0]}: {got[1]}"
 
 
+@pytest.mark.parametrize("name", sorted(ring_cases.MID_CALL_ERRORS))
+@pytest.mark.parametrize("ranks", RANKS)
+def test_an_error_on_one_rank_mid_call_is_raised_on_every_rank(ranks, name, tmp_path_factory):
+    """Rank 0's pair computation raises mid-call: it raised alone, and the others waited for ever for the blocks it no
+    longer passed on. Rank 0 raises its own error, the others a RuntimeError naming rank 0, and the next call on the
+    same communicator matches a clean one."""
+    raised = results(ranks, tmp_path_factory)[name]["raised"]
+    assert len(raised) == ranks
+    for rank, got in enumerate(raised):
+        kind, fragment = ring_cases.MID_CALL_OWN if rank == 0 else ring_cases.MID_CALL_TOLD
+        assert got is not None, f"rank {rank} raised nothing"
+        assert got[0] == kind and fragment in got[1], f"rank {rank} raised {got[0]}: {got[1]}"
+    if ranks > 1:  # the others' errors carry the same note of the next call
+        assert all("the next call matched a clean one" in got[1] for got in raised[1:]), raised
+
+
 def test_memory_per_rank_does_not_grow_with_ranks(tmp_path_factory):
     """At a fixed local length, 3 and 4 ranks (sub-communicators of the 4-rank run) give the same peak: an
     implementation holding O(total) K/V would need one more local K/V block (512 KiB here) at 4 ranks."""

@@ -92,6 +92,39 @@ def allgather_checked(comm, xp, values, failure):
     return adapter, meta[:, :-1]
 
 
+class Failure:
+    """This rank's first error in the computations of one call between its transfers (the pair computations of the
+    ring's steps, Ulysses' one attention call). A rank that raised there alone left the others waiting for ever in
+    the transfers it would have made; now it computes no more but makes every transfer the call posts (the ring
+    passes K/V, and the backward's dK/dV accumulators, on as they came), and at the call's next exchange all ranks
+    learn of it (:meth:`raise_together`). Exceptions only: KeyboardInterrupt and SystemExit leave at once (after
+    the transfers in flight), as on one device."""
+
+    def __init__(self):
+        self.error = None
+
+    def attempt(self, compute, *args):
+        """``compute(*args)``, or nothing once this rank has failed; its result, or None on failure."""
+        if self.error is not None:
+            return None
+        try:
+            return compute(*args)
+        except Exception as exc:  # noqa: BLE001 - raised on this rank by raise_together, after the transfers
+            self.error = exc
+            return None
+
+    def raise_together(self, adapter):
+        """One all-gather of each rank's failed flag (a host synchronization on NCCL): the failed rank raises its own
+        error, every other rank a RuntimeError naming it; nothing where no rank failed."""
+        flags = adapter.allgather_ints([int(self.error is not None)])
+        if self.error is not None:
+            raise self.error
+        failed = [int(r) for r in np.flatnonzero(flags[:, 0])]
+        if failed:
+            raise RuntimeError(f"the call failed on rank(s) {failed} (the error is raised there); every rank raises, "
+                               f"none is left waiting for the others")
+
+
 def _bytes(a, xp):
     """A contiguous array as a flat uint8 view (the wire format: any dtype travels as its bytes)."""
     if not a.flags.c_contiguous:

@@ -50,7 +50,9 @@ by ``P``. Memory per rank is ``L·H/P`` per tensor, the same element count as th
 
 Every call first validates its arguments locally (TypeError/ValueError naming the argument, before any
 communication), then all ranks exchange their local lengths and a checksum of shapes, dtype and options in one
-small all-gather, so that a mismatch between ranks raises the same ValueError on every rank instead of a hang.
+small all-gather, so that a mismatch between ranks raises the same ValueError on every rank instead of a hang. An
+exception in a rank's pair computations later in the call is held until the ring is done, the rank passing every
+block on meanwhile, and then raised on every rank (:class:`comms.Failure`).
 """
 from __future__ import annotations
 
@@ -384,6 +386,7 @@ def _ring_forward(s: Setup):
     nxt, prv = _neighbors(s)
     accs = [(xp.zeros((p.batch, seg.size, p.heads_q, p.head_dim), dtype=work),
              xp.full((p.batch, p.heads_q, seg.size), -np.inf, dtype=work)) for seg in s.q_segs[s.rank]]
+    failure = comms.Failure()
     for t in range(s.size):
         src = (s.rank - t) % s.size
         in_flight = []
@@ -394,21 +397,28 @@ def _ring_forward(s: Setup):
                 pending = s.transport.start([(k_cur, nxt, comms.TAG_K), (v_cur, nxt, comms.TAG_V)],
                                             [(k_next, prv, comms.TAG_K), (v_next, prv, comms.TAG_V)])
                 in_flight.append(pending)
-            for i, qs in enumerate(s.q_segs[s.rank]):
-                for ks in s.kv_segs[src]:
-                    bounds = pair_window(s, qs, ks)
-                    if bounds is None:
-                        continue
-                    pp = _pair_problem(s, _seq(q, qs), _cast(s, _seq(k_cur, ks)), _cast(s, _seq(v_cur, ks)), bounds)
-                    o, lse = s.module.forward(pp)
-                    accs[i] = merge_parts(xp, [accs[i][0], o], [accs[i][1], lse], work)
-                    pending.poke()
+            failure.attempt(_forward_pairs, s, q, k_cur, v_cur, src, accs, pending)
             pending.wait()
         if t < s.size - 1:
             k_cur, v_cur = k_next, v_next
+    failure.raise_together(s.transport)
     out = xp.concatenate([a[0] for a in accs], axis=1).astype(p.dtype, copy=False)
     lse = xp.concatenate([a[1] for a in accs], axis=2)
     return out, lse
+
+
+def _forward_pairs(s: Setup, q, k_cur, v_cur, src, accs, pending):
+    """One ring step's pair computations: this rank's query segments against the segments of rank ``src``'s K/V block
+    that their windows let them see, each merged into its running ``(out, lse)`` in ``accs``."""
+    for i, qs in enumerate(s.q_segs[s.rank]):
+        for ks in s.kv_segs[src]:
+            bounds = pair_window(s, qs, ks)
+            if bounds is None:
+                continue
+            pp = _pair_problem(s, _seq(q, qs), _cast(s, _seq(k_cur, ks)), _cast(s, _seq(v_cur, ks)), bounds)
+            o, lse = s.module.forward(pp)
+            accs[i] = merge_parts(s.xp, [accs[i][0], o], [accs[i][1], lse], s.work)
+            pending.poke()
 
 
 @contextlib.contextmanager
@@ -463,6 +473,7 @@ def _ring_backward(s: Setup, dout, out, lse, deterministic):
     dq = [xp.zeros((p.batch, qs.size, p.heads_q, p.head_dim), dtype=work) for qs in mine]
     k_cur, v_cur = xp.ascontiguousarray(p.k), xp.ascontiguousarray(p.v)
     carried = None  # (pending, dk_in, dv_in): the accumulator of the block arriving next, from rank - 1
+    failure = comms.Failure()
     for t in range(s.size):
         src = (s.rank - t) % s.size
         in_flight = [carried[0]] if carried is not None else []
@@ -475,18 +486,8 @@ def _ring_backward(s: Setup, dout, out, lse, deterministic):
                 in_flight.append(pending)
             dk_blk, dv_blk = (xp.zeros((p.batch, s.kv_len[src], p.heads_kv, p.head_dim), dtype=work)
                               for _ in range(2))
-            for i, qs in enumerate(mine):
-                for ks in s.kv_segs[src]:
-                    bounds = pair_window(s, qs, ks)
-                    if bounds is None:
-                        continue
-                    q_i, do_i, o_i, lse_i = rows[i]
-                    pp = _pair_problem(s, q_i, _cast(s, _seq(k_cur, ks)), _cast(s, _seq(v_cur, ks)), bounds)
-                    g_q, g_k, g_v = s.module.backward(pp, do_i, o_i, lse_i, deterministic=deterministic)
-                    dq[i] += g_q.astype(work, copy=False)
-                    _seq(dk_blk, ks)[...] += g_k.astype(work, copy=False)
-                    _seq(dv_blk, ks)[...] += g_v.astype(work, copy=False)
-                    pending.poke()
+            failure.attempt(_backward_pairs, s, rows, k_cur, v_cur, src, (dq, dk_blk, dv_blk), pending,
+                            deterministic)
             if carried is not None:  # what the ranks before this one added to the block: waited for only now
                 carried[0].wait()
                 dk_blk += carried[1]
@@ -506,6 +507,25 @@ def _ring_backward(s: Setup, dout, out, lse, deterministic):
         if t < s.size - 1:
             k_cur, v_cur = k_next, v_next
     carried[0].wait()
+    failure.raise_together(s.transport)
     dq = xp.concatenate(dq, axis=1)
     return dq.astype(p.dtype, copy=False), carried[1].astype(p.dtype, copy=False), carried[2].astype(p.dtype,
                                                                                                      copy=False)
+
+
+def _backward_pairs(s: Setup, rows, k_cur, v_cur, src, grads, pending, deterministic):
+    """One ring step's pair computations in the backward: each pair's dQ added to this rank's ``dq`` of its query
+    segment, its dK, dV to the accumulators ``dk_blk``, ``dv_blk`` of rank ``src``'s block (``grads``)."""
+    dq, dk_blk, dv_blk = grads
+    for i, qs in enumerate(s.q_segs[s.rank]):
+        for ks in s.kv_segs[src]:
+            bounds = pair_window(s, qs, ks)
+            if bounds is None:
+                continue
+            q_i, do_i, o_i, lse_i = rows[i]
+            pp = _pair_problem(s, q_i, _cast(s, _seq(k_cur, ks)), _cast(s, _seq(v_cur, ks)), bounds)
+            g_q, g_k, g_v = s.module.backward(pp, do_i, o_i, lse_i, deterministic=deterministic)
+            dq[i] += g_q.astype(s.work, copy=False)
+            _seq(dk_blk, ks)[...] += g_k.astype(s.work, copy=False)
+            _seq(dv_blk, ks)[...] += g_v.astype(s.work, copy=False)
+            pending.poke()

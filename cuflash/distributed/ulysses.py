@@ -104,9 +104,18 @@ def _whole_problem(s, q, k, v):
 def forward(s):
     p = s.problem
     q, k, v = _gather_qkv(s)
-    out, lse = s.module.forward(_whole_problem(s, q, k, v))
+    out, lse = _computed(s, lambda: s.module.forward(_whole_problem(s, q, k, v)))
     out, lse = to_rows(s, [(out, s.q_segs, 1, 2), (lse, s.q_segs, 2, 1)])
     return out, lse.astype(stats_dtype(p.dtype), copy=False)
+
+
+def _computed(s, compute):
+    """``compute()`` (this rank's one attention call between the two all-to-alls), its failure told to every rank
+    before the second one, which would otherwise wait for ever for this rank's part (:class:`comms.Failure`)."""
+    failure = comms.Failure()
+    result = failure.attempt(compute)
+    failure.raise_together(s.transport)
+    return result
 
 
 def _gather_qkv(s):
@@ -119,7 +128,8 @@ def _gather_qkv(s):
 def backward(s, dout, out, lse, deterministic):
     q, k, v = _gather_qkv(s)
     do, o, lse_w = to_heads(s, [(dout, 1, 2), (out, 1, 2), (lse, 2, 1)], s.q_segs, s.q_len)
-    dq, dk, dv = s.module.backward(_whole_problem(s, q, k, v), do, o, lse_w, deterministic=deterministic)
+    dq, dk, dv = _computed(s, lambda: s.module.backward(_whole_problem(s, q, k, v), do, o, lse_w,
+                                                        deterministic=deterministic))
     dq, = to_rows(s, [(dq, s.q_segs, 1, 2)])
     dk, dv = to_rows(s, [(dk, s.kv_segs, 1, 2), (dv, s.kv_segs, 1, 2)])
     return dq, dk, dv

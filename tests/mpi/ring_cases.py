@@ -87,6 +87,17 @@ ONE_RANK_ERRORS = {
 }
 ONE_RANK_REFUSED = ("ValueError", "the call was refused on rank(s) [0]")
 
+#: name -> (method, what): rank 0's pair computation raises mid-call (its second in the ring, its only one in
+#: Ulysses). It raised alone and the other ranks waited for ever for the blocks it no longer passed on; now rank 0
+#: raises its own error (MID_CALL_OWN) and every other rank MID_CALL_TOLD, and the next call matches a clean one
+MID_CALL_ERRORS = {
+    "mid_call_ring_forward": ("ring", "forward"),
+    "mid_call_ring_backward": ("ring", "backward"),
+    "mid_call_ulysses_forward": ("ulysses", "forward"),
+}
+MID_CALL_OWN = ("RuntimeError", "failed on rank 0; the next call matched a clean one")
+MID_CALL_TOLD = ("RuntimeError", "the call failed on rank(s) [0]")
+
 #: local length per rank of the memory probe (the same at every P, so its peak must not grow with P)
 MEMORY_LOCAL = 512
 
@@ -224,6 +235,8 @@ def run_error(name, comm):
             vjp(dl)
         elif name == "error_in_a_ring_step":
             return _error_in_a_ring_step(ql, kl, vl, comm)
+        elif name in MID_CALL_ERRORS:
+            return _error_on_one_rank_mid_call(*MID_CALL_ERRORS[name], comm)
         elif name == "one_rank_bad_shape":
             dist.ring_attention(ql, kl[..., :8] if rank == 0 else kl, vl, comm)
         elif name == "one_rank_bad_environment":
@@ -273,6 +286,42 @@ def _error_in_a_ring_step(ql, kl, vl, comm):
     if raised is None:
         return None
     return type(raised).__name__, f"{raised}; the next call {'matched' if same else 'differed from'} the one before"
+
+
+def _error_on_one_rank_mid_call(method, what, comm):
+    """Rank 0's pair computation raises mid-call (see MID_CALL_ERRORS); then the same call again on every rank. Not
+    causal: rank 0 computes a pair in every ring step; 4 heads of each kind: Ulysses splits them over 2 or 4 ranks."""
+    import cuflash.distributed as dist
+    from cuflash.backends import numpy as nb
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    ql, kl, vl, dl = (dist.shard_sequence(x, size, rank) for x in _arrays(_case(hq=4, hkv=4)))
+    kw = dict(method=method)
+
+    def call():
+        out, lse = dist.ring_attention(ql, kl, vl, comm, return_lse=True, **kw)
+        return (out, lse) if what == "forward" else dist.ring_attention_backward(dl, ql, kl, vl, out, lse, comm, **kw)
+
+    before = call()
+    real, calls, raised = getattr(nb, what), [], None
+
+    def fails_on_rank_0(*args, **kwargs):
+        calls.append(1)
+        if comm.Get_rank() == 0 and len(calls) == (1 if method == "ulysses" else 2):
+            raise RuntimeError(f"{what} failed on rank 0")
+        return real(*args, **kwargs)
+
+    setattr(nb, what, fails_on_rank_0)
+    try:
+        call()
+    except RuntimeError as exc:
+        raised = exc
+    finally:
+        setattr(nb, what, real)
+    same = all(np.array_equal(x, y) for x, y in zip(call(), before))
+    if raised is None:
+        return None
+    return type(raised).__name__, f"{raised}; the next call {'matched' if same else 'differed from'} a clean one"
 
 
 def memory_probe(comm, sizes=(3, 4)):
@@ -356,7 +405,7 @@ def main(out_path):
         if rank == 0:
             failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
             records[name] = record if not failed else {"ok": False, "error": "\n".join(failed)}
-    for name in (*ERRORS, *ONE_RANK_ERRORS) if mode == "numpy" else ():
+    for name in (*ERRORS, *ONE_RANK_ERRORS, *MID_CALL_ERRORS) if mode == "numpy" else ():
         if only and name not in only.split(","):
             continue
         raised = comm.gather(run_error(name, comm), root=0)
