@@ -105,9 +105,9 @@ def _tile_run(case: Case, x: Inputs) -> Callable:
 
     problem = make_problem(x.q, x.k, x.v, causal=case.causal)
     if case.device == "cpu":
-        from cuflash.backends import numpy as backend
+        from cuflash.backends import numpy as numpy_backend
 
-        return lambda: backend.forward(problem, block_k=case.block_k)
+        return lambda: numpy_backend.forward(problem, block_k=case.block_k)
     from cuflash.backends import cuda as backend
 
     table = _dispatched(case.op, case.dtype, case.head_dim)
@@ -246,10 +246,9 @@ def _build_cupy_naive(case: Case, x: Inputs):
         s /= s.sum(axis=-1, keepdims=True)
         return s, xp.matmul(s, x.v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
 
-    p, out = in_class(forward_saving_p)()  # the forward's saved P and O (not timed for "bwd")
     if case.op == "bwd":
+        p, out = in_class(forward_saving_p)()  # the forward's saved P and O (not timed)
         return in_class(lambda: standard_attention_backward(x.q, x.k, x.v, x.dout, p, out)), device_sync(case.device)
-    del p, out
 
     def fwd_bwd():
         p2, out2 = forward_saving_p()
@@ -265,7 +264,8 @@ TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENT
 def _check_torch(device: str):
     try:
         import torch
-        from torch.nn.attention import sdpa_kernel  # noqa: F401  (torch >= 2.3)
+        from torch.nn.attention import sdpa_kernel  # torch >= 2.3
+        del sdpa_kernel  # imported to check that it exists
     except ImportError as exc:
         raise Skip(f"torch not importable ({exc})") from None
     if device == "cuda" and not torch.cuda.is_available():
