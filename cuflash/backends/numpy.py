@@ -52,6 +52,10 @@ TILE_ELEMENTS = 4 * BLOCK_Q * BLOCK_K
 #: dropout's keep-mask). Measured on 2 cores, fp32, N = 4096, 4 heads, against one head per item (7 rounds): 5-7%
 #: faster at head_dim 64, within noise at 128.
 BACKWARD_TILE_ELEMENTS = 2 * BLOCK_Q * BLOCK_K
+#: Elements of one head's tile from which the forward runs an item's heads in turn (:meth:`_Forward._heads_in_turn`):
+#: half a full tile. Below it the stacked stages are faster: B = 64, S = 128, 8 heads (128 x 128 tiles) took 1.13-2.0x
+#: their time in turn, MQA with 64 query heads (32 x 512) 1.16-1.38x (two threads, AMD EPYC, A/B in one process).
+HEADS_IN_TURN_ELEMENTS = BLOCK_Q * BLOCK_K // 2
 #: Query rows per key/value head from which K^T is copied contiguous (see _keys_transposed).
 KT_COPY_ROWS = 64
 #: Parts of the copy of K^T (or of [V | 1]) that the workers share (:class:`_Together`).
@@ -1086,7 +1090,8 @@ class _Forward:
         the first tile, cut into strips, where the block's rows may take shift 0 strip by strip."""
         chunk, masks, modifiers, wt = block.chunk, self.masks, self.modifiers, self.wt
         r = slice(t.i0 - block.i0, t.i1 - block.i0)
-        if block.fixed and t.full and modifiers is None and not self.problem.dropout_p and not block.guarded:
+        if block.fixed and t.full and modifiers is None and not self.problem.dropout_p and not block.guarded and \
+                (t.i1 - t.i0) * (t.k1 - t.k0) >= HEADS_IN_TURN_ELEMENTS:
             return self._heads_in_turn(block, t, r)
         s = self.scratch.get("s", block.q_i.shape[:-2] + (t.i1 - t.i0, t.k1 - t.k0), wt)
         _scores(block.q_i[..., r, :], block.kt[..., t.k0:t.k1], self.rule, s, self.matmul)
@@ -1116,7 +1121,9 @@ class _Forward:
         matrix). Measured against the stacked stages, A/B in one process (AMD EPYC, products in OpenBLAS, N = 4096,
         4 heads, 5-7 interleaved rounds): two threads float32 0.91-0.96x the time, float64 0.90-0.95x; one thread
         0.98-0.99x; N = 16384 0.95-1.00x. The backward, tried the same way (whole strips and 256-row strips per
-        head), was not faster: its P and dP of one head already take 2 MiB."""
+        head), was not faster: its P and dP of one head already take 2 MiB. Only for tiles of at least
+        :data:`HEADS_IN_TURN_ELEMENTS` per head: smaller ones (short sequences, MQA's 32-row tiles of 64 heads) fit
+        in L2 stacked, and their calls per head cost more than the cache saves."""
         lead = block.q_i.shape[:-2]
         kt, v = (np.broadcast_to(x, lead + x.shape[-2:]) for x in (block.kt, block.v_j))  # K, V shared by a group
         s = self.scratch.get("s", (t.i1 - t.i0, t.k1 - t.k0), self.wt)
