@@ -466,6 +466,8 @@ class ThreadWorld:
 
 
 class ThreadTransport:
+    refusal = None
+
     def __init__(self, comm):
         self.world, self.rank, self.size = comm.world, comm.rank, comm.world.size
 
@@ -693,6 +695,53 @@ def test_an_error_in_one_ranks_computation_is_raised_on_every_rank(monkeypatch, 
     for r, (got, want) in enumerate(zip(run_threads(size, call), clean)):
         for x, y in zip(got, want):
             np.testing.assert_array_equal(x, y, err_msg=f"rank {r}")
+
+
+@pytest.mark.parametrize("what", ["forward", "backward"])
+def test_ulysses_pasting_that_fails_on_one_rank_is_raised_on_every_rank(monkeypatch, what):
+    """Ulysses pastes the parts it received into whole-sequence arrays, the call's largest allocation: a MemoryError
+    there on one rank (after the first all-to-all) left the others waiting for ever in the second. Now the pasting
+    is part of the guarded computation: that rank raises it, the others a RuntimeError naming it."""
+    import threading
+
+    from cuflash.distributed import ulysses
+
+    thread_comms(monkeypatch)
+    size, failing = 2, 1
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((16, 2, 8)) for _ in range(4))
+    local = [[dist.shard_sequence(x, size, r) for x in (q, k, v, dout)] for r in range(size)]
+    armed, real, ranks = threading.Event(), ulysses._paste, threading.local()
+
+    def paste(*args, **kwargs):
+        if armed.is_set() and ranks.r == failing:
+            raise MemoryError(f"pasting failed on rank {failing}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ulysses, "_paste", paste)
+
+    barrier = threading.Barrier(size, timeout=60)
+
+    def rank_fn(r, comm):
+        ranks.r = r
+        kw = dict(method="ulysses", backend="numpy")
+        try:
+            if what == "forward":
+                armed.set()
+            out, lse = dist.ring_attention(*local[r][:3], comm, return_lse=True, **kw)
+            if barrier.wait() == 0:  # both forwards done: the backward's pasting fails
+                armed.set()
+            barrier.wait()
+            dist.ring_attention_backward(local[r][3], *local[r][:3], out, lse, comm, **kw)
+        except Exception as exc:  # noqa: BLE001 - each rank's error is checked below
+            return exc
+        return None
+
+    raised = run_threads(size, rank_fn)
+    assert isinstance(raised[failing], MemoryError), raised
+    for r in set(range(size)) - {failing}:
+        assert isinstance(raised[r], RuntimeError) and f"the call failed on rank(s) [{failing}]" in str(raised[r]), \
+            raised
 
 
 def test_a_ring_call_takes_one_blas_whatever_another_thread_sets(monkeypatch):

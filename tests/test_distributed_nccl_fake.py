@@ -154,13 +154,30 @@ def test_transfers_use_their_own_stream_and_are_posted_before_each_step(world):
 
 
 def test_nccl_communicator_of_another_gpu_is_refused(world):
+    """Rank 1 calls with its arrays and current device on GPU 0 but its communicator of GPU 1: it raised as its adapter
+    was made, before the metadata exchange, and rank 0 waited in that exchange for ever. Now rank 1 makes the exchange
+    on its communicator's GPU and raises its error after it, rank 0 a ValueError naming rank 1; no data moves."""
     fake, w, nccl = world(2)
-    q = fake.asarray(np.zeros((8, 2, 32), np.float16))
-    with fake.cuda.Device(1):
-        q1 = fake.asarray(np.zeros((8, 2, 32), np.float16))
-        with pytest.raises(ValueError, match="NCCL communicator of GPU 0 but the current device is GPU 1"):
-            dist.ring_attention(q1, q1, q1, nccl.NcclCommunicator(0, device=0))
-    assert q is not None
+    raised = [None, None]
+
+    def rank_fn(rank):
+        try:
+            with fake.cuda.Device(0):
+                q = fake.asarray(np.zeros((8, 2, 32), np.float16))
+            with fake.cuda.Device(rank if rank == 0 else 0):
+                dist.ring_attention(q, q, q, nccl.NcclCommunicator(rank))
+        except ValueError as exc:
+            raised[rank] = str(exc)
+
+    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a rank thread hung"
+    assert "NCCL communicator of GPU 1 but the current device is GPU 0" in (raised[1] or ""), raised
+    assert "the call was refused on rank(s) [1]" in (raised[0] or ""), raised
+    assert not {what for _, what, _ in w.log} & {"send", "recv"}  # no transfer of data
 
 
 def test_arrays_of_another_gpu_are_refused_before_any_transfer(world):

@@ -13,8 +13,9 @@ cuflash ships no transport of its own. Everything goes through either
   receives into) and the current stream waits for the transfers before it reads what arrived. The host never
   blocks.
 
-An adapter offers ``rank``, ``size``, ``allgather_ints(values)`` (the small metadata exchange every call starts
-with) and ``start(sends, recvs)``: post non-blocking point-to-point transfers, each ``(array, peer, tag)``, and get a
+An adapter offers ``rank``, ``size``, ``refusal`` (None, or the error of a communicator this rank cannot use for the
+call's data, raised after the metadata exchange), ``allgather_ints(values)`` (the small metadata exchange every call
+starts with) and ``start(sends, recvs)``: post non-blocking point-to-point transfers, each ``(array, peer, tag)``, and get a
 handle whose ``wait()`` completes them and whose ``poke()`` lets MPI progress them meanwhile. Buffers must be contiguous; zero-byte messages are skipped on both sides
 (both know the sizes).
 """
@@ -82,6 +83,8 @@ def allgather_checked(comm, xp, values, failure):
         if failure is not None:
             raise failure from None
         raise
+    if failure is None:
+        failure = adapter.refusal  # a communicator this rank cannot use for the call's data (NCCL: another GPU's)
     meta = adapter.allgather_ints([0] * len(values) + [1] if failure is not None else list(values) + [0])
     failed = [int(r) for r in np.flatnonzero(meta[:, -1])]
     if failure is not None:
@@ -147,6 +150,7 @@ class MpiTransport:
 
         self.MPI, self.comm, self.xp = MPI, comm, xp
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.refusal = None  # see NcclTransport
         self.device = xp.__name__ == "cupy"
         self.cuda_aware = _env.get("CUFLASH_MPI_CUDA_AWARE")
 
@@ -219,12 +223,16 @@ class NcclTransport:
         self.nccl, self.comm, self.xp = nccl, comm, xp
         self.rank, self.size = comm.rank_id(), comm.size()
         device = xp.cuda.Device().id
-        if comm.device_id() != device:
-            raise ValueError(f"comm is a NCCL communicator of GPU {comm.device_id()} but the current device is GPU "
-                             f"{device}: call inside `with cupy.cuda.Device({comm.device_id()}):`")
+        # A communicator of another GPU than the current one is refused, but only after the metadata exchange
+        # (allgather_checked), which this adapter still makes on the communicator's GPU: a rank raising here alone
+        # left the others in that exchange for ever.
+        self.refusal = None if comm.device_id() == device else ValueError(
+            f"comm is a NCCL communicator of GPU {comm.device_id()} but the current device is GPU {device}: call "
+            f"inside `with cupy.cuda.Device({comm.device_id()}):`")
         # The transfers' own stream: NCCL kernels queued on the current stream would run only between attention
         # kernels, never beside them.
-        self.stream = xp.cuda.Stream(non_blocking=True)
+        with xp.cuda.Device(comm.device_id()):
+            self.stream = xp.cuda.Stream(non_blocking=True)
 
     def _after_current(self):
         """Make the communication stream wait for everything queued so far on the current stream."""
@@ -232,12 +240,13 @@ class NcclTransport:
 
     def allgather_ints(self, values) -> np.ndarray:
         xp = self.xp
-        send = xp.asarray(np.ascontiguousarray(values, dtype=np.int64))
-        recv = xp.empty((self.size, send.size), dtype=np.int64)
         self._after_current()
-        self.comm.allGather(send.data.ptr, recv.data.ptr, send.size, self.nccl.NCCL_INT64, self.stream.ptr)
-        self.stream.synchronize()  # the host needs the values (shapes) now
-        return recv.get()
+        with xp.cuda.Device(self.comm.device_id()):  # the communicator's GPU, even where the call is refused
+            send = xp.asarray(np.ascontiguousarray(values, dtype=np.int64))
+            recv = xp.empty((self.size, send.size), dtype=np.int64)
+            self.comm.allGather(send.data.ptr, recv.data.ptr, send.size, self.nccl.NCCL_INT64, self.stream.ptr)
+            self.stream.synchronize()  # the host needs the values (shapes) now
+            return recv.get()
 
     def start(self, sends, recvs):
         self._after_current()

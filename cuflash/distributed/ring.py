@@ -165,10 +165,24 @@ def ring_attention(q, k, v, comm, *, causal=False, window=None, scale=None, retu
     lse : array, shape ``(..., heads, local_seqlen_q)``, float32 (float64 for float64 input)
         Only when ``return_lse``.
     """
-    check_flags(return_lse=return_lse)  # before any communication, as every argument
+    return _forward(q, k, v, comm, causal=causal, window=window, scale=scale, return_lse=return_lse, layout=layout,
+                    method=method, precision=precision, backend=backend)
+
+
+def _forward(q, k, v, comm, *, refused=None, **options):
+    """:func:`ring_attention` with ``options`` (its defaults for those not given); ``refused``: an error of the caller's
+    own checks (:func:`ring_attention_vjp`'s), raised on this rank after the metadata exchange, with every other rank
+    raising one naming it."""
+    options = {**ring_attention.__kwdefaults__, **options}
+    return_lse = options.pop("return_lse")
+
+    def check(problem):  # every argument is checked before any communication, and the outcome exchanged
+        if refused is not None:
+            raise refused
+        check_flags(return_lse=return_lse)
+
     with contextlib.ExitStack() as scope:
-        s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
-                   precision=precision, backend=backend, what="forward", scope=scope)
+        s = _setup(q, k, v, comm, what="forward", scope=scope, extra=check, **options)
         if s.method == "ulysses":
             from . import ulysses
 
@@ -213,14 +227,18 @@ def ring_attention_vjp(q, k, v, comm, **options):
     are kept as the forward saw them (a ``window`` list is copied: the caller may reuse it).
     Both ``ring_attention_vjp`` and ``vjp`` are collective: every rank must call them.
     """
-    check_keywords("ring_attention_vjp", options, ring_attention, also=("deterministic",),
-                   refused={"return_lse": "the lse is kept inside vjp"})
-    # Frozen now, as attention_vjp's residual does: a window given as a list that the caller changes before vjp()
-    # would otherwise give the gradients of another mask than the saved lse's, silently.
-    options = snapshot(options)
-    deterministic = options.pop("deterministic", False)
-    check_flags(deterministic=deterministic)  # now, as attention_vjp does: not after the forward's communication
-    out, lse = ring_attention(q, k, v, comm, return_lse=True, **options)
+    try:
+        check_keywords("ring_attention_vjp", options, ring_attention, also=("deterministic",),
+                       refused={"return_lse": "the lse is kept inside vjp"})
+        # Frozen now, as attention_vjp's residual does: a window given as a list that the caller changes before vjp()
+        # would otherwise give the gradients of another mask than the saved lse's, silently.
+        options = snapshot(options)
+        deterministic = options.pop("deterministic", False)
+        check_flags(deterministic=deterministic)  # now, as attention_vjp does: not after the forward's communication
+    except Exception as exc:  # noqa: BLE001 - raised in the forward's exchange: on one rank alone, the others waited
+        _forward(q, k, v, comm, refused=exc)  # raises exc, with the default options (it fails before they are compared)
+        raise  # not reached: every rank raises once one rank's checks failed
+    out, lse = _forward(q, k, v, comm, return_lse=True, **options)
     saved = {"q": q, "k": k, "v": v, "out": out}
     prints = {name: fingerprint(a) for name, a in saved.items()}
 
@@ -441,10 +459,10 @@ def _completed_on_error(handles):
 # ------------------------------------------------------------------------------------------------ backward
 def _backward(dout, q, k, v, out, lse, comm, *, causal=False, window=None, scale=None, layout="contiguous",
               method="ring", precision="ieee", deterministic=False, backend=None, changed=()):
-    check_flags(deterministic=deterministic)
     saved = {}
 
-    def check(problem):
+    def check(problem):  # before any communication, and the outcome exchanged (a flag wrong on one rank only)
+        check_flags(deterministic=deterministic)
         saved["arrays"] = check_backward(problem, dout, out, lse)
 
     with contextlib.ExitStack() as scope:

@@ -7,6 +7,8 @@ head. See :mod:`cuflash.distributed.ring` for the comparison with the ring.
 """
 from __future__ import annotations
 
+import functools
+
 from . import comm as comms
 from ..problem import make_problem, stats_dtype
 
@@ -36,7 +38,9 @@ def _xp(x):
 
 def to_heads(s, tensors, segs, lengths):
     """Sequence-parallel → head-parallel. ``tensors``: ``[(local array, seq axis, head axis), ...]`` (one
-    exchange for all); returns, per tensor, this rank's heads over the whole sequence in global order."""
+    exchange for all); returns, per tensor, a callable giving this rank's heads over the whole sequence in global
+    order: the caller pastes the parts inside its guarded computation (:func:`_computed`), as these whole-sequence
+    arrays are the call's largest allocation, and a rank failing to make one must still reach the exchange after."""
     xp, size, rank = s.xp, s.size, s.rank
     sends, recvs, received = [], [], []
     for i, (x, seq_axis, head_axis) in enumerate(tensors):
@@ -56,7 +60,7 @@ def to_heads(s, tensors, segs, lengths):
                 sends.append((xp.ascontiguousarray(_heads(x, dst, per, head_axis)), dst, comms.TAG_A2A + i))
         received.append((parts, seq_axis))
     s.transport.start(sends, recvs).wait()
-    return [_paste(xp, parts, segs, seq_axis) for parts, seq_axis in received]
+    return [functools.partial(_paste, xp, parts, segs, seq_axis) for parts, seq_axis in received]
 
 
 def _paste(xp, parts, segs, axis):
@@ -103,32 +107,36 @@ def _whole_problem(s, q, k, v):
 
 def forward(s):
     p = s.problem
-    q, k, v = _gather_qkv(s)
-    out, lse = _computed(s, lambda: s.module.forward(_whole_problem(s, q, k, v)))
+    qkv = _gather_qkv(s)
+    out, lse = _computed(s, lambda: s.module.forward(_whole_problem(s, *_pasted(qkv))))
     out, lse = to_rows(s, [(out, s.q_segs, 1, 2), (lse, s.q_segs, 2, 1)])
     return out, lse.astype(stats_dtype(p.dtype), copy=False)
 
 
 def _computed(s, compute):
-    """``compute()`` (this rank's one attention call between the two all-to-alls), its failure told to every rank
-    before the second one, which would otherwise wait for ever for this rank's part (:class:`comms.Failure`)."""
+    """``compute()`` (this rank's one attention call between the two all-to-alls, with the pasting of its whole-
+    sequence operands), its failure told to every rank before the second one, which would otherwise wait for ever for
+    this rank's part (:class:`comms.Failure`)."""
     failure = comms.Failure()
     result = failure.attempt(compute)
     failure.raise_together(s.transport)
     return result
 
 
+def _pasted(parts):
+    return [paste() for paste in parts]
+
+
 def _gather_qkv(s):
     p = s.problem
-    q, = to_heads(s, [(p.q, 1, 2)], s.q_segs, s.q_len)
-    k, v = to_heads(s, [(p.k, 1, 2), (p.v, 1, 2)], s.kv_segs, s.kv_len)
-    return q, k, v
+    return (to_heads(s, [(p.q, 1, 2)], s.q_segs, s.q_len)
+            + to_heads(s, [(p.k, 1, 2), (p.v, 1, 2)], s.kv_segs, s.kv_len))
 
 
 def backward(s, dout, out, lse, deterministic):
-    q, k, v = _gather_qkv(s)
-    do, o, lse_w = to_heads(s, [(dout, 1, 2), (out, 1, 2), (lse, 2, 1)], s.q_segs, s.q_len)
-    dq, dk, dv = _computed(s, lambda: s.module.backward(_whole_problem(s, q, k, v), do, o, lse_w,
+    qkv = _gather_qkv(s)
+    rows = to_heads(s, [(dout, 1, 2), (out, 1, 2), (lse, 2, 1)], s.q_segs, s.q_len)
+    dq, dk, dv = _computed(s, lambda: s.module.backward(_whole_problem(s, *_pasted(qkv)), *_pasted(rows),
                                                         deterministic=deterministic))
     dq, = to_rows(s, [(dq, s.q_segs, 1, 2)])
     dk, dv = to_rows(s, [(dk, s.kv_segs, 1, 2), (dv, s.kv_segs, 1, 2)])

@@ -84,6 +84,10 @@ ONE_RANK_ERRORS = {
     "one_rank_bad_environment": ("ValueError", "CUFLASH_NUM_THREADS"),
     "one_rank_bad_dout": ("ValueError", "dout must have q's shape"),
     "one_rank_gather_bad_axis": ("ValueError", "axis 5 is out of range"),
+    # flags and keywords checked before the exchange: rank 0 raised alone
+    "one_rank_bad_return_lse": ("TypeError", "return_lse must be a bool"),
+    "one_rank_bad_deterministic": ("TypeError", "deterministic must be a bool"),
+    "one_rank_vjp_bad_keyword": ("TypeError", "got an unexpected keyword argument 'foo'"),
 }
 ONE_RANK_REFUSED = ("ValueError", "the call was refused on rank(s) [0]")
 
@@ -252,6 +256,13 @@ def run_error(name, comm):
             out, lse = dist.ring_attention(ql, kl, vl, comm, causal=True, return_lse=True)
             dist.ring_attention_backward(dl[..., :1, :, :] if rank == 0 else dl, ql, kl, vl, out, lse, comm,
                                          causal=True)
+        elif name == "one_rank_bad_return_lse":
+            dist.ring_attention(ql, kl, vl, comm, return_lse="yes" if rank == 0 else True)
+        elif name == "one_rank_bad_deterministic":
+            out, lse = dist.ring_attention(ql, kl, vl, comm, return_lse=True)
+            dist.ring_attention_backward(dl, ql, kl, vl, out, lse, comm, deterministic=1 if rank == 0 else False)
+        elif name == "one_rank_vjp_bad_keyword":
+            dist.ring_attention_vjp(ql, kl, vl, comm, **({"foo": 1} if rank == 0 else {}))
         elif name == "one_rank_gather_bad_axis":
             dist.gather_sequence(ql, comm, axis=5 if rank == 0 else -3)
     except Exception as exc:  # noqa: BLE001 - the record says what was raised
