@@ -155,14 +155,18 @@ def dropout_mask(shape: Sequence[int], *, seed: int, p: float) -> np.ndarray[Any
     shape = tuple(int(s) for s in shape)
     if len(shape) < 3:
         raise ValueError(f"shape must be (*batch, heads, seqlen_q, seqlen_k), got {shape}")
-    if math.prod(shape) > np.iinfo(np.intp).max:  # NumPy's own error ("maximum allowed size") names no argument
-        raise ValueError(f"shape {shape} holds {math.prod(shape)} elements, more than an array can index "
-                         f"({np.iinfo(np.intp).max})")
+    # NumPy's own errors ("maximum allowed size", "array is too big") name no argument; it refuses a shape whose
+    # nonzero dimensions multiply past its index range even where another dimension is 0
+    if math.prod(s for s in shape if s) > np.iinfo(np.intp).max:
+        raise ValueError(f"shape {shape} has dimensions that multiply to {math.prod(s for s in shape if s)}, more "
+                         f"than an array can index ({np.iinfo(np.intp).max})")
     p, seed = check_dropout(p, seed, what="p")
     if seed is None:
         raise ValueError("seed is required: an int in [0, 2**64)")
+    if 0 in shape:  # nothing to draw (the index arrays below would follow the other dimensions, however large)
+        return np.zeros(shape, dtype=bool)
     *batch, heads, sq, sk = shape
-    nb = int(np.prod(batch))
+    nb = math.prod(batch)
     b = np.arange(nb)[:, None, None, None]
     h = np.arange(heads)[None, :, None, None]
     i = np.arange(sq)[None, None, :, None]

@@ -77,7 +77,11 @@ def test_vjp_detects_in_place_changes(changed):
     (dict(shape=(1, 2, 8, 8), seed=1, p="0.5"), TypeError, "p must be a float"),
     (dict(shape=(1, 2, 8, 8), seed=-1, p=0.5), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
     (dict(shape=(1, 2, 8, 8), seed=2**70, p=0.5), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
-    (dict(shape=(1, 1, 2**70, 1), seed=1, p=0.5), ValueError, r"shape \(1, 1, 1180591620717411303424, 1\) holds"),
+    (dict(shape=(1, 1, 2**70, 1), seed=1, p=0.5), ValueError, r"shape \(1, 1, 1180591620717411303424, 1\) has "
+                                                                r"dimensions that multiply to"),
+    # a zero dimension beside huge ones: NumPy's "array is too big" and a reshape error named nothing of cuflash's
+    (dict(shape=(2**40, 2**40, 0, 1, 1), seed=1, p=0.5), ValueError, "more than an array can index"),
+    (dict(shape=(1, 2**70, 0, 4), seed=1, p=0.5), ValueError, "more than an array can index"),
     (dict(shape=(1, 2, 8, 8), seed=None, p=0.5), ValueError, "seed is required"),
     (dict(shape=(1, -2, 8, 8), seed=1, p=0.5), TypeError, "shape must be a tuple of ints >= 0"),
     (dict(shape=(8, 8), seed=1, p=0.5), ValueError, "shape must be"),
@@ -200,6 +204,16 @@ def test_masked_mod_arrays_are_refused_zero_dimensional_ones_too(value):
         cuflash.attention(q, k, v, score_mod="score * s[0]" if value.ndim else "score * s", mod_arrays={"s": value})
 
 
+def test_seqlens_beyond_int32_are_refused():
+    """Lengths are kept as int32 (the kernels'): a key sequence longer than 2**31 - 1 (a broadcast view holds one) with
+    seqlens_k = 2**32 + 1 wrapped to 1 and returned the first key's value alone, silently."""
+    q = np.ones((1, 1, 1, 1), np.float16)
+    k = np.broadcast_to(np.ones((1, 1, 1, 1), np.float16), (1, 2**32 + 5, 1, 1))
+    for n in (2**32 + 1, 2**31):
+        with pytest.raises(ValueError, match=r"seqlens_k values must lie in \[0, 2147483647\] \(int32\)"):
+            cuflash.attention(q, k, k, seqlens_k=np.array([n], np.int64))
+
+
 def test_masked_seqlens_are_refused():
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="seqlens_k is a numpy.ma.MaskedArray"):
@@ -226,6 +240,56 @@ def test_an_in_place_change_of_the_residuals_lse_is_detected():
     res.lse[...] += 1.0
     with pytest.raises(ValueError, match="lse was modified in place"):
         cuflash.attention_backward(out, res)
+
+
+def test_a_residual_pickles_and_its_copy_gives_the_same_gradients():
+    """A residual (and attention_vjp's vjp) held its options as a mappingproxy, which neither pickle nor deepcopy takes
+    ("cannot pickle 'mappingproxy' object", naming nothing of cuflash's); a BlockMask and attention_varlen_vjp's vjp
+    pickled. A copy carries the saved arrays: its backward checks them and gives the original's bits; its options stay
+    read-only."""
+    import copy
+    import pickle
+
+    q, k, v = _qkv()
+    out, res = cuflash.attention(q, k, v, causal=True, dropout_p=0.25, return_residual=True)
+    dout = np.ones_like(out)
+    want = cuflash.attention_backward(dout, res)
+    for twin in (pickle.loads(pickle.dumps(res)), copy.deepcopy(res)):
+        assert twin.seed == res.seed and dict(twin.options) == dict(res.options)
+        with pytest.raises(TypeError):
+            twin.options["causal"] = False  # read-only, as the original's
+        for a, b in zip(cuflash.attention_backward(dout, twin), want):
+            assert np.array_equal(a, b)
+        twin.out[0, 0, 0, 0] += 1.0  # the copy's own arrays are watched
+        with pytest.raises(ValueError, match="out was modified in place"):
+            cuflash.attention_backward(dout, twin)
+    _, vjp = cuflash.attention_vjp(q, k, v, causal=True)
+    for a, b in zip(pickle.loads(pickle.dumps(vjp))(dout), vjp(dout)):
+        assert np.array_equal(a, b)
+
+
+def test_an_in_place_change_of_a_block_masks_arrays_is_detected():
+    """The residual fingerprinted q, k, v, out, lse, a bias, seqlens and mod_arrays but not the BlockMask's arrays,
+    which a caller can make writeable again: zeroing them after the forward gave the gradients of another mask (dq
+    off by 1.06) with no error."""
+    q, k, v = _qkv()
+    bm = cuflash.BlockMask.from_dense(np.tril(np.ones((q.shape[1], k.shape[1]), bool)), block=(4, 4))
+    out, res = cuflash.attention(q, k, v, block_mask=bm, return_residual=True)
+    cuflash.attention_backward(np.ones_like(out), res)
+    arrays = [bm.states] + [a for a in bm.values.values() if isinstance(a, np.ndarray)]
+    changed = next(a for a in arrays if a is not bm.states)
+    changed.setflags(write=True)
+    changed[...] = 0
+    with pytest.raises(ValueError, match="block_mask.values.* was modified in place"):
+        cuflash.attention_backward(np.ones_like(out), res)
+
+
+def test_a_non_native_out_buffer_is_named_by_its_byte_order():
+    """Results are in the machine's byte order: a '>f4' out for '>f4' inputs is refused, and the message said "out
+    must have dtype float32 (q's), got >f4", as if its dtype were another."""
+    q, k, v = (a.astype(a.dtype.newbyteorder(">" if np.little_endian else "<")) for a in _qkv())
+    with pytest.raises(TypeError, match="out must have dtype float32 \\(q's\\) in this machine byte order, got [<>]f4"):
+        cuflash.attention(q, k, v, out=np.empty(q.shape, q.dtype))
 
 
 def test_empty_result_buffers_and_caches_are_accepted():

@@ -130,7 +130,9 @@ def check_buffer(name: str, buf: Any, shape: tuple, dtype: Any, xp: Any, inputs:
     if tuple(buf.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(buf.shape)}")
     if buf.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype} (q's), got {buf.dtype}")
+        swapped = not buf.dtype.isnative and buf.dtype.newbyteorder("=") == dtype  # results are in native order
+        raise TypeError(f"{name} must have dtype {dtype} (q's){' in this machine byte order' if swapped else ''}, got "
+                        f"{buf.dtype.str if swapped else buf.dtype}")
     if isinstance(buf, np.ndarray) and not buf.flags.writeable:
         raise ValueError(f"{name} is read-only: a buffer for the result must be writable")
     check_one_place_per_element(name, buf, "a result buffer")
@@ -446,8 +448,10 @@ def _check_seqlens(x, name, batch_shape, full, xp):
     if tuple(x.shape) != tuple(batch_shape):
         raise ValueError(f"{name} must have the batch shape {batch_shape}, got {tuple(x.shape)}")
     host = np.asarray(x.get() if _is_cupy(x) else x).reshape(-1)
-    if host.size and (host.min() < 0 or host.max() > full):
-        raise ValueError(f"{name} values must lie in [0, {full}], got range [{host.min()}, {host.max()}]")
+    top = min(full, 2**31 - 1)  # kept as int32 (the kernels' lengths): a larger length wrapped (2**32 + 1 -> 1)
+    if host.size and (host.min() < 0 or host.max() > top):
+        raise ValueError(f"{name} values must lie in [0, {top}]{' (int32)' if top < full else ''}, got range "
+                         f"[{host.min()}, {host.max()}]")
     return xp.asarray(host.astype(np.int32))
 
 
