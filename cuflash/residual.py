@@ -8,6 +8,7 @@ import math
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
@@ -65,6 +66,21 @@ class AttentionResidual:
                 + ", ".join(f"{k}: {v}" for k, v in options.items())
                 + f"}}, packed={self.packed!r}, backend={self.backend!r})")
 
+    def __getstate__(self) -> dict:
+        """Pickle and deepcopy: the read-only option mappings travel as dicts (a ``mappingproxy`` does not pickle),
+        read-only again once loaded (:meth:`__setstate__`). The saved arrays travel with them, so a loaded residual's
+        backward checks their fingerprints as the original's does. (A residual of a foreign library's arrays, torch or
+        JAX, keeps that library's namespace, a module, and does not pickle.)"""
+        state = dict(self.__dict__)
+        for name in ("options", "_native_options"):
+            state[name] = dict(state[name])
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name in ("options", "_native_options"):
+            state[name] = MappingProxyType(dict(state[name]))
+        self.__dict__.update(state)
+
     @property
     def seed(self) -> Optional[int]:
         """The dropout seed of the forward (drawn there when it was None), or None without dropout."""
@@ -89,6 +105,14 @@ def watched(arrays: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[tupl
     for name, value in options.items():
         if name == "mod_arrays" and isinstance(value, Mapping):
             found += [(f"mod_arrays[{key!r}]", a) for key, a in value.items() if _is_array(a)]
+        elif name == "block_mask" and value is not None and hasattr(value, "states"):
+            # read-only, but a caller may make them writeable again (BlockMask.derived allows it); the states are
+            # among the values of most masks: each array once
+            parts = {id(value.states): ("block_mask.states", value.states)}
+            for key, a in value.values.items():
+                if _is_array(a):
+                    parts.setdefault(id(a), (f"block_mask.values[{key!r}]", a))
+            found += parts.values()
         elif _is_array(value):
             found.append((name, value))
     return tuple(found)

@@ -15,9 +15,9 @@ cuflash ships no transport of its own. Everything goes through either
 
 An adapter offers ``rank``, ``size``, ``refusal`` (None, or the error of a communicator this rank cannot use for the
 call's data, raised after the metadata exchange), ``allgather_ints(values)`` (the small metadata exchange every call
-starts with) and ``start(sends, recvs)``: post non-blocking point-to-point transfers, each ``(array, peer, tag)``, and get a
-handle whose ``wait()`` completes them and whose ``poke()`` lets MPI progress them meanwhile. Buffers must be contiguous; zero-byte messages are skipped on both sides
-(both know the sizes).
+starts with) and ``start(sends, recvs)``: post non-blocking point-to-point transfers, each ``(array, peer, tag)``, and
+get a handle whose ``wait()`` completes them and whose ``poke()`` lets MPI progress them meanwhile. Buffers must be
+contiguous; zero-byte messages are skipped on both sides (both know the sizes).
 """
 from __future__ import annotations
 
