@@ -73,6 +73,10 @@ def _halves(w: Any) -> tuple[Any, Any]:
 #: would still keep an element with probability 2⁻³² while the kept ones are scaled by ``1 / (1 − p)``: a biased
 #: output (its expectation 2³² (1 − p) times the undropped one; at p = 0.9999999999999999, 2·10⁶)
 MAX_P = 1.0 - 2.0 ** -32
+#: the smallest dropout probability but 0: below it ``threshold(p)`` is 0 and nothing is dropped, while the kept
+#: elements would still be scaled by ``1 / (1 - p)`` (the CUDA kernels' backward took a threshold of 0 for no dropout
+#: and left that scale out of dS alone: float64 gradients off by a relative p)
+MIN_P = 2.0 ** -32
 
 
 def threshold(p: float) -> int:
@@ -145,8 +149,8 @@ def dropout_mask(shape: Sequence[int], *, seed: int, p: float) -> np.ndarray[Any
     shape : tuple of int
         Batch dimensions (any number), then heads, seqlen_q, seqlen_k.
     seed : int in [0, 2**64)
-    p : float in [0, 1 - 2**-32]
-        Dropout probability (:data:`MAX_P` at most).
+    p : 0 or a float in [2**-32, 1 - 2**-32]
+        Dropout probability (:data:`MIN_P` at least, but 0; :data:`MAX_P` at most).
     """
     from .problem import check_dropout
 

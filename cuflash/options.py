@@ -59,7 +59,7 @@ _OPTIONS_DOC = """
         The arrays and scalars ``score_mod``/``mask_mod`` read. An array is indexed by the variables
         ``b, h, q_idx, kv_idx`` only, and its shape must be their extents exactly (``b`` runs over the
         flattened batch).
-    dropout_p : float in [0, 1 - 2**-32], default 0
+    dropout_p : 0 or a float in [2**-32, 1 - 2**-32], default 0
         Attention dropout: after normalization, P is multiplied by a keep-mask and by
         ``1/(1 - dropout_p)``; ``lse`` is of the undropped scores. The mask is a pure function of
         (seed, batch, head, row, column) (:func:`cuflash.dropout_mask`), identical on every backend.

@@ -54,7 +54,7 @@ _VARLEN_DOC = """
     mod_arrays : dict of str to array or number, optional
         Their operands; an array dimension read at ``b``, ``h``, ``q_idx``, ``kv_idx`` has the extent ``batch``,
         ``heads``, ``max_seqlen_q``, ``max_seqlen_k``.
-    dropout_p : float in [0, 1 - 2**-32], default 0
+    dropout_p : 0 or a float in [2**-32, 1 - 2**-32], default 0
         Attention dropout. The keep-mask of sequence ``b`` is the one :func:`cuflash.attention` draws for batch
         entry ``b`` of the padded batch: Philox with counter (column, row, head, ``b``), row and column positions
         within the sequence (:func:`cuflash.dropout_mask`).

@@ -83,6 +83,7 @@ def test_vjp_detects_in_place_changes(changed):
     (dict(shape=(2**40, 2**40, 0, 1, 1), seed=1, p=0.5), ValueError, "more than an array can index"),
     (dict(shape=(1, 2**70, 0, 4), seed=1, p=0.5), ValueError, "more than an array can index"),
     (dict(shape=(1, 2, 8, 8), seed=None, p=0.5), ValueError, "seed is required"),
+    (dict(shape=(1, 2, 8, 8), seed=1, p=1e-12), ValueError, r"p must be 0 or lie in \[2\*\*-32, 1 - 2\*\*-32\]"),
     (dict(shape=(1, -2, 8, 8), seed=1, p=0.5), TypeError, "shape must be a tuple of ints >= 0"),
     (dict(shape=(8, 8), seed=1, p=0.5), ValueError, "shape must be"),
     (dict(shape="1,2,8,8", seed=1, p=0.5), TypeError, "shape must be a tuple"),
@@ -202,6 +203,21 @@ def test_masked_mod_arrays_are_refused_zero_dimensional_ones_too(value):
     q, k, v = _qkv()
     with pytest.raises(TypeError, match=r"mod_arrays\['s'\] is a numpy.ma.MaskedArray"):
         cuflash.attention(q, k, v, score_mod="score * s[0]" if value.ndim else "score * s", mod_arrays={"s": value})
+
+
+@pytest.mark.parametrize("p", [1e-10, 2.0**-33, np.float32(1e-12)])
+def test_a_dropout_p_below_2_to_the_minus_32_is_refused(p):
+    """Below 2**-32 the keep-mask (32-bit randoms against floor(p * 2**32)) drops nothing, yet the kept elements were
+    scaled by 1 / (1 - p); the CUDA kernels' backward took that threshold of 0 for no dropout and left the scale out of
+    dS alone (float64 dq off by a relative p on the emulator). 2**-32 itself is the smallest p that drops."""
+    q, k, v = _qkv(dtype=np.float64)
+    with pytest.raises(ValueError, match=r"dropout_p must be 0 or lie in \[2\*\*-32, 1 - 2\*\*-32\]"):
+        cuflash.attention(q, k, v, dropout_p=p, seed=1)
+    with pytest.raises(ValueError, match=r"dropout_p must be 0 or lie in \[2\*\*-32"):
+        cuflash.attention_varlen(q[0], k[0], v[0], np.array([0, 40], np.int32), np.array([0, 40], np.int32),
+                                 dropout_p=p, seed=1)
+    out = cuflash.attention(q, k, v, dropout_p=2.0**-32, seed=1)
+    assert np.isfinite(out).all()
 
 
 def test_seqlens_beyond_int32_are_refused():

@@ -6,8 +6,8 @@
   key index modulo head_dim under a window no wider than head_dim, out[i, j mod d] is nonzero exactly when key j
   is kept, so the kernel's keep-mask is read back element by element, over several key and query tiles, both
   fragment layouts (32 and 16 rows per warp) and a seed with both 32-bit halves nonzero;
-- same seed -> bitwise identical output, different seed -> different output; a p so small that its threshold is 0
-  takes the generator-free path and equals p = 0 bitwise;
+- same seed -> bitwise identical output, different seed -> different output (a p so small that its threshold would
+  be 0 is refused before any kernel: tests/test_hostile.py);
 - the backward kernel refuses dropout with a clear error until it supports it.
 """
 import numpy as np
@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from cuflash.cuda import launch as launches
 from cuflash.cuda.specs import KernelSpec
 from cuflash.backends import emulate as emulate_backend
-from cuflash.dropout import threshold
 from cuflash.problem import make_problem
 from cuflash.testing import attention_cases
 
@@ -64,7 +63,7 @@ def test_kernel_keep_mask_is_bit_equal_to_dropout_mask(d, window, p):
 
 
 # ------------------------------------------------------------------------------------------------
-# Seeds, the threshold-0 path, and the backward's refusal
+# Seeds and the backward's refusal
 # ------------------------------------------------------------------------------------------------
 def test_same_seed_same_bits_different_seed_different_output():
     case = make_case(1, 130, 150, 2, 1, 64, causal=True)
@@ -74,15 +73,6 @@ def test_same_seed_same_bits_different_seed_different_output():
     # a seed differing only in its high 32 bits gives a different mask too
     hi = emulated(case.q, case.k, case.v, causal=True, dropout_p=0.3, seed=SEED ^ (1 << 40))[0]
     assert (runs[0] != hi).mean() > 0.5
-
-
-def test_threshold_zero_equals_no_dropout_bitwise():
-    p = 1e-12  # floor(p * 2**32) = 0: nothing can be dropped, the kernel skips the generator; 1/(1-p) rounds to 1
-    assert threshold(p) == 0 and np.float32(1 / (1 - p)) == 1
-    case = make_case(1, 100, 120, 2, 2, 64, window=(40, 3))
-    a, lse_a = emulated(case.q, case.k, case.v, window=(40, 3), dropout_p=p, seed=5)
-    b, lse_b = emulated(case.q, case.k, case.v, window=(40, 3))
-    assert np.array_equal(a.view(np.uint16), b.view(np.uint16)) and np.array_equal(lse_a, lse_b)
 
 
 def test_forward_launch_dropout_arguments():

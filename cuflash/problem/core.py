@@ -456,11 +456,11 @@ def _check_seqlens(x, name, batch_shape, full, xp):
 
 
 def check_dropout(dropout_p, seed, what="dropout_p"):
-    """``(p, seed)`` validated: ``p`` a real in [0, 1 - 2**-32] (:data:`cuflash.dropout.MAX_P`), ``seed`` None or an
-    int in [0, 2**64)."""
+    """``(p, seed)`` validated: ``p`` 0 or a real in [2**-32, 1 - 2**-32] (:data:`cuflash.dropout.MIN_P`,
+    :data:`~cuflash.dropout.MAX_P`), ``seed`` None or an int in [0, 2**64)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{what} must be a float in [0, 1), got {type(dropout_p).__name__}")
-    from ..dropout import MAX_P
+    from ..dropout import MAX_P, MIN_P
 
     p = as_float(dropout_p)  # 1 - 2**-60 (a Fraction, a longdouble) is 1.0 there
     if not 0.0 <= p <= MAX_P:  # NaN fails this too
@@ -468,6 +468,10 @@ def check_dropout(dropout_p, seed, what="dropout_p"):
                                                  ": the keep-mask draws 32-bit random numbers, which keep an element "
                                                  "no less often than 2**-32; a larger p would bias the output")
         raise ValueError(f"{what} must lie in [0, 1 - 2**-32], got {_brief(dropout_p)}{why}")
+    if 0.0 < p < MIN_P:  # the keep-mask drops nothing, yet kept elements would be scaled by 1 / (1 - p)
+        raise ValueError(f"{what} must be 0 or lie in [2**-32, 1 - 2**-32], got {_brief(dropout_p)}: the keep-mask "
+                         f"draws 32-bit random numbers and drops an element with probability floor(p * 2**32) / "
+                         f"2**32, which is 0 below 2**-32 (pass 0 for no dropout)")
     if seed is not None and (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral)):
         raise TypeError(f"seed must be an int in [0, 2**64) or None, got {type(seed).__name__}")  # as dropout_p's
     if seed is not None and not 0 <= seed < 2**64:
