@@ -65,6 +65,15 @@ def run_ranks(fake, w, nccl, fn):
     return results
 
 
+def refusal(call):
+    """The message of the ValueError ``call()`` raises (None if it raises none)."""
+    try:
+        call()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def make_case(lq, lk, hq, hkv, d=32, seed=0, **options):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((1, lq, hq, d)).astype(np.float16)
@@ -158,23 +167,13 @@ def test_nccl_communicator_of_another_gpu_is_refused(world):
     was made, before the metadata exchange, and rank 0 waited in that exchange for ever. Now rank 1 makes the exchange
     on its communicator's GPU and raises its error after it, rank 0 a ValueError naming rank 1; no data moves."""
     fake, w, nccl = world(2)
-    raised = [None, None]
 
-    def rank_fn(rank):
-        try:
-            with fake.cuda.Device(0):
-                q = fake.asarray(np.zeros((8, 2, 32), np.float16))
-            with fake.cuda.Device(rank if rank == 0 else 0):
-                dist.ring_attention(q, q, q, nccl.NcclCommunicator(rank))
-        except ValueError as exc:
-            raised[rank] = str(exc)
+    def rank_fn(rank, comm):
+        with fake.cuda.Device(0):  # rank 1 too, whose communicator is GPU 1's
+            q = fake.asarray(np.zeros((8, 2, 32), np.float16))
+            return refusal(lambda: dist.ring_attention(q, q, q, comm))
 
-    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a rank thread hung"
+    raised = run_ranks(fake, w, nccl, rank_fn)
     assert "NCCL communicator of GPU 1 but the current device is GPU 0" in (raised[1] or ""), raised
     assert "the call was refused on rank(s) [1]" in (raised[0] or ""), raised
     assert not {what for _, what, _ in w.log} & {"send", "recv"}  # no transfer of data
@@ -186,21 +185,7 @@ def test_arrays_of_another_gpu_are_refused_before_any_transfer(world):
     and the other one a ValueError naming it, after the metadata exchange only."""
     fake, w, nccl = world(2)
     q0 = fake.asarray(np.zeros((8, 2, 32), np.float16))
-    raised = [None, None]
-
-    def rank_fn(rank):
-        try:
-            with fake.cuda.Device(rank):
-                dist.ring_attention(q0, q0, q0, nccl.NcclCommunicator(rank))
-        except ValueError as exc:
-            raised[rank] = str(exc)
-
-    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a rank thread hung"
+    raised = run_ranks(fake, w, nccl, lambda rank, comm: refusal(lambda: dist.ring_attention(q0, q0, q0, comm)))
     assert "q is on GPU 0 but the current device is GPU 1" in (raised[1] or "")
     assert "the call was refused on rank(s) [1]" in (raised[0] or "")
     assert not {what for _, what, _ in w.log} & {"send", "recv"}  # no transfer of data
