@@ -112,10 +112,13 @@ stop_packing() {  # waits for the packer's last pack to end, so that the final p
 }
 
 write_session() {  # session.json as things stand; $1: the status to record
-    local extra=()
+    local extra=() junit=()
     [ -z "$failure" ] || extra+=("failed=$failure")
+    # the test report only where this session ran the tests: an earlier session's gpu_tests.xml left in OUT was
+    # reported as this one's (with tests_rc null)
+    [ "$tests_rc" = null ] || junit=(--junit "$OUT/gpu_tests.xml")
     "$py" -m benchmarks.session finish --out "$OUT/session.json" --probe "$work/probe.json" \
-        --junit "$OUT/gpu_tests.xml" --set "what=$what" "dry_run=$dry" "commit=$commit" "date=$date_utc" \
+        "${junit[@]}" --set "what=$what" "dry_run=$dry" "commit=$commit" "date=$date_utc" \
         "nvidia_smi=$smi" "golden_dir=$golden" "golden_files=$n_golden" "tests_rc=$tests_rc" "bench_rc=$bench_rc" \
         "sanitize=$sanitize_rc" "profile_rc=$profile_rc" "tools=$tool_versions" "budget_s=$budget" \
         "status=$1" "${extra[@]}" >> "$log" 2>&1
@@ -200,6 +203,7 @@ run_tests() {
     say "tests: pytest ${select[*]} ${workers[*]} (SIGINT after ${t_tests}s, so that the XML is written)"
     local rc=0
     tests_rc=unfinished
+    rm -f "$OUT/gpu_tests.xml"  # an earlier session's: a pytest that dies before its report must leave none to read
     # Up to 10 failures, not 1: a device call is scarce, so one call should show every broken feature (the
     # derandomized ci profile, so a failure reproduces; the XML lists every test's outcome).
     HYPOTHESIS_PROFILE=ci "${blas[@]}" timeout -s INT -k 30 "$t_tests" "$py" -m pytest -q -rf "${select[@]}" "${workers[@]}" \

@@ -266,8 +266,8 @@ def _check_torch(device: str):
         import torch
         from torch.nn.attention import sdpa_kernel  # torch >= 2.3
         del sdpa_kernel  # imported to check that it exists
-    except ImportError as exc:
-        raise Skip(f"torch not importable ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 -- ImportError, or a broken install's OSError (a missing libtorch_cuda)
+        raise Skip(f"torch not importable ({type(exc).__name__}: {exc})") from None
     if device == "cuda" and not torch.cuda.is_available():
         raise Skip("torch has no CUDA support here")
 
@@ -337,8 +337,8 @@ def _check_jax(device: str):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
         import jax
-    except ImportError as exc:
-        raise Skip(f"jax not importable ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 -- ImportError, or a broken install's own error
+        raise Skip(f"jax not importable ({type(exc).__name__}: {exc})") from None
     try:
         jax.devices("gpu")
     except RuntimeError as exc:

@@ -71,7 +71,8 @@ def _cores():
 def _torch(threads):
     try:
         import torch
-    except ImportError:
+    except Exception as exc:  # noqa: BLE001 -- ImportError, or a broken install's OSError: no torch column
+        print(f"torch not importable ({type(exc).__name__}: {exc}): no torch column", file=sys.stderr)
         return None
     torch.set_num_threads(threads)
     return torch

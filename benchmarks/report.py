@@ -136,14 +136,18 @@ def _write_whole(path: Path, text: str):
 
 
 def run_of(payload: dict) -> tuple:
-    """What makes figures one run: ``(commit, device name, mode)``; a results folder holds one run."""
-    return payload["commit"], payload["device"]["name"], payload["mode"]
+    """What makes figures one run: ``(commit, device name, mode, dirty, partial)``; a results folder holds one run.
+    An interrupted run's figures (``partial``, written as checkpoints) are not a later complete run's, nor are a dirty
+    tree's those of its commit: a later run into the same folder took them up as its own."""
+    return (payload["commit"], payload["device"]["name"], payload["mode"], payload.get("dirty") is True,
+            payload.get("partial") is True)
 
 
 def describe_run(run: tuple) -> str:
     """A :func:`run_of` key as words, for messages."""
-    commit, device, mode = run
-    return f"commit {commit[:12]} on {device!r}, {mode}"
+    commit, device, mode, dirty, partial = run
+    return (f"commit {commit[:12]}{' (dirty tree)' if dirty else ''} on {device!r}, {mode}"
+            f"{', interrupted (partial results)' if partial else ''}")
 
 
 def not_regular(mode: int) -> Optional[str]:

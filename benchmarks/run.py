@@ -178,12 +178,18 @@ def replot(folder: Path) -> int:
     if not by_fig:
         print(f"no result JSON in {folder}", file=sys.stderr)
         return 1
+    if any(p.get("partial") is True for p in by_fig.values()):  # the whole folder is one run (load_results)
+        print(f"note: {folder} holds an interrupted run's results (partial): the plots show what it measured",
+              file=sys.stderr)
     try:
         written = write_plots(by_fig, folder)
-    # values the schema lets through; ArithmeticError: ZeroDivisionError, and OverflowError where matplotlib turns a
-    # number of a skipped entry or of the device (which load_figure does not bound) into a float
-    except (KeyError, TypeError, ValueError, ArithmeticError, OSError) as exc:
+    # values the schema lets through, and whatever matplotlib raises on them (ZeroDivisionError, OverflowError where
+    # it turns a number of a skipped entry or of the device into a float, a RuntimeError of a broken install)
+    except Exception as exc:  # noqa: BLE001 -- one line naming the folder, no traceback
         print(f"error: {folder}: its results cannot be plotted ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 1
+    if not written:  # no matplotlib, or no figure with records: --replot's only job is undone
+        print(f"error: no plot written to {folder}", file=sys.stderr)
         return 1
     print(f"wrote {len(written)} plots to {folder}")
     return 0
@@ -345,7 +351,7 @@ def main(argv=None) -> int:
     limit = DEFAULT_TIME_LIMIT[args.mode] if args.time_limit is None else args.time_limit
     out_dir = args.out or Path("benchmarks") / "results" / environment.device_slug(info)
     commit, dirty = _commit(args, parser)
-    _out_folder(out_dir, (commit, info["name"], args.mode), args.replace, parser)
+    _out_folder(out_dir, (commit, info["name"], args.mode, dirty is True, False), args.replace, parser)
     print(f"benchmarks.run --{args.mode} on {info['name']} ({device}); {len(cases)} cases", file=sys.stderr)
     t0 = time.monotonic()
 

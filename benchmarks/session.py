@@ -107,13 +107,16 @@ def junit_summary(path: Path) -> dict:
     """``{"tests", "failures", "errors", "skipped", "run", "golden_run"}`` of a JUnit XML (every
     ``testsuite`` summed); ``run`` counts cases neither skipped nor errored at collection, ``golden_run``
     those whose name says ``golden``."""
+    unreadable = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "run": 0, "golden_run": 0}
     try:
         root = ET.parse(path).getroot()
-    except ET.ParseError as exc:  # a report cut short (the run killed while pytest wrote it)
-        return {"unreadable": f"{exc}", "tests": 0, "failures": 0, "errors": 0, "skipped": 0, "run": 0,
-                "golden_run": 0}
+    except (ET.ParseError, OSError) as exc:  # a report cut short (the run killed while pytest wrote it), a folder
+        return {"unreadable": f"{exc}", **unreadable}
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    out = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    try:
+        out = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    except ValueError as exc:  # a count that is no integer: not pytest's report
+        return {"unreadable": f"a testsuite count is not an integer ({exc})", **unreadable}
     # named cases only: an interrupted xdist run leaves <testcase time="0.000"/> entries of tests that never ran
     ran = [c for s in suites for c in s.iter("testcase") if c.get("name") and c.find("skipped") is None]
     out["run"] = len(ran)

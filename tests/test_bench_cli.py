@@ -527,7 +527,7 @@ def test_a_folder_of_another_run_is_refused_unless_replaced(tmp_path, capsys, mo
     with pytest.raises(SystemExit) as exc:
         run.main(SMOKE + ["--out", str(folder), "--only", "tiles", "--impl", "cuflash"])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and str(folder) in err and "d828e844784f on 'AMD EPYC', quick" in err
+    assert exc.value.code == 2 and str(folder) in err and "d828e844784f" in err and "on 'AMD EPYC', quick" in err
     assert "--replace" in err and {p.name for p in folder.iterdir()} == {"fig5_decode.json", "fig5_decode.png"}
     # checkpoints after every pair: the run's own files are never taken for another run's
     monkeypatch.setattr(run, "run_cases", functools.partial(measure, checkpoint_s=0))
@@ -536,6 +536,62 @@ def test_a_folder_of_another_run_is_refused_unless_replaced(tmp_path, capsys, mo
     assert run.main(SMOKE + ["--out", str(folder), "--only", "decode", "--impl", "cuflash"]) == 0  # the same run
     loaded = report.load_results(folder)
     assert set(loaded) == {"tiles", "decode"} and len({report.run_of(p) for p in loaded.values()}) == 1
+
+
+def test_an_interrupted_runs_figures_are_not_a_later_runs(tmp_path, capsys, monkeypatch):
+    """An interrupted run's checkpoints (marked partial) were taken up by a later run of the same commit into the same
+    folder, which then read as one complete run, and --replot said nothing: now they are another run's (refused
+    without --replace), and --replot of them says they are partial. A dirty tree's figures are not its commit's."""
+    folder = tmp_path / "out"
+    args = SMOKE + ["--out", str(folder), "--only", "decode", "--impl", "cuflash"]
+    assert run.main(args) == 0
+    payload = json.loads((folder / "fig5_decode.json").read_text())
+    key = report.run_of(payload)
+    assert report.run_of({**payload, "partial": True}) != key
+    assert report.run_of({**payload, "dirty": not payload["dirty"]}) != key
+    (folder / "fig5_decode.json").write_text(json.dumps({**payload, "partial": True}))  # as a checkpoint leaves it
+    monkeypatch.setattr(run, "run_cases", _no_measuring)
+    with pytest.raises(SystemExit) as exc:  # the same commit, device and mode as the interrupted run
+        run.main(args)
+    assert exc.value.code == 2 and "interrupted (partial results)" in capsys.readouterr().err
+    import benchmarks.plots as plots
+
+    monkeypatch.setattr(plots, "write_plots", lambda by_fig, out: [out / "fig5_decode.png"])
+    assert run.replot(folder) == 0
+    assert "holds an interrupted run's results (partial)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("library, check", [("torch", lambda: impls._check_torch("cpu")),
+                                            ("jax", lambda: impls._check_jax("cpu"))])
+def test_a_library_that_fails_to_import_otherwise_than_importerror_is_a_skip(monkeypatch, library, check):
+    """A broken install raises OSError at import (a missing libtorch_cuda.so): the run ended in a traceback, as it
+    caught ImportError only; now the implementations that need it are skipped with the reason."""
+    class Broken:
+        def find_spec(self, name, path=None, target=None):
+            if name == library or name.startswith(library + "."):
+                raise OSError(f"lib{library}.so: cannot open shared object file")
+
+    for name in [n for n in sys.modules if n == library or n.startswith(library + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    with pytest.raises(impls.Skip, match=f"{library} not importable \\(OSError: lib{library}.so"):
+        check()
+
+
+def test_replot_that_writes_no_plot_fails(tmp_path, capsys, monkeypatch):
+    """Without matplotlib --replot printed "plots skipped", then "wrote 0 plots" and exited 0, its only job undone;
+    a matplotlib whose import raised another error than ImportError was a traceback."""
+    import benchmarks.plots as plots
+
+    folder = _committed(tmp_path, "fig5_decode.json")
+    monkeypatch.setattr(plots, "write_plots", lambda by_fig, out: [])
+    assert run.replot(folder) == 1 and "no plot written" in capsys.readouterr().err
+
+    def broken(by_fig, out):
+        raise RuntimeError("matplotlib: could not find a backend")
+
+    monkeypatch.setattr(plots, "write_plots", broken)
+    assert run.replot(folder) == 1 and "RuntimeError: matplotlib: could not find" in capsys.readouterr().err
 
 
 def _odd_file(kind: str, path: Path):

@@ -83,9 +83,15 @@ def test_dry_run_packs_what_a_gpu_session_would(tmp_path, golden_copy):
 
 @needs_emulator
 def test_bench_args_narrow_a_short_lease_to_what_changed(tmp_path):
-    """GPU_SESSION_BENCH_ARGS go after the mode's own options: the last --only wins."""
+    """GPU_SESSION_BENCH_ARGS go after the mode's own options: the last --only wins. A test report an earlier session
+    left in OUT is not this one's: session.json took it up as its tests (447 of them, with tests_rc null)."""
+    stale = tmp_path / "out" / "gpu_tests.xml"
+    stale.parent.mkdir()
+    stale.write_text('<testsuite tests="447" failures="0" errors="0" skipped="0"><testcase name="golden_x"/>'
+                     '</testsuite>')
     done, out = session(tmp_path, "bench", GPU_SESSION_BENCH_ARGS="--only decode")
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "tests" not in session_json(out) and session_json(out)["tests_rc"] is None
     assert "--only decode --device cuda" in (out / "session.txt").read_text()
     with tarfile.open(out / "results.tar.gz") as tar:
         assert {Path(n).name for n in tar.getnames() if n.endswith(".json")} == {"fig5_decode.json"}
@@ -216,6 +222,20 @@ def test_a_relative_out_is_under_the_callers_folder(tmp_path, request):
     done, _ = session(tmp_path, "bench", cwd=tmp_path, OUT=name, FAKE_GPUS="")
     assert done.returncode == 1, done.stdout + done.stderr
     assert session_json(tmp_path / name)["status"] == 1 and not (REPO / name).exists()
+
+
+@pytest.mark.parametrize("xml", ['<testsuite tests="abc"/>', None])
+def test_a_junit_report_that_is_no_pytest_report_is_named(tmp_path, xml, capsys):
+    """A count that is no integer, or a folder in place of the report, was a traceback (int(), IsADirectoryError)."""
+    from benchmarks import session as sess
+
+    path = tmp_path / "gpu_tests.xml"
+    if xml is None:
+        path.mkdir()
+    else:
+        path.write_text(xml)
+    assert sess.main(["junit", str(path)]) == 1
+    assert "is not a complete JUnit report" in capsys.readouterr().out
 
 
 def test_session_json_numbers_the_sanitize_step_and_the_budget(tmp_path):
