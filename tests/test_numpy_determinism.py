@@ -234,6 +234,89 @@ def test_an_interrupt_as_the_restore_starts_still_restores(restore_blas, monkeyp
         assert blas_threads() == before, f"after restore {victim} was interrupted, a whole call"
 
 
+def test_an_interrupt_at_the_entry_of_any_function_the_restore_calls_still_restores(restore_blas):
+    """A Ctrl-C lands at a function's first line too (CPython checks for signals as a function starts), before any
+    try inside it: the process-wide restore began with a call to a helper whose retries sat inside it, so an interrupt
+    at that helper's entry dropped the restore, and OpenBLAS stayed at one thread until some later call (found under
+    a timer firing KeyboardInterrupt into calls in a loop: 2 in 1409). Here each Python function the end of a use of
+    single_threaded calls in turn raises at its entry."""
+    import sys
+
+    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
+    before = blas_threads()
+    for victim in range(1, 8):
+        calls = [0]
+
+        def tracer(frame, event, arg):
+            if event == "call" and frame.f_code.co_filename == _blas.__file__:
+                calls[0] += 1
+                if calls[0] == victim:
+                    raise KeyboardInterrupt
+            return None
+
+        use = single_threaded()
+        use.__enter__()
+        sys.settrace(tracer)
+        try:
+            use.__exit__(None, None, None)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert blas_threads() == before and _blas._active == 0 and not _blas._saved, f"call {victim} interrupted"
+
+
+def test_an_interrupt_while_waiting_for_the_lock_still_restores(restore_blas):
+    """The end of a use waits for the lock that another thread's call holds (while it pins or restores), and CPython
+    interrupts that wait for a signal: the KeyboardInterrupt left before the use was counted out, so no later call
+    ever restored the counts either (the process stayed at one BLAS thread). Here SIGALRM raises it in that wait."""
+    import signal
+
+    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
+    before = blas_threads()
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with _blas._lock:
+            held.set()
+            release.wait(30)
+
+    def on_alarm(signum, frame):
+        raise KeyboardInterrupt
+
+    holder = threading.Thread(target=hold)
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with single_threaded():
+                holder.start()
+                assert held.wait(30)
+                signal.setitimer(signal.ITIMER_REAL, 0.1)  # fires while the end of the use waits for the lock
+                threading.Timer(0.5, release.set).start()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        release.set()
+        holder.join()
+    assert blas_threads() == before and _blas._active == 0
+
+
+def test_mkls_own_count_of_a_thread_is_left_as_it_was(restore_blas, monkeypatch):
+    """With MKL loaded but the products in OpenBLAS (CUFLASH_BLAS=numpy, or auto on AMD's CPUs), MKL's count was read
+    as the count in effect (2) but set as the calling thread's own: a thread that followed the process-wide count (0)
+    came back with an explicit 2, and a later change of the process-wide count no longer reached it."""
+    mkl = _blas._load_mkl()[0]
+    if mkl is None:
+        pytest.skip(f"MKL: {_blas._load_mkl()[1]}")
+    assert mkl.local.get() == 0  # this thread follows MKL's process-wide count
+    _blas._controllers_of.cache_clear()  # the loaded libraries listed anew: MKL among them (loaded just above)
+    assert any(c.per_thread for c in _blas._controllers_of(None))
+    monkeypatch.setenv("CUFLASH_BLAS", "numpy")
+    q, k, v, _ = _inputs()
+    cuflash.attention(q[:, :10], k[:, :10], v[:, :10])
+    assert mkl.local.get() == 0
+
+
 def test_a_fork_while_another_thread_is_in_a_call_leaves_the_child_free(restore_blas):
     """The child of a fork taken while another thread held the BLAS lock inside a call inherited the lock held (its
     first call waited for ever) and the pinned count, which no thread of its own would restore."""

@@ -85,11 +85,30 @@ def _controllers_of(mkl):
         layer = getattr(lib, "threading_layer", None)
         if lib.internal_api == "openblas" and layer != "openmp":
             counts.append(_openblas(lib))
-        else:  # MKL, BLIS, ...: threadpoolctl's setter; an OpenMP layer's count is per thread, and so is the count
-            # MKL reports (MKL_Get_Max_Threads answers with the calling thread's own count where one is set)
-            counts.append(_Count(lib.get_num_threads, lib.set_num_threads,
-                                 layer == "openmp" or lib.internal_api == "mkl"))
+        elif lib.internal_api == "mkl":
+            counts.append(_mkl_local(lib.dynlib))
+        else:  # BLIS, ...: threadpoolctl's setter; an OpenMP layer's count is per thread
+            counts.append(_Count(lib.get_num_threads, lib.set_num_threads, layer == "openmp"))
     return tuple(counts)
+
+
+def _mkl_local(dynlib) -> _Count:
+    """MKL's own count of the calling thread, 0 where it follows the process-wide one, read and set alike through
+    ``MKL_Set_Num_Threads_Local`` (which returns the previous value). threadpoolctl reads MKL_Get_Max_Threads (the
+    count in effect, the process-wide one where the thread has none) but sets the thread's own: a call restored a
+    thread that followed the process-wide count to an explicit one, and a later change of that count by the user
+    no longer reached it."""
+    import ctypes
+
+    local = dynlib.MKL_Set_Num_Threads_Local
+    local.argtypes, local.restype = [ctypes.c_int], ctypes.c_int
+
+    def get():
+        n = local(0)
+        local(n)
+        return n
+
+    return _Count(get, local, True)
 
 
 def blas_threads(per_thread=True) -> list[int]:
@@ -157,13 +176,24 @@ def single_threaded():
         _pin([c for c in counts if c.per_thread], local)
         yield
     finally:
-        try:
-            _restore(local)
-        finally:
-            with _lock:
-                _active -= entered
-                if _active == 0:  # the last use (or the first, interrupted while pinning) restores
-                    _restore(_saved)
+        # Restored in one loop whose every step may be taken again, the interrupts met on the way raised after: a
+        # Ctrl-C lands wherever Python calls something or waits, at a function's first line (before any try in it)
+        # or in the wait for the lock, which another thread's call holds. Raised there, the last use's restore was
+        # skipped, or _active never came back to 0 and no later call restored the counts either.
+        pending = None
+        for _ in range(8):  # a count that cannot be set fails every time: a few tries, then its error
+            try:
+                _unpin(local)  # the per-thread counts (each entry removed once restored)
+                with _lock:
+                    _active -= entered
+                    entered = False  # with the decrement: no call between them, so no interrupt either
+                    if _active == 0:  # the last use (or the first, interrupted while pinning) restores
+                        _unpin(_saved)
+                break
+            except BaseException as exc:  # noqa: BLE001 - raised once everything is restored
+                pending = pending or exc
+        if pending is not None:
+            raise pending
 
 
 def _after_fork_in_child():
