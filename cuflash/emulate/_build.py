@@ -285,9 +285,29 @@ def _library_key(tc: Toolchain, source: str, text: str, name_expression: str, op
                  debug: bool) -> str:
     """``text``: the translation unit g++ compiles (the source as this module rewrites it, wrapper included)."""
     return hashlib.sha256("\0".join([
-        text, _includes_digest(source), name_expression, *options, tc.cxx, tc.cxx_version, *tc.cuda_includes,
-        tc.cuda_headers, _runtime_digest(), *BASE_FLAGS, f"sanitize={sanitize}", f"debug={debug}",
+        text, _includes_digest(source), _user_headers_digest(tc, text, options, sanitize, debug), name_expression,
+        *options, tc.cxx, tc.cxx_version, *tc.cuda_includes, tc.cuda_headers, _runtime_digest(), *BASE_FLAGS,
+        f"sanitize={sanitize}", f"debug={debug}",
     ]).encode()).hexdigest()[:32]
+
+
+def _user_headers_digest(tc: Toolchain, text: str, options, sanitize: bool, debug: bool) -> str:
+    """With include folders among the caller's options (``-I``, a RawModule's), SHA-256 over every file the
+    translation unit reads as g++ resolves them (``-M``: paths and bytes); "" without any. Only the option's text was
+    in the key, and a library built against an older header in such a folder was loaded after the header changed
+    (the kernel wrote the old value). cuflash's own kernels are inlined (:func:`_includes_digest`) and pass none."""
+    user = _user_options(options)
+    if not any(opt.startswith("-I") for opt in user):
+        return ""
+    cmd = [tc.cxx, *_flags(sanitize, debug), "-include", str(SHIM), *_includes(tc), *user, "-M", "-x", "c++", "-"]
+    proc = subprocess.run(cmd, input=text, capture_output=True, text=True)
+    if proc.returncode != 0:  # the compilation itself will fail and say why; a key that matches nothing cached
+        return f"unlisted: {proc.returncode}"
+    h = hashlib.sha256()
+    for dep in sorted({os.path.realpath(t) for t in proc.stdout.replace("\\\n", " ").split()[1:]}):
+        if os.path.isfile(dep):
+            h.update(dep.encode() + b"\0" + Path(dep).read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def _recorded_library(directory: Path, key: str) -> Path | None:
@@ -357,6 +377,7 @@ def _compile(tc: Toolchain, directory: Path, key: str, text: str, options, sanit
         os.chmod(tmp_out, 0o700)  # whatever the umask: nobody else may change code we load
         digest = _cache.file_digest(tmp_out)
         target = directory / f"{key}-{digest[:16]}.so"
+        _cache.discard_folder(target)
         os.replace(tmp_out, target)
         _cache.write_record(directory / f"{key}.json", {"library": target.name, "sha256": digest})
         compile_log.append((target.name, time.perf_counter() - start))

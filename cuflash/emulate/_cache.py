@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -96,7 +97,10 @@ def _writable(path: Path) -> bool:
 def _configured(raw: str) -> Path:
     accepted = _env.VARIABLES[VARIABLE].accepted
     try:
-        path = Path(raw).expanduser()
+        # absolute: a library path without a slash ("." gave "K-D.so") is looked for by dlopen on the library search
+        # path (LD_LIBRARY_PATH, the system folders), not in the cache that was checked; and a relative one would
+        # follow a chdir between the check and the load
+        path = Path(os.path.abspath(Path(raw).expanduser()))
     except RuntimeError as exc:  # ~nosuchuser/x: "Could not determine home directory", naming nothing
         raise ValueError(f"environment variable {VARIABLE}={raw!r} cannot be expanded ({exc}): expected "
                          f"{accepted}") from None
@@ -178,10 +182,16 @@ def _read_private(path: Path, read):
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
+    try:  # checked on the descriptor before fdopen: a folder opens too, and fdopen raised IsADirectoryError for it
+        st = os.fstat(fd)
+        private = stat.S_ISREG(st.st_mode) and not _ownership_problem(st)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not private:
+        os.close(fd)
+        return None
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or _ownership_problem(st):
-            return None
         return read(f)
 
 
@@ -201,6 +211,7 @@ def write_record(path: Path, record: dict) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(record, f)
+        discard_folder(path)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -218,8 +229,20 @@ def read_record(path: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def discard_folder(path: Path) -> None:
+    """Remove a folder standing where a file of the cache belongs: os.replace cannot put a file in its place, and the
+    file's rebuild failed for good (IsADirectoryError, naming no path)."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+    except OSError:
+        pass
+
+
 def discard(path: Path) -> None:
-    """Remove a corrupt or foreign artefact so that nothing loads it by mistake later."""
+    """Remove a corrupt or foreign artefact so that nothing loads it by mistake later: a file, or a folder standing
+    where a file of the cache belongs (which would block its rebuild for good)."""
+    discard_folder(path)
     try:
         path.unlink()
     except OSError:

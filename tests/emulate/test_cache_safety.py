@@ -106,6 +106,68 @@ def test_a_header_lying_in_the_cache_is_not_compiled_in(built_cache, tmp_path):
     assert not marker.exists(), "the header planted in the cache was compiled in"
 
 
+@pytest.mark.parametrize("what", ["record", "library"])
+def test_a_folder_where_a_cache_file_belongs_is_removed_and_the_file_rebuilt(built_cache, tmp_path, what):
+    """A folder at a record's or a library's path opened like a file (O_RDONLY), and fdopen raised IsADirectoryError
+    naming a descriptor, not a path, leaking it on every launch, which never rebuilt: now it is no cache file (the
+    checks on the descriptor come first) and makes way for the rebuilt one."""
+    cache = _copy(built_cache, tmp_path)
+    victim = sorted(cache.glob("*.json" if what == "record" else "*.so"))[0]
+    victim.unlink()
+    victim.mkdir()
+    (victim / "inside").write_text("x")
+    for _ in range(2):
+        _assert_correct(_run(cache))
+    assert victim.is_file()
+
+
+def test_a_relative_cache_is_the_folder_it_names_at_the_call(built_cache, tmp_path):
+    """CUFLASH_EMULATE_CACHE=. gave library paths without a slash, which dlopen looks for on the library search path
+    (LD_LIBRARY_PATH, the system folders), not in the checked cache: the library built there was not found, and one of
+    that predictable name planted on LD_LIBRARY_PATH ran instead."""
+    cache, marker, planted = _copy(built_cache, tmp_path), tmp_path / "marker", tmp_path / "planted"
+    planted.mkdir()
+    foreign = _foreign_library(tmp_path, marker)
+    for library in _libraries(cache):
+        shutil.copyfile(foreign, planted / library.name)
+    env = dict(os.environ, CUFLASH_EMULATE_CACHE=".", CUFLASH_EMULATE_PCH="0", LD_LIBRARY_PATH=str(planted),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", VICTIM.format(tests=str(TESTS), options=())], env=env, cwd=cache,
+                          capture_output=True, text=True, timeout=300)
+    _assert_correct(proc)
+    assert not marker.exists(), "the library planted on LD_LIBRARY_PATH ran"
+
+
+def test_a_header_in_an_include_folder_of_the_options_is_in_the_key(tmp_path):
+    """-I folders of a RawModule's options reach g++, but only the option's text was in the cache key: after the
+    header changed, the library built against the old one was loaded (the kernel wrote the old value)."""
+    include, cache = tmp_path / "inc", tmp_path / "cache"
+    include.mkdir()
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "val_kernel.cu").write_text('#include "val.h"\nextern "C" __global__ void val_kernel(float* out) '
+                                          '{ out[threadIdx.x] = VAL; }\n')
+    code = f"""
+import sys
+import numpy as np
+sys.path.insert(0, {str(TESTS)!r})
+import cuflash.emulate as emu
+from emu_helpers import spec
+from cuflash.emulate import LaunchSpec
+out = np.zeros(4, np.float32)
+source = open({str(source / "val_kernel.cu")!r}).read()
+emu.launch(LaunchSpec(source, "val_kernel", (1, 1, 1), (4, 1, 1), 0, (out,), ("-I{include}",)))
+print("result", out.tolist())
+"""
+    env = dict(os.environ, CUFLASH_EMULATE_CACHE=str(cache), CUFLASH_EMULATE_PCH="0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for value in (1, 2):
+        (include / "val.h").write_text(f"#define VAL {value}.0f\n")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert f"result {[float(value)] * 4}" in proc.stdout, proc.stdout
+
+
 def test_a_truncated_library_is_rebuilt(built_cache, tmp_path):
     cache = _copy(built_cache, tmp_path)
     for library in _libraries(cache):
