@@ -113,6 +113,7 @@ class Edge:
         self._first: Optional[str] = None
         self._place: Optional[tuple[str, int]] = None
         self._key: Any = None
+        self._written: list[Any] = []            # the caller's arrays the call writes into (see written())
 
     @property
     def foreign(self) -> bool:
@@ -157,6 +158,7 @@ class Edge:
         if a is None:
             return None
         native = self.data(name, a)
+        self.written(a)
         if isinstance(native, np.ndarray) and not native.flags.writeable:
             hint = " (JAX arrays are immutable: let cuflash allocate)" if "jax" in _library(a) else ""
             raise ValueError(f"{name} is read-only: a buffer for the result must be writable{hint}")
@@ -178,6 +180,9 @@ class Edge:
             return a, _library(a), None, None  # not an array: array_module refuses it, naming it
         library = _library(a)
         refuse_lazy_negation(name, a)
+        if callable(getattr(a, "is_deleted", None)) and a.is_deleted():  # JAX: its DLPack device raised a TypeError
+            raise ValueError(f"{name}: this {library} array has been deleted (donated to a jitted call, or "
+                             f"delete()d): its buffer is gone")
         if hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__"):
             try:
                 kind, _ = device_kind(a)
@@ -216,16 +221,31 @@ class Edge:
             result = compat.to_device(result, self.caller_device)
         return result
 
+    def written(self, *arrays: Any) -> None:
+        """The caller's ``arrays`` are written in place by the call (a buffer, a KV cache appended to): where they are
+        PyTorch tensors, their autograd version counters advance once the work is done (:meth:`device`). cuflash
+        writes through a view of their memory, which PyTorch does not see: a tensor autograd had saved for another
+        operation's backward was then read with the new values, silently (PyTorch's own in-place write raises)."""
+        self._written += [a for a in arrays if a is not None and _library(a) == "torch"]
+
     @contextlib.contextmanager
     def device(self) -> Iterator[None]:
         """Where the work runs: under ``cupy.cuda.Device(i)`` for foreign CUDA arrays (NumPy and CuPy callers manage
-        their own device, as before)."""
-        if self.device_id is None:
-            yield
-            return
-        cupy = _cupy("the arrays")
-        with cupy.cuda.Device(self.device_id):
-            yield
+        their own device, as before). On the way out (an error too: a write may have begun), the version counters
+        of the PyTorch tensors written (:meth:`written`) advance."""
+        try:
+            if self.device_id is None:
+                yield
+                return
+            cupy = _cupy("the arrays")
+            with cupy.cuda.Device(self.device_id):
+                yield
+        finally:
+            if self._written:
+                import torch
+
+                torch.autograd.graph.increment_version(self._written)
+                self._written = []
 
 
 def refuse_lazy_negation(name: str, a: Any) -> None:

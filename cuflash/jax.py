@@ -210,13 +210,32 @@ class _Call:
         def f(q: Any, k: Any, v: Any, sq: Any, sk: Any, bias: Any) -> Any:
             return self.forward(q, k, v, sq, sk, bias)[0]
 
+        # The forward and backward of a gradient are host callbacks, which JAX cannot differentiate: grad of grad
+        # (jax.hessian) stopped in JAX's own "callbacks do not support JVP. Please use jax.custom_jvp", advice a user
+        # of cuflash cannot act on. Each is a custom_jvp whose rule says so instead (first order never calls it).
+        @jax.custom_jvp
+        def forward(args: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(self.forward(*args))
+
+        @jax.custom_jvp
+        def backward(res: tuple[Any, ...], dout: Any) -> tuple[Any, ...]:
+            return tuple(self.backward(*res, dout))
+
+        def second_order(primals: Any, tangents: Any) -> Any:
+            raise NotImplementedError("cuflash.jax gives first derivatives only: a gradient runs cuflash's forward "
+                                      "and attention_backward on the host, which JAX cannot differentiate again "
+                                      "(grad of grad, jax.hessian, forward mode over a gradient)")
+
+        forward.defjvp(second_order)
+        backward.defjvp(second_order)
+
         def f_fwd(q: Any, k: Any, v: Any, sq: Any, sk: Any, bias: Any) -> tuple[Any, tuple[Any, ...]]:
-            out, lse = self.forward(q, k, v, sq, sk, bias)
+            out, lse = forward((q, k, v, sq, sk, bias))
             return out, (q, k, v, sq, sk, bias, out, lse)
 
         def f_bwd(res: tuple[Any, ...], dout: Any) -> tuple[Any, ...]:
-            q, k, v, sq, sk, bias, out, lse = res
-            grads = self.backward(q, k, v, sq, sk, bias, out, lse, dout)
+            bias = res[5]
+            grads = backward(res, dout)
             return grads[0], grads[1], grads[2], None, None, (grads[3] if bias is not None else None)
 
         f.defvjp(f_fwd, f_bwd)

@@ -56,6 +56,39 @@ def test_torch_zero_copy_in_place_change_is_detected_and_out_buffer_is_written()
         cuflash.attention_backward(torch.ones_like(out), residual)
 
 
+def test_torch_tensors_written_in_place_tell_autograd():
+    """cuflash writes a tensor through a view of its memory (out=, dq=, a KV cache appended to), which PyTorch does
+    not see: a tensor that autograd had saved for another operation's backward was read with the new values, and
+    that backward's gradient came out silently wrong (8.0 where 0.0 was right). Now the version counter of every
+    tensor written advances, and autograd refuses as it does after its own in-place writes."""
+    torch = _torch()
+    case = CASES["causal-gqa"]
+    q, k, v = (torch.from_dlpack(a.copy()) for a in (case.q, case.k, case.v))
+
+    def saved_for_backward(t):  # a loss whose backward reads t as it was when the loss was made
+        w = torch.ones((), dtype=t.dtype, requires_grad=True)
+        return (w * t).sum()
+
+    buf = torch.zeros(q.shape, dtype=q.dtype)
+    loss = saved_for_backward(buf)
+    cuflash.attention(q, k, v, causal=True, out=buf)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dq = torch.zeros(q.shape, dtype=q.dtype)
+    before = dq._version
+    cuflash.attention_backward(torch.ones_like(out), q, k, v, out, lse, causal=True, dq=dq)
+    assert dq._version > before
+    k_cache, v_cache = (torch.zeros((1, 16, 2, 8), dtype=torch.float32) for _ in range(2))
+    new = torch.ones((1, 1, 2, 8), dtype=torch.float32)
+    loss = saved_for_backward(k_cache)
+    cuflash.attention_with_kvcache(torch.ones((1, 1, 4, 8)), k_cache, v_cache,
+                                   cache_seqlens=torch.zeros(1, dtype=torch.int32), k_new=new, v_new=new)
+    assert k_cache[0, 0].eq(1).all()  # written in place
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_torch_permuted_tensors_with_bhsd_layout():
     """PyTorch SDPA's layout: (batch, heads, seqlen, head_dim) tensors, here non-contiguous views, with
     layout="bhsd"; compared with the bshd call on the same values and with torch's own SDPA."""

@@ -425,3 +425,27 @@ def test_what_jax_would_cast_or_drop_is_refused():
         cj.attention(q, k, v, alibi_slopes=np.ma.masked_array(np.array([0.1, 0.2], np.float32), mask=[1, 0]))
     with pytest.raises(TypeError, match="alibi_slopes must be an array"):
         cj.attention(q, k, v, alibi_slopes=[0.1, 0.2])
+
+
+def test_grad_of_grad_says_first_derivatives_only():
+    """The gradient's forward and backward are host callbacks: grad of grad ended in JAX's "callbacks do not support
+    JVP. Please use jax.custom_jvp", advice a user of cuflash cannot act on."""
+    q = jnp.ones((1, 8, 2, 8))
+
+    def loss(q):
+        return jnp.sum(cj.attention(q, q, q, causal=True) ** 2)
+
+    assert jnp.isfinite(jax.grad(loss)(q)).all()  # first order as before
+    for second in (jax.grad(lambda q: jnp.sum(jax.grad(loss)(q))), jax.hessian(loss)):
+        with pytest.raises(NotImplementedError, match="cuflash.jax gives first derivatives only"):
+            second(q)
+
+
+def test_a_deleted_jax_array_is_named():
+    """A deleted JAX array (donated, or delete()d) reached cuflash.attention as "q: object of type 'NoneType' has no
+    len()", from JAX's own DLPack device query."""
+    q = jnp.ones((1, 8, 2, 8))
+    k = jnp.ones((1, 8, 2, 8))
+    q.delete()
+    with pytest.raises(ValueError, match="q: this jaxlib array has been deleted"):
+        cuflash.attention(q, k, k)
