@@ -215,11 +215,13 @@ class _Call:
         # of cuflash cannot act on. Each is a custom_jvp whose rule says so instead (first order never calls it).
         @jax.custom_jvp
         def forward(args: tuple[Any, ...]) -> tuple[Any, ...]:
-            return tuple(self.forward(*args))
+            q, k, v, sq, sk, bias = args
+            return tuple(self.forward(q, k, v, sq, sk, bias))
 
         @jax.custom_jvp
         def backward(res: tuple[Any, ...], dout: Any) -> tuple[Any, ...]:
-            return tuple(self.backward(*res, dout))
+            q, k, v, sq, sk, bias, out, lse = res
+            return tuple(self.backward(q, k, v, sq, sk, bias, out, lse, dout))
 
         def second_order(primals: Any, tangents: Any) -> Any:
             raise NotImplementedError("cuflash.jax gives first derivatives only: a gradient runs cuflash's forward "

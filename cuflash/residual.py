@@ -66,7 +66,7 @@ class AttentionResidual:
                 + ", ".join(f"{k}: {v}" for k, v in options.items())
                 + f"}}, packed={self.packed!r}, backend={self.backend!r})")
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         """Pickle and deepcopy: the read-only option mappings travel as dicts (a ``mappingproxy`` does not pickle),
         read-only again once loaded (:meth:`__setstate__`). The saved arrays travel with them, so a loaded residual's
         backward checks their fingerprints as the original's does. (A residual of a foreign library's arrays, torch or
@@ -76,7 +76,7 @@ class AttentionResidual:
             state[name] = dict(state[name])
         return state
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         for name in ("options", "_native_options"):
             state[name] = MappingProxyType(dict(state[name]))
         self.__dict__.update(state)
