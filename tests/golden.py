@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -49,11 +50,16 @@ class GoldenVector:
         from cuflash import BlockMask
 
         self.name = name
-        with np.load(GOLDEN_DIR / f"{name}.npz") as data:
-            self.arrays = {key: data[key] for key in data.files}
-        self.options = json.loads(str(self.arrays.pop("options")))
-        for key in ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv"):
-            setattr(self, key, self.arrays[key])
+        path = GOLDEN_DIR / f"{name}.npz"
+        try:  # a truncated copy failed collection with "BadZipFile: File is not a zip file", naming no file
+            with np.load(path) as data:  # allow_pickle stays False: arrays only
+                self.arrays = {key: data[key] for key in data.files}
+            self.options = json.loads(str(self.arrays.pop("options")))
+            for key in ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv"):
+                setattr(self, key, self.arrays[key])
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+            raise ValueError(f"golden vector {path} is unreadable ({type(exc).__name__}: {exc}); copy it again from "
+                             f"../shared/golden") from None
         kw = {}
         if self.options.get("causal"):
             kw["causal"] = True

@@ -449,3 +449,11 @@ def test_a_deleted_jax_array_is_named():
     q.delete()
     with pytest.raises(ValueError, match="q: this jaxlib array has been deleted"):
         cuflash.attention(q, k, k)
+
+
+def test_cuflash_attention_under_jit_points_to_cuflash_jax():
+    """cuflash.attention inside jax.jit meets tracers, not arrays: the TypeError named the tracer's type only."""
+    q = jnp.ones((1, 8, 2, 8))
+    with pytest.raises(TypeError, match="got DynamicJaxprTracer; under jax.jit, jax.grad or jax.vmap use "
+                                        "cuflash.jax.attention"):
+        jax.jit(lambda q: cuflash.attention(q, q, q))(q)

@@ -90,9 +90,11 @@ def array_module(*arrays, names, foreign=True):
             if device is not None and hasattr(device, "id"):
                 devices[name] = device.id
         elif foreign:
+            traced = "; under jax.jit, jax.grad or jax.vmap use cuflash.jax.attention" if \
+                type(a).__module__.split(".")[0] == "jax" and "Tracer" in type(a).__name__ else ""
             raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray (or an array of another library that "
                             f"implements __dlpack__ or __cuda_array_interface__: torch, JAX, array-api-strict, "
-                            f"Numba, ...), got {type(a).__name__}")
+                            f"Numba, ...), got {type(a).__name__}{traced}")
         else:
             raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray (cuflash.distributed takes NumPy and "
                             f"CuPy arrays only; np.from_dlpack / cupy.from_dlpack convert others without a copy), "
