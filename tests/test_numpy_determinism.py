@@ -301,6 +301,34 @@ def test_an_interrupt_while_waiting_for_the_lock_still_restores(restore_blas):
     assert blas_threads() == before and _blas._active == 0
 
 
+def test_a_per_thread_count_that_cannot_be_restored_still_counts_the_use_out(restore_blas, monkeypatch):
+    """A per-thread count whose restore fails every time raises its error, after the use is counted out and the
+    process-wide counts are restored (else no later call would ever restore them)."""
+    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
+    real = _blas._controllers()
+    before = [c.get() for c in real]
+
+    class Stubborn:
+        per_thread = True
+
+        def __init__(self):
+            self.n = 2
+
+        def get(self):
+            return self.n
+
+        def set(self, n):
+            if n != 1:
+                raise OSError("this count cannot be set back")
+            self.n = n
+
+    monkeypatch.setattr(_blas, "_controllers", lambda: (*real, Stubborn()))
+    with pytest.raises(OSError, match="cannot be set back"):
+        with single_threaded():
+            pass
+    assert _blas._active == 0 and [c.get() for c in real] == before
+
+
 def test_mkls_own_count_of_a_thread_is_left_as_it_was(restore_blas, monkeypatch):
     """With MKL loaded but the products in OpenBLAS (CUFLASH_BLAS=numpy, or auto on AMD's CPUs), MKL's count was read
     as the count in effect (2) but set as the calling thread's own: a thread that followed the process-wide count (0)

@@ -183,12 +183,14 @@ def single_threaded():
         pending = None
         for _ in range(8):  # a count that cannot be set fails every time: a few tries, then its error
             try:
-                _unpin(local)  # the per-thread counts (each entry removed once restored)
-                with _lock:
-                    _active -= entered
-                    entered = False  # with the decrement: no call between them, so no interrupt either
-                    if _active == 0:  # the last use (or the first, interrupted while pinning) restores
-                        _unpin(_saved)
+                try:
+                    _unpin(local)  # the per-thread counts (each entry removed once restored)
+                finally:  # counted out even where a per-thread count cannot be set
+                    with _lock:
+                        _active -= entered
+                        entered = False  # with the decrement: no call between them, so no interrupt either
+                        if _active == 0:  # the last use (or the first, interrupted while pinning) restores
+                            _unpin(_saved)
                 break
             except BaseException as exc:  # noqa: BLE001 - raised once everything is restored
                 pending = pending or exc
