@@ -86,13 +86,19 @@ def allgather_checked(comm, xp, values, failure):
     if failure is None:
         failure = adapter.refusal  # a communicator this rank cannot use for the call's data (NCCL: another GPU's)
     meta = adapter.allgather_ints([0] * len(values) + [1] if failure is not None else list(values) + [0])
-    failed = [int(r) for r in np.flatnonzero(meta[:, -1])]
+    _raise_together(failure, meta[:, -1], ValueError, "was refused")
+    return adapter, meta[:, :-1]
+
+
+def _raise_together(failure, flags, error, what):
+    """After an exchange of every rank's failed flag (``flags``, one per rank): this rank's own ``failure`` raised, or
+    ``error`` naming the ranks whose call ``what`` ("was refused", "failed"); nothing where no rank failed."""
     if failure is not None:
         raise failure
+    failed = [int(r) for r in np.flatnonzero(flags)]
     if failed:
-        raise ValueError(f"the call was refused on rank(s) {failed} (the error is raised there); every rank raises, "
-                         f"none is left waiting for the others")
-    return adapter, meta[:, :-1]
+        raise error(f"the call {what} on rank(s) {failed} (the error is raised there); every rank raises, none is "
+                    f"left waiting for the others")
 
 
 class Failure:
@@ -120,12 +126,7 @@ class Failure:
         """One all-gather of each rank's failed flag (a host synchronization on NCCL): the failed rank raises its own
         error, every other rank a RuntimeError naming it; nothing where no rank failed."""
         flags = adapter.allgather_ints([int(self.error is not None)])
-        if self.error is not None:
-            raise self.error
-        failed = [int(r) for r in np.flatnonzero(flags[:, 0])]
-        if failed:
-            raise RuntimeError(f"the call failed on rank(s) {failed} (the error is raised there); every rank raises, "
-                               f"none is left waiting for the others")
+        _raise_together(self.error, flags[:, 0], RuntimeError, "failed")
 
 
 def _bytes(a, xp):
