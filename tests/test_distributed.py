@@ -450,14 +450,14 @@ class ThreadComm:
 
 
 class ThreadWorld:
-    def __init__(self, size):
+    def __init__(self, size, timeout=60):
         import queue
         import threading
 
-        self.size, self.queue = size, queue
+        self.size, self.queue, self.timeout = size, queue, timeout  # a rank left waiting fails after timeout s
         self.boxes = {}
         self.lock = threading.Lock()
-        self.barrier = threading.Barrier(size, timeout=60)
+        self.barrier = threading.Barrier(size, timeout=timeout)
         self.slots = [None] * size
 
     def box(self, src, dst, tag):
@@ -493,17 +493,17 @@ class ThreadTransport:
                 recvs, todo = (), recvs
                 for a, peer, tag in todo:
                     if a.nbytes:
-                        got = world.box(peer, rank, tag).get(timeout=60)
+                        got = world.box(peer, rank, tag).get(timeout=world.timeout)
                         assert got.shape == a.shape and got.dtype == a.dtype, (got.shape, a.shape)
                         a[...] = got
 
         return Pending()
 
 
-def run_threads(size, fn):
+def run_threads(size, fn, timeout=60):
     import threading
 
-    world = ThreadWorld(size)
+    world = ThreadWorld(size, timeout)
     results, errors = [None] * size, [None] * size
 
     def target(rank):
@@ -516,7 +516,7 @@ def run_threads(size, fn):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=2 * timeout)
     for exc in errors:
         if exc is not None:
             raise exc
@@ -742,6 +742,70 @@ def test_ulysses_pasting_that_fails_on_one_rank_is_raised_on_every_rank(monkeypa
     for r in set(range(size)) - {failing}:
         assert isinstance(raised[r], RuntimeError) and f"the call failed on rank(s) [{failing}]" in str(raised[r]), \
             raised
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_an_allocation_that_fails_on_one_rank_leaves_no_rank_waiting(monkeypatch, method):
+    """Each allocation that cuflash.distributed makes in a forward + backward fails in turn on one rank (as a device
+    out of memory on one GPU would): the ring's K/V and dK/dV transfer buffers, made as each step posted them, and
+    Ulysses' exchange buffers and joins, failed on that rank alone and left its neighbours waiting for ever in the
+    transfer it would have made (here the thread transport's timeout, then queue.Empty), and one failing after the
+    call's last exchange (joining the results) left the others waiting in the next call. Now that rank raises its own
+    MemoryError and every other rank a RuntimeError naming it; the communicator is clean for the next call."""
+    thread_comms(monkeypatch)
+    size, failing = 3, 1
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((2, 25, 3, 8)) for _ in range(4))
+    local = [[dist.shard_sequence(x, size, r) for x in (q, k, v, dout)] for r in range(size)]
+    state = threading.local()
+    armed = {"at": None}  # the n-th allocation of the failing rank's own thread fails
+
+    def failing_(name):
+        real = getattr(np, name)
+
+        def allocate(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if armed["at"] is not None and getattr(state, "rank", None) == failing and \
+                    caller.startswith("cuflash.distributed"):
+                state.n += 1
+                if state.n == armed["at"]:
+                    raise MemoryError(f"allocation {state.n} failed on rank {failing}")
+            return real(*args, **kwargs)
+        return allocate
+
+    for name in ("empty", "zeros", "full", "concatenate"):
+        monkeypatch.setattr(np, name, failing_(name))
+
+    def call(r, comm):
+        state.rank, state.n = r, 0
+        kw = dict(method=method, backend="numpy")
+        out, lse = dist.ring_attention(*local[r][:3], comm, return_lse=True, **kw)
+        return (out, lse, *dist.ring_attention_backward(local[r][3], *local[r][:3], out, lse, comm, **kw))
+
+    def rank_fn(r, comm):
+        try:
+            return call(r, comm)
+        except Exception as exc:  # noqa: BLE001 - each rank's outcome is checked below
+            return exc
+
+    clean = run_threads(size, call)
+    failed_at = []
+    for at in range(1, 200):
+        armed["at"] = at
+        outcome = run_threads(size, rank_fn, timeout=10)
+        armed["at"] = None
+        if not isinstance(outcome[failing], Exception):  # past the last allocation: a clean call
+            break
+        failed_at.append(at)
+        assert isinstance(outcome[failing], MemoryError), (at, repr(outcome[failing]))
+        for r in set(range(size)) - {failing}:
+            got = outcome[r]
+            assert isinstance(got, RuntimeError) and f"the call failed on rank(s) [{failing}]" in str(got), \
+                (at, r, repr(got))
+        for r, (got, want) in enumerate(zip(run_threads(size, call, timeout=10), clean)):
+            for x, y in zip(got, want):
+                np.testing.assert_array_equal(x, y, err_msg=f"the call after allocation {at} failed, rank {r}")
+    assert len(failed_at) >= 20, failed_at  # 24 in the ring, 46 in Ulysses
 
 
 def test_a_ring_call_takes_one_blas_whatever_another_thread_sets(monkeypatch):

@@ -129,6 +129,17 @@ class Failure:
         _raise_together(self.error, flags[:, 0], RuntimeError, "failed")
 
 
+def together(adapter, make):
+    """``make()``: what a rank does alone between two of the call's transfers (its allocations for the next transfer,
+    or Ulysses' one attention call), a failure of which is told to every rank by one all-gather of failed flags
+    before any rank goes on: the failed rank raises its own error, the others a RuntimeError naming it. A rank that
+    raised there alone (out of memory on one GPU) left the others waiting for ever in the next transfer."""
+    failure = Failure()
+    result = failure.attempt(make)
+    failure.raise_together(adapter)
+    return result
+
+
 def _bytes(a, xp):
     """A contiguous array as a flat uint8 view (the wire format: any dtype travels as its bytes)."""
     if not a.flags.c_contiguous:

@@ -35,8 +35,9 @@ bytes whenever ``heads_kv <= heads``, and only ``heads_kv / heads`` of them with
 
 **What travels, per step:** K and V of one block (input dtype); in the backward also dK and dV accumulators (float32).
 **Memory per rank:** the local q, k, v, out, two K/V blocks (the one in use, the one arriving), the running
-``(out, lse)`` (backward: ``dQ`` and two dK/dV accumulators), and one pair's tiles inside the backend: all
-``O(local sequence)``, independent of the total length and of ``P``.
+``(out, lse)`` (backward: ``dQ`` and three dK/dV accumulators: the one added to, the one arriving, the one still being
+sent), and one pair's tiles inside the backend: all ``O(local sequence)``, independent of the total length and of
+``P``. The blocks and accumulators are made before the first transfer (:class:`_Slots`).
 
 On NumPy arrays the pairs run on the ``numpy`` backend with q, k, v upcast to float32 (float64) first, which is what
 that backend does internally anyway, so partial results come back unrounded; on CuPy they run the CUDA kernels
@@ -52,7 +53,9 @@ Every call first validates its arguments locally (TypeError/ValueError naming th
 communication), then all ranks exchange their local lengths and a checksum of shapes, dtype and options in one
 small all-gather, so that a mismatch between ranks raises the same ValueError on every rank instead of a hang. An
 exception in a rank's pair computations later in the call is held until the ring is done, the rank passing every
-block on meanwhile, and then raised on every rank (:class:`comms.Failure`).
+block on meanwhile, and then raised on every rank (:class:`comms.Failure`); so is a failure to allocate the call's
+buffers (made, and the outcome agreed, before the first transfer: :func:`comms.together`) or to join its results
+(before the last exchange).
 """
 from __future__ import annotations
 
@@ -182,13 +185,14 @@ def _forward(q, k, v, comm, *, refused=None, **options):
         check_flags(return_lse=return_lse)
 
     with contextlib.ExitStack() as scope:
-        s = _setup(q, k, v, comm, what="forward", scope=scope, extra=check, **options)
+        s, buffers = _setup(q, k, v, comm, what="forward", scope=scope, extra=check, prepare=_forward_buffers,
+                            **options)
         if s.method == "ulysses":
             from . import ulysses
 
             out, lse = ulysses.forward(s)
         else:
-            out, lse = _ring_forward(s)
+            out, lse = _ring_forward(s, buffers)
     p = s.problem
     out = p.unflatten(out, p.q.shape[1:])
     lse = p.unflatten(lse, (p.heads_q, p.seqlen_q))
@@ -255,9 +259,11 @@ for _fn in (ring_attention, ring_attention_backward):
 
 # ------------------------------------------------------------------------------------------------ setup
 def _setup(q, k, v, comm, *, causal, window, scale, layout, method, precision, backend, what, scope, extra=None,
-           flag=0):
-    """Validate locally, then agree with the other ranks on lengths and options (one small all-gather, which also
-    carries whether this rank's checks failed: every rank raises then, :func:`comms.allgather_checked`). ``scope``
+           flag=0, prepare=None):
+    """``(Setup, buffers)``: validate locally, then agree with the other ranks on lengths and options (one small
+    all-gather, which also carries whether this rank's checks failed: every rank raises then,
+    :func:`comms.allgather_checked`). Then the Setup and, for the ring, ``prepare(setup)``'s buffers are made, and a
+    failure there (out of memory on one rank) agreed (:func:`comms.together`) before the first transfer. ``scope``
     (an ExitStack around the whole call) takes the backend's call scope."""
     problem = failure = None
     try:
@@ -279,8 +285,12 @@ def _setup(q, k, v, comm, *, causal, window, scale, layout, method, precision, b
     q_len, kv_len = [int(x) for x in meta[:, 0]], [int(x) for x in meta[:, 1]]
     lq, lk = sum(q_len), sum(kv_len)
     left, right = _check_window(window, causal, lq + lk)
-    return Setup(problem, transport, module, method, left, right, lk - lq,
-                 _segments(q_len, layout, "q"), _segments(kv_len, layout, "k"), kv_len, q_len)
+
+    def made():
+        s = Setup(problem, transport, module, method, left, right, lk - lq,
+                  _segments(q_len, layout, "q"), _segments(kv_len, layout, "k"), kv_len, q_len)
+        return s, (prepare(s) if prepare is not None and method == "ring" else None)
+    return comms.together(transport, made)
 
 
 def _local_checks(q, k, v, *, causal, window, scale, layout, method, precision, backend, what, extra, scope):
@@ -389,21 +399,41 @@ def _neighbors(s: Setup):
     return (s.rank + 1) % s.size, (s.rank - 1) % s.size
 
 
-def _kv_buffers(s: Setup, owner, dtype):
-    p = s.problem
-    shape = (p.batch, s.kv_len[owner], p.heads_kv, p.head_dim)
-    return s.xp.empty(shape, dtype=dtype), s.xp.empty(shape, dtype=dtype)
+class _Slots:
+    """Transfer buffers, all made before the ring's first transfer and the outcome agreed (:func:`comms.together`): a
+    rank failing to make one mid-ring (out of memory on one GPU) left the others waiting for ever in the transfers it
+    would have made. ``per`` flat buffers of the largest block's elements for each of two arrays (K and V, or dK and
+    dV); a step's buffer is a view of the first elements of one, in the shape of the block it holds (blocks differ in
+    length from rank to rank)."""
+
+    def __init__(self, s: Setup, per, dtype):
+        p = s.problem
+        self.lead = (p.batch,)
+        self.tail = (p.heads_kv, p.head_dim)
+        self.elements = p.batch * max(s.kv_len) * p.heads_kv * p.head_dim
+        self.kv_len = s.kv_len
+        self.per = per
+        self.flat = [s.xp.empty(self.elements, dtype=dtype) for _ in range(2 * per)]
+
+    def pair(self, i, owner):
+        """Slot ``i`` of both arrays as buffers for rank ``owner``'s block, ``(batch, kv_len[owner], heads_kv,
+        head_dim)``."""
+        shape = self.lead + (self.kv_len[owner],) + self.tail
+        return tuple(self.flat[j][:int(np.prod(shape))].reshape(shape) for j in (i, self.per + i))
+
+    def owned(self, x, dtype):
+        """``x`` (a view of a slot) in ``dtype``, copied where it holds less than its slot (not to keep the largest
+        block's memory alive in a result)."""
+        return x.astype(dtype, copy=x.size != self.elements)
 
 
 # ------------------------------------------------------------------------------------------------ ring forward
-def _ring_forward(s: Setup):
-    """``(out (B, n, Hq, D) in q's dtype, lse (B, Hq, n))`` of this rank's rows (see the module docstring)."""
-    xp, p, work = s.xp, s.problem, s.work
-    q = _cast(s, p.q)
-    k_cur, v_cur = xp.ascontiguousarray(p.k), xp.ascontiguousarray(p.v)
+def _ring_forward(s: Setup, buffers):
+    """``(out (B, n, Hq, D) in q's dtype, lse (B, Hq, n))`` of this rank's rows (see the module docstring), with the
+    buffers of :func:`_forward_buffers`."""
+    p = s.problem
     nxt, prv = _neighbors(s)
-    accs = [(xp.zeros((p.batch, seg.size, p.heads_q, p.head_dim), dtype=work),
-             xp.full((p.batch, p.heads_q, seg.size), -np.inf, dtype=work)) for seg in s.q_segs[s.rank]]
+    q, k_cur, v_cur, accs, slots = buffers
     failure = comms.Failure()
     for t in range(s.size):
         src = (s.rank - t) % s.size
@@ -411,7 +441,8 @@ def _ring_forward(s: Setup):
         with _completed_on_error(in_flight):
             pending = comms._Done()
             if t < s.size - 1:  # post the next block's transfer first: it runs while this block is computed
-                k_next, v_next = _kv_buffers(s, (src - 1) % s.size, p.k.dtype)
+                # into slot t % 2: the block held now arrived in the other one and is sent on from there meanwhile
+                k_next, v_next = slots.pair(t % 2, (src - 1) % s.size)
                 pending = s.transport.start([(k_cur, nxt, comms.TAG_K), (v_cur, nxt, comms.TAG_V)],
                                             [(k_next, prv, comms.TAG_K), (v_next, prv, comms.TAG_V)])
                 in_flight.append(pending)
@@ -419,10 +450,22 @@ def _ring_forward(s: Setup):
             pending.wait()
         if t < s.size - 1:
             k_cur, v_cur = k_next, v_next
+    # joined before the last exchange, so that a failure to (out of memory) is raised on every rank too
+    out_lse = failure.attempt(lambda: (s.xp.concatenate([a[0] for a in accs], axis=1).astype(p.dtype, copy=False),
+                                       s.xp.concatenate([a[1] for a in accs], axis=2)))
     failure.raise_together(s.transport)
-    out = xp.concatenate([a[0] for a in accs], axis=1).astype(p.dtype, copy=False)
-    lse = xp.concatenate([a[1] for a in accs], axis=2)
-    return out, lse
+    return out_lse
+
+
+def _forward_buffers(s: Setup):
+    """What the forward holds through the ring, made before its first transfer (:func:`_setup`): q (upcast for the NumPy backend),
+    this rank's K/V block as sent first, the running ``(out, lse)`` per query segment, the transfer slots
+    (:class:`_Slots`)."""
+    xp, p, work = s.xp, s.problem, s.work
+    accs = [(xp.zeros((p.batch, seg.size, p.heads_q, p.head_dim), dtype=work),
+             xp.full((p.batch, p.heads_q, seg.size), -np.inf, dtype=work)) for seg in s.q_segs[s.rank]]
+    slots = _Slots(s, 2 if s.size > 1 else 0, p.k.dtype)
+    return _cast(s, p.q), xp.ascontiguousarray(p.k), xp.ascontiguousarray(p.v), accs, slots
 
 
 def _forward_pairs(s: Setup, q, k_cur, v_cur, src, accs, pending):
@@ -466,30 +509,26 @@ def _backward(dout, q, k, v, out, lse, comm, *, causal=False, window=None, scale
         saved["arrays"] = check_backward(problem, dout, out, lse)
 
     with contextlib.ExitStack() as scope:
-        s = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
-                   precision=precision, backend=backend, what="backward", extra=check, flag=int(bool(changed)),
-                   scope=scope)
-        dout_f, out_f, lse_f = saved["arrays"]
+        s, buffers = _setup(q, k, v, comm, causal=causal, window=window, scale=scale, layout=layout, method=method,
+                            precision=precision, backend=backend, what="backward", extra=check,
+                            flag=int(bool(changed)), scope=scope,
+                            prepare=lambda s: _backward_buffers(s, *saved["arrays"]))
         if s.method == "ulysses":
             from . import ulysses
 
-            dq, dk, dv = ulysses.backward(s, dout_f, out_f, lse_f, deterministic)
+            dq, dk, dv = ulysses.backward(s, *saved["arrays"], deterministic)
         else:
-            dq, dk, dv = _ring_backward(s, dout_f, out_f, lse_f, deterministic)
+            dq, dk, dv = _ring_backward(s, buffers, deterministic)
     p = s.problem
     return (p.unflatten(dq, p.q.shape[1:]), p.unflatten(dk, p.k.shape[1:]), p.unflatten(dv, p.v.shape[1:]))
 
 
-def _ring_backward(s: Setup, dout, out, lse, deterministic):
-    """This rank's ``(dq, dk, dv)``: dQ stays, dK/dV accumulators travel with their block back to its owner."""
-    xp, p, work = s.xp, s.problem, s.work
+def _ring_backward(s: Setup, buffers, deterministic):
+    """This rank's ``(dq, dk, dv)``: dQ stays, dK/dV accumulators travel with their block back to its owner. With
+    the buffers of :func:`_backward_buffers`."""
+    xp, p = s.xp, s.problem
     nxt, prv = _neighbors(s)
-    q, do, o = _cast(s, p.q), _cast(s, dout), _cast(s, out)
-    mine = s.q_segs[s.rank]
-    rows = [(xp.ascontiguousarray(_seq(q, qs)), xp.ascontiguousarray(_seq(do, qs)),
-             xp.ascontiguousarray(_seq(o, qs)), xp.ascontiguousarray(_seq(lse, qs, axis=2))) for qs in mine]
-    dq = [xp.zeros((p.batch, qs.size, p.heads_q, p.head_dim), dtype=work) for qs in mine]
-    k_cur, v_cur = xp.ascontiguousarray(p.k), xp.ascontiguousarray(p.v)
+    rows, dq, k_cur, v_cur, slots, acc = buffers
     carried = None  # (pending, dk_in, dv_in): the accumulator of the block arriving next, from rank - 1
     failure = comms.Failure()
     for t in range(s.size):
@@ -498,12 +537,16 @@ def _ring_backward(s: Setup, dout, out, lse, deterministic):
         with _completed_on_error(in_flight):
             pending = comms._Done()
             if t < s.size - 1:
-                k_next, v_next = _kv_buffers(s, (src - 1) % s.size, p.k.dtype)
+                k_next, v_next = slots.pair(t % 2, (src - 1) % s.size)  # as in the forward
                 pending = s.transport.start([(k_cur, nxt, comms.TAG_K), (v_cur, nxt, comms.TAG_V)],
                                             [(k_next, prv, comms.TAG_K), (v_next, prv, comms.TAG_V)])
                 in_flight.append(pending)
-            dk_blk, dv_blk = (xp.zeros((p.batch, s.kv_len[src], p.heads_kv, p.head_dim), dtype=work)
-                              for _ in range(2))
+            # Accumulator slots (three per gradient): step t's in (2t) % 3, the one arriving from rank - 1 in
+            # (2t + 1) % 3: neither the one still being sent (step t - 1's, 2t - 2) nor the one added in after the
+            # wait (step t - 1's arrival, 2t - 1) is written before the step is done with it.
+            dk_blk, dv_blk = acc.pair(2 * t % 3, src)
+            dk_blk[...] = 0
+            dv_blk[...] = 0
             failure.attempt(_backward_pairs, s, rows, k_cur, v_cur, src, (dq, dk_blk, dv_blk), pending,
                             deterministic)
             if carried is not None:  # what the ranks before this one added to the block: waited for only now
@@ -513,8 +556,7 @@ def _ring_backward(s: Setup, dout, out, lse, deterministic):
             if s.size > 1:
                 # On to rank + 1; after the last step that is the block's owner. The receive is the accumulator of
                 # the block this rank holds next (after the last step: its own block, complete).
-                dk_in, dv_in = (xp.empty((p.batch, s.kv_len[(src - 1) % s.size], p.heads_kv, p.head_dim),
-                                         dtype=work) for _ in range(2))
+                dk_in, dv_in = acc.pair((2 * t + 1) % 3, (src - 1) % s.size)
                 handle = s.transport.start([(dk_blk, nxt, comms.TAG_DK), (dv_blk, nxt, comms.TAG_DV)],
                                            [(dk_in, prv, comms.TAG_DK), (dv_in, prv, comms.TAG_DV)])
                 in_flight.append(handle)
@@ -525,10 +567,25 @@ def _ring_backward(s: Setup, dout, out, lse, deterministic):
         if t < s.size - 1:
             k_cur, v_cur = k_next, v_next
     carried[0].wait()
+    grads = failure.attempt(lambda: (xp.concatenate(dq, axis=1).astype(p.dtype, copy=False),  # as in the forward
+                                     acc.owned(carried[1], p.dtype), acc.owned(carried[2], p.dtype)))
     failure.raise_together(s.transport)
-    dq = xp.concatenate(dq, axis=1)
-    return dq.astype(p.dtype, copy=False), carried[1].astype(p.dtype, copy=False), carried[2].astype(p.dtype,
-                                                                                                     copy=False)
+    return grads
+
+
+def _backward_buffers(s: Setup, dout, out, lse):
+    """What the backward holds through the ring, made before its first transfer (see :func:`_forward_buffers`): the
+    rows of each query segment (q, dO, O, lse), their dQ, this rank's K/V block, the K/V slots, and the dK/dV
+    accumulators' slots (float32, float64 for float64: three per gradient, one where nothing travels)."""
+    xp, p, work = s.xp, s.problem, s.work
+    q, do, o = _cast(s, p.q), _cast(s, dout), _cast(s, out)
+    mine = s.q_segs[s.rank]
+    rows = [(xp.ascontiguousarray(_seq(q, qs)), xp.ascontiguousarray(_seq(do, qs)),
+             xp.ascontiguousarray(_seq(o, qs)), xp.ascontiguousarray(_seq(lse, qs, axis=2))) for qs in mine]
+    dq = [xp.zeros((p.batch, qs.size, p.heads_q, p.head_dim), dtype=work) for qs in mine]
+    kv = _Slots(s, 2 if s.size > 1 else 0, p.k.dtype)
+    acc = _Slots(s, 3 if s.size > 1 else 1, work)
+    return rows, dq, xp.ascontiguousarray(p.k), xp.ascontiguousarray(p.v), kv, acc
 
 
 def _backward_pairs(s: Setup, rows, k_cur, v_cur, src, grads, pending, deterministic):

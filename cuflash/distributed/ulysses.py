@@ -39,8 +39,16 @@ def _xp(x):
 def to_heads(s, tensors, segs, lengths):
     """Sequence-parallel → head-parallel. ``tensors``: ``[(local array, seq axis, head axis), ...]`` (one
     exchange for all); returns, per tensor, a callable giving this rank's heads over the whole sequence in global
-    order: the caller pastes the parts inside its guarded computation (:func:`_computed`), as these whole-sequence
+    order: the caller pastes the parts inside its guarded computation (:func:`comms.together`), as these whole-sequence
     arrays are the call's largest allocation, and a rank failing to make one must still reach the exchange after."""
+    received, sends, recvs = comms.together(s.transport, lambda: _to_heads_buffers(s, tensors, lengths))
+    s.transport.start(sends, recvs).wait()
+    return [functools.partial(_paste, s.xp, parts, segs, seq_axis) for parts, seq_axis in received]
+
+
+def _to_heads_buffers(s, tensors, lengths):
+    """The buffers of :func:`to_heads`' exchange: per tensor ``(parts, seq axis)`` (this rank's own heads, and a buffer
+    per other rank that its part lands in), the sends and the receives."""
     xp, size, rank = s.xp, s.size, s.rank
     sends, recvs, received = [], [], []
     for i, (x, seq_axis, head_axis) in enumerate(tensors):
@@ -59,8 +67,7 @@ def to_heads(s, tensors, segs, lengths):
             if dst != rank:
                 sends.append((xp.ascontiguousarray(_heads(x, dst, per, head_axis)), dst, comms.TAG_A2A + i))
         received.append((parts, seq_axis))
-    s.transport.start(sends, recvs).wait()
-    return [functools.partial(_paste, xp, parts, segs, seq_axis) for parts, seq_axis in received]
+    return received, sends, recvs
 
 
 def _paste(xp, parts, segs, axis):
@@ -77,7 +84,17 @@ def _paste(xp, parts, segs, axis):
 
 def to_rows(s, tensors):
     """Head-parallel → sequence-parallel. ``tensors``: ``[(whole-sequence array of this rank's heads, segs per rank,
-    seq axis, head axis), ...]``; returns, per tensor, this rank's rows of all heads."""
+    seq axis, head axis), ...]``; returns, per tensor, this rank's rows of all heads. Each side of the exchange is
+    guarded (:func:`comms.together`): a rank failing to join the parts it received is told to every rank before any
+    goes on to the call's next exchange."""
+    received, sends, recvs = comms.together(s.transport, lambda: _to_rows_buffers(s, tensors))
+    s.transport.start(sends, recvs).wait()
+    return comms.together(s.transport, lambda: [s.xp.concatenate(parts, axis=head_axis)
+                                                for parts, head_axis in received])
+
+
+def _to_rows_buffers(s, tensors):
+    """The buffers of :func:`to_rows`' exchange, as :func:`_to_heads_buffers`."""
     xp, size, rank = s.xp, s.size, s.rank
     sends, recvs, received = [], [], []
     for i, (x, segs, seq_axis, head_axis) in enumerate(tensors):
@@ -95,8 +112,7 @@ def to_rows(s, tensors):
             if dst != rank:
                 sends.append((_rows(x, segs[dst], seq_axis), dst, comms.TAG_A2A + i))
         received.append((parts, head_axis))
-    s.transport.start(sends, recvs).wait()
-    return [xp.concatenate(parts, axis=head_axis) for parts, head_axis in received]
+    return received, sends, recvs
 
 
 def _whole_problem(s, q, k, v):
@@ -108,19 +124,9 @@ def _whole_problem(s, q, k, v):
 def forward(s):
     p = s.problem
     qkv = _gather_qkv(s)
-    out, lse = _computed(s, lambda: s.module.forward(_whole_problem(s, *_pasted(qkv))))
+    out, lse = comms.together(s.transport, lambda: s.module.forward(_whole_problem(s, *_pasted(qkv))))
     out, lse = to_rows(s, [(out, s.q_segs, 1, 2), (lse, s.q_segs, 2, 1)])
     return out, lse.astype(stats_dtype(p.dtype), copy=False)
-
-
-def _computed(s, compute):
-    """``compute()`` (this rank's one attention call between the two all-to-alls, with the pasting of its whole-
-    sequence operands), its failure told to every rank before the second one, which would otherwise wait for ever for
-    this rank's part (:class:`comms.Failure`)."""
-    failure = comms.Failure()
-    result = failure.attempt(compute)
-    failure.raise_together(s.transport)
-    return result
 
 
 def _pasted(parts):
@@ -136,8 +142,8 @@ def _gather_qkv(s):
 def backward(s, dout, out, lse, deterministic):
     qkv = _gather_qkv(s)
     rows = to_heads(s, [(dout, 1, 2), (out, 1, 2), (lse, 2, 1)], s.q_segs, s.q_len)
-    dq, dk, dv = _computed(s, lambda: s.module.backward(_whole_problem(s, *_pasted(qkv)), *_pasted(rows),
-                                                        deterministic=deterministic))
+    dq, dk, dv = comms.together(s.transport, lambda: s.module.backward(_whole_problem(s, *_pasted(qkv)),
+                                                                       *_pasted(rows), deterministic=deterministic))
     dq, = to_rows(s, [(dq, s.q_segs, 1, 2)])
     dk, dv = to_rows(s, [(dk, s.kv_segs, 1, 2), (dv, s.kv_segs, 1, 2)])
     return dq, dk, dv
