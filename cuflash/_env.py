@@ -88,6 +88,9 @@ VARIABLES: dict[str, Variable] = {
     "CUFLASH_EMULATE_CACHE": Variable(
         _text, "a directory owned by you and writable only by you", None,
         "where the emulator keeps compiled kernel libraries; default ~/.cache/cuflash/emulate"),
+    "CUFLASH_EMULATE_CACHE_MIB": Variable(
+        _integer(0, 1 << 30), "an integer number of MiB from 0 (no limit) to 1073741824", 1024,
+        "largest size of the emulator's cache; the least recently used kernel libraries go first"),
     "CUFLASH_EMULATE_DEBUG": Variable(
         _flag, FLAG_VALUES, False, "build emulated kernels with -O0 -g (for a debugger)"),
     "CUFLASH_EMULATE_PCH": Variable(

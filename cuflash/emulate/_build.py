@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .. import _env
 from ..cuda.source import KERNELS_DIR, inline_includes, kernel_source
-from . import _cache
+from . import _cache, _trim
 from ._toolchain import Toolchain
 
 RUNTIME_DIR = KERNELS_DIR / "emulate"
@@ -278,7 +278,10 @@ def precompiled_shim(tc: Toolchain, directory: Path) -> Path | None:
         _discard_dir(final)
     if not os.path.lexists(final):
         _build_pch(tc, directory, final)
-    return final / "shim.h" if _pch_verified(final) else None
+    if not _pch_verified(final):
+        return None
+    _trim.touch(final)  # in use: another toolchain's trim leaves it alone
+    return final / "shim.h"
 
 
 def _library_key(tc: Toolchain, source: str, text: str, name_expression: str, options, sanitize: bool,
@@ -324,6 +327,7 @@ def _recorded_library(directory: Path, key: str) -> Path | None:
     if actual is None or actual != digest:
         _cache.discard(path)
         return None
+    _trim.touch(directory / f"{key}.json")  # used now: the cache's trim removes the least recently used first
     return path
 
 
@@ -381,6 +385,7 @@ def _compile(tc: Toolchain, directory: Path, key: str, text: str, options, sanit
         os.replace(tmp_out, target)
         _cache.write_record(directory / f"{key}.json", {"library": target.name, "sha256": digest})
         compile_log.append((target.name, time.perf_counter() - start))
+        _trim.after_build(directory, keep={f"pch-{_pch_key(tc)}"})
         return target
     finally:
         shutil.rmtree(work, ignore_errors=True)

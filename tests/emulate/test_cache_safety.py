@@ -168,6 +168,23 @@ print("result", out.tolist())
         assert f"result {[float(value)] * 4}" in proc.stdout, proc.stdout
 
 
+def test_a_build_trims_the_cache_to_its_size_least_recently_used_first(built_cache, tmp_path):
+    """CUFLASH_EMULATE_CACHE_MIB: the process that builds a library removes the entries unused for longest (here a
+    stale 3 MiB one of an old kernel) down to the size; the library just built, and the one just loaded, stay."""
+    cache = _copy(built_cache, tmp_path)
+    before = {p.name for p in cache.iterdir()}
+    stale = ["f" * 32 + ".json", "f" * 32 + "-" + "0" * 16 + ".so"]
+    (cache / stale[0]).write_text("{}")
+    with open(cache / stale[1], "wb") as f:
+        f.truncate(3 << 20)
+    for name in stale:
+        os.utime(cache / name, (1e9, 1e9))
+    _assert_correct(_run(cache, options=("-DCUFLASH_TRIM_TEST=1",), CUFLASH_EMULATE_CACHE_MIB="2"))
+    after = {p.name for p in cache.iterdir()}
+    assert not set(stale) & after
+    assert before <= after and len(after - before) == 2, sorted(after)  # the new record and library
+
+
 def test_a_truncated_library_is_rebuilt(built_cache, tmp_path):
     cache = _copy(built_cache, tmp_path)
     for library in _libraries(cache):
