@@ -48,8 +48,9 @@ def merge_attention_states(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[An
     -----
     The weights are computed after subtracting the row's largest ``lse_i`` (each is at most 1, at least one is 1,
     so nothing overflows), in float32 (float64 when ``outs`` or ``lses`` are float64), and rounded once at the end.
-    A NaN in a part's ``lse`` or ``out`` makes the row NaN, whatever its weight (an ``out`` of a ``-inf`` part
-    is weighted by exactly 0, and ``0 * NaN`` is NaN): corruption is never hidden.
+    A NaN in a part's ``lse`` makes the row NaN (its ``out`` and ``lse``); a NaN in an element of a part's ``out``
+    makes that element of the row NaN, whatever the part's weight (an ``out`` of a ``-inf`` part is weighted by
+    exactly 0, and ``0 * NaN`` is NaN): corruption is never hidden.
     NumPy arrays give NumPy results, CuPy arrays CuPy results (computed on the arrays' device and current stream);
     arrays of other libraries (anything with ``__dlpack__`` or ``__cuda_array_interface__``: PyTorch, JAX, ...)
     are read without a copy and give results of their own type (:mod:`cuflash.interop`).
