@@ -9,6 +9,7 @@ import numpy as np
 
 import cuflash
 from cuflash import _env, backends
+from cuflash._cli import exit_with
 
 
 def demo(seqlen=16384, heads=4, head_dim=64):
@@ -94,4 +95,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -123,9 +123,16 @@ def get(name: str):
 
 
 def check_all() -> None:
-    """Parse every variable that is set (the command line's first step): a ValueError names the first bad one."""
+    """Parse every variable that is set (the command line's first step), and check that what one selects by name can
+    be had (``CUFLASH_BLAS=mkl``: MKL loads): a ValueError names the first bad one. A well-formed value naming a
+    missing library passed, and the command then listed the NumPy backend as available and failed in its first
+    call."""
     for name in VARIABLES:
         get(name)
+    if get("CUFLASH_BLAS") == "mkl":
+        from .backends import _blas  # here, not at import: _blas reads this table
+
+        _blas._chosen_mkl()
 
 
 def worker_threads() -> int:

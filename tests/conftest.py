@@ -27,8 +27,18 @@ _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 settings.register_profile("ci", max_examples=100, derandomize=True, print_blob=True, **_COMMON)
 settings.register_profile("dev", max_examples=30, **_COMMON)
 settings.register_profile("fuzz", max_examples=2000, print_blob=True, **_COMMON)
-PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
-settings.load_profile(PROFILE)
+PROFILES = ("ci", "dev", "fuzz")
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "").strip() or ("ci" if os.environ.get("CI") else "dev")
+if PROFILE in PROFILES:
+    settings.load_profile(PROFILE)
+
+
+def pytest_configure(config):
+    """Another HYPOTHESIS_PROFILE is pytest's one-line usage error, before any test is collected (loading it here
+    at import was hypothesis' own traceback, naming neither the variable nor the profiles)."""
+    if PROFILE not in PROFILES:
+        raise pytest.UsageError(f"environment variable HYPOTHESIS_PROFILE={os.environ['HYPOTHESIS_PROFILE']!r} is not "
+                                f"valid: expected one of {', '.join(PROFILES)} (empty: ci where CI is set, else dev)")
 
 
 # ------------------------------------------------------------------------------------ hangs

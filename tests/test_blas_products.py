@@ -231,6 +231,20 @@ def test_backend_list_without_mkl_says_it_is_not_installed(monkeypatch):
     assert "NumPy's BLAS (CUFLASH_BLAS=auto, the mkl package not installed)" in backends.status()["numpy"][1]
 
 
+def test_the_command_lines_environment_check_refuses_mkl_where_it_does_not_load(monkeypatch):
+    """CUFLASH_BLAS=mkl without the mkl package: the entry points' first step (cuflash._env.check_all) let the
+    well-formed value through, and `python -m cuflash` listed the NumPy backend, then failed in a traceback (the
+    benchmarks recorded every case as failed). Now it is the one-line error naming the variable, up front."""
+    from cuflash import _env
+
+    monkeypatch.setattr(_blas, "_load_mkl", lambda: (None, "the mkl package is not installed"))
+    monkeypatch.setenv("CUFLASH_BLAS", "mkl")
+    with pytest.raises(ValueError, match="CUFLASH_BLAS=mkl, but the mkl package is not installed"):
+        _env.check_all()
+    monkeypatch.setenv("CUFLASH_BLAS", "auto")  # auto falls back to NumPy's BLAS: nothing to refuse
+    _env.check_all()
+
+
 def test_cpu_vendor_parses_cpuinfo(tmp_path):
     """The vendor string ``auto`` decides by: Linux's ``vendor_id`` line; "" (no MKL by default) where unreadable."""
     info = tmp_path / "cpuinfo"

@@ -1,6 +1,7 @@
 """``python -m cuflash.distributed``: the ring's cost model table (see :mod:`cuflash.distributed.cost`)."""
 import argparse
 
+from .._cli import exit_with
 from .cost import table
 
 
@@ -15,4 +16,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_with(main)
