@@ -299,8 +299,10 @@ def attention_backward(dout: Array, q: Union[Array, AttentionResidual], k: Optio
         On the ``cuda`` backend, dQ is accumulated with fp32 atomics by default, so its last bits
         may differ from run to run (dK and dV never do). ``True`` computes dQ in a second pass
         over query blocks without atomics: bitwise reproducible, at the cost of recomputing S, P
-        and dP once more; ``dbias`` of a bias that broadcasts still sums its parts by atomics on
-        ``cuda`` (its last bits may vary). The ``numpy`` backend is always bitwise reproducible.
+        and dP once more; ``dbias`` of a bias that broadcasts (summed by atomics by default) is
+        then accumulated in the whole ``(B, H, Sq, Sk)`` shape (float32; float64 for float64),
+        naive attention's memory, and summed in a fixed order. The ``numpy`` backend is always
+        bitwise reproducible.
     return_dbias : bool, default False
         Also return the gradient of ``bias`` (in ``bias``'s own shape and dtype).
     dq, dk, dv : arrays, optional

@@ -142,6 +142,32 @@ def test_deterministic_is_bitwise_reproducible_across_runs_and_schedules():
     cases.assert_bitwise_equal_runs(runs)
 
 
+@pytest.mark.parametrize("shape", [(75,), (4, 75, 1), (1, 1, 75, 75)], ids=["per_key", "heads_rows", "batch_heads"])
+def test_deterministic_dbias_of_a_broadcast_bias_is_bitwise_reproducible(shape):
+    """A bias that broadcasts gathers several dS into each element of dbias: by fp32 atomics in no fixed order, so the
+    deterministic mode's dbias varied in its last bits with the order of the threads (here the emulator's random
+    schedule, as a GPU's warps and blocks). Now that mode accumulates in the problem's whole (B, H, Sq, Sk) shape
+    (each element added to once) and sums the broadcast axes in a fixed order: the same bits for every schedule (the
+    default mode's differ between them). Its values are held to the reference in tests/test_modifiers.py."""
+    from cuflash.backends import emulate as emulate_backend
+    from cuflash.problem import check_backward as flatten_backward, make_problem
+
+    bias = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    case = make_case(2, 75, 75, 4, 2, 40, np.float16, bias=bias, causal=True)
+    problem = make_problem(case.q, case.k, case.v, **case.options)
+    out, lse = forward(case)
+    d, o, lse = flatten_backward(problem, case.dout, out, lse)
+
+    def dbias(deterministic, seed):
+        return emulate_backend.backward(problem, d, o, lse, deterministic=deterministic, dbias=True, schedule="random",
+                                        seed=seed)[3]
+
+    runs = [dbias(True, seed) for seed in (1, 2, 3)]
+    assert all(np.array_equal(runs[0], r) for r in runs[1:])
+    atomic = [dbias(False, seed) for seed in (1, 2)]
+    assert not np.array_equal(*atomic)  # the schedules do reorder the atomics: the check above can fail
+
+
 def test_default_mode_agrees_with_deterministic():
     # Same math, only the order of the fp32 atomic additions into dQ differs: dK and dV are bitwise equal,
     # dQ equal to within the last bits of fp32 accumulation, rounded once to fp16.

@@ -188,9 +188,10 @@ def _launch(spec: specs.KernelSpec, source: str, grid, values: dict, keep: tuple
                       shared_bytes=spec.smem_bytes, args=(params.pack(**values),), module=module, keep=keep)
 
 
-def _with_mods(problem, specs_, dbias=False):
+def _with_mods(problem, specs_, dbias=False, deterministic=False):
     """The specializations with the call's modifier compiled in, their source, the ModArgs value and the arrays it
-    points to (and the dbias accumulator, when asked for). The float64 kernels take it in float64."""
+    points to (and the dbias accumulator, when asked for: in the problem's whole (B, H, Sq, Sk) shape where the
+    backward is ``deterministic``, :func:`modcode.dbias_buffer`). The float64 kernels take it in float64."""
     source = kernel_source(specs_[0].source)
     if problem.mods is None and problem.block_mask is None:
         return specs_, source, None, (), None
@@ -210,7 +211,8 @@ def _with_mods(problem, specs_, dbias=False):
         (name, code), (value, keep) = render(), operands()
     acc = None
     if dbias:
-        acc, strides = modcode.dbias_buffer(problem.mods, problem.xp, dtype=_stats_dtype(problem))
+        extents = (problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k) if deterministic else None
+        acc, strides = modcode.dbias_buffer(problem.mods, problem.xp, dtype=_stats_dtype(problem), extents=extents)
         value = value[:3] + (params.address(acc), strides)
     return tuple(replace(s, mods=name) for s in specs_), _with_code(source, code), value, keep + (acc,), acc
 
@@ -293,14 +295,18 @@ class BackwardLaunch:
     dk: Any          # (B, Sk, Hkv, d8)
     dv: Any
     head_dim: int
-    dbias: Any = None  # fp32 (B|1, H|1, Sq|1, Sk|1): the bias's gradient, when asked for
+    dbias: Any = None  # fp32 (B|1, H|1, Sq|1, Sk|1), or (B, H, Sq, Sk) when deterministic: the bias's gradient
+    compact: Optional[tuple] = None  # the bias's (B|1, H|1, Sq|1, Sk|1): what a whole dbias is summed to
+    xp: Any = None  # the arrays' module (NumPy for the emulator)
 
     def result(self):
         d = self.head_dim
         grads = (self.dq, self.dk, self.dv)
         if self.dq.shape[-1] != d:
             grads = tuple(a[..., :d].copy() for a in grads)
-        return grads if self.dbias is None else grads + (self.dbias,)
+        if self.dbias is None:
+            return grads
+        return grads + (modcode.dbias_sum(self.xp, self.dbias, self.compact),)
 
 
 def backward_specs(problem, max_smem: int, cc: int = 80) -> tuple[specs.KernelSpec, specs.KernelSpec]:
@@ -335,9 +341,10 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
     nothing = b == 0 or sq == 0 or sk == 0  # no key or no query: zero gradients, no launch
     alloc = xp.zeros if nothing else xp.empty  # otherwise the kernels write every element
     dq, dk, dv = alloc((b, sq, hq, d8), dtype=dt), alloc((b, sk, hkv, d8), dtype=dt), alloc((b, sk, hkv, d8), dtype=dt)
-    (spec, dq_spec), source, mods, mods_keep, dbias_acc = _with_mods(problem, (spec, dq_spec), dbias)
+    (spec, dq_spec), source, mods, mods_keep, dbias_acc = _with_mods(problem, (spec, dq_spec), dbias, deterministic)
+    compact = problem.mods.bias_compact if dbias else None
     if nothing:
-        return BackwardLaunch((), dq, dk, dv, d, dbias_acc)
+        return BackwardLaunch((), dq, dk, dv, d, dbias_acc, compact, xp)
 
     q, k, v, do, o = (_prepare(xp, a, d8) for a in (problem.q, problem.k, problem.v, dout, out))
     st = _stats_dtype(problem)
@@ -350,7 +357,7 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
         common["mods"] = mods
     keep = (q, k, v, o, do, dq, dk, dv, acc, lse, lse_log2, dsum, *mods_keep)
     launches = _backward_launches(problem, spec, dq_spec, source, common, keep, sq, sk, b, deterministic)
-    return BackwardLaunch(launches, dq, dk, dv, d, dbias_acc)
+    return BackwardLaunch(launches, dq, dk, dv, d, dbias_acc, compact, xp)
 
 
 def _backward_launches(problem, spec, dq_spec, source, common, keep, rows_q: int, rows_k: int, batch: int,

@@ -237,10 +237,31 @@ def operands(mods, block_mask, xp, *, dbias: bool = False, real: str = "float") 
     return (arrays, scalars["scalars"], scalars["iscalars"], 0, (0, 0, 0, 0)), tuple(keep)
 
 
-def dbias_buffer(mods, xp, dtype=np.float32):
-    """The dbias accumulator (fp32; float64 for the float64 kernels) in the bias's compact (B|1, H|1, Sq|1, Sk|1)
-    shape, zeroed, and its element strides per (b, h, q_idx, kv_idx) (0 where the bias broadcasts: the kernels add
-    those contributions up)."""
-    acc = xp.zeros(mods.bias_compact, dtype=dtype)
+def dbias_buffer(mods, xp, dtype=np.float32, extents=None):
+    """The dbias accumulator (fp32; float64 for the float64 kernels), zeroed, and its element strides per (b, h,
+    q_idx, kv_idx). In the bias's compact (B|1, H|1, Sq|1, Sk|1) shape, strides 0 where the bias broadcasts: the
+    kernels add those contributions up by atomics, in no fixed order. With ``extents`` (the problem's (B, H, Sq,
+    Sk): the deterministic backward), in that whole shape: each element is then added to once, to its zero, and
+    :func:`dbias_sum` sums the broadcast axes in a fixed order."""
+    acc = xp.zeros(mods.bias_compact if extents is None else extents, dtype=dtype)
     strides = tuple(0 if n == 1 else s // acc.itemsize for n, s in zip(acc.shape, acc.strides))
     return acc, strides
+
+
+def dbias_sum(xp, acc, compact):
+    """``acc`` summed to the ``compact`` shape (keeping its 1s) in a fixed order: over the broadcast axes, moved to the
+    front and flattened to R rows, halves added pairwise in place (``rows[:h] += rows[h:2h]``, then an odd last row
+    into the first), log2(R) elementwise launches whose result does not depend on any launch configuration (a
+    library's reduction may change its order with the device or version). No extra memory."""
+    axes = [i for i, (n, c) in enumerate(zip(acc.shape, compact)) if c == 1 and n > 1]
+    if not axes:
+        return acc
+    kept = [i for i in range(acc.ndim) if i not in axes]
+    rows = xp.ascontiguousarray(acc.transpose(axes + kept)).reshape(int(np.prod([acc.shape[i] for i in axes])), -1)
+    while rows.shape[0] > 1:
+        n, half = rows.shape[0], rows.shape[0] // 2
+        rows[:half] += rows[half:2 * half]
+        if n % 2:
+            rows[0] += rows[n - 1]
+        rows = rows[:half]
+    return rows.reshape(compact)
