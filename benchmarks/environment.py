@@ -113,10 +113,12 @@ def git_commit(*, given: Optional[str] = None) -> tuple[str, Optional[bool]]:
     prefix of HEAD's sha (a ValueError otherwise, so that no run records a commit it did not measure). Where git
     cannot tell (a copy of the tree without ``.git``, e.g. on a device machine, knows its commit only from the
     caller), ``(given, None)`` if ``given`` looks like a commit (7 to 40 hex digits; a ValueError otherwise);
-    ``("unknown", None)`` when neither can tell. One exception to git's word: a dirty checkout whose ``.git`` does not
-    know ``given`` at all (the device machine's copy carries the ``.git`` of the session's start under a newer tree,
-    seen on the H200 run of 2026-11-27) records ``given``, with ``dirty`` None; a ``given`` that git knows and that
-    is not HEAD is still refused."""
+    ``("unknown", None)`` when neither can tell. One exception to git's word: the device machine's copy, which can
+    carry the ``.git`` of the session's start under a newer tree (seen on the H200 run of 2026-11-27), records
+    ``given`` with ``dirty`` None where the tree is dirty, its ``.git`` does not know ``given`` at all, and ``given``
+    is the ``GPU_SESSION_COMMIT`` that ``benchmarks/gpu_session.sh`` was started with (it passes that as
+    ``--commit``). Anywhere else it is refused (a real checkout with uncommitted changes recorded any unknown
+    ``--commit``, with ``dirty`` None), as is a ``given`` that git knows and that is not HEAD."""
     if given is not None and not re.fullmatch(r"[0-9a-fA-F]{7,40}", given):
         raise ValueError(f"--commit {given!r} does not look like a commit (7 to 40 hex digits)")
     given = given and given.lower()
@@ -124,12 +126,21 @@ def git_commit(*, given: Optional[str] = None) -> tuple[str, Optional[bool]]:
     if head is None:
         return given or "unknown", None
     sha, dirty = head
-    if given and not sha.startswith(given) and dirty and not _git_knows(given):
-        return given, None
     if given and not sha.startswith(given):
-        raise ValueError(f"--commit {given} is not this checkout's HEAD ({sha}); in a git checkout the commit "
-                         f"comes from git: leave --commit out")
+        known = _git_knows(given)
+        if dirty and not known and _session_commit() == given:
+            return given, None
+        raise ValueError(f"--commit {given} is not this checkout's HEAD ({sha})"
+                         f"{'' if known else ' and git does not know it'}; in a git checkout the commit comes from "
+                         f"git: leave --commit out")
     return sha, dirty
+
+
+def _session_commit() -> Optional[str]:
+    """The commit ``benchmarks/gpu_session.sh`` was told (``GPU_SESSION_COMMIT``, which its children inherit), in
+    lower case; None outside such a session."""
+    commit = os.environ.get("GPU_SESSION_COMMIT", "").strip().lower()
+    return commit or None
 
 
 def _git_knows(commit: str) -> bool:

@@ -14,12 +14,15 @@ status and the script's say the same).
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
+
+from cuflash import _env
 
 from .inputs import numpy_dtype
 
@@ -123,8 +126,18 @@ def profile_cases() -> dict[str, Callable]:
     return cases
 
 
+def _backend_unusable(name: str) -> Optional[str]:
+    """Why cuflash's backend ``name`` cannot run here (None where it can), in one line: what its first call would
+    raise (no GPU: a CUDARuntimeError traceback from the first array)."""
+    try:
+        ok, why = importlib.import_module(f"cuflash.backends.{name}").available()
+    except ImportError as exc:
+        ok, why = False, f"cannot be imported ({exc})"
+    return None if ok else (str(why).strip().splitlines() or [""])[0]
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernel_cases", description=__doc__.splitlines()[0])
     p.add_argument("--profile", action="store_true", help="the main kernels at the benchmark's shapes")
     p.add_argument("--list", action="store_true", help="print the case names and stop")
     p.add_argument("--only", default="", help="comma-separated case names")
@@ -141,6 +154,15 @@ def main(argv=None) -> int:
     if args.list:
         print("\n".join(cases))
         return 0
+    # refused in one line before the first case, as benchmarks.host_cost does: the environment as `python -m cuflash`
+    # checks it (CUFLASH_EMULATE_ARCH=75 was a ValueError traceback), then the backend (no GPU: CUDARuntimeError)
+    try:
+        _env.check_all()
+    except ValueError as exc:
+        p.exit(2, f"{p.prog}: error: {exc}\n")
+    why = _backend_unusable(args.backend)
+    if why is not None:
+        p.exit(2, f"{p.prog}: error: --backend {args.backend} cannot run here: {why}\n")
     if args.backend == "cuda":
         import cupy as xp
 

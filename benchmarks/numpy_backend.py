@@ -330,7 +330,7 @@ def write_json(path, result, *, replace=True):
     first and then put in its place, so that a failure (disk full, a kill) leaves no half-written JSON; with
     ``replace=False`` an existing ``path`` is never overwritten: a file that appeared there since :func:`check_out`
     is an OSError naming the temporary file that keeps the results."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    os.makedirs(_folder(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}-{time.monotonic_ns()}.tmp"  # a name of this call's own: a kept one stays kept
     with open(tmp, "x") as f:  # "x": a file of that name is none of this call's, and stays untouched
         try:
@@ -364,13 +364,21 @@ def _out_file(text):
     return text
 
 
+def _folder(path):
+    """The folder ``path`` is written into, as the OS resolves it: not normalised (abspath read ``nodir/sub/../x`` as
+    ``nodir/x``, so the check made and probed another folder than the write then needed)."""
+    return os.path.dirname(path) or os.curdir
+
+
 def check_out(path, replace):
     """Why the results cannot be written to ``path`` (None where they can), asked before anything is measured: a
     folder there ended in IsADirectoryError after all the measuring, and an existing file was overwritten silently.
     Makes the folders ``path`` needs, as :func:`write_json` would at the end, and writes a probe file there (root
     ignores mode bits, so ``os.access`` would say yes where a write then fails)."""
-    if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)) or os.path.isdir(path):
-        return "names a folder; name the JSON file to write"
+    # "newdir/." and "x/sub/.." name folders too, existing or not: they passed, and the write failed after measuring
+    if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)) or os.path.isdir(path) \
+            or os.path.basename(path) in (os.curdir, os.pardir):
+        return "names a folder; name the JSON file to write (e.g. newdir/results.json)"
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -384,7 +392,7 @@ def check_out(path, replace):
             return "exists and is not a regular file; choose another --out"
         if not replace:
             return "exists; choose another --out, or --replace to overwrite it"
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = _folder(path)
     probe = os.path.join(folder, f".numpy_backend.write-test.{os.getpid()}")
     try:
         os.makedirs(folder, exist_ok=True)

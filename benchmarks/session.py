@@ -15,10 +15,11 @@
 ``python3 -m benchmarks.session finish --out FILE [--probe FILE] [--junit XML] [--set KEY=VALUE ...]``
     Write ``session.json``: the probe's facts, the JUnit summary, every ``KEY=VALUE`` (VALUE a number or null
     where KEY is one of :data:`NUMBER_FIELDS` or ends in ``_rc`` and VALUE is one, else kept as text: a commit such
-    as ``0e12345`` stays a commit) and the files of FILE's folder.
+    as ``0e12345`` stays a commit; NaN and infinities are refused) and the files of FILE's folder, which must exist.
 ``python3 -m benchmarks.session tree-hash [ROOT]``
     The SHA-256 of the tree's source files (:func:`tree_hash`; also the probe's ``tree_sha256``): the device's
-    copy has no ``.git``, so this is what proves which code ran. Compare it with the same command here.
+    copy has no ``.git``, so this is what proves which code ran. Compare it with the same command here. A ROOT that
+    is not a folder holding ``cuflash/`` is an error (status 2), not the hash of no files.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import argparse
 import hashlib
 import importlib
 import json
+import math
+import os
 import platform
 import sys
 import xml.etree.ElementTree as ET
@@ -35,6 +38,10 @@ from typing import Optional
 
 class SessionError(Exception):
     """A precondition of a GPU session does not hold; the message is the one line to show."""
+
+
+class UsageError(Exception):
+    """A bad argument; :func:`main` shows it as argparse does (one ``error:`` line, status 2)."""
 
 
 def _version(module: str) -> Optional[str]:
@@ -152,21 +159,52 @@ NUMBER_FIELDS = ("status", "golden_files", "dry_run", "sanitize", "budget_s")
 
 def _parse_value(key: str, text: str):
     """A number for the status and step fields where ``text`` is one (``null``: a step that did not run); text
-    otherwise, whatever it looks like."""
+    otherwise, whatever it looks like. NaN and infinities are refused (:class:`UsageError`): json.loads takes them,
+    and session.json would not be strict JSON."""
     if key in NUMBER_FIELDS or key.endswith("_rc"):
         try:
-            return json.loads(text)
+            value = json.loads(text)
         except ValueError:
-            pass
+            return text
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--set {key}={text}: not a finite number (session.json is strict JSON)")
+        return value
     return text
 
 
+def _not_json(constant: str):
+    """json.loads's parse_constant: NaN and Infinity are no JSON, and session.json could not be written with them."""
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _json_path(option: str, text: str, example: str) -> Path:
+    """``text`` as the JSON file ``option`` names, refused (:class:`UsageError`) before anything is done where it
+    names a folder or its folder is missing: both were tracebacks (IsADirectoryError, FileNotFoundError)."""
+    # the text, not the Path: Path("adir/") and Path("adir/.") drop what says they are folders
+    if os.path.basename(text) in ("", os.curdir, os.pardir) or os.path.isdir(text):
+        raise UsageError(f"{option} {text}: names a folder; name the JSON file to write (e.g. {example})")
+    folder = os.path.dirname(text) or os.curdir
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option} {text}: the folder {folder} does not exist (or is not a folder)")
+    return Path(text)
+
+
+def _write_json(option: str, path: Path, data, **dumps) -> None:
+    """``data`` as strict JSON (no NaN, no Infinity) at ``path``; a failure is a :class:`UsageError` naming
+    ``option``."""
+    text = json.dumps(data, allow_nan=False, **dumps) + "\n"
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise UsageError(f"{option} {path}: cannot be written ({exc.strerror or exc})") from None
+
+
 def _finish(args) -> int:
-    out = Path(args.out)
+    out = _json_path("--out", args.out, "out/session.json")
     session = {}
     if args.probe and Path(args.probe).exists():
         try:  # this script's own file, but a kill can leave it cut short: checked before it is taken up
-            facts = json.loads(Path(args.probe).read_text())
+            facts = json.loads(Path(args.probe).read_text(), parse_constant=_not_json)
             if not isinstance(facts, dict):
                 raise ValueError("not a JSON object")
             session.update(facts)
@@ -176,24 +214,36 @@ def _finish(args) -> int:
         session["tests"] = junit_summary(Path(args.junit))
     for item in args.set:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
+        if not sep or not key:
+            raise UsageError(f"--set takes KEY=VALUE, got {item!r}")
         session[key] = _parse_value(key, value)
     session["dry_run"] = session.get("dry_run") in (1, True, "1")
     session["files"] = sorted({p.name for p in out.parent.iterdir() if p.is_file()} | {out.name})
-    out.write_text(json.dumps(session, indent=1, sort_keys=True) + "\n")
+    _write_json("--out", out, session, indent=1, sort_keys=True)
     return 0
 
 
 def _probe(args) -> int:
+    path = _json_path("--json", args.json, "out/probe.json")  # before probing: a FAIL found is written there
     try:
         facts = probe(need_pytest=args.need_pytest)
     except SessionError as exc:
         print(f"gpu_session: FAIL: {exc}")
-        Path(args.json).write_text(json.dumps({"failed": str(exc)}) + "\n")
+        _write_json("--json", path, {"failed": str(exc)})
         return 1
     _print_facts(facts)
-    Path(args.json).write_text(json.dumps(facts) + "\n")
+    _write_json("--json", path, facts)
+    return 0
+
+
+def _tree_hash(args) -> int:
+    root = Path(args.root)
+    # the hash of no files is a hash all the same: a wrong ROOT printed one, status 0
+    if not root.is_dir():
+        raise UsageError(f"ROOT {args.root}: not a folder (name a cuflash checkout)")
+    if not (root / "cuflash").is_dir():
+        raise UsageError(f"ROOT {args.root}: not a cuflash checkout (it has no cuflash/ folder)")
+    print(tree_hash(root))
     return 0
 
 
@@ -233,12 +283,15 @@ def main(argv=None) -> int:
     fi.add_argument("--junit", default=None)
     fi.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     th = sub.add_parser("tree-hash")
-    th.add_argument("root", nargs="?", default=str(Path(__file__).resolve().parent.parent))
+    th.add_argument("root", nargs="?", metavar="ROOT", default=str(Path(__file__).resolve().parent.parent))
     args = p.parse_args(argv)
-    if args.command == "tree-hash":
-        print(tree_hash(Path(args.root)))
-        return 0
-    return {"probe": _probe, "junit": _junit, "warm": _warm, "finish": _finish}[args.command](args)
+    commands = {"probe": (_probe, pr), "junit": (_junit, ju), "warm": (_warm, wa), "finish": (_finish, fi),
+                "tree-hash": (_tree_hash, th)}
+    command, parser = commands[args.command]
+    try:
+        return command(args)
+    except UsageError as exc:
+        parser.error(str(exc))  # exits 2
 
 
 if __name__ == "__main__":

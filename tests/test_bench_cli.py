@@ -770,9 +770,11 @@ def test_commit_comes_from_git_in_a_checkout(tmp_path, capsys, monkeypatch):
     assert payload["commit"] == sha and isinstance(payload["dirty"], bool)
 
 
-def test_commit_of_a_dirty_checkout_is_the_callers(monkeypatch):
-    """A dirty tree under a .git that does not know --commit (a device machine's copy) records --commit, with dirty
-    None; a clean checkout, or a dirty one whose git knows that other commit, still refuses it."""
+@pytest.mark.parametrize("session", [None, "ab" * 20, "1234567"])
+def test_commit_of_a_dirty_checkout_is_the_callers(monkeypatch, session):
+    """A dirty tree under a .git that does not know --commit records --commit, with dirty None, only where that is
+    the GPU_SESSION_COMMIT of gpu_session.sh (a device machine's copy under the .git of the session's start); a real
+    checkout refuses it, as does a clean checkout, or a dirty one whose git knows that other commit."""
     from benchmarks import environment
 
     sha = "ab" * 20
@@ -780,9 +782,14 @@ def test_commit_of_a_dirty_checkout_is_the_callers(monkeypatch):
         pytest.skip("this tree is no git checkout")
     root = environment._git_head()[0]
     assert environment._git_knows(root) and not environment._git_knows("0" * 39 + "1")
-    for dirty, known, expected in ((True, False, (sha, None)), (False, False, ValueError), (True, True, ValueError)):
+    if session is None:
+        monkeypatch.delenv("GPU_SESSION_COMMIT", raising=False)
+    else:
+        monkeypatch.setenv("GPU_SESSION_COMMIT", session)
+    caller = (sha, None) if session == sha else ValueError
+    for dirty, known, expected in ((True, False, caller), (False, False, ValueError), (True, True, ValueError)):
         monkeypatch.setattr(environment, "_git_head", lambda dirty=dirty: (root, dirty))
-        monkeypatch.setattr(environment, "_git_knows", lambda commit, known=known: known)
+        monkeypatch.setattr(environment, "_git_knows", lambda commit, known=known: known or root.startswith(commit))
         if expected is ValueError:
             with pytest.raises(ValueError, match="is not this checkout's HEAD"):
                 environment.git_commit(given=sha)
