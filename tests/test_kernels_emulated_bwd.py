@@ -168,6 +168,20 @@ def test_deterministic_dbias_of_a_broadcast_bias_is_bitwise_reproducible(shape):
     assert not np.array_equal(*atomic)  # the schedules do reorder the atomics: the check above can fail
 
 
+@pytest.mark.parametrize("lengths, shape", [((0, 75), (75,)), ((75, 0), (75, 1)), ((75, 75), (75, 75))])
+def test_deterministic_dbias_of_an_empty_problem_is_zeros(lengths, shape):
+    """No query, no key, or no batch: nothing is launched, and the deterministic mode's whole-shape dbias failed to
+    be summed (a reshape of 0 elements) where the default mode gave zeros."""
+    sq, sk = lengths
+    batch = 0 if lengths == (75, 75) else 2
+    bias = np.ones(shape, np.float32)
+    case = make_case(batch, sq, sk, 4, 2, 40, np.float16, bias=bias)
+    for deterministic in (False, True):
+        dbias = emulated_backward(deterministic)(case.dout, case.q, case.k, case.v, *forward(case), return_dbias=True,
+                                                 **case.options)[3]
+        assert dbias.shape == shape and not dbias.any(), deterministic
+
+
 def test_default_mode_agrees_with_deterministic():
     # Same math, only the order of the fp32 atomic additions into dQ differs: dK and dV are bitwise equal,
     # dQ equal to within the last bits of fp32 accumulation, rounded once to fp16.

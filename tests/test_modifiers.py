@@ -121,6 +121,26 @@ def test_modifier_gradients_vanish_where_masked_even_if_undefined_there():
         assert np.isfinite(g).all() and np.allclose(g, r, rtol=1e-9, atol=1e-12)
 
 
+def test_the_deterministic_dbias_sum_is_the_sum_over_the_broadcast_axes_in_a_copy():
+    """cuflash.cuda.modcode.dbias_sum (the deterministic backward's fixed-order sum of a whole (B, H, Sq, Sk) dbias
+    to the bias's compact shape) against NumPy's sum, for every pattern of broadcast axes, odd and even extents, and
+    empty ones (the kernels write nothing there: zeros); the result holds no view of the accumulator (a view kept
+    naive attention's memory alive in the caller's dbias)."""
+    import itertools
+
+    from cuflash.cuda.modcode import dbias_sum
+
+    rng = np.random.default_rng(0)
+    for extents in [(2, 3, 4, 5), (1, 3, 1, 5), (3, 1, 7, 1), (5, 2, 3, 2), (2, 0, 3, 4), (2, 3, 4, 0)]:
+        for broadcast in itertools.product([False, True], repeat=4):
+            compact = tuple(1 if b else n for b, n in zip(broadcast, extents))
+            acc = rng.standard_normal(extents)
+            want = acc.sum(axis=tuple(i for i, b in enumerate(broadcast) if b), keepdims=True)
+            got = dbias_sum(np, acc.copy(), compact)
+            assert got.shape == compact and np.allclose(got, want, rtol=1e-12, atol=1e-12), (extents, compact)
+            assert got.base is None or got.base.nbytes == got.nbytes, (extents, compact)
+
+
 def test_term_magnitudes_with_bias_only():
     q, k, v, do = _qkv()
     mags = reference.term_magnitudes(q, k, v, do, bias=np.zeros((2, 9, 9)))

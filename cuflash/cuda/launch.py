@@ -341,7 +341,9 @@ def backward_launch(problem, dout, out, lse, *, deterministic: bool = False, max
     nothing = b == 0 or sq == 0 or sk == 0  # no key or no query: zero gradients, no launch
     alloc = xp.zeros if nothing else xp.empty  # otherwise the kernels write every element
     dq, dk, dv = alloc((b, sq, hq, d8), dtype=dt), alloc((b, sk, hkv, d8), dtype=dt), alloc((b, sk, hkv, d8), dtype=dt)
-    (spec, dq_spec), source, mods, mods_keep, dbias_acc = _with_mods(problem, (spec, dq_spec), dbias, deterministic)
+    # no launch: the compact zeros are dbias already (nothing to sum in a fixed order)
+    (spec, dq_spec), source, mods, mods_keep, dbias_acc = _with_mods(problem, (spec, dq_spec), dbias,
+                                                                     deterministic and not nothing)
     compact = problem.mods.bias_compact if dbias else None
     if nothing:
         return BackwardLaunch((), dq, dk, dv, d, dbias_acc, compact, xp)

@@ -249,19 +249,24 @@ def dbias_buffer(mods, xp, dtype=np.float32, extents=None):
 
 
 def dbias_sum(xp, acc, compact):
-    """``acc`` summed to the ``compact`` shape (keeping its 1s) in a fixed order: over the broadcast axes, moved to the
-    front and flattened to R rows, halves added pairwise in place (``rows[:h] += rows[h:2h]``, then an odd last row
-    into the first), log2(R) elementwise launches whose result does not depend on any launch configuration (a
-    library's reduction may change its order with the device or version). No extra memory."""
-    axes = [i for i, (n, c) in enumerate(zip(acc.shape, compact)) if c == 1 and n > 1]
-    if not axes:
-        return acc
-    kept = [i for i in range(acc.ndim) if i not in axes]
-    rows = xp.ascontiguousarray(acc.transpose(axes + kept)).reshape(int(np.prod([acc.shape[i] for i in axes])), -1)
-    while rows.shape[0] > 1:
-        n, half = rows.shape[0], rows.shape[0] // 2
-        rows[:half] += rows[half:2 * half]
-        if n % 2:
-            rows[0] += rows[n - 1]
-        rows = rows[:half]
-    return rows.reshape(compact)
+    """``acc`` summed to the ``compact`` shape (keeping its 1s) in a fixed order: along each broadcast axis in turn,
+    halves added pairwise in place (``x[:h] += x[h:2h]``, then an odd last slice into the first), log2 of the extent
+    elementwise launches whose result does not depend on any launch configuration (a library's reduction may change
+    its order with the device or version). In place, then one compact copy: the result holds no view of ``acc``
+    (naive attention's size), nor does an empty ``acc`` fail (zeros)."""
+    if acc.size == 0:
+        return xp.zeros(compact, dtype=acc.dtype)
+    x = acc
+    for axis, c in enumerate(compact):
+        if c != 1:
+            continue
+
+        def part(a, b):
+            return (slice(None),) * axis + (slice(a, b),)
+        while x.shape[axis] > 1:
+            n, half = x.shape[axis], x.shape[axis] // 2
+            x[part(0, half)] += x[part(half, 2 * half)]
+            if n % 2:
+                x[part(0, 1)] += x[part(n - 1, n)]
+            x = x[part(0, half)]
+    return x.copy()
