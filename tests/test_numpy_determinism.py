@@ -303,30 +303,34 @@ def test_an_interrupt_while_waiting_for_the_lock_still_restores(restore_blas):
 
 def test_a_per_thread_count_that_cannot_be_restored_still_counts_the_use_out(restore_blas, monkeypatch):
     """A per-thread count whose restore fails every time raises its error, after the use is counted out and the
-    process-wide counts are restored (else no later call would ever restore them)."""
+    process-wide counts are restored (else no later call would ever restore them), and after every other per-thread
+    count is restored: the counts unwind last first, and the failing one, pinned last, kept the others (MKL's own
+    count of the thread, where a test before had loaded MKL) at 1 for good."""
     threadpoolctl.threadpool_limits(limits=2, user_api="blas")
     real = _blas._controllers()
     before = [c.get() for c in real]
 
-    class Stubborn:
+    class Count:
         per_thread = True
 
-        def __init__(self):
-            self.n = 2
+        def __init__(self, stubborn):
+            self.n, self.stubborn = 2, stubborn
 
         def get(self):
             return self.n
 
         def set(self, n):
-            if n != 1:
+            if self.stubborn and n != 1:
                 raise OSError("this count cannot be set back")
             self.n = n
 
-    monkeypatch.setattr(_blas, "_controllers", lambda: (*real, Stubborn()))
+    obliging, stubborn = Count(False), Count(True)
+    monkeypatch.setattr(_blas, "_controllers", lambda: (*real, obliging, stubborn))
     with pytest.raises(OSError, match="cannot be set back"):
         with single_threaded():
-            pass
+            assert obliging.get() == 1 == stubborn.get()
     assert _blas._active == 0 and [c.get() for c in real] == before
+    assert obliging.get() == 2 and stubborn.get() == 1
 
 
 def test_mkls_own_count_of_a_thread_is_left_as_it_was(restore_blas, monkeypatch):

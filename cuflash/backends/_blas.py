@@ -131,12 +131,21 @@ def _pin(counts, saved):
 def _unpin(saved):
     """Restore the counts ``saved`` (:func:`_pin`'s record), the last first (MKL's two views of one count, see
     :func:`_controllers_of`, unwind in turn), each entry removed only once its count is back: an interrupt anywhere
-    in here leaves in ``saved`` exactly what is still to restore."""
-    while saved:
-        c, n = saved[-1]
-        if n is not None and c.get() != n:
-            c.set(n)
-        saved.pop()
+    in here leaves in ``saved`` exactly what is still to restore. A count that cannot be set back keeps its entry
+    and its error is raised after the others are restored (one failing count, pinned last, kept every count before
+    it at 1)."""
+    failed = None
+    for i in reversed(range(len(saved))):
+        c, n = saved[i]
+        try:
+            if n is not None and c.get() != n:
+                c.set(n)
+        except Exception as exc:  # noqa: BLE001 - raised once the others are back
+            failed = failed or exc
+            continue
+        del saved[i]
+    if failed is not None:
+        raise failed
 
 
 def _restore(saved):
