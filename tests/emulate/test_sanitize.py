@@ -75,3 +75,45 @@ def test_sanitize_without_preloaded_runtime_is_refused():
     with pytest.raises(RuntimeError, match="LD_PRELOAD"):
         emu.launch(spec("sanitize_tests.cu", "planted_kernel", (np.zeros(32, np.float32), np.int32(32),
                                                                np.int32(0)), shared_bytes=100), sanitize=True)
+
+
+# The attention kernels themselves under the sanitizers: the forward, the backward (both dQ modes) with what reaches
+# the most code (GQA, a padded head dim, causal, seqlens, a broadcast bias with its gradient, dropout), and a paged
+# KV-cache decode split over keys with an append, each launch built with -fsanitize=address,undefined, the results
+# held to the float64 reference. (The GPU's compute-sanitizer runs only when a GPU is lent; this runs everywhere.)
+ATTENTION = """
+import functools, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import cuflash, cuflash.emulate as emu
+emu.launch = functools.partial(emu.launch, sanitize=True)
+from cases import make_case
+from emulated_support import emulated_backward, forward
+from test_kvcache import Cache, check_call
+import cases
+
+rng = np.random.default_rng(0)
+bias = rng.standard_normal((4, 1, 70)).astype(np.float32)
+case = make_case(2, 70, 70, 4, 2, 40, np.float16, causal=True, seqlens_q=np.array([70, 51]),
+                 seqlens_k=np.array([70, 66]), bias=bias)
+out, lse = forward(case)
+for deterministic in (False, True):
+    cases.check_backward(emulated_backward(deterministic), case, out, lse)
+dropped = cases.dropout_case(1, 70, 70, 2, 1, 64, np.float16, p=0.25, seed=5)
+out, lse = forward(dropped)
+cases.check_backward(emulated_backward(), dropped, out, lse)
+cache = Cache(rng, 2, 96, 2, 64, np.float16, 16)
+q = rng.standard_normal((2, 3, 4, 64)).astype(np.float16)
+k_new, v_new = (rng.standard_normal((2, 3, 2, 64)).astype(np.float16) for _ in range(2))
+check_call(q, cache, np.array([47, 80], np.int32), k_new, v_new, dict(causal=True, num_splits=3, backend="emulate"))
+print("clean")
+"""
+
+
+def test_the_attention_kernels_run_clean_under_the_sanitizers():
+    env = _libasan_or_skip()
+    tests = Path(__file__).parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(emu.__file__).parents[2]), str(tests), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", ATTENTION.format(tests=str(tests))], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr[-6000:]
