@@ -239,6 +239,7 @@ def _fake_cupy(monkeypatch, count=1, error=None):
         return count
 
     cupy = types.ModuleType("cupy")
+    cupy.__version__ = "0.0-fake"
     cupy.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_device_count))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     return cupy

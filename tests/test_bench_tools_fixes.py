@@ -9,29 +9,17 @@ import json
 import os
 import re
 import sys
-import types
 
 import pytest
 
 import benchmarks.kernel_cases as kernel_cases
 import benchmarks.numpy_backend as nb_bench
 from benchmarks import environment, run, session, varlen
+from test_bench_tools_cli import _error_line, _fake_cupy, _measured  # the same checks as the other tools' errors
 
 NB = "python -m benchmarks.numpy_backend"
 SESSION = "python3 -m benchmarks.session"
 KC = "python -m benchmarks.kernel_cases"
-
-
-def _measured(*args, **kw):
-    raise AssertionError("measured before every argument and variable was checked")
-
-
-def _error_line(err: str, prog: str) -> str:
-    """The one ``prog: error: ...`` line of ``err`` (argparse prints its usage above it); no traceback."""
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith(f"{prog}: error: ")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def _exits_2(main, argv, capsys, prog) -> str:
@@ -150,17 +138,6 @@ def test_a_device_copy_under_a_stale_git_records_the_sessions_commit(dirty_check
 # ---------------------------------------------------------------------------------------------
 # benchmarks.kernel_cases
 # ---------------------------------------------------------------------------------------------
-def _fake_cupy(monkeypatch, count=1, error=None):
-    """A CuPy module whose getDeviceCount returns ``count`` or raises ``error``."""
-    def get_device_count():
-        if error is not None:
-            raise error
-        return count
-
-    cupy = types.ModuleType("cupy")
-    cupy.__version__ = "0.0-fake"
-    cupy.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_device_count))
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
 
 
 @pytest.fixture
