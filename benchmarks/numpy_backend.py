@@ -417,15 +417,14 @@ def _at_least_one(text):
 
 def _threads(text):
     """argparse type of --threads: main() hands it to cuflash as CUFLASH_NUM_THREADS, so it takes what that variable
-    takes (cuflash/_env.py); 2000 was a ValueError traceback at the first call, 50000 a segfault in torch."""
-    value = _at_least_one(text)
+    takes (cuflash/_env.py), parsed by its own rule (int() also took "+4", "0_2" and other scripts' digits); 2000
+    was a ValueError traceback at the first call, 50000 a segfault in torch."""
     variable = _env.VARIABLES["CUFLASH_NUM_THREADS"]
     try:
-        variable.parse(str(value))
+        return variable.parse(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be {variable.accepted} (what CUFLASH_NUM_THREADS takes), "
-                                         f"got {value}") from None
-    return value
+                                         f"got {text!r}") from None
 
 
 def main(argv=None):

@@ -161,12 +161,13 @@ def test_the_commit_recorded_is_this_checkouts_not_the_current_folders(nb, tmp_p
     assert (result["commit"], result["dirty"]) == environment.git_commit() and result["commit"] != theirs
 
 
-@pytest.mark.parametrize("threads", ["1025", "2000", "50000"])
+@pytest.mark.parametrize("threads", ["1025", "2000", "50000", "+4", "0_2", "\u0664"])
 def test_threads_take_what_cuflash_num_threads_takes(nb, threads, capsys):
-    """2000 was a ValueError traceback from CUFLASH_NUM_THREADS at the first call, 50000 a segfault in torch."""
+    """2000 was a ValueError traceback from CUFLASH_NUM_THREADS at the first call, 50000 a segfault in torch; "+4",
+    "0_2" and an Arabic-Indic four passed int() where the variable refuses them."""
     line = _refused(nb, ["--threads", threads], capsys)
-    assert f"argument --threads: must be an integer from 1 to 1024 (what CUFLASH_NUM_THREADS takes), got {threads}" \
-        in line
+    assert f"argument --threads: must be an integer from 1 to 1024 (what CUFLASH_NUM_THREADS takes), " \
+           f"got {threads!r}" in line
     assert nb._threads("1024") == 1024 and nb._threads("1") == 1
 
 
