@@ -458,9 +458,9 @@ def _ring_forward(s: Setup, buffers):
 
 
 def _forward_buffers(s: Setup):
-    """What the forward holds through the ring, made before its first transfer (:func:`_setup`): q (upcast for the NumPy backend),
-    this rank's K/V block as sent first, the running ``(out, lse)`` per query segment, the transfer slots
-    (:class:`_Slots`)."""
+    """What the forward holds through the ring, made before its first transfer (:func:`_setup`): q (upcast for the
+    NumPy backend), this rank's K/V block as sent first, the running ``(out, lse)`` per query segment, the transfer
+    slots (:class:`_Slots`)."""
     xp, p, work = s.xp, s.problem, s.work
     accs = [(xp.zeros((p.batch, seg.size, p.heads_q, p.head_dim), dtype=work),
              xp.full((p.batch, p.heads_q, seg.size), -np.inf, dtype=work)) for seg in s.q_segs[s.rank]]
