@@ -40,6 +40,7 @@ it), and CuPy only for CUDA arrays.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -249,11 +250,24 @@ class Edge:
 
 
 def refuse_lazy_negation(name: str, a: Any) -> None:
-    """A PyTorch tensor negated lazily (``is_neg()``: ``z.conj().imag``) is a TypeError naming it: DLPack hands over
-    its memory, not the flag, so it would be read as ``-a`` (and an ``out=`` so flagged written as ``-out``)."""
+    """A PyTorch tensor whose values are not its memory is a TypeError naming it, as DLPack hands over the memory
+    alone: one negated lazily (``is_neg()``: ``z.conj().imag``) would be read as ``-a`` (and an ``out=`` so flagged
+    written as ``-out``); a zero tensor (``_is_zerotensor()``, autograd's stand-in for zeros) and a fake one (the
+    shape-only tensors of ``torch.compile`` and ``torch.export`` tracing) have no memory of their values at all, and
+    were read as whatever lay at the address DLPack gave (results of 1e30 and NaN, no error)."""
+    library = _library(a)
     if callable(getattr(a, "is_neg", None)) and a.is_neg():
-        raise TypeError(f"{name}: this {_library(a)} tensor is negated lazily (is_neg()), which DLPack does not "
+        raise TypeError(f"{name}: this {library} tensor is negated lazily (is_neg()), which DLPack does not "
                         f"carry: its memory holds -{name}; pass {name}.resolve_neg()")
+    if callable(getattr(a, "_is_zerotensor", None)) and a._is_zerotensor():
+        raise TypeError(f"{name}: this {library} tensor is a zero tensor (_is_zerotensor()), whose values are in no "
+                        f"memory DLPack can hand over; pass torch.zeros_like({name})")
+    torch = sys.modules.get("torch") if library == "torch" else None
+    fake = getattr(getattr(getattr(torch, "_subclasses", None), "fake_tensor", None), "is_fake", None)
+    if fake is not None and fake(a):
+        raise TypeError(f"{name}: this {library} tensor is a fake tensor (torch.compile / torch.export tracing, "
+                        f"FakeTensorMode): it has shapes but no values; call cuflash on real tensors, outside the "
+                        f"traced region (torch.compiler.disable)")
 
 
 def _is_foreign_array(a: Any) -> bool:

@@ -230,6 +230,25 @@ def test_torch_lazily_negated_or_meta_tensors_are_refused_naming_them():
         cuflash.attention(q, k.to("meta"), v)
 
 
+def test_torch_tensors_without_memory_of_their_values_are_refused_naming_them():
+    """A zero tensor (autograd's stand-in for zeros) and a fake tensor (FakeTensorMode: torch.compile and torch.export
+    tracing) export through DLPack an address that holds none of their values: they were read as whatever lay there
+    (max |out| 3e30, or NaN; a fake call returned a real tensor of garbage), with no error."""
+    torch = _torch()
+    case = CASES["plain"]
+    q, k, v = (torch.from_dlpack(a) for a in (case.q, case.k, case.v))
+    zero = torch._efficientzerotensor(v.shape, dtype=v.dtype)
+    assert zero._is_zerotensor()
+    with pytest.raises(TypeError, match=r"v: this torch tensor is a zero tensor .* torch.zeros_like\(v\)"):
+        cuflash.attention(q, k, zero)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(q)
+        with pytest.raises(TypeError, match=r"q: this torch tensor is a fake tensor"):
+            cuflash.attention(fake, k, v)
+
+
 # ================================================================================================ NumPy edge cases
 def test_masked_object_and_non_array_inputs_are_refused_everywhere():
     case = CASES["plain"]
