@@ -28,7 +28,6 @@ operations.
 from __future__ import annotations
 
 import ast
-import functools
 import math
 import numbers
 import unicodedata
@@ -36,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
+
+from ._lazy import lazy_property
 
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
 #: the longest modifier text and the deepest expression tree taken (the parser and evaluators recurse over it)
@@ -822,12 +823,12 @@ class Modifiers:
     bias_shape: Optional[tuple] = None
     bias_compact: Optional[tuple] = None
 
-    @functools.cached_property  # one differentiation per call: the NumPy backward asked again at every tile strip
+    @lazy_property  # one differentiation per call: the NumPy backward asked again at every tile strip
     def dscore(self) -> Optional[Expr]:
         """d(score modifier)/d(score): the backward's factor on dS; None when there is no score modifier."""
         return None if self.score is None else self.score.derivative("score")
 
-    @functools.cached_property
+    @lazy_property
     def dbias(self) -> Optional[Expr]:
         """d(score modifier)/d(bias element): the factor dbias is dS times (1 unless a score_mod follows)."""
         return None if self.bias_shape is None else self.score.derivative("cuflash_bias")

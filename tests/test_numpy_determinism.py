@@ -499,8 +499,10 @@ def test_one_blas_per_call_whatever_another_thread_sets(monkeypatch):
 def test_a_call_reads_the_thread_count_once(monkeypatch):
     """CUFLASH_NUM_THREADS was read again by every pool of a call (a KV-cache call runs one per group of sequences):
     another thread setting a malformed value meanwhile failed the call after its cache append. It is read once, as
-    the call starts, with CUFLASH_BLAS; here a KV-cache call of several groups and a backward."""
-    from cuflash import _env
+    the call starts, with CUFLASH_BLAS; here a KV-cache call of several groups, a backward, and a forward with its
+    residual and that residual's backward (its fingerprints of the saved arrays read the variable again, after the
+    forward had run)."""
+    from cuflash import _env, residual
     from cuflash.backends import numpy_ragged
 
     reads = [0]
@@ -509,6 +511,7 @@ def test_a_call_reads_the_thread_count_once(monkeypatch):
         reads[0] += 1
         return real()
     monkeypatch.setattr(_env, "worker_threads", counted)
+    monkeypatch.setattr(residual, "worker_threads", counted, raising=False)  # where it was imported by name
     monkeypatch.setattr(numpy_ragged, "KV_GATHER_BYTES", 1)  # one group per sequence
     rng = np.random.default_rng(3)
     q = rng.standard_normal((3, 1, 2, 16)).astype(np.float16)  # upcast: copied, so grouped
@@ -520,3 +523,51 @@ def test_a_call_reads_the_thread_count_once(monkeypatch):
     reads[0] = 0
     cuflash.attention_backward(do, q, k, v, out, lse)
     assert reads[0] == 1
+    assert q.nbytes >= 1 << 20  # fingerprinted on the worker threads
+    reads[0] = 0
+    out, res = cuflash.attention(q, k, v, return_residual=True)
+    assert reads[0] == 1
+    reads[0] = 0
+    cuflash.attention_backward(do, res)
+    assert reads[0] == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_worker_computes_a_tile_mask_can_call():
+    """The tile masks' derived values were functools.cached_property, whose lock (Python 3.10 and 3.11) is one per
+    property for every instance and held while any instance computes: a fork while a worker held it left the child
+    waiting for ever in its first masked call (11 of 40 forks beside two threads calling). Here a worker is held
+    inside such a computation while the process forks; the child makes a causal call with seqlens."""
+    started, release = threading.Event(), threading.Event()
+
+    class Slow(np.ndarray):
+        def any(self, *args, **kwargs):
+            started.set()
+            release.wait(30)
+            return np.ndarray.any(self, *args, **kwargs)
+
+    held = nb._TileMask(np.zeros((1, 1, 1, 4, 4), bool).view(Slow))
+    worker = threading.Thread(target=lambda: held.start)  # the property the call below reads
+    worker.start()
+    assert started.wait(30)
+    q, k, v, _ = _inputs(shape_q=(2, 40, 2, 16), shape_k=(2, 40, 2, 16))
+    pid = os.fork()
+    if pid == 0:  # the child: the call, then leave without running the parent's cleanup
+        try:
+            out = cuflash.attention(q, k, v, causal=True, seqlens_q=np.array([40, 27]), seqlens_k=np.array([33, 40]))
+            os._exit(0 if np.isfinite(out).all() else 3)
+        except BaseException:  # noqa: BLE001 - any failure is the child's exit code
+            os._exit(4)
+    release.set()
+    worker.join()
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child still waited after 60 s: a lock held at the fork")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .._fp import ignore_fp_errors
+from .._lazy import lazy_property
 from ..dropout import keep_mask
 from ..problem import Problem, stats_dtype, visible
 from ..tiling import Schedule, Tile
@@ -523,19 +524,19 @@ class _TileMask:
         hidden.flags.writeable = False
         self.hidden, self._cuts = hidden, {}
 
-    @functools.cached_property
+    @lazy_property
     def none_hidden(self):
         return not self.hidden.any()
 
-    @functools.cached_property
+    @lazy_property
     def none_seen(self):
         return bool(self.hidden.all())
 
-    @functools.cached_property
+    @lazy_property
     def two(self):
         return bool(((~self.hidden).sum(axis=-1) >= 2).all())
 
-    @functools.cached_property
+    @lazy_property
     def start(self):
         cols = np.flatnonzero(self.hidden.reshape(-1, self.hidden.shape[-1]).any(axis=0))
         c0 = int(cols[0]) if cols.size else self.hidden.shape[-1]
