@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import _thread
 import ctypes
+import os
 import re
 import threading
 import time
@@ -16,8 +17,19 @@ OTHER, POINTER, SIGNED, UNSIGNED, FLOAT, BOOL = range(6)
 SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
 MAX_PARAMS = 256
 # One launch at a time in the process: a launch installs a process-wide SIGSEGV hook, and one library's runtime
-# state is global to it.
+# state (its bank-conflict counters too) is global to it.
 _LAUNCH_LOCK = threading.Lock()
+
+
+def _after_fork_in_child():
+    """A fork while another thread launched: the child's copy of the lock is held by a thread it does not have (its
+    first launch waited for ever). No launch runs in the child: a free lock."""
+    global _LAUNCH_LOCK
+    _LAUNCH_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 # How often the waiting main thread wakes up to run Python's signal handlers (Ctrl-C) during a launch.
 _POLL_SECONDS = 0.1
 # How long a launch waits for its worker thread to begin before running on the main thread instead.
@@ -101,16 +113,18 @@ class Library:
                        ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong,
                        ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_char_p, ctypes.c_ulonglong,
                        ctypes.POINTER(ctypes.c_int)]
+        counts = (ctypes.c_ulonglong * 4)()
         with _LAUNCH_LOCK:
             rc = _interruptible(lambda: fn(argv, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block),
                                            shared_bytes, schedule, seed, stack_bytes, ctypes.byref(cancel),
                                            int(hw_math), err, len(err), where), cancel)
+            # read under the lock: the counters are the library's, and the next launch of it starts them again (read
+            # after, a launch of another thread's got the other launch's counts)
+            self._lib.cuflash_emu_bank_stats(counts)
         if rc:
             block_idx = tuple(where[0:3]) if where[0] >= 0 else None
             thread_idx = tuple(where[3:6]) if where[3] >= 0 else None
             raise EmulationError(err.value.decode(errors="replace"), block_idx, thread_idx)
-        counts = (ctypes.c_ulonglong * 4)()
-        self._lib.cuflash_emu_bank_stats(counts)
         return BankStats(*counts)
 
 

@@ -370,3 +370,76 @@ def test_fiber_stacks_are_unmapped_after_each_launch():
         cuflash.attention(*(rng.standard_normal((1, 40, 2, d)).astype(np.float16) for _ in range(3)),
                           backend="emulate")
     assert _guard_mappings() - before < 64
+
+
+# ------------------------------------------------------------------------------------------ threads and forks
+
+def _child_exit_code(pid, seconds=60):
+    """The exit code of the forked child ``pid``; a child still running after ``seconds`` is killed: a hang."""
+    deadline = time.monotonic() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child still waited after {seconds} s: a lock held at the fork")
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_during_a_launch_can_launch():
+    """The launch lock, held by a launch at the fork, was held in the child by a thread it does not have: its first
+    launch waited for ever. (Held here by the forking thread itself, which a launch of the child's would wait for
+    just the same.)"""
+    from cuflash.emulate import _runner
+
+    out = np.zeros(4, np.float32)
+    copy = spec("runtime_tests.cu", "copy_kernel", (np.arange(1, 5, dtype=np.float32), out, np.int32(4)))
+    emu.launch(copy)  # compiled and loaded before the fork
+    with _runner._LAUNCH_LOCK:
+        pid = os.fork()
+        if pid == 0:  # the child: one launch, then leave without running the parent's cleanup
+            try:
+                emu.launch(copy)
+                os._exit(0 if out.tolist() == [1.0, 2.0, 3.0, 4.0] else 3)
+            except BaseException:  # noqa: BLE001 - any failure is the child's exit code
+                os._exit(4)
+    assert _child_exit_code(pid) == 0
+
+
+def test_each_launch_returns_its_own_bank_counts_while_another_thread_launches():
+    """The bank-conflict counters are the library's; they were read after the launch lock was let go, so a launch
+    of the same library by another thread could restart them first: 306 of 700 launches got the other one's
+    counts (or zeros)."""
+    import threading
+
+    from cuflash.backends import emulate as emulate_backend
+    from cuflash.cuda import launch as launches
+    from cuflash.problem import make_problem
+
+    rng = np.random.default_rng(0)
+
+    def forward(sq):
+        q = rng.standard_normal((1, sq, 2, 32)).astype(np.float16)
+        return launches.forward_launch(make_problem(q, q, q), max_smem=emulate_backend._max_smem(),
+                                       cc=emulate_backend._cc()).launch
+
+    small, large = forward(64), forward(128)
+    want = {id(small): emu.launch(small), id(large): emu.launch(large)}
+    assert want[id(small)] != want[id(large)]
+    wrong = []
+
+    def loop(launch, n):
+        for _ in range(n):
+            got = emu.launch(launch)
+            if got != want[id(launch)]:
+                wrong.append(got)
+
+    threads = [threading.Thread(target=loop, args=(launch, 40)) for launch in (small, large)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
