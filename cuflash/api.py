@@ -9,10 +9,13 @@ head dim of its own) ``cuflash._layout``; validation :mod:`cuflash.problem`. ``o
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from types import MappingProxyType
 from typing import Any, Literal, Mapping, Optional, Sequence, Union, overload
+
+import numpy as np
 
 from . import _layout, backends
 from .blockmask import BlockMask
@@ -192,10 +195,29 @@ def attention_kvpacked(q: Array, kv: Array, *, causal: bool = False, scale: Opti
                     backend=backend, packed="kv", caller=(q, kv))
 
 
+def _one_call(a: Any) -> Any:
+    """For NumPy arrays, the NumPy backend's reading of CUFLASH_BLAS and CUFLASH_NUM_THREADS for the whole public call
+    (:func:`cuflash.backends._blas.one_call`): a forward and its residual's fingerprints, or a residual's check and its
+    backward, read them once (a value changed meanwhile by another thread failed the call after its forward)."""
+    if isinstance(a, np.ndarray):
+        from .backends._blas import one_call
+
+        return one_call()
+    return contextlib.nullcontext()
+
+
 def _forward(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, return_lse: bool,
              return_residual: bool, out: Optional[Array], backend: Optional[str], packed: Optional[str],
              caller: tuple[Any, ...]) -> Any:
     """The forward of every public form, on NumPy/CuPy arrays in the caller's layout."""
+    with _one_call(natives[0]):
+        return _forward_call(edge, natives, options, return_lse=return_lse, return_residual=return_residual, out=out,
+                             backend=backend, packed=packed, caller=caller)
+
+
+def _forward_call(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *, return_lse: bool,
+                  return_residual: bool, out: Optional[Array], backend: Optional[str], packed: Optional[str],
+                  caller: tuple[Any, ...]) -> Any:
     check_flags(return_lse=return_lse, return_residual=return_residual)
     if return_lse and return_residual:
         raise TypeError("return_lse and return_residual are exclusive: the residual carries the lse "
@@ -364,14 +386,15 @@ def _backward_residual(dout: Array, residual: AttentionResidual, given: Mapping[
         form = {None: "attention", "qkv": "attention_qkvpacked", "kv": "attention_kvpacked"}[residual.packed]
         raise TypeError(f"{', '.join(wrong)}= is not a buffer of a residual of {form} (its buffers: "
                         f"{', '.join(allowed)})")
-    residual.check_unchanged()
     q, k, v, out, lse = residual._saved
-    dout_n = edge.data("dout", dout)
-    natives = {name: edge.buffer(name, buffers[name]) for name in allowed}
-    return _backward(edge, (q, k, v, dout_n, out, lse), dict(residual._native_options), natives,
-                     {name: buffers[name] for name in allowed}, deterministic=deterministic,
-                     return_dbias=return_dbias, backend=residual.backend if backend is None else backend,
-                     packed=residual.packed)
+    with _one_call(q):
+        residual.check_unchanged()
+        dout_n = edge.data("dout", dout)
+        natives = {name: edge.buffer(name, buffers[name]) for name in allowed}
+        return _backward(edge, (q, k, v, dout_n, out, lse), dict(residual._native_options), natives,
+                         {name: buffers[name] for name in allowed}, deterministic=deterministic,
+                         return_dbias=return_dbias, backend=residual.backend if backend is None else backend,
+                         packed=residual.packed)
 
 
 def _backward(edge: Edge, arrays: tuple[Any, ...], options: dict[str, Any], buffers: dict[str, Any],

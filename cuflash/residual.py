@@ -13,7 +13,6 @@ from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 
-from ._env import worker_threads
 from .interop import Edge
 from .options import Array, is_given
 from .problem import array_module
@@ -135,7 +134,12 @@ def fingerprints(arrays: Iterable[Any]) -> tuple[tuple[Any, ...], ...]:
     arrays = list(arrays)
     host = [a for a in arrays if isinstance(a, np.ndarray)]
     # below 1 MiB the threads' start (~0.1 ms) costs more than CRC-32 does
-    threads = min(worker_threads(), len(host)) if len(host) > 1 and sum(a.nbytes for a in host) >= 1 << 20 else 1
+    if len(host) > 1 and sum(a.nbytes for a in host) >= 1 << 20:
+        from .backends._blas import call_threads  # the running call's reading of CUFLASH_NUM_THREADS (api._one_call)
+
+        threads = min(call_threads(), len(host))
+    else:
+        threads = 1
     if threads < 2:
         return tuple(fingerprint(a) for a in arrays)
     with ThreadPoolExecutor(threads) as pool:
