@@ -571,3 +571,28 @@ def test_a_child_forked_while_a_worker_computes_a_tile_mask_can_call():
             pytest.fail("the forked child still waited after 60 s: a lock held at the fork")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_blas_count_the_user_sets_during_a_call_is_theirs_after_it(restore_blas):
+    """The restore at a call's end set every count back to its value from before the call, so a count the user set
+    from another thread meanwhile (threadpoolctl, while a call ran) was overwritten. Now only a count still at the 1
+    cuflash pinned is set back."""
+    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
+    inside, done = threading.Event(), threading.Event()
+
+    def call():
+        with single_threaded():
+            inside.set()
+            done.wait(30)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert inside.wait(30)
+    assert set(blas_threads(per_thread=False)) == {1}  # pinned for the call
+    threadpoolctl.threadpool_limits(limits=3, user_api="blas")  # the user's new setting, made during the call
+    done.set()
+    caller.join()
+    assert set(blas_threads(per_thread=False)) == {3}
+    with single_threaded():  # and a call that runs alone restores as before
+        assert set(blas_threads(per_thread=False)) == {1}
+    assert set(blas_threads(per_thread=False)) == {3}

@@ -131,14 +131,15 @@ def _pin(counts, saved):
 def _unpin(saved):
     """Restore the counts ``saved`` (:func:`_pin`'s record), the last first (MKL's two views of one count, see
     :func:`_controllers_of`, unwind in turn), each entry removed only once its count is back: an interrupt anywhere
-    in here leaves in ``saved`` exactly what is still to restore. A count that cannot be set back keeps its entry
-    and its error is raised after the others are restored (one failing count, pinned last, kept every count before
-    it at 1)."""
+    in here leaves in ``saved`` exactly what is still to restore. Only a count still at the 1 it was pinned to is set
+    back: one the user set meanwhile (from another thread, during a call) is theirs now, and was overwritten with
+    the value from before the call. A count that cannot be set back keeps its entry and its error is raised after
+    the others are restored (one failing count, pinned last, kept every count before it at 1)."""
     failed = None
     for i in reversed(range(len(saved))):
         c, n = saved[i]
         try:
-            if n is not None and c.get() != n:
+            if n is not None and n != 1 and c.get() == 1:
                 c.set(n)
         except Exception as exc:  # noqa: BLE001 - raised once the others are back
             failed = failed or exc
