@@ -419,6 +419,7 @@ def _threads(text):
     """argparse type of --threads: main() hands it to cuflash as CUFLASH_NUM_THREADS, so it takes what that variable
     takes (cuflash/_env.py), parsed by its own rule (int() also took "+4", "0_2" and other scripts' digits); 2000
     was a ValueError traceback at the first call, 50000 a segfault in torch."""
+    _at_least_one(text)  # its message for 0 and negative counts, as the other counts'
     variable = _env.VARIABLES["CUFLASH_NUM_THREADS"]
     try:
         return variable.parse(text)
