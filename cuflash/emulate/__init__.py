@@ -13,6 +13,7 @@ precompiled shim), ``CUFLASH_EMULATE_CXX`` (compiler), ``CUFLASH_EMULATE_HW_MATH
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,21 @@ MAX_STACK_KIB = 1 << 20
 
 _libraries: dict[Path, Library] = {}
 _by_spec: dict[tuple, Library] = {}  # skips hashing the source on repeated launches of one kernel
+# One build of a kernel at a time in the process: threads asking for the same kernel at once compiled it each (8
+# compiles for 2 kernels from 4 threads); different kernels still build side by side.
+_building: dict[tuple, threading.Lock] = {}
+_building_lock = threading.Lock()
+
+
+def _after_fork_in_child():
+    """No build runs in a forked child: locks held by the parent's builds at the fork start free there."""
+    global _building_lock
+    _building_lock = threading.Lock()
+    _building.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def available() -> tuple[bool, str]:
@@ -92,11 +108,15 @@ def compile(spec: LaunchSpec, *, sanitize: bool = False) -> Library:  # noqa: A0
     key = (spec.source, spec.name_expression, tuple(spec.options), sanitize, debug)
     cache_dir()  # every launch: a cache made unsafe (or misconfigured) since the last load is an error, not ignored
     if key not in _by_spec:
-        path = build(_require_toolchain(), spec.source, spec.name_expression, tuple(spec.options), sanitize=sanitize,
-                     debug=debug)
-        if path not in _libraries:
-            _libraries[path] = Library(path)
-        _by_spec[key] = _libraries[path]
+        with _building_lock:
+            lock = _building.setdefault(key, threading.Lock())
+        with lock:
+            if key not in _by_spec:  # built by the thread that held the lock before
+                path = build(_require_toolchain(), spec.source, spec.name_expression, tuple(spec.options),
+                             sanitize=sanitize, debug=debug)
+                if path not in _libraries:
+                    _libraries[path] = Library(path)
+                _by_spec[key] = _libraries[path]
     return _by_spec[key]
 
 

@@ -443,3 +443,28 @@ def test_each_launch_returns_its_own_bank_counts_while_another_thread_launches()
     for t in threads:
         t.join()
     assert wrong == []
+
+
+def test_threads_asking_for_one_kernel_at_once_compile_it_once(monkeypatch, tmp_path):
+    """Four threads launching one kernel not yet built compiled it four times (each compile a second of g++)."""
+    import threading
+
+    from cuflash.emulate import _build
+
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(tmp_path))  # nothing built yet
+    monkeypatch.setattr(emu, "_by_spec", {})
+    before = len(_build.compile_log)
+    go, outs = threading.Barrier(4, timeout=60), [np.zeros(4, np.float32) for _ in range(4)]
+
+    def launch(out):
+        go.wait()
+        emu.launch(spec("runtime_tests.cu", "copy_kernel", (np.arange(1, 5, dtype=np.float32), out, np.int32(4)),
+                        options=("-DCUFLASH_ONE_BUILD=1",)))
+
+    threads = [threading.Thread(target=launch, args=(out,)) for out in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(out.tolist() == [1.0, 2.0, 3.0, 4.0] for out in outs)
+    assert len(_build.compile_log) - before == 1
