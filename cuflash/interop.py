@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -159,7 +159,7 @@ class Edge:
         if a is None:
             return None
         native = self.data(name, a)
-        self.written(a)
+        self.written((name,), a)
         if isinstance(native, np.ndarray) and not native.flags.writeable:
             hint = " (JAX arrays are immutable: let cuflash allocate)" if "jax" in _library(a) else ""
             raise ValueError(f"{name} is read-only: a buffer for the result must be writable{hint}")
@@ -222,12 +222,20 @@ class Edge:
             result = compat.to_device(result, self.caller_device)
         return result
 
-    def written(self, *arrays: Any) -> None:
-        """The caller's ``arrays`` are written in place by the call (a buffer, a KV cache appended to): where they are
-        PyTorch tensors, their autograd version counters advance once the work is done (:meth:`device`). cuflash
-        writes through a view of their memory, which PyTorch does not see: a tensor autograd had saved for another
-        operation's backward was then read with the new values, silently (PyTorch's own in-place write raises)."""
-        self._written += [a for a in arrays if a is not None and _library(a) == "torch"]
+    def written(self, names: Sequence[str], *arrays: Any) -> None:
+        """The caller's ``arrays`` (called ``names``) are written in place by the call (a buffer, a KV cache appended
+        to): where they are PyTorch tensors, their autograd version counters advance once the work is done
+        (:meth:`device`). cuflash writes through a view of their memory, which PyTorch does not see: a tensor autograd
+        had saved for another operation's backward was then read with the new values, silently (PyTorch's own
+        in-place write raises). An inference tensor outside inference mode, which PyTorch refuses to write in place,
+        is refused alike (it was written)."""
+        torch = [(name, a) for name, a in zip(names, arrays) if a is not None and _library(a) == "torch"]
+        for name, a in torch:
+            if a.is_inference() and not sys.modules["torch"].is_inference_mode_enabled():
+                raise TypeError(f"{name}: this torch tensor is an inference tensor, which PyTorch does not let be "
+                                f"written in place outside torch.inference_mode(): call inside it, or pass "
+                                f"{name}.clone() made outside it")
+        self._written += [a for _, a in torch]
 
     @contextlib.contextmanager
     def device(self) -> Iterator[None]:

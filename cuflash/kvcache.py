@@ -104,7 +104,7 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new}
     natives = {name: edge.data(name, a) for name, a in arrays.items()}  # writability: make_kvcache_problem
     if k_new is not None or v_new is not None:  # the new keys and values are written into the caches
-        edge.written(k_cache, v_cache)
+        edge.written(("k_cache", "v_cache"), k_cache, v_cache)
     given = dict(cache_seqlens=cache_seqlens, block_table=block_table, alibi_slopes=alibi_slopes)
     options = native_options(edge, given, _ARRAY_OPTIONS)
     with edge.device():

@@ -249,6 +249,31 @@ def test_torch_tensors_without_memory_of_their_values_are_refused_naming_them():
             cuflash.attention(fake, k, v)
 
 
+def test_inference_tensors_are_written_in_place_only_in_inference_mode():
+    """PyTorch refuses an in-place write to an inference tensor outside torch.inference_mode(); cuflash wrote one
+    (out=, a KV cache appended to) through its DLPack view all the same. Now refused alike, naming it; inside
+    inference mode it is written."""
+    torch = _torch()
+    case = CASES["plain"]
+    q, k, v = (torch.from_dlpack(a) for a in (case.q, case.k, case.v))
+    with torch.inference_mode():
+        out = torch.empty_like(q)
+        kc, vc = torch.zeros(2, 8, 1, 4), torch.zeros(2, 8, 1, 4)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        out.add_(1)  # PyTorch's own rule
+    with pytest.raises(TypeError, match=r"out: this torch tensor is an inference tensor"):
+        cuflash.attention(q, k, v, out=out)
+    new = torch.ones(2, 1, 1, 4)
+    with pytest.raises(TypeError, match=r"k_cache: this torch tensor is an inference tensor"):
+        cuflash.attention_with_kvcache(torch.ones(2, 1, 1, 4), kc, vc, cache_seqlens=torch.tensor([0, 3]),
+                                       k_new=new, v_new=new)
+    assert not kc.any() and not vc.any()  # nothing written
+    with torch.inference_mode():
+        got = cuflash.attention(q, k, v, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out.numpy(), cuflash.attention(case.q, case.k, case.v))
+
+
 # ================================================================================================ NumPy edge cases
 def test_masked_object_and_non_array_inputs_are_refused_everywhere():
     case = CASES["plain"]
