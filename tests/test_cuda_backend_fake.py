@@ -910,3 +910,29 @@ def test_the_h100_rows_run_the_features_at_head_dim_128(cp, options):
     modified = "score_mod" in options or "mask_mod" in options
     assert launched("bwd", specs.ARCH_TILES["bwd", 128, 90]) is not modified
     assert launched("bwd", specs.TILES["bwd"][128][0]) is modified
+
+
+def test_overlap_of_device_arrays_is_exact(cp):
+    """Device arrays were compared by their byte ranges: the two halves of an interleaved KV cache (k and v of one
+    (B, C, 2, H, D) buffer, FlashAttention's packed layout), which share no element, were refused as sharing
+    memory ("writing the new keys would overwrite values"). Now NumPy's exact solver decides from their addresses,
+    as for host arrays, negative strides included."""
+    from cuflash.problem.core import _overlap
+
+    rng = np.random.default_rng(0)
+    host = rng.standard_normal((2, 8, 2, 1, 16)).astype(np.float32)
+    kv = cp.asarray(host)
+    assert not _overlap(kv[:, :, 0], kv[:, :, 1])
+    assert _overlap(kv[:, :, 0], kv[:, :, 0]) and _overlap(kv[:, 1:, 0], kv[:, :-1, 0])
+    assert _overlap(kv[:, ::-1, 0], kv[:, :, 0]) and not _overlap(kv[:, ::-1, 0], kv[:, :, 1])
+    assert not _overlap(kv[0], kv[1]) and not _overlap(kv[:, :, 0].view(np.uint8), kv[:, :, 1].view(np.uint8))
+    for sl in [(slice(None), slice(None), 0), (slice(None), slice(None, None, -1), 0), (0,), (1,)]:
+        for other in [(slice(None), slice(None), 1), (slice(None), slice(1, None), 0), (1,)]:
+            assert _overlap(kv[sl], kv[other]) == np.shares_memory(host[sl], host[other]), (sl, other)
+    q = cp.asarray(rng.standard_normal((2, 1, 2, 16)).astype(np.float32))
+    new = cp.asarray(rng.standard_normal((2, 1, 1, 16)).astype(np.float32))
+    out = cuflash.attention_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], cache_seqlens=cp.asarray(np.array([3, 5],
+                                         np.int32)), k_new=new, v_new=new)
+    want = cuflash.attention_with_kvcache(q.get(), host[:, :, 0].copy(), host[:, :, 1].copy(),
+                                          cache_seqlens=np.array([3, 5], np.int32), k_new=new.get(), v_new=new.get())
+    np.testing.assert_allclose(out.get(), want, rtol=1e-5, atol=1e-6)

@@ -170,28 +170,44 @@ _TOO_HARD = getattr(np, "exceptions", np).TooHardError  # numpy.exceptions from 
 
 
 def _overlap(a, b) -> bool:
-    """Whether two arrays may share memory: exactly for NumPy (bounded work; too hard counts as overlapping),
-    by byte ranges for CuPy."""
+    """Whether two arrays may share memory: exactly (bounded work; too hard counts as overlapping), NumPy's arrays
+    and CuPy's alike. A CuPy array's addresses go to NumPy's solver as a byte view of the same layout
+    (:func:`_device_layout`): its byte ranges alone refused the two halves of an interleaved KV cache (k and v of one
+    ``(B, C, 2, H, D)`` buffer), which share no element."""
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        if not np.may_share_memory(a, b):
-            return False
-        try:
-            return bool(np.shares_memory(a, b, max_work=100_000))
-        except _TOO_HARD:
-            return True
-    if isinstance(a, (np.ndarray, np.generic)) or isinstance(b, (np.ndarray, np.generic)):
+        pass
+    elif isinstance(a, (np.ndarray, np.generic)) or isinstance(b, (np.ndarray, np.generic)):
         return False  # host and device memory (a NumPy scalar beside a CuPy cache has no device pointer to compare)
+    else:
+        if a.size == 0 or b.size == 0:
+            return False
+        lo = min(int(a.data.ptr), int(b.data.ptr)) - _reach(a) - _reach(b)
+        a, b = _device_layout(a, lo), _device_layout(b, lo)
+    if not np.may_share_memory(a, b):
+        return False
+    try:
+        return bool(np.shares_memory(a, b, max_work=100_000))
+    except _TOO_HARD:
+        return True
 
-    def span(x):
-        if x.size == 0:
-            return 0, 0
-        lo = hi = int(x.data.ptr)
-        for n, s in zip(x.shape, x.strides):
-            (lo, hi) = (lo + (n - 1) * s, hi) if s < 0 else (lo, hi + (n - 1) * s)
-        return lo, hi + x.itemsize
 
-    (a_lo, a_hi), (b_lo, b_hi) = span(a), span(b)
-    return a_lo < b_hi and b_lo < a_hi
+def _reach(x) -> int:
+    """How many bytes below its data pointer an array's negative strides reach."""
+    return sum((n - 1) * -s for n, s in zip(x.shape, x.strides) if s < 0)
+
+
+def _device_layout(x, lo: int):
+    """A NumPy uint8 array with ``x``'s layout in bytes (its shape, strides and a last axis of its item's bytes) at
+    the address ``x.data.ptr - lo`` of a one-byte dummy: only the addresses, for ``np.shares_memory``, which computes
+    with them and reads none (``as_strided`` checks no bounds; nothing ever reads these views)."""
+    from numpy.lib.stride_tricks import as_strided
+
+    offset = int(x.data.ptr) - lo
+    start = as_strided(_DUMMY, shape=(offset + 1,), strides=(1,))[offset:]
+    return as_strided(start, shape=tuple(x.shape) + (x.itemsize,), strides=tuple(x.strides) + (1,))
+
+
+_DUMMY = np.zeros(1, np.uint8)
 
 
 def check_current_device(device: int, **arrays: Any) -> None:
