@@ -548,13 +548,17 @@ class BlockMask:
                                          dtype=dtype), (gb, gh, sq, sk))
 
     def check_operands(self, dtype) -> None:
-        """Refuse a float operand (``from_mask_mod``'s ``mod_arrays``) beyond the working precision of inputs of
-        ``dtype``, as ``attention(mask_mod=...)`` refuses it (:func:`cuflash.problem.core._check_fits_working`): the
-        blocks were classified in float32 and float64 alike, but a partial block's elements are tested in the
-        problem's precision, where 1e300 turns into inf and every element was dropped, silently."""
+        """Refuse a float operand (``from_mask_mod``'s ``mod_arrays``, or a literal of its rule: ``q_idx * 1e39`` was
+        inf in float32, and the mask kept 225 of 256 elements where it meant 136) beyond the working precision of
+        inputs of ``dtype``, as ``attention(mask_mod=...)`` refuses it
+        (:func:`cuflash.problem.core._check_fits_working`): the blocks were classified in float32 and float64 alike,
+        but a partial block's elements are tested in the problem's precision, where 1e300 turns into inf and every
+        element was dropped, silently."""
         for key, value in sorted(self.values.items()):
             if isinstance(value, (numbers.Real, np.ndarray)):
                 _check_fits_working(value, f"block_mask's mod_arrays[{key[_PREFIX_LEN:]!r}]", dtype)
+        for c in () if self.member is None else self.member.float_constants:  # the rule's own literals likewise
+            _check_fits_working(c, f"block_mask's rule's constant {c!r}", dtype)
 
     def check_fits(self, batch, heads, seqlen_q, seqlen_k):
         """Raise ``ValueError`` unless this mask matches a problem of the given sizes."""

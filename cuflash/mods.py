@@ -631,7 +631,10 @@ def _evaluate(n: Node, env, values, dtype):
         return np.asarray(x).astype(np.int64, copy=False) if t == "int" else x
 
     if n.op == "const":
-        return dtype.type(n.value) if n.type == "float" else n.value
+        if n.type != "float":
+            return n.value
+        with np.errstate(over="ignore"):  # a literal past float32's range is inf there, as an operand is (above)
+            return dtype.type(n.value)
     if n.op == "var":
         return num(env[n.value], n.type)
     if n.op == "scalar":

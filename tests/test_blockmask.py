@@ -632,6 +632,26 @@ def test_a_mask_operand_beyond_the_working_precision_is_refused_as_mask_mods(c):
     check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, **o), Case(q, k, v, q, dict(block_mask=bm)))
 
 
+def test_a_literal_of_a_mask_rule_beyond_the_working_precision_is_refused_as_mask_mods():
+    """A float literal of from_mask_mod's rule was not checked where mask_mod='s is: with float32 inputs 1e39 became
+    inf, and the mask kept 225 of 256 elements where it meant the 136 of q >= kv (no error); building it showed
+    NumPy's overflow warning."""
+    import warnings
+
+    rule = "q_idx * 1e39 >= kv_idx * 1e39"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bm = BlockMask.from_mask_mod(rule, seqlen_q=16, block=(4, 4))
+    q, k, v = _qkv(16, 16, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"block_mask's rule's constant 1e\+39 holds finite values beyond the "
+                                         r"largest float32"):
+        cuflash.attention(q, k, v, block_mask=bm)
+    with pytest.raises(ValueError, match=r"mask_mod's constant 1e\+39 holds finite values beyond the largest float32"):
+        cuflash.attention(q, k, v, mask_mod=rule)  # the same refusal
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, **o), Case(q, k, v, q, dict(block_mask=bm)))
+
+
 def test_from_mask_mod_reads_its_own_lengths():
     """q_len / kv_len in a BlockMask's rule are the mask's seqlen_q / seqlen_k, fixed when it is built: the rule below
     is BlockMask.causal's at those lengths, whatever seqlens_q / seqlens_k the call passes (the kernels read each
