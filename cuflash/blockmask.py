@@ -292,7 +292,9 @@ class BlockMask:
 
     def columns(self, start: int, stop: int) -> "BlockMask":
         """This mask restricted to the key columns ``[start, stop)`` (element-exact)."""
-        a, b = check_int(start, "start"), check_int(stop, "stop")
+        # clamped to seqlen_k, which keeps the same columns: the kernels take the bounds as int32 (2**40 was an
+        # OverflowError from their parameter packing, naming neither)
+        a, b = (min(check_int(x, name), self.seqlen_k) for x, name in ((start, "start"), (stop, "stop")))
         bk = self.block[1]
         col = np.arange(_cdiv(self.seqlen_k, bk))
         lo, hi = col * bk, np.minimum((col + 1) * bk, self.seqlen_k)
@@ -322,7 +324,7 @@ class BlockMask:
         same = (q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
         states = np.where(same, FULL, np.where(meet, PARTIAL, SKIP)).astype(np.int8)[:, None]
         name = _prefix()
-        batch = dq.shape[0] > 1
+        batch = dq.shape[0] != 1  # a batch of 0 too: its (empty) rows are indexed by b, as a batch of many
         values = {name + "q": dq if batch else dq[0], name + "k": dk if batch else dk[0]}
         index = "b, " if batch else ""
         rule = mods.parse(f"{name}q[{index}q_idx] == {name}k[{index}kv_idx]", kind="mask", arrays=values,
@@ -345,8 +347,8 @@ class BlockMask:
     def _ranges(ids, b):
         """Per batch row and block of ``b`` positions, the min and max id (the tail block padded by repetition)."""
         n = ids.shape[1]
-        pad = np.pad(ids, ((0, 0), (0, _cdiv(n, b) * b - n)), mode="edge") if n else ids
-        blocks = pad.reshape(ids.shape[0], -1, b)
+        pad = np.pad(ids, ((0, 0), (0, _cdiv(n, b) * b - n)), mode="edge") if n and len(ids) else ids
+        blocks = pad.reshape(ids.shape[0], _cdiv(n, b), b)  # -1 was ambiguous for a batch of 0 (NumPy's error)
         return blocks.min(axis=-1), blocks.max(axis=-1)
 
     @classmethod
@@ -423,16 +425,18 @@ class BlockMask:
         env = dict(b=np.arange(batch).reshape(-1, 1, 1, 1), h=np.arange(heads).reshape(1, -1, 1, 1),
                    kv_idx=np.arange(sk).reshape(1, 1, 1, -1))
         precisions = (np.float32, np.float64) if rule.uses_float else (np.float64,)
+        starts = np.arange(nk) * bk  # each key block's first column (all below sk)
         for i in range(nq):
             rows = np.arange(i * bq, min((i + 1) * bq, sq))
-            area = rows.size * np.minimum(bk, sk - np.arange(nk) * bk)
+            area = rows.size * np.minimum(bk, sk - starts)
             full, some = True, False
             for dtype in precisions:
                 keep = np.broadcast_to(rule.evaluate(dict(env, q_idx=rows.reshape(1, 1, -1, 1)), values, dtype),
                                        (batch, heads, rows.size, sk))
-                pad = np.zeros((batch, heads, rows.size, nk * bk), dtype=bool)
-                pad[..., :sk] = keep
-                cnt = pad.reshape(batch, heads, rows.size, nk, bk).sum(axis=(2, 4))
+                # kept elements per key block, the last one cut at sk (a copy padded to nk * bk took memory in
+                # proportion to the block: 32 GiB for 12 keys in blocks of 2**33)
+                cnt = np.add.reduceat(keep, starts, axis=-1, dtype=np.int64).sum(axis=2) if sk else \
+                    np.zeros((batch, heads, nk), np.int64)
                 full, some = full & (cnt == area), some | (cnt > 0)
             states[:, :, i] = np.where(full, FULL, np.where(some, PARTIAL, SKIP))
         mask = cls._make(states, (bq, bk), sq, sk, rule, values)

@@ -819,3 +819,35 @@ def test_a_mask_combines_with_its_copy():
     for other in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
         for a, b in ((m & other, m & m), (m | other, m | m)):
             assert np.array_equal(a.states, b.states) and a.values.keys() == b.values.keys()
+
+
+def test_columns_past_the_keys_mean_up_to_the_last_key_on_every_backend():
+    """columns(0, 2**40) was taken as given, and the kernels' int32 parameters refused it in their packing with a
+    bare OverflowError naming neither bound; bounds past the last key now clamp to it, which selects the same
+    columns."""
+    mask = BlockMask.causal(8, block=(4, 4))
+    far, near = mask.columns(0, 2**40), mask.columns(0, 8)
+    np.testing.assert_array_equal(far.to_dense(), near.to_dense())
+    q, k, v = (np.random.default_rng(i).standard_normal((1, 8, 2, 16)).astype(np.float32) for i in range(3))
+    want = cuflash.attention(q, k, v, block_mask=near, backend="emulate")
+    np.testing.assert_array_equal(cuflash.attention(q, k, v, block_mask=far, backend="emulate"), want)
+    assert not mask.columns(2**40, 2**41).to_dense().any()  # past the last key: nothing
+
+
+def test_from_mask_mod_takes_a_block_larger_than_the_sequence_in_the_sequences_memory():
+    """from_mask_mod counted each block's kept elements in a copy padded to whole key blocks: a block of 2**33 keys
+    over 12 keys asked for 32 GiB (MemoryError), where BlockMask.causal takes the same block."""
+    mask = BlockMask.from_mask_mod("q_idx >= kv_idx", seqlen_q=12, block=(4, 2**33))
+    np.testing.assert_array_equal(mask.to_dense(), BlockMask.causal(12, block=(4, 2**33)).to_dense())
+    q, k, v = (np.random.default_rng(i).standard_normal((1, 12, 2, 8)) for i in range(3))
+    np.testing.assert_allclose(cuflash.attention(q, k, v, block_mask=mask), reference.attention(q, k, v, causal=True),
+                               rtol=0, atol=1e-14)
+
+
+def test_document_ids_of_an_empty_batch_give_an_empty_mask():
+    """doc_ids of shape (0, n) failed in a NumPy reshape naming no argument; they give a mask of batch 0, which a
+    batch-0 call takes."""
+    mask = BlockMask.document(np.zeros((0, 4), np.int32), block=(2, 2))
+    assert mask.states.shape == (0, 1, 2, 2)
+    q = np.zeros((0, 4, 2, 8), np.float32)
+    assert cuflash.attention(q, q, q, block_mask=mask).shape == q.shape
