@@ -364,12 +364,26 @@ def _device_arrays(ctx: Any, buffers: Sequence[Any]) -> Iterator[list[Any]]:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def _deleted(a: Any) -> bool:
+    """Whether a concrete jax.Array was deleted; a tracer (under jit) has no buffer to ask about and raises."""
+    try:
+        return bool(a.is_deleted())
+    except Exception:  # noqa: BLE001 - a tracer: ConcretizationTypeError
+        return False
+
+
 def _jax_array(name: str, a: Any) -> Any:
     if isinstance(a, jax.Array):
+        if _deleted(a):  # JAX's own RuntimeError, later, named no argument
+            raise ValueError(f"{name}: this jax array has been deleted (donated to a jitted call, or delete()d): its "
+                             f"buffer is gone")
         return a
     _refuse_masked(name, a)
     if isinstance(a, (np.ndarray, np.generic)) or (hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__")):
         refuse_lazy_negation(name, a)
+        if isinstance(a, (np.ndarray, np.generic)) and not a.dtype.isnative:  # JAX's own error named a NumPy array
+            raise TypeError(f"{name} is a NumPy array of non-native byte order ({a.dtype.str}), which JAX does not "
+                            f"take: pass {name}.astype({name}.dtype.newbyteorder('='))")
         try:
             out = jnp.asarray(a)
         except (TypeError, ValueError, RuntimeError) as exc:  # e.g. torch: requires grad, bfloat16 via NumPy

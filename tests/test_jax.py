@@ -451,6 +451,23 @@ def test_a_deleted_jax_array_is_named():
         cuflash.attention(q, k, k)
 
 
+def test_cuflash_jax_names_a_deleted_array_and_a_non_native_byte_order():
+    """cuflash.jax passed a deleted array on to JAX, whose RuntimeError named no argument, and refused a big-endian
+    NumPy array with "pass a jax.Array or a plain NumPy array" (it was one); jit-traced arrays still pass."""
+    q = jnp.ones((1, 8, 2, 8))
+    k = jnp.ones((1, 8, 2, 8))
+    gone = jnp.ones((1, 8, 2, 8))
+    gone.delete()
+    with pytest.raises(ValueError, match="v: this jax array has been deleted"):
+        cuflash.jax.attention(q, k, gone)
+    big = np.ones((1, 8, 2, 8), ">f4")
+    with pytest.raises(TypeError, match=r"q is a NumPy array of non-native byte order \(>f4\), which JAX does not "
+                                        r"take: pass q.astype\(q.dtype.newbyteorder\('='\)\)"):
+        cuflash.jax.attention(big, k, k)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cuflash.jax.attention)(q, k, k)),
+                                  np.asarray(cuflash.jax.attention(q, k, k)))
+
+
 def test_cuflash_attention_under_jit_points_to_cuflash_jax():
     """cuflash.attention inside jax.jit meets tracers, not arrays: the TypeError named the tracer's type only."""
     q = jnp.ones((1, 8, 2, 8))
