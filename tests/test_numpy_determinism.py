@@ -7,9 +7,9 @@ call the BLAS thread count is what it was before, MKL's per-thread count include
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +19,7 @@ import cuflash
 from cuflash.backends import numpy as nb
 from cuflash.backends import _blas
 from cuflash.backends._blas import blas_threads, single_threaded
+from forked import child_exit_code  # tests/forked.py
 
 #: Ragged tiles on purpose: a product whose inner dimension is not a multiple of the BLAS's
 #: blocking is where OpenBLAS's result depends on its thread count (1000 x 1000 x 64 float32
@@ -353,11 +354,9 @@ def test_mkls_own_count_of_a_thread_is_left_as_it_was(restore_blas, monkeypatch)
         mkl.local.set(before)
 
 
-def test_a_fork_while_another_thread_is_in_a_call_leaves_the_child_free(restore_blas):
-    """The child of a fork taken while another thread held the BLAS lock inside a call inherited the lock held (its
-    first call waited for ever) and the pinned count, which no thread of its own would restore."""
-    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
-    before = blas_threads()
+@contextlib.contextmanager
+def _a_call_in_another_thread():
+    """A thread inside a call's BLAS use (single_threaded) for the duration."""
     inside, leave = threading.Event(), threading.Event()
 
     def hold():
@@ -369,6 +368,18 @@ def test_a_fork_while_another_thread_is_in_a_call_leaves_the_child_free(restore_
     holder.start()
     try:
         assert inside.wait(30)
+        yield
+    finally:
+        leave.set()
+        holder.join()
+
+
+def test_a_fork_while_another_thread_is_in_a_call_leaves_the_child_free(restore_blas):
+    """The child of a fork taken while another thread held the BLAS lock inside a call inherited the lock held (its
+    first call waited for ever) and the pinned count, which no thread of its own would restore."""
+    threadpoolctl.threadpool_limits(limits=2, user_api="blas")
+    before = blas_threads()
+    with _a_call_in_another_thread():
         with _blas._lock:  # taken and released here: the fork below comes while the holder is inside its use
             pass
         pid = os.fork()
@@ -380,19 +391,7 @@ def test_a_fork_while_another_thread_is_in_a_call_leaves_the_child_free(restore_
                 ok = blas_threads() == before and _blas._active == 0
             finally:
                 os._exit(0 if ok else 1)
-        for _ in range(600):  # 60 s at most: a hang fails the test instead of the run
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.1)
-        else:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child's call hung")
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "the child's BLAS state was not its own"
-    finally:
-        leave.set()
-        holder.join()
+        assert child_exit_code(pid) == 0, "the child's BLAS state was not its own"
     assert blas_threads() == before
 
 
@@ -560,17 +559,7 @@ def test_a_child_forked_while_a_worker_computes_a_tile_mask_can_call():
             os._exit(4)
     release.set()
     worker.join()
-    deadline = time.monotonic() + 60
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child still waited after 60 s: a lock held at the fork")
-        time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert child_exit_code(pid) == 0
 
 
 def test_a_blas_count_the_user_sets_during_a_call_is_theirs_after_it(restore_blas):
@@ -578,20 +567,9 @@ def test_a_blas_count_the_user_sets_during_a_call_is_theirs_after_it(restore_bla
     from another thread meanwhile (threadpoolctl, while a call ran) was overwritten. Now only a count still at the 1
     cuflash pinned is set back."""
     threadpoolctl.threadpool_limits(limits=2, user_api="blas")
-    inside, done = threading.Event(), threading.Event()
-
-    def call():
-        with single_threaded():
-            inside.set()
-            done.wait(30)
-
-    caller = threading.Thread(target=call)
-    caller.start()
-    assert inside.wait(30)
-    assert set(blas_threads(per_thread=False)) == {1}  # pinned for the call
-    threadpoolctl.threadpool_limits(limits=3, user_api="blas")  # the user's new setting, made during the call
-    done.set()
-    caller.join()
+    with _a_call_in_another_thread():
+        assert set(blas_threads(per_thread=False)) == {1}  # pinned for the call
+        threadpoolctl.threadpool_limits(limits=3, user_api="blas")  # the user's new setting, made during the call
     assert set(blas_threads(per_thread=False)) == {3}
     with single_threaded():  # and a call that runs alone restores as before
         assert set(blas_threads(per_thread=False)) == {1}

@@ -11,6 +11,7 @@ import pytest
 import cuflash.emulate as emu
 from cuflash.emulate import EmulationError
 from emu_helpers import spec
+from forked import child_exit_code  # tests/forked.py
 
 SCHEDULES = ["forward", "reverse", "random"]
 
@@ -374,20 +375,6 @@ def test_fiber_stacks_are_unmapped_after_each_launch():
 
 # ------------------------------------------------------------------------------------------ threads and forks
 
-def _child_exit_code(pid, seconds=60):
-    """The exit code of the forked child ``pid``; a child still running after ``seconds`` is killed: a hang."""
-    deadline = time.monotonic() + seconds
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail(f"the forked child still waited after {seconds} s: a lock held at the fork")
-        time.sleep(0.05)
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_during_a_launch_can_launch():
     """The launch lock, held by a launch at the fork, was held in the child by a thread it does not have: its first
@@ -406,7 +393,7 @@ def test_a_child_forked_during_a_launch_can_launch():
                 os._exit(0 if out.tolist() == [1.0, 2.0, 3.0, 4.0] else 3)
             except BaseException:  # noqa: BLE001 - any failure is the child's exit code
                 os._exit(4)
-    assert _child_exit_code(pid) == 0
+    assert child_exit_code(pid) == 0
 
 
 def test_each_launch_returns_its_own_bank_counts_while_another_thread_launches():
