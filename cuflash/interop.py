@@ -47,7 +47,7 @@ import numpy as np
 
 from .problem import _is_cupy
 
-__all__ = ["Edge", "device_kind", "refuse_lazy_negation"]
+__all__ = ["Edge", "device_kind", "refuse_deleted", "refuse_lazy_negation"]
 
 #: DLPack device types (``DLDeviceType``) cuflash imports: CPU memory and CUDA memory
 _CPU_TYPES = {1: "cpu", 3: "cuda_host"}
@@ -181,9 +181,7 @@ class Edge:
             return a, _library(a), None, None  # not an array: array_module refuses it, naming it
         library = _library(a)
         refuse_lazy_negation(name, a)
-        if callable(getattr(a, "is_deleted", None)) and a.is_deleted():  # JAX: its DLPack device raised a TypeError
-            raise ValueError(f"{name}: this {library} array has been deleted (donated to a jitted call, or "
-                             f"delete()d): its buffer is gone")
+        refuse_deleted(name, a)  # JAX: its DLPack device raised a TypeError naming nothing
         if hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__"):
             try:
                 kind, _ = device_kind(a)
@@ -255,6 +253,18 @@ class Edge:
 
                 torch.autograd.graph.increment_version(self._written)
                 self._written = []
+
+
+def refuse_deleted(name: str, a: Any) -> None:
+    """A deleted JAX array (donated to a jitted call, or ``delete()``d) is a ValueError naming it; a tracer (under
+    jit) has no buffer to ask about (its ``is_deleted`` raises) and passes."""
+    try:
+        deleted = callable(getattr(a, "is_deleted", None)) and bool(a.is_deleted())
+    except Exception:  # noqa: BLE001 - a tracer: ConcretizationTypeError
+        deleted = False
+    if deleted:
+        raise ValueError(f"{name}: this {_library(a)} array has been deleted (donated to a jitted call, or "
+                         f"delete()d): its buffer is gone")
 
 
 def refuse_lazy_negation(name: str, a: Any) -> None:

@@ -74,7 +74,7 @@ except ImportError:  # JAX older than 0.7
 from . import _layout, api, backends
 from .blockmask import BlockMask
 from .dropout import needs_seed
-from .interop import refuse_lazy_negation
+from .interop import refuse_deleted, refuse_lazy_negation
 from .problem import check_flags, make_problem
 
 __all__ = ["attention", "CALLBACK"]
@@ -364,19 +364,9 @@ def _device_arrays(ctx: Any, buffers: Sequence[Any]) -> Iterator[list[Any]]:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _deleted(a: Any) -> bool:
-    """Whether a concrete jax.Array was deleted; a tracer (under jit) has no buffer to ask about and raises."""
-    try:
-        return bool(a.is_deleted())
-    except Exception:  # noqa: BLE001 - a tracer: ConcretizationTypeError
-        return False
-
-
 def _jax_array(name: str, a: Any) -> Any:
     if isinstance(a, jax.Array):
-        if _deleted(a):  # JAX's own RuntimeError, later, named no argument
-            raise ValueError(f"{name}: this jax array has been deleted (donated to a jitted call, or delete()d): its "
-                             f"buffer is gone")
+        refuse_deleted(name, a)  # JAX's own RuntimeError, later, named no argument
         return a
     _refuse_masked(name, a)
     if isinstance(a, (np.ndarray, np.generic)) or (hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__")):
