@@ -297,14 +297,18 @@ def _reduce_bias(p, ds):
 
 @ignore_fp_errors
 def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **options):
-    """Largest magnitude of the terms each result is summed from, in float64, times the condition of ``exp``.
+    """The magnitude of the terms each result is summed from, in float64, times the condition of ``exp``.
 
     ``out = P V`` sums terms ``P_ij V_j``; the lse sums ``exp`` of scores ``S_ij``; ``dQ = scale·dS K``,
-    ``dK = scale·dSᵀ Q``, ``dV = Pᵀ dO``. Rounding errors scale with these, not with the results,
-    which may cancel to ~0. Every term also goes through ``P = exp(S - m)`` (or, in FlashAttention's backward,
-    ``exp(S - lse)`` from the saved lse), whose relative condition number is ``|S - m|``: a rounding of the
-    arithmetic grows by up to ``max|S| + max|lse|`` on its way (S before and after a score modifier, and for S
-    itself the magnitude of its own terms, ``scale·|q|·|k|``, which it may cancel far below). That
+    ``dK = scale·dSᵀ Q``, ``dV = Pᵀ dO`` (and dK, dV over a group's heads). Roundings scale with the terms, not
+    with the results, which may cancel to ~0: the largest term, plus the sum of all terms' magnitudes weighted by the
+    statistics' rounding in the input's (:func:`_magnitude`: fully for float32 and float64 inputs, 2^-13 of it for
+    float16 and 2^-16 for bfloat16, whose sums run in float32; a dS term's size counts, exactly, what rounding the output to the
+    input's dtype moves D = rowsum(dO∘O) by). Every term also goes through ``P = exp(S - m)`` (or, in
+    FlashAttention's backward, ``exp(S - lse)`` from the saved lse), whose relative condition number is
+    ``|S - m|``: a rounding of the arithmetic grows by up to ``max|S| + max|lse|`` on its way (S before and after a
+    score modifier, and for S itself the magnitude of its own terms, ``scale·|q|·|k|``, which it may cancel far
+    below). That
     arithmetic runs in the statistics' dtype (float32 below float64: every backend upcasts 16-bit inputs), so
     each magnitude carries ``cond = 1 + (max|S| + max|lse|) · eps(stats) / eps(input)``, in roundings of the
     input's dtype: ``1 + max|S| + max|lse|`` for float32 and float64 inputs, about 1 for 16-bit ones. A score
@@ -316,8 +320,7 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     """
     _, p, (dout,), _ = _problem(options, q, k, v, dout=dout)
     _check_dropout_p(dropout_p)  # 1.0 gave infinite magnitudes, -1 smaller ones, as attention's own check refuses
-    if dropout_mask is not None:
-        _dropout_mask(p, dropout_mask, dropout_p)  # its form and shape (the magnitudes need only dropout_p)
+    keep = None if dropout_mask is None else _dropout_mask(p, dropout_mask, dropout_p)  # checked too
     qg, kg, vg = _grouped(p, np.dtype(np.float64))
     prob, lse = _probabilities(p, qg, kg)
     s0, s1, _ = _scores(p, qg, kg)
@@ -327,14 +330,13 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
         s_terms = abs(p.scale) * _mm(np.abs(qg), np.swapaxes(np.abs(kg), -1, -2))
     s = np.where(prob > 0, np.maximum(np.maximum(np.abs(s0), np.abs(s1)), s_terms), 0.0)  # -inf: inf * 0 is NaN
     exponent = s.max(initial=0) + np.abs(lse[np.isfinite(lse)]).max(initial=0)
-    cond = 1.0 + exponent * rounding(stats_dtype(p.dtype)) / rounding(p.element_type or p.dtype)  # bits: bfloat16
+    ratio = rounding(stats_dtype(p.dtype)) / rounding(p.element_type or p.dtype)  # bits: bfloat16
+    cond = 1.0 + exponent * ratio
     slope = 1.0
     if p.mods is not None and p.mods.score is not None:
         dscore = np.broadcast_to(p.mods.dscore.evaluate(_env(p, s0), _host_values(p)), prob.shape)  # may be 0-d
         slope = float(np.abs(dscore[prob > 0]).max(initial=0))
-    # _mm_seen, where: a NaN or infinity no row sees (padding past seqlens) must not reach a magnitude as 0 * inf
-    pv = _mm_seen(prob, np.abs(vg))
-    mags = {"out": pv.max(initial=0)}
+    mags = {"out": _magnitude(prob, vg, ratio)}
     if dout is not None:
         b, sq, hq, d = p.q.shape
         do = p.host_float(dout, np.float64).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
@@ -342,20 +344,71 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
         # D = rowsum(dO∘O): the magnitudes of all their terms bound the rounding.
         with np.errstate(invalid="ignore", over="ignore"):
             dp_terms = np.abs(do) @ np.swapaxes(np.abs(vg), -1, -2)
-            d_terms = (np.abs(do) * pv).sum(axis=-1, keepdims=True)
-            ds = np.where(prob > 0, prob * (dp_terms + d_terms), 0.0)
+            # the terms of dP and D, |O| <= P|V| (times 1/(1 - p) with dropout, below); _mm_seen: a NaN or infinity
+            # no row sees (padding past seqlens) must not reach a magnitude as 0 * inf
+            sums = dp_terms + (np.abs(do) * _mm_seen(prob, np.abs(vg))).sum(axis=-1, keepdims=True)
+            ds_all = np.where(prob > 0, prob * sums, 0.0)
+            # one term of dQ or dK: dS = P (dP - D) itself, the roundings of its sums dP and D (in the statistics'
+            # dtype: float32 for 16-bit inputs, whose products are exact there) and what the rounding of the output
+            # to the input's dtype, which D reads, moves D by (exactly)
+            eps = rounding(p.element_type or p.dtype)
+            if dropout_p and keep is None:  # the output's rounding and dS bounded only
+                d_rounded = 0.5 * eps * (sums - dp_terms) / (1.0 - dropout_p)
+                dp_minus_d = sums / (1.0 - dropout_p)
+            else:
+                z = 1.0 if keep is None else keep / (1.0 - dropout_p)
+                dropped = _mm_seen(np.where(prob > 0, prob * z, 0.0), vg)  # the output the backward reads
+                d_rounded = (np.abs(do) * np.abs(dropped - _rounded(dropped, eps))).sum(axis=-1, keepdims=True)
+                dp_minus_d = (do @ np.swapaxes(vg, -1, -2)) * z - (do * dropped).sum(axis=-1, keepdims=True)
+            # (the floor is two roundings of a magnitude: d_rounded, already an error, enters in roundings)
+            ds = np.where(prob > 0, prob * (np.abs(dp_minus_d) + ratio * sums + d_rounded / eps), 0.0)
         if p.mods is not None and p.mods.bias_shape is not None:
-            mags["dbias"] = ds.max(initial=0) * float(np.abs(p.mods.dbias.evaluate(
-                _env(p, s0), _host_values(p))).max(initial=1))
-        ds = ds * slope
-        mags["dq"] = abs(p.scale) * _mm_seen(ds, np.abs(kg)).max(initial=0)
-        mags["dk"] = abs(p.scale) * _mm_seen(np.swapaxes(ds, -1, -2), np.abs(qg)).sum(axis=2).max(initial=0)
-        mags["dv"] = _mm_seen(np.swapaxes(prob, -1, -2), np.abs(do)).sum(axis=2).max(initial=0)
+            mags["dbias"] = (ds.max(initial=0) + ratio * ds_all.max(initial=0)) * float(np.abs(
+                p.mods.dbias.evaluate(_env(p, s0), _host_values(p))).max(initial=1))
+        ds, ds_all = ds * slope, ds_all * slope
+        mags["dq"] = abs(p.scale) * _magnitude(ds, kg, ratio, ds_all)
+        # dK and dV sum over the query heads of their kv head's group
+        mags["dk"] = abs(p.scale) * _magnitude(np.swapaxes(ds, -1, -2), qg, ratio, np.swapaxes(ds_all, -1, -2),
+                                               group=True)
+        mags["dv"] = _magnitude(np.swapaxes(prob, -1, -2), do, ratio, group=True)
     # in long double: times cond, a magnitude near float64's largest (V of 1e308) would overflow to inf, a bound
     # that passes anything (cuflash.testing refuses it)
     mags = {name: np.longdouble(x) * cond / (1.0 - dropout_p) for name, x in mags.items()}
     mags["lse"] = 1.0 + exponent
     return mags
+
+
+def _rounded(x, eps):
+    """``x`` (float64) rounded to the nearest number with the precision ``eps`` (one ulp at 1.0), to even on a tie;
+    the exponent range is not modelled (no subnormals, no overflow)."""
+    mant, exp = np.frexp(x)
+    bits = 1 - round(np.log2(eps))  # significand bits, the leading one included
+    return np.ldexp(np.round(np.ldexp(mant, bits)), exp - bits)
+
+
+def _magnitude(a, b, ratio, a_all=None, group=False):
+    """The magnitude of ``a @ b`` (``a >= 0``, grouped (B, Hkv, G, M, K); ``b`` (B, Hkv, G|1, K, D)) for the rule's
+    floor: its largest term (:func:`_largest_term`; ``a``: each term's own size and error) plus ``ratio`` (the
+    statistics' rounding in the input's) times the sum of all terms' magnitudes (``a_all``, default ``a``; with
+    ``group``, over a kv head's group of query heads too, as dK and dV sum): every term carries a rounding of its own
+    into the sum, in the statistics' dtype. For float32 and float64 inputs that sum weighs fully; for 16-bit ones,
+    whose sums run in float32, the largest term decides (the sum alone set the floor at up to 11% of the largest
+    float16 gradient, and dk 10% off passed; the roundings of 16-bit terms, P and dS rounded before a tensor-core
+    product, are the naive computation's too, whose error the rule allows)."""
+    a_all = a if a_all is None else a_all
+    terms = _mm_seen(a_all, np.abs(b))
+    return _largest_term(a, b) + ratio * (terms.sum(axis=2) if group else terms).max(initial=0)
+
+
+def _largest_term(a, b):
+    """``max |a_ij b_jc|`` over every term of the product ``a @ b`` (``a >= 0``, (..., M, K); ``b`` (..., K, D), which
+    may broadcast over the leading dimensions of ``a``): a zero of ``a`` (a key a row does not see, a row past its
+    sequence) contributes nothing, even against an infinity or NaN of ``b``, as in :func:`_mm_seen`."""
+    with np.errstate(invalid="ignore"):
+        rows = np.abs(b).max(axis=-1, initial=0)  # NaN where a row holds one
+    with np.errstate(invalid="ignore", over="ignore"):
+        terms = np.where(a > 0, a * rows[..., None, :], 0.0)
+    return terms.max(initial=0)
 
 
 def rounding(dtype) -> float:

@@ -212,7 +212,7 @@ def assert_attention_close(actual, ref64, baseline, *, mult=2.0, name="out", mag
     """Assert ``max|actual − ref64| <= mult · max|baseline − ref64| + floor``.
 
     ``baseline`` is the naive computation in the input dtype; its dtype sets the floor: two
-    roundings at ``magnitude``, the largest term the result is summed from
+    roundings at ``magnitude``, the size of the terms the result is summed from
     (:func:`cuflash.reference.term_magnitudes`; default the largest ``|ref64|``), so cases where
     the naive computation happens to be exact, or results that cancel to ~0, do not demand the
     impossible. ``-inf`` entries (rows that see no key) must match exactly; NaN never passes. Where the exact result

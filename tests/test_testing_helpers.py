@@ -315,3 +315,32 @@ def test_bfloat16_bits_are_checked_as_bfloat16():
     check_backward(bwd, case, fwd(q, k, v, dtype="bfloat16", causal=True)[0], lse)
     with pytest.raises(AssertionError, match="out: max error"):  # bits of another result fail
         check_forward(lambda *a, **o: (np.roll(fwd(*a, **o)[0], 1, axis=1), fwd(*a, **o)[1]), case)
+
+
+def _reference_backward(off, which):
+    """A backward fn: the float64 reference's gradients rounded to the input dtype, the one named ``which`` times
+    ``1 + off``."""
+    def fn(dout, q, k, v, out, lse, **options):
+        grads = cuflash.reference.attention_backward(dout, q, k, v, **options)
+        return tuple((g * (1 + off if name == which else 1)).astype(q.dtype)
+                     for name, g in zip(("dq", "dk", "dv"), grads))
+    return fn
+
+
+@pytest.mark.parametrize("dtype,off", [(np.float16, 0.02), (np.float32, 1e-3)])
+def test_the_rule_fails_a_gradient_a_little_off_on_every_feature_case(dtype, off):
+    """The rule's floor is two roundings of the largest term a result is summed from: the sum of all terms'
+    magnitudes (a row spread over many keys, dS = P (dP - D) bounded through every term of dP and D) set it at up to
+    11% of the largest float16 gradient, and dk 10% off passed. Each gradient that is not all zero, 2% off in float16
+    (20 roundings) or 0.1% in float32 (where the floor carries exp's condition, 1 + max|S| + max|lse| roundings),
+    now fails every feature case; the correctly rounded gradients pass."""
+    from cases import feature_cases
+    for name, case in feature_cases(dtype):
+        out, lse = cuflash.reference.attention(case.q, case.k, case.v, return_lse=True, **case.options)
+        check_backward(_reference_backward(0.0, None), case, out, lse)
+        refs = cuflash.reference.attention_backward(case.dout, case.q, case.k, case.v, **case.options)
+        for which, ref in zip(("dq", "dk", "dv"), refs):
+            if not np.any(ref):
+                continue  # zero_scale's dq and dk, an empty block mask's every gradient: nothing to scale
+            with pytest.raises(AssertionError, match=f"{which}: max error"):
+                check_backward(_reference_backward(off, which), case, out, lse)
