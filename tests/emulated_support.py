@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import emulate, reference
+from cuflash import emulate, reference, testing
 from cuflash.backends import emulate as emulate_backend
 from cuflash.problem import check_backward as flatten_backward
 from cuflash.problem import make_problem
@@ -64,7 +64,7 @@ def infinite_key_case(dtype):
 
 def check_infinite_scores(out, lse, q, k, v):
     """An infinite score follows the float64 reference: +inf gives lse = +inf and a NaN row (inf / inf), not the
-    inf - inf = NaN lse; -inf is a masked score (finite results)."""
+    inf - inf = NaN lse; -inf is a masked score (finite results, held to the rule)."""
     ref_out, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
     sees = (np.arange(70) >= 33) & (q[0, :, 1, 7] > 0)
     assert sees.any() and (~sees[33:]).any()
@@ -72,3 +72,26 @@ def check_infinite_scores(out, lse, q, k, v):
     assert np.array_equal(np.isnan(lse), np.isnan(ref_lse)) and np.array_equal(np.isnan(out), np.isnan(ref_out))
     finite = np.isfinite(ref_lse)
     assert np.isfinite(lse[finite]).all() and np.isfinite(out[0, ~sees, 1]).all()
+    check_rows_that_miss_the_key(out, lse, q, k, v)
+
+
+def check_rows_that_miss_the_key(out, lse, q, k, v):
+    """The rows of a causal problem whose key 33 of kv head 1 holds a non-finite element (``infinite_key_case``) and
+    that the reference keeps finite (rows that do not see the key, or score it -inf) are held to the rule. They are
+    the rows of a clean problem that hides that key from the head: its reference equals the poisoned one there bit
+    for bit, and gives the naive baseline and the term magnitudes (which the non-finite key would make infinite)."""
+    k0 = k.copy()
+    k0[0, 33, 1, 7] = 0
+    hidden = dict(causal=True, mask_mod="h != 1 or kv_idx != 33")
+    wide = testing.reference_dtype(q.dtype)  # long double for float64 inputs
+    with np.errstate(all="ignore"):
+        poisoned = reference.attention(q, k, v, causal=True, return_lse=True, compute_dtype=wide)
+    clean = reference.attention(q, k0, v, return_lse=True, compute_dtype=wide, **hidden)
+    base = reference.attention(q, k0, v, return_lse=True, compute_dtype=q.dtype, **hidden)
+    mags = reference.term_magnitudes(q, k0, v, **hidden)
+    rows = np.isfinite(poisoned[1])  # (1, H, Sq)
+    assert rows.any()
+    for name, x, p, c, b in zip(("out", "lse"), (out, lse), poisoned, clean, base):
+        fin = rows if name == "lse" else np.broadcast_to(rows.transpose(0, 2, 1)[..., None], x.shape)
+        assert np.array_equal(p[fin], c[fin]), f"reference {name}: the key reached a row that does not see it"
+        testing.assert_attention_close(x[fin], c[fin], b[fin], name=name, magnitude=mags[name])

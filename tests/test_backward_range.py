@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash.backends import numpy as nb
 from cuflash.testing import Case, check_backward
 
 DTYPES = ("float32", "bfloat16", "float64")
@@ -88,6 +89,20 @@ def test_random_v_near_largest(name, options):
     _check(q, k, v, do, **options)
 
 
+def _spy_shifts(monkeypatch):
+    """The ``(ec, eq, ek)`` of every backward call's nb._GradShifts, in a list: which path ran."""
+    seen = []
+    real = nb._GradShifts.__call__
+
+    def spy(self):
+        got = real(self)
+        seen.append(tuple(got))
+        return got
+
+    monkeypatch.setattr(nb._GradShifts, "__call__", spy)
+    return seen
+
+
 @pytest.mark.parametrize("options", [{}, {"causal": True, "dropout_p": 0.3, "seed": 7}])
 def test_shifted_is_the_unshifted_scaled(options, monkeypatch):
     """The shifts are exact: dO = 2^100 x N(0, 1) against V ~ 2^24 takes them (float32), dO = N(0, 1) does not, and
@@ -98,11 +113,15 @@ def test_shifted_is_the_unshifted_scaled(options, monkeypatch):
     do = rng.standard_normal((2, 50, 4, 8)).astype(np.float32)
     bias = rng.standard_normal((4, 1, 70)).astype(np.float32)
     opts = dict(options, bias=bias)
+    shifts = _spy_shifts(monkeypatch)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
     small = cuflash.attention_backward(do, q, k, v, out, lse, return_dbias=True, **opts)
+    assert shifts and not any(any(s) for s in shifts), f"dO = N(0, 1) took the shifts {shifts}"
     for threads in ("1", "2"):
         monkeypatch.setenv("CUFLASH_NUM_THREADS", threads)
+        shifts.clear()
         big = cuflash.attention_backward(np.ldexp(do, 100), q, k, v, out, lse, return_dbias=True, **opts)
+        assert shifts and all(s[0] > 0 for s in shifts), f"dO = 2^100 N(0, 1) took no shift of dP: {shifts}"
         for s, b in zip(small, big):
             assert np.isfinite(b).all()
             assert np.array_equal(np.ldexp(s, 100), b)

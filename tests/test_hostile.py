@@ -9,6 +9,7 @@ import pytest
 
 import cuflash
 import cuflash.emulate
+from cuflash.testing import Case, check_forward
 
 
 # ------------------------------------------------------------------------------------------------ hostile values
@@ -133,9 +134,9 @@ def test_softcap_below_the_smallest_normal_is_refused(dtype, cap, ok):
         with pytest.raises(ValueError, match="softcap must be a real > 0"):
             cuflash.attention(q, k, v, softcap=cap)
         return
-    out = cuflash.attention(q, k, v, softcap=cap)
-    want = cuflash.reference.attention(q, k, v, softcap=cap)
-    assert np.isfinite(out).all() and np.isfinite(want).all()
+    out, lse = check_forward(lambda *a, **o: cuflash.attention(*a, **o, return_lse=True),
+                             Case(q, k, v, q, dict(softcap=cap)))  # the rule of the (long double) reference
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
 
 
 def test_big_endian_q_with_its_own_value_head_dim():
@@ -161,8 +162,10 @@ def test_messages_show_the_callers_layout(k_shape, v_shape, match):
     q = rng.standard_normal((2, 2, 40, 16)).astype(np.float32)
     k = rng.standard_normal(k_shape).astype(np.float32).transpose(0, 2, 1, 3).copy()  # (b, h, s, d)
     v = rng.standard_normal(v_shape).astype(np.float32).transpose(0, 2, 1, 3).copy()
-    if match is None:
-        cuflash.attention(q, k, v, layout="bhsd")
+    if match is None:  # accepted: the result of the same arrays in the bshd layout, transposed (the same sums)
+        got = cuflash.attention(q, k, v, layout="bhsd")
+        want = cuflash.attention(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)))
+        np.testing.assert_array_equal(got, want.transpose(0, 2, 1, 3))
         return
     with pytest.raises(ValueError, match=match) as info:
         cuflash.attention(q, k, v, layout="bhsd")

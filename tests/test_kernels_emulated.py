@@ -21,8 +21,8 @@ from cuflash.testing import Case, assert_attention_close, attention_cases
 from golden import golden_cases
 from cases import bf16, check_forward, feature_cases, make_case
 
-from emulated_support import (DTYPES, check_infinite_scores, emulated, infinite_key_case,  # noqa: F401
-                               pytestmark)
+from emulated_support import (DTYPES, check_infinite_scores, check_rows_that_miss_the_key, emulated,  # noqa: F401
+                               infinite_key_case, pytestmark)
 
 
 def _dtype(d):
@@ -199,7 +199,7 @@ def test_an_infinite_score_gives_lse_inf_as_the_reference(dtype):
 
 def test_nan_key_poisons_exactly_the_rows_that_see_it():
     # IEEE propagation, as in the NumPy backend: a NaN score makes its row's out and lse NaN (not the
-    # "sees no key" 0 / -inf), and rows that do not see the key stay exact.
+    # "sees no key" 0 / -inf), and rows that do not see the key stay exact (held to the rule, not only finite).
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((1, 70, 2, 64)).astype(np.float16) for _ in range(3))
     k[0, 33, 1, 7] = np.nan
@@ -209,3 +209,4 @@ def test_nan_key_poisons_exactly_the_rows_that_see_it():
     assert np.isfinite(lse[0, 1, :33]).all() and np.isfinite(out[0, :33, 1]).all()
     assert np.isfinite(lse[0, 0]).all() and np.isfinite(out[0, :, 0]).all()  # the other kv head never sees it
     assert np.array_equal(np.isnan(lse), np.isnan(ref_lse)) and np.array_equal(np.isnan(out), np.isnan(ref_out))
+    check_rows_that_miss_the_key(out, lse, q, k, v)

@@ -238,12 +238,26 @@ def test_a_dropped_infinite_value_reaches_nothing():
     keep = dropout_mask((1, 1, 4, 4), seed=7, p=0.5)[0, 0]
     i, j = 0, 2
     assert not keep[i, j] and keep[1:, j].any()  # dropped for row 0, kept for some other row
+    clean = v.copy()
     v[0, j, 0, 0] = np.inf
     out, lse = cuflash.attention(q, k, v, return_lse=True, backend="numpy", dropout_p=0.5, seed=7)
     dq = cuflash.attention_backward(do, q, k, v, out, lse, backend="numpy", dropout_p=0.5, seed=7)[0]
-    rdq = reference.attention_backward(do, q, k, v, dropout_mask=keep[None, None], dropout_p=0.5)[0]
-    assert np.isfinite(out[0, i]).all() and np.isfinite(dq[0, i]).all() and np.isfinite(rdq[0, i]).all()
+    drop = dict(dropout_mask=keep[None, None], dropout_p=0.5)
     assert not np.isfinite(out[0, 1:]).all()  # the rows that keep it do see it
+    # row i: in the reference bit for bit that of the clean V, and in the backend within the rule against it (the
+    # clean V also gives the naive baseline and the term magnitudes, which the infinity would make infinite)
+    wide = reference_dtype(q.dtype)  # long double for float64 inputs
+    with np.errstate(all="ignore"):
+        ref = (reference.attention(q, k, v, compute_dtype=wide, **drop),
+               reference.attention_backward(do, q, k, v, compute_dtype=wide, **drop)[0])
+    want = (reference.attention(q, k, clean, compute_dtype=wide, **drop),
+            reference.attention_backward(do, q, k, clean, compute_dtype=wide, **drop)[0])
+    base = (reference.attention(q, k, clean, **drop), reference.attention_backward(do, q, k, clean, **drop)[0])
+    mags = reference.term_magnitudes(q, k, clean, do, **drop)
+    for name, x, r, w, b in zip(("out", "dq"), (out, dq), ref, want, base):
+        assert np.array_equal(r[0, i], w[0, i]), f"reference {name}: the dropped infinity reached row {i}"
+        assert_attention_close(x[0, i], w[0, i], b[0, i], mult=2 if name == "out" else 3, name=name,
+                               magnitude=mags[name])
 
 
 def test_a_nan_factor_is_not_turned_into_an_infinity():
