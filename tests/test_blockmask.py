@@ -851,3 +851,21 @@ def test_document_ids_of_an_empty_batch_give_an_empty_mask():
     assert mask.states.shape == (0, 1, 2, 2)
     q = np.zeros((0, 4, 2, 8), np.float32)
     assert cuflash.attention(q, q, q, block_mask=mask).shape == q.shape
+
+
+def test_the_kernels_operand_table_limit_names_each_argument():
+    """A BlockMask of two rules with a bias, ALiBi slopes and a one-array mask_mod reads 9 arrays: the kernels' table
+    holds 8. The refusal said "9 readings" and named no argument; it now counts them by argument, before anything
+    is compiled, and the NumPy backend (no such table) runs the call against the reference."""
+    rng = np.random.default_rng(0)
+    s, h, d = 64, 2, 16
+    mask = BlockMask.prefix_lm(s, 8, block=(16, 16)) & BlockMask.document(np.repeat(np.arange(4), 16), block=(16, 16))
+    q, k, v = (rng.standard_normal((1, s, h, d)).astype(np.float32) for _ in range(3))
+    opts = dict(block_mask=mask, bias=rng.standard_normal((s, s)).astype(np.float32),
+                alibi_slopes=np.array([0.5, 0.25], np.float32), mask_mod="keep[kv_idx]",
+                mod_arrays={"keep": np.arange(s) % 7 != 3})
+    with pytest.raises(ValueError, match=re.escape("9 readings (bias: 1, alibi_slopes: 1, mod_arrays['keep']: 1, "
+                                                   "block_mask: 6)")):
+        cuflash.attention(q, k, v, backend="emulate", **opts)
+    case = Case(q, k, v, np.zeros_like(q), options=opts)
+    check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, backend="numpy", **o), case)

@@ -197,23 +197,35 @@ def _qkv(seed=0, sq=7, sk=9, h=4, hkv=2, d=8):
             rng.standard_normal((2, sk, hkv, d)), rng.standard_normal((2, sq, h, d)))
 
 
+def _same64(a, b, q, k, v, **options):
+    """float64 results of two forms of one definition: at most two roundings apart at the term magnitude of out
+    (as tests/test_reference.py's assert_close64); they agree to ~1e-15, where np.allclose's default rtol of 1e-5 let
+    a slope or an offset off by 1e-6 pass."""
+    assert np.array_equal(np.isinf(a), np.isinf(b))
+    bound = 2 * np.finfo(np.float64).eps * reference.term_magnitudes(q, k, v, **options)["out"]
+    err = np.abs(a - b).max()
+    assert err <= bound, f"{options}: {err:.3e} > {bound:.3e}"
+
+
 def test_reference_builtins_are_their_definitions():
     q, k, v, do = _qkv()
     slopes = np.array([0.5, 0.25, 0.125, 0.0625])
     i, j = np.arange(7)[:, None], np.arange(9)[None, :]
     alibi = -slopes[:, None, None] * np.abs(i + 9 - 7 - j)
-    assert np.allclose(reference.attention(q, k, v, alibi_slopes=slopes), reference.attention(q, k, v, bias=alibi))
+    want = reference.attention(q, k, v, alibi_slopes=slopes)
+    _same64(want, reference.attention(q, k, v, bias=alibi), q, k, v, alibi_slopes=slopes)
     as_mod = reference.attention(q, k, v, score_mod="score - s[h] * abs(q_idx + kv_len - q_len - kv_idx)",
                                  mod_arrays={"s": slopes})
-    assert np.allclose(as_mod, reference.attention(q, k, v, alibi_slopes=slopes))
+    _same64(as_mod, want, q, k, v, alibi_slopes=slopes)
     capped = reference.attention(q, k, v, softcap=0.7, causal=True)
-    assert np.allclose(capped, reference.attention(q, k, v, score_mod="0.7 * tanh(score / 0.7)", causal=True))
+    _same64(capped, reference.attention(q, k, v, score_mod="0.7 * tanh(score / 0.7)", causal=True), q, k, v,
+            softcap=0.7, causal=True)
     doc = np.array([0, 0, 0, 1, 1, 1, 1, 2, 2])
     docq = doc[2:]  # bottom-right aligned rows
     mask = docq[:, None] == doc[None, :]
-    assert np.allclose(reference.attention(q, k, v, mask_mod="dq[q_idx] == dk[kv_idx]",
-                                           mod_arrays={"dq": docq, "dk": doc}),
-                       reference.attention(q, k, v, bias=np.where(mask, 0.0, -np.inf)))
+    by_mod = dict(mask_mod="dq[q_idx] == dk[kv_idx]", mod_arrays={"dq": docq, "dk": doc})
+    _same64(reference.attention(q, k, v, **by_mod), reference.attention(q, k, v, bias=np.where(mask, 0.0, -np.inf)),
+            q, k, v, **by_mod)
 
 
 def test_reference_gradients_match_finite_differences():
@@ -319,3 +331,17 @@ def test_blockmask_refuses_the_mod_arrays_that_attention_refuses(mod_arrays, exc
     AttributeError for a list of pairs and took Python lists and entries its rule never reads."""
     with pytest.raises(exc, match=match):
         cuflash.BlockMask.from_mask_mod("kv_idx <= q_idx + a", seqlen_q=64, mod_arrays=mod_arrays)
+
+
+def test_the_derivative_takes_the_literals_in_the_working_precision():
+    """score * ((1.0 + 1e-8) - 1.0) * 1e8 is score * 0 in float32, where the forward evaluates it: the output does
+    not depend on q or k, so dQ and dK are 0. The derivative's simplifier folded the literals in float64 (a factor
+    0.99999999), and the backward returned gradients of another function."""
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((1, 8, 1, 16)).astype(np.float32) for _ in range(4))
+    mod = "score * ((1.0 + 1e-8) - 1.0) * 1e8"
+    out, lse = cuflash.attention(q, k, v, score_mod=mod, return_lse=True, backend="numpy")
+    np.testing.assert_array_equal(out, cuflash.attention(q + 1, 3 * k, v, score_mod=mod, backend="numpy"))
+    dq, dk, _ = cuflash.attention_backward(do, q, k, v, out, lse, score_mod=mod, backend="numpy")
+    np.testing.assert_array_equal(dq, 0)
+    np.testing.assert_array_equal(dk, 0)

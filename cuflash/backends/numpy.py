@@ -627,14 +627,14 @@ class _Mods:
         f = self.factor(self.mods.dscore, s0, tile, chunk)
         np.multiply(ds, f, out=ds, where=ds != 0)
 
-    def dbias(self, ds, s0, tile, chunk, part, k0, guarded=False):
+    def dbias(self, ds, s0, tile, chunk, part, k0):
         """Add this tile's dbias (dS times d mod/d bias) into ``part``: the item's share of the bias's compact
         (B|1, H|1, Sq|1, Sk|1) shape, at the item's batch/head block and this tile's rows, keys (or summed); ``part``
         starts at key ``k0`` (its key column's first: the tile may be a strip of fewer keys).
-        ``guarded`` (non-finite inputs, see _seen_product): only where dS != 0, as the factor of an unseen score
-        may be NaN."""
+        Only where dS != 0, as in :meth:`backprop` and the reference: the factor of a score the row does not see (a
+        mask's, a padding row's) may be NaN with finite inputs (``sqrt(q_idx - kv_idx)`` above a causal diagonal)."""
         f = self.factor(self.mods.dbias, s0, tile, chunk)
-        g = np.multiply(ds, f, where=ds != 0, out=np.zeros_like(ds)) if guarded else ds * f
+        g = np.multiply(ds, f, where=ds != 0, out=np.zeros_like(ds))
         g = g.reshape(g.shape[0], -1, *g.shape[3:])  # (nb, nh, rows, keys)
         bias = self.mods.values["cuflash_bias"]
         axes = tuple(i for i, (n, c) in enumerate(zip(bias.shape, self.mods.bias_compact)) if c == 1 and n > 1)
@@ -1186,6 +1186,9 @@ class _Forward:
         np.divide(block.acc[..., :d], np.where(seen, block.l_i, 1)[..., None], out=out)  # no temporary
         if block.v_scale != 1.0:
             out *= wt.type(1.0 / block.v_scale)
+            if not self.problem.dropout_p and not block.guarded:  # an average of finite rows of V: finite, but
+                big = np.finfo(wt).max  # acc / l may round to 1 + ulp of them, past the largest (V at it)
+                np.clip(out, -big, big, out=out)
         with np.errstate(divide="ignore"):
             nat = (block.m_i.astype(np.float64) + rule.log(np.where(seen, block.l_i, 1).astype(np.float64))) * (
                 LN2 * rule.bits)
@@ -1543,7 +1546,7 @@ class _Backward:
             np.copyto(ds, 0, where=p == 0)
         if self.modified:  # the chain rule through the score modifier (and the bias's gradient before it)
             if col.part is not None:
-                modifiers.dbias(ds, s0, t, chunk, col.part, col.k0, guarded)
+                modifiers.dbias(ds, s0, t, chunk, col.part, col.k0)
             modifiers.backprop(ds, s0, t, chunk)
         k_c = col.k_j[..., c, :]
         _seen_product(ds, k_c if ek == ec else np.ldexp(k_c, ec - ek), guarded, dq_acc[..., i, :], matmul,

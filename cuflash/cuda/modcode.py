@@ -17,9 +17,10 @@ one-element float64 arrays read with zero strides (each takes a ``ModArray`` slo
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 
@@ -100,9 +101,19 @@ def slots(p: Parts, real: str = "float") -> Slots:
             arrays[(name, index)] = len(arrays)
     if len(arrays) > params.MOD_ARRAYS or max(counts.values()) > params.MOD_SCALARS:
         raise ValueError(f"the CUDA kernels read at most {params.MOD_ARRAYS} array readings (an array read at two "
-                         f"indexings counts twice) and {params.MOD_SCALARS} scalars of each kind in modifiers and "
-                         f"masks; this call has {len(arrays)} readings and {counts} scalars")
+                         f"indexings counts twice; in float64 a float scalar too) and {params.MOD_SCALARS} scalars of "
+                         f"each kind in a call's masks and modifiers together; this call has {len(arrays)} readings "
+                         f"({_by_argument(name for name, _ in arrays)}) and {counts} scalars (the NumPy backend has "
+                         f"no such limit)")
     return Slots(arrays, scalars, types)
+
+
+def _by_argument(names: Iterable[str]) -> str:
+    """Operand names counted by the argument of the call they come from (its internal names are cuflash_*)."""
+    fixed = {"cuflash_bias": "bias", "cuflash_alibi": "alibi_slopes", "cuflash_softcap": "softcap"}
+    counts = collections.Counter(
+        fixed.get(n) or ("block_mask" if n.startswith("cuflash_m") else f"mod_arrays[{n!r}]") for n in names)
+    return ", ".join(f"{arg}: {n}" for arg, n in counts.items())
 
 
 def _reader(s: Slots, real: str = "float"):
