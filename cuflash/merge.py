@@ -76,12 +76,18 @@ def merge_attention_states(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[An
 
 
 @ignore_fp_errors
-def merge_parts(xp: Any, outs: Sequence[Any], lses: Sequence[Any], work: np.dtype[Any]) -> tuple[Any, Any]:
+def merge_parts(xp: Any, outs: Sequence[Any], lses: Sequence[Any], work: np.dtype[Any], *,
+                unseen: bool = False) -> tuple[Any, Any]:
     """The merge on validated arrays: ``(out, lse)`` in the working dtype ``work`` (no checks, no final rounding).
 
     :mod:`cuflash.distributed` calls this directly to keep its running accumulator in ``work`` across steps. NumPy's
     floating-point errors are ignored whatever the caller set (a part's weight underflows as a rule; NaN and
     infinities are handled below).
+
+    ``unseen``: a part whose weight is exactly 0 contributes nothing, even an infinity or NaN of its ``out`` (no ``0 *
+    inf = NaN``). Attention split over its keys (split-KV, the ring) takes this, as the whole call does: there a key
+    whose probability underflows to 0 contributes nothing, and its split's weight underflows with it. The public
+    merge keeps ``0 * NaN = NaN`` (its Notes: corruption is never hidden).
     """
     lse_all = xp.stack([xp.asarray(x).astype(work, copy=False) for x in lses])  # (n, ..., H, Sq)
     top = lse_all.max(axis=0)
@@ -98,10 +104,15 @@ def merge_parts(xp: Any, outs: Sequence[Any], lses: Sequence[Any], work: np.dtyp
     lse = xp.where(top == np.inf, top, lse)  # exp(inf - inf) is NaN
     # Normalized weights, moved from (..., H, Sq) to out's (..., Sq, H, 1).
     scaled = xp.swapaxes(weights / safe_total, -1, -2)[..., None]
-    out = scaled[0] * outs[0].astype(work, copy=False)
+    out = _weighted(xp, scaled[0], outs[0], work, unseen)
     for i in range(1, len(outs)):
-        out += scaled[i] * outs[i].astype(work, copy=False)
+        out += _weighted(xp, scaled[i], outs[i], work, unseen)
     return out, lse
+
+
+def _weighted(xp: Any, weight: Any, out: Any, work: np.dtype[Any], unseen: bool) -> Any:
+    term = weight * out.astype(work, copy=False)
+    return xp.where(weight != 0, term, work.type(0)) if unseen else term
 
 
 def _sequence(name: str, seq: Any) -> list[Any]:

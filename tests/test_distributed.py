@@ -895,3 +895,25 @@ def test_precision_reaches_each_blocks_kernels(monkeypatch, method):
     with pytest.raises(ValueError, match="float16 inputs take only precision='ieee'"):
         dist.ring_attention(*(x.astype(np.float16) for x in (q, k, v)), ThreadComm(ThreadWorld(1), 0),
                             precision="tf32")
+
+
+def test_a_ring_step_whose_weight_underflows_reaches_nothing(monkeypatch):
+    """The ring merges each step's (out, lse) into its running one. A block of keys whose probabilities underflow to 0
+    (scores -2121 below the row's largest, past even float64's range) holding an infinite value: the whole call gives
+    the finite result (a key of probability 0 contributes nothing), the ring gave NaN (its step's out is inf, its
+    weight exactly 0, and 0 * inf is NaN). merge_parts(unseen=True) drops a part of weight 0 as the call drops such a
+    key."""
+    thread_comms(monkeypatch)
+    q = np.zeros((8, 1, 4))
+    q[..., 0] = 1.0
+    k = np.zeros((8, 1, 4))
+    k[:4, 0, 0], k[4:, 0, 0] = 3000.0, -3000.0  # scores +-1500: the second rank's keys have probability exp(-3000)
+    v = np.ones((8, 1, 4))
+    v[6] = np.inf
+    want = cuflash.attention(q, k, v)
+    np.testing.assert_array_equal(want, np.ones_like(v))  # the reference's rule, as the NumPy backend keeps it
+
+    def rank(r, comm):
+        return dist.ring_attention(*(dist.shard_sequence(x, 2, r) for x in (q, k, v)), comm)
+
+    np.testing.assert_array_equal(dist.unshard_sequence(run_threads(2, rank)), want)

@@ -206,3 +206,56 @@ def test_split_kv_combine_keeps_nan_inf_and_every_finite_lse(name):
                 assert np.abs(out).max() > 0
             elif finite.any():  # the finite rows, by the rule
                 assert_attention_close(out[finite], want[finite], naive[finite])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_paged_cache_of_no_pages(dtype):
+    """A paged cache with no pages at all, every sequence empty and the block table's entries -1 (never read): out 0
+    and lse -inf, as on the NumPy backend. The float64 kernel, which gathers the pages first (it has no paged loads),
+    took page 0 for the unused entries and raised a bare IndexError when there is no page 0."""
+    q = np.ones((2, 1, 2, 8), dtype)
+    cache = np.zeros((0, 4, 1, 8), dtype)  # 0 pages of 4 tokens
+    table = np.full((2, 2), -1, np.int32)
+    out, lse = cuflash.attention_with_kvcache(q, cache, cache.copy(), cache_seqlens=np.zeros(2, np.int32),
+                                              block_table=table, return_lse=True, backend="emulate")
+    np.testing.assert_array_equal(out, np.zeros_like(q))
+    np.testing.assert_array_equal(lse, np.full((2, 2, 1), -np.inf))
+
+
+def test_a_kernel_that_fails_to_compile_leaves_the_caches_as_they_were(monkeypatch):
+    """The append of k_new/v_new ran before the kernels were compiled: a compiler that failed them (a C compiler
+    named by CUFLASH_EMULATE_CXX, Ctrl-C during the build) left k_new written into the caches of a call that raised.
+    The kernels are compiled first now (as the CUDA backend's, through CuPy)."""
+    import cuflash.emulate
+
+    def fails(*_, **__):
+        raise cuflash.emulate.CompileError("the compiler failed")
+
+    monkeypatch.setattr(cuflash.emulate, "compile", fails)
+    rng = np.random.default_rng(0)
+    q, k_new, v_new = (rng.standard_normal((1, 1, 1, 16)).astype(np.float32) for _ in range(3))
+    k_cache, v_cache = np.zeros((1, 8, 1, 16), np.float32), np.zeros((1, 8, 1, 16), np.float32)
+    with pytest.raises(cuflash.emulate.CompileError, match="the compiler failed"):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.array([2], np.int32), k_new=k_new,
+                                       v_new=v_new, backend="emulate")
+    assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.parametrize("d,extra", [(12, 0), (16, 2)])
+def test_the_kernels_read_the_keys_appended_by_the_same_call(d, extra):
+    """A head dim that is no multiple of 8 (12), or a cache view whose rows are 72 bytes apart, makes the launch copy
+    the caches as it is prepared: prepared before the append (a change that compiled the kernels first), the kernel
+    read the caches without k_new, where its key dominates (out 100). Appending first, undone if the call raises."""
+    rng = np.random.default_rng(0)
+    q = np.ones((1, 1, 1, d), np.float32)
+    k_new, v_new = np.full((1, 1, 1, d), 5, np.float32), np.full((1, 1, 1, d), 100, np.float32)
+    k_cache, v_cache = (rng.standard_normal((1, 8, 1, d + extra)).astype(np.float32)[..., :d] for _ in range(2))
+    want = cuflash.attention_with_kvcache(q, k_cache.copy(), v_cache.copy(), cache_seqlens=np.array([3], np.int32),
+                                         k_new=k_new, v_new=v_new, backend="numpy")
+    out = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.array([3], np.int32), k_new=k_new,
+                                        v_new=v_new, backend="emulate")
+    np.testing.assert_array_equal(k_cache[0, 3], k_new[0, 0])
+    ref = reference.attention(q, k_cache[:, :4], v_cache[:, :4])
+    naive = reference.attention(q, k_cache[:, :4], v_cache[:, :4], compute_dtype=np.float32)
+    for got in (out, want):
+        assert_attention_close(got, ref, naive)

@@ -391,14 +391,23 @@ def test_a_call_the_backend_refuses_leaves_the_cache_as_it_was(monkeypatch, back
         np.testing.assert_array_equal(args[n], before[n])
 
 
-def test_kvcache_splits_past_the_key_tiles_give_the_same_bits_on_every_backend():
+def test_kvcache_splits_past_the_key_tiles_give_the_bits_of_as_many_splits_as_tiles():
     """num_splits past the key tiles leaves shares empty: the NumPy backend and the kernels cap it there (the kernels
-    refused 70000 by their grid limit), with the bits of num_splits = the key tiles."""
-    for backend in ("numpy", "emulate"):
-        runs = [cuflash.attention_with_kvcache(Q, KC.copy(), VC.copy(), cache_seqlens=LENS, k_new=KN, v_new=VN,
-                                               num_splits=n, backend=backend, return_lse=True) for n in (64, 70000)]
-        for a, b in zip(*runs):
-            assert np.array_equal(a, b), backend
+    refused 70000 by their grid limit), with the bits of num_splits = the key tiles, on each backend; and the result
+    holds to the rule of the float64 reference. The key tiles of the longest sequence (10 keys): the NumPy backend
+    cuts ceil(L / num_splits) keys a tile, one key each once num_splits >= L, so 10; the kernels' one key tile holds
+    all 10, so 1. (The backends sum in their own orders: they meet only through the reference.)"""
+    length = LENS + KN.shape[1]
+    for backend, tiles in (("numpy", int(length.max())), ("emulate", 1)):
+        runs = {}
+        for n in (tiles, 64, 70000):
+            k_cache, v_cache = KC.copy(), VC.copy()
+            runs[n] = cuflash.attention_with_kvcache(Q, k_cache, v_cache, cache_seqlens=LENS, k_new=KN, v_new=VN,
+                                                     num_splits=n, backend=backend, return_lse=True)
+        for n in (64, 70000):
+            for name, a, b in zip(("out", "lse"), runs[n], runs[tiles]):
+                np.testing.assert_array_equal(a, b, err_msg=f"{backend}: {name} of num_splits={n} vs {tiles}")
+        check_against_reference(Q, k_cache, v_cache, length, *runs[64], {})
 
 
 def test_unused_table_entries_are_not_read():
@@ -413,3 +422,23 @@ def test_unused_table_entries_are_not_read():
                                           block_table=np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int32))
     assert np.array_equal(out, same)
     assert np.array_equal(k_cache, k_same) and np.array_equal(v_cache, v_same)
+
+
+def test_a_call_that_raises_after_the_append_leaves_the_caches_as_they_were(monkeypatch):
+    """Every backend appends k_new/v_new before it computes (the kernels read the new keys from the caches): an
+    exception after that (Ctrl-C, a worker's MemoryError, a kernel that fails to compile) left the caches appended by
+    a call that raised. The append writes the slots' old contents back then."""
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(numpy_ragged, "run_many", interrupted)
+    rng = np.random.default_rng(0)
+    q, k_new, v_new = (rng.standard_normal((2, 1, 1, 8)).astype(np.float32) for _ in range(3))
+    k_cache, v_cache = (rng.standard_normal((2, 6, 1, 8)).astype(np.float32) for _ in range(2))
+    before = k_cache.copy(), v_cache.copy()
+    with pytest.raises(KeyboardInterrupt):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.array([2, 5], np.int32), k_new=k_new,
+                                       v_new=v_new, backend="numpy")
+    np.testing.assert_array_equal(k_cache, before[0])
+    np.testing.assert_array_equal(v_cache, before[1])

@@ -271,3 +271,24 @@ def test_errors_name_the_argument(make, exc, match):
 def test_exported():
     assert "merge_attention_states" in cuflash.__all__
     assert cuflash.merge_attention_states.__doc__.count("Parameters") == 1
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_a_split_whose_weight_underflows_reaches_nothing(num_splits):
+    """Split-KV merges its splits' (out, lse): a split whose keys' probabilities underflow to 0 (scores 2121 below the
+    row's largest) holding an infinite value gave NaN (its out inf, its weight exactly 0, 0 * inf), where the unsplit
+    call, as the reference, gives the finite result: a key of probability 0 contributes nothing. The public merge
+    keeps 0 * inf = NaN (test_nan_propagates_to_its_row_only)."""
+    q = np.zeros((1, 1, 1, 8), np.float32)
+    q[..., 0] = 1.0
+    k = np.zeros((1, 256, 1, 8), np.float32)
+    k[0, :128, 0, 0], k[0, 128:, 0, 0] = 3000.0, -3000.0
+    v = np.ones((1, 256, 1, 8), np.float32)
+    v[0, 200] = np.inf
+    lens = np.array([256], np.int32)
+    want = reference.attention(q, k, v)
+    np.testing.assert_array_equal(want, np.ones_like(want))
+    whole = cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=1, backend="numpy")
+    split = cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=num_splits, backend="numpy")
+    np.testing.assert_array_equal(whole, want)
+    np.testing.assert_array_equal(split, want)

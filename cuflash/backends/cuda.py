@@ -198,10 +198,10 @@ def forward_kvcache(problem, *, spec=None):
     _, cc, max_smem = _device()
     sizes = dict(max_smem=max_smem, sm_count=_sm_count(), spec=spec, cc=cc)
     launches.check_kvcache_launch(problem, **sizes)  # a refused call leaves the caches as they were
-    append_kvcache(problem)
-    kl = launches.forward_kvcache_launch(problem, **sizes)
-    for launch in kl.launches:
-        run(launch)
+    with append_kvcache(problem):  # undone if the kernels fail to compile or launch
+        kl = launches.forward_kvcache_launch(problem, **sizes)
+        for launch in kl.launches:
+            run(launch)
     return kl.result()
 
 

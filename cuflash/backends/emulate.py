@@ -106,8 +106,8 @@ def forward_kvcache(problem, *, sm_count=108, schedule=None, seed=None, spec=Non
     sizes = dict(max_smem=_max_smem(), sm_count=sm_count, spec=spec, cc=_cc())
     launches.check_kvcache_launch(problem, **sizes)  # a refused call leaves the caches as they were: the launch
     emulate._check_environment()  # limits and every CUFLASH_EMULATE_* variable are checked before the append
-    append_kvcache(problem)
-    kl = launches.forward_kvcache_launch(problem, **sizes)
-    for launch in kl.launches:
-        emulate.launch(launch, schedule=schedule, seed=seed)
+    with append_kvcache(problem):  # undone if the kernels fail to compile or run
+        kl = launches.forward_kvcache_launch(problem, **sizes)
+        for launch in kl.launches:
+            emulate.launch(launch, schedule=schedule, seed=seed)
     return kl.result()

@@ -4,6 +4,8 @@ so each sequence's bits are those it would have alone. :func:`append_kvcache` (t
 values) is array-level and shared by every backend."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..merge import merge_parts
@@ -47,14 +49,29 @@ def backward_varlen(problem: VarlenProblem, dout, out, lse, *, deterministic=Fal
 
 
 def append_kvcache(problem: KVCacheProblem):
-    """Write ``k_new``/``v_new`` into the caches at positions ``cache_seqlens + [0, S_new)`` (one scatter each)."""
+    """Write ``k_new``/``v_new`` into the caches at positions ``cache_seqlens + [0, S_new)`` (one scatter each); a
+    context manager: an exception inside it (a kernel that fails to compile, Ctrl-C, an environment variable changed
+    meanwhile) writes back what the slots held, so a call that raises leaves the caches as they were. Every backend
+    appends before it computes (its kernels read the new keys from the caches, through copies some launches make
+    of them as they are prepared), so the undo is of the slots written, the size of ``k_new``."""
     if not problem.seqlen_new:
-        return
+        return contextlib.nullcontext()
     b = np.arange(problem.batch)[:, None]
     pos = problem.cache_host[:, None] + np.arange(problem.seqlen_new)[None, :]
     at = (b, pos) if not problem.paged else (problem.table_host[b, pos // problem.page_size], pos % problem.page_size)
+    before = problem.k_cache[at], problem.v_cache[at]  # advanced indexing: copies
     problem.k_cache[at] = problem.k_new
     problem.v_cache[at] = problem.v_new
+    return _Undo(problem, at, before)
+
+
+class _Undo(contextlib.AbstractContextManager):
+    def __init__(self, problem, at, before):
+        self.problem, self.at, self.before = problem, at, before
+
+    def __exit__(self, kind, *_):
+        if kind is not None:
+            self.problem.k_cache[self.at], self.problem.v_cache[self.at] = self.before
 
 
 def _sequence_kv(problem: KVCacheProblem, b: int):
@@ -112,7 +129,11 @@ def forward_kvcache(problem: KVCacheProblem):
     lse = np.full((problem.batch, problem.heads_q, problem.seqlen_q), -np.inf, dtype=wt)
     # CUFLASH_NUM_THREADS and CUFLASH_BLAS were read (a malformed value refused) as the call started (the backend's
     # entry, _blas.one_call), before the append: a refused call leaves the caches alone
-    append_kvcache(problem)
+    with append_kvcache(problem):
+        return _forward_kvcache(problem, wt, out, lse)
+
+
+def _forward_kvcache(problem, wt, out, lse):
     scratch = _Scratch()
     live = _live(np.full(problem.batch, problem.seqlen_q), problem.lengths_k)
     for group in _groups(problem, live):
@@ -120,6 +141,7 @@ def forward_kvcache(problem: KVCacheProblem):
         results = iter(run_many(w for ws in works for w in ws))
         for b, ws in zip(group, works):
             parts = [next(results) for _ in ws]
-            o, l = parts[0] if len(parts) == 1 else merge_parts(np, [p[0] for p in parts], [p[1] for p in parts], wt)
+            o, l = parts[0] if len(parts) == 1 else merge_parts(
+                np, [p[0] for p in parts], [p[1] for p in parts], wt, unseen=True)  # as the unsplit call
             out[b], lse[b] = o[0], l[0]
     return out, lse

@@ -575,7 +575,10 @@ def forward_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_
         used = -(-np.asarray(problem.lengths_k, dtype=np.int64) // problem.page_size)
         host = problem.table_host
         table = xp.asarray(np.where(np.arange(host.shape[1]) < used[:, None], host, 0).astype(np.int32))
-        k_cache, v_cache = (a[table].reshape((b, capacity) + a.shape[2:]) for a in (k_cache, v_cache))
+        if k_cache.shape[0] == 0:  # no page 0 either: every sequence is empty, nothing is read
+            k_cache, v_cache = (xp.zeros((b, capacity) + a.shape[2:], a.dtype) for a in (k_cache, v_cache))
+        else:
+            k_cache, v_cache = (a[table].reshape((b, capacity) + a.shape[2:]) for a in (k_cache, v_cache))
     q, k, v = (_prepare(xp, a, d8) for a in (problem.q, k_cache, v_cache))
     seqlens_k = xp.asarray(lengths.astype(np.int32))  # host lengths (cuflash.problem read them): no device sync here
     keep = [q, k, v, out, lse, seqlens_k]

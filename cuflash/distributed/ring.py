@@ -478,7 +478,7 @@ def _forward_pairs(s: Setup, q, k_cur, v_cur, src, accs, pending):
                 continue
             pp = _pair_problem(s, _seq(q, qs), _cast(s, _seq(k_cur, ks)), _cast(s, _seq(v_cur, ks)), bounds)
             o, lse = s.module.forward(pp)
-            accs[i] = merge_parts(s.xp, [accs[i][0], o], [accs[i][1], lse], s.work)
+            accs[i] = merge_parts(s.xp, [accs[i][0], o], [accs[i][1], lse], s.work, unseen=True)
             pending.poke()
 
 
