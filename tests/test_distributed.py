@@ -899,7 +899,7 @@ def test_precision_reaches_each_blocks_kernels(monkeypatch, method):
 
 def test_a_ring_step_whose_weight_underflows_reaches_nothing(monkeypatch):
     """The ring merges each step's (out, lse) into its running one. A block of keys whose probabilities underflow to 0
-    (scores -2121 below the row's largest, past even float64's range) holding an infinite value: the whole call gives
+    (scores 3000 below the row's largest, past even float64's range) holding an infinite value: the whole call gives
     the finite result (a key of probability 0 contributes nothing), the ring gave NaN (its step's out is inf, its
     weight exactly 0, and 0 * inf is NaN). merge_parts(unseen=True) drops a part of weight 0 as the call drops such a
     key."""

@@ -223,9 +223,9 @@ def test_a_paged_cache_of_no_pages(dtype):
 
 
 def test_a_kernel_that_fails_to_compile_leaves_the_caches_as_they_were(monkeypatch):
-    """The append of k_new/v_new ran before the kernels were compiled: a compiler that failed them (a C compiler
-    named by CUFLASH_EMULATE_CXX, Ctrl-C during the build) left k_new written into the caches of a call that raised.
-    The kernels are compiled first now (as the CUDA backend's, through CuPy)."""
+    """The append of k_new/v_new runs before the kernels are compiled (their launches read the new keys): a compiler
+    that failed them (a C compiler named by CUFLASH_EMULATE_CXX, Ctrl-C during the build) left k_new written into the
+    caches of a call that raised. The append is undone now when the call raises."""
     import cuflash.emulate
 
     def fails(*_, **__):
