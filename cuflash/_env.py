@@ -60,6 +60,14 @@ def _text(raw: str) -> str:
     return raw
 
 
+def _path(raw: str) -> str:
+    """A path as written, but a space or tab at either end (an editing slip: " /tmp/x" made a folder " " in the
+    working directory) is refused rather than taken into the name."""
+    if raw != raw.strip():
+        raise ValueError
+    return _text(raw)
+
+
 # The smallest fiber stack the emulator accepts. The backward kernels need 12 KiB (at -O1 and -O0; 16 KiB under
 # AddressSanitizer), the forward 8 KiB (kernels/emulate/README.md); 64 KiB leaves room for device printf and for
 # kernels yet to come. Below the need, a launch dies of SIGSEGV in a fiber stack's guard page.
@@ -86,7 +94,7 @@ VARIABLES: dict[str, Variable] = {
         _integer(EMULATE_MIN_STACK_KIB, 1 << 20), f"an integer from {EMULATE_MIN_STACK_KIB} to 1048576 (KiB)", 256,
         "stack of each emulated GPU thread (fiber)"),
     "CUFLASH_EMULATE_CACHE": Variable(
-        _text, "a directory owned by you and writable only by you", None,
+        _path, "a directory owned by you and writable only by you (no whitespace at either end)", None,
         "where the emulator keeps compiled kernel libraries; default ~/.cache/cuflash/emulate"),
     "CUFLASH_EMULATE_CACHE_MIB": Variable(
         _integer(0, 1 << 30), "an integer number of MiB from 0 (no limit) to 1073741824", 1024,

@@ -110,6 +110,7 @@ def test_after_build_trims_to_the_variable_at_most_once_a_minute(tmp_path, monke
 
     for n in range(4):
         _entry(tmp_path, n, time.time() - 10 * HOUR - n)
+    _trim.mark(tmp_path)
     monkeypatch.setattr(_trim, "_next", [0.0])
     monkeypatch.setenv("CUFLASH_EMULATE_CACHE_MIB", "0")  # no limit
     _trim.after_build(tmp_path)
@@ -128,3 +129,63 @@ def test_the_size_variable_is_checked(monkeypatch, raw):
     monkeypatch.setenv("CUFLASH_EMULATE_CACHE_MIB", raw)
     with pytest.raises(ValueError, match="CUFLASH_EMULATE_CACHE_MIB"):
         _env.get("CUFLASH_EMULATE_CACHE_MIB")
+
+
+def test_a_folder_of_the_users_is_never_trimmed(tmp_path, monkeypatch):
+    """CUFLASH_EMULATE_CACHE at a folder of the user's that holds files: names alone cannot tell the emulator's from
+    the user's (a trim deleted a folder trash-old/ with a thesis in it, a file named by its MD5, another <md5>.json),
+    so only a folder the emulator created, found empty or named itself is marked (CACHEDIR.TAG) and trimmed."""
+    import time
+
+    from cuflash.emulate import _cache
+
+    user = tmp_path / "home"
+    (user / "trash-old").mkdir(parents=True)
+    (user / "trash-old" / "thesis.tex").write_text("years of work")
+    md5s = [user / "d41d8cd98f00b204e9800998ecf8427e.txt", user / "9e107d9d372bb6826bd81d3542a419d6.json"]
+    for path in md5s:
+        path.write_text("{}")
+    old = time.time() - 10 * HOUR
+    for path in [user / "trash-old", *md5s]:
+        os.utime(path, (old, old))
+    user.chmod(0o700)
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(user))
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE_MIB", "1")
+    monkeypatch.setattr(_trim, "_next", [0.0])
+    assert _cache.cache_dir() == user and not _trim.marked(user)
+    _trim.after_build(user)
+    assert (user / "trash-old" / "thesis.tex").read_text() == "years of work"
+    assert all(path.exists() for path in md5s)
+
+    fresh = tmp_path / "new" / "cache"  # made by the emulator: its own, marked and trimmed
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE", str(fresh))
+    assert _cache.cache_dir() == fresh and _trim.marked(fresh)
+    for n in range(4):
+        _entry(fresh, n, old - n)
+    monkeypatch.setattr(_trim, "_next", [0.0])
+    _trim.after_build(fresh)
+    assert len(_keys(fresh)) == 0  # 4 MiB of entries unused for hours, over a limit of 1 MiB
+
+
+@pytest.mark.parametrize("raw", [" /tmp/cuflash-cache", "/tmp/cuflash-cache\t"])
+def test_the_cache_variable_refuses_whitespace_at_either_end(monkeypatch, raw):
+    """A leading space made the emulator create and use a folder named " " in the working directory (a trailing tab,
+    a folder ending in one): an editing slip, refused naming the variable (every other variable strips it)."""
+    monkeypatch.setenv("CUFLASH_EMULATE_CACHE", raw)
+    with pytest.raises(ValueError, match="CUFLASH_EMULATE_CACHE=.*no whitespace at either end"):
+        _env.get("CUFLASH_EMULATE_CACHE")
+
+
+def test_the_tag_is_read_without_blocking_and_written_whole(tmp_path):
+    """A FIFO named CACHEDIR.TAG hung the check (a read waiting for a writer); a tag cut short (a killed write) was
+    never written again, leaving the cache untrimmed for good."""
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / _trim.TAG)
+    assert not _trim.marked(fifo)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / _trim.TAG).write_text("Signature: 8a477f")
+    assert not _trim.marked(cut)
+    _trim.mark(cut)
+    assert _trim.marked(cut) and sorted(os.listdir(cut)) == [_trim.TAG]

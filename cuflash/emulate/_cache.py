@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from .. import _env
+from . import _trim
 
 VARIABLE = "CUFLASH_EMULATE_CACHE"
 _CHUNK = 1 << 20
@@ -120,6 +121,10 @@ def _configured(raw: str) -> Path:
                          f"{problem}; expected {accepted}")
     if not _writable(path):
         raise ValueError(f"environment variable {VARIABLE}={raw!r} is not writable by this user: expected {accepted}")
+    with os.scandir(path) as entries:
+        empty = next(entries, None) is None
+    if path in created or empty:  # the emulator's own folder, trimmed (a user's is not)
+        _trim.mark(path)
     return path
 
 
@@ -154,6 +159,7 @@ def _fallback() -> Path:
     if not _writable(path):
         raise ValueError(f"the emulator has no usable cache: HOME is not writable and neither is {path}; set "
                          f"{VARIABLE} to a directory owned by you and writable only by you")
+    _trim.mark(path)  # a name of cuflash's: its own folder
     return path
 
 
@@ -169,7 +175,10 @@ def cache_dir() -> Path:
     except (OSError, RuntimeError):  # no HOME, or one we cannot write (some CI sandboxes)
         return _fallback()
     _checked(path, [path.parent, path])  # ~/.cache/cuflash and its emulate/: the components cuflash owns
-    return path if _writable(path) else _fallback()  # made read-only since (a 0500 cache in a read-only home)
+    if not _writable(path):
+        return _fallback()  # made read-only since (a 0500 cache in a read-only home)
+    _trim.mark(path)
+    return path
 
 
 # ------------------------------------------------------------------------------------------------ files

@@ -8,7 +8,11 @@ its libraries), least recently used first, down to 90% of it. "Used" is the reco
 failed source, a precompiled shim of another toolchain) go once they are older than :data:`GRACE_S`, and no entry
 used within that time is removed: another process may be about to load it.
 
-Only names the emulator makes are touched: a cache that the user pointed at a folder holding other files keeps them.
+Only a folder the emulator made for itself is trimmed: one it created, found empty, or named itself (the default
+cache), which it marks with a ``CACHEDIR.TAG`` (the Cache Directory Tagging convention, which backup tools honour
+too). A folder of the user's that ``CUFLASH_EMULATE_CACHE`` points at grows unbounded: names alone could not tell the
+emulator's files from the user's (``trash-old/`` or a file named by its MD5 looked like its own), and a trim there
+deleted them. Within a marked folder, only names the emulator makes are touched.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import os
 import re
 import shutil
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,9 +41,40 @@ PCH = re.compile(r"pch-[0-9a-f]{24}")
 #: what a build leaves only when it is killed midway (its work folder, a record's temporary, a failed source,
 #: a shim's folder being built, a discarded one being deleted)
 LEFTOVER = re.compile(rf"{_KEY}\.{_RANDOM}|{_KEY}\.json\.{_RANDOM}\.tmp|{_KEY}\.{_RANDOM}\.cpp\.failed|"
-                      rf"pch-tmp-{_RANDOM}|trash-{_RANDOM}")
+                      rf"pch-tmp-{_RANDOM}|trash-{_RANDOM}|CACHEDIR\.TAG\.{_RANDOM}\.tmp")
 
 _next = [0.0]  # monotonic time of this process's next trim
+
+#: the mark of a folder the emulator owns (https://bford.info/cachedir/): only such a folder is trimmed
+TAG = "CACHEDIR.TAG"
+_TAG_TEXT = ("Signature: 8a477f597d28d172789f06886806bc55\n"
+             "# cuflash's emulator cache: kernel libraries, trimmed to CUFLASH_EMULATE_CACHE_MIB.\n")
+
+
+def mark(directory: Path) -> None:
+    """Mark ``directory`` as the emulator's own: its :data:`TAG`, written whole (a temporary renamed into place: a
+    tag cut short by a kill would leave the folder unmarked for good)."""
+    if marked(directory):
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f"{TAG}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(_TAG_TEXT)
+        os.replace(tmp, directory / TAG)
+    except BaseException:
+        _remove(Path(tmp))
+        raise
+
+
+def marked(directory: Path) -> bool:
+    """Whether ``directory`` holds the emulator's :data:`TAG`: a regular file of its own text (opened without
+    following a link or blocking on a FIFO, and checked before a byte is read)."""
+    try:
+        fd = os.open(directory / TAG, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        return stat.S_ISREG(os.fstat(f.fileno()).st_mode) and f.read(len(_TAG_TEXT) + 1) == _TAG_TEXT.encode()
 
 
 def touch(record: Path) -> None:
@@ -50,7 +86,10 @@ def touch(record: Path) -> None:
 
 
 def after_build(directory: Path, keep=()) -> None:
-    """Trim ``directory`` (:func:`trim`) to ``CUFLASH_EMULATE_CACHE_MIB``, at most once per :data:`EVERY_S`."""
+    """Trim ``directory`` (:func:`trim`) to ``CUFLASH_EMULATE_CACHE_MIB``, at most once per :data:`EVERY_S`; only a
+    folder the emulator :func:`marked` as its own."""
+    if not marked(directory):
+        return
     now = time.monotonic()
     if now < _next[0]:
         return
