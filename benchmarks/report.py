@@ -1,11 +1,9 @@
 """Records, the JSON files (one per figure, one schema) and the text table of a run."""
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import stat
 import tempfile
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -14,6 +12,7 @@ from typing import Optional
 
 from .cases import FIGURE_FILES, FIGURE_TITLES, FIGURES, Case
 from .impls import NA
+from .jsonfile import MAX_JSON_BYTES, not_regular, read_json  # noqa: F401  (this module's names too)
 from .timing import Timer
 
 
@@ -76,9 +75,6 @@ INT_LIMIT = 2**63
 #: the record fields that hold a measurement: a finite number >= 0 where not null (json.loads takes NaN and
 #: Infinity, and a negative time or rate is no measurement; either drew a plot and a table of nonsense)
 MEASURED_FIELDS = ("ms", "tflops", "gbps", "host_ms")
-#: the largest figure JSON read back (a run's figure JSON is at most a few MiB): a file of 1 TiB at a figure's name
-#: was read whole, a MemoryError traceback in --replot and in a run's look at its --out
-MAX_JSON_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -150,50 +146,6 @@ def describe_run(run: tuple) -> str:
             f"{', interrupted (partial results)' if partial else ''}")
 
 
-def not_regular(mode: int) -> Optional[str]:
-    """What a file of ``st_mode`` ``mode`` is, in words, where it is not a regular file (None where it is): a figure
-    file is a regular file, read back (:func:`read_json`) or removed (``--replace``) as one."""
-    if stat.S_ISREG(mode):
-        return None
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
-    return next((words for test, words in kinds if test(mode)), "not a regular file")
-
-
-def read_json(path: Path):
-    """The JSON value held by the regular file ``path``; anything else is a ValueError naming it. Every figure JSON
-    read back goes through here (--replot, and the other runs a run's --out holds). The file is opened without
-    blocking (a FIFO would hang the open, then the read) and without following a symbolic link, and is checked to be
-    a regular file before a byte is read, and no larger than :data:`MAX_JSON_BYTES`; JSON nested deeper than the
-    parser recurses is malformed like any other."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:  # a file this user cannot read, a symbolic link (ELOOP under O_NOFOLLOW)
-        why = "a symbolic link, not a regular file" if exc.errno == errno.ELOOP else exc.strerror or exc
-        raise ValueError(f"{path}: cannot be read ({why})") from None
-    try:
-        st = os.fstat(fd)
-        kind = not_regular(st.st_mode)
-        if kind:  # a folder opens read-only on Linux; fdopen would raise, a FIFO's read would wait for a writer
-            raise ValueError(f"{path}: cannot be read ({kind}, not a regular file)")
-        if st.st_size > MAX_JSON_BYTES:  # read whole, it would exhaust the memory before the parser saw a byte
-            raise ValueError(f"{path}: cannot be read ({st.st_size} bytes, more than the {MAX_JSON_BYTES >> 20} MiB "
-                             f"a figure JSON may hold)")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(MAX_JSON_BYTES + 1)  # a file grown since the fstat is read no further than the bound
-        if len(data) > MAX_JSON_BYTES:
-            raise ValueError(f"{path}: cannot be read (more than the {MAX_JSON_BYTES >> 20} MiB a figure JSON may "
-                             f"hold)")
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    finally:
-        os.close(fd)
-    try:
-        return json.loads(data.decode("utf-8"))
-    except RecursionError:  # e.g. 200000 nested arrays: the parser's recursion limit, not a defect of ours
-        raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
-    except ValueError as exc:  # JSONDecodeError (e.g. a file cut short by a kill), UnicodeDecodeError
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
 
 
 def load_figure(path: Path, fig: str) -> dict:

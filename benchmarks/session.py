@@ -202,14 +202,17 @@ def _write_json(option: str, path: Path, data, **dumps) -> None:
 def _finish(args) -> int:
     out = _json_path("--out", args.out, "out/session.json")
     session = {}
-    if args.probe and Path(args.probe).exists():
-        try:  # this script's own file, but a kill can leave it cut short: checked before it is taken up
-            facts = json.loads(Path(args.probe).read_text(), parse_constant=_not_json)
+    if args.probe and os.path.lexists(args.probe):
+        from .jsonfile import read_json
+
+        try:  # this script's own file, but a kill can leave it cut short: checked before it is taken up (read_json:
+            # a regular file of bounded size, JSON nested no deeper than the parser goes)
+            facts = read_json(Path(args.probe), parse_constant=_not_json)
             if not isinstance(facts, dict):
-                raise ValueError("not a JSON object")
+                raise ValueError(f"{args.probe}: not a JSON object")
             session.update(facts)
-        except (ValueError, OSError) as exc:
-            session["probe_unreadable"] = f"{args.probe}: {exc}"
+        except ValueError as exc:  # read_json's name the file
+            session["probe_unreadable"] = str(exc)
     if args.junit and Path(args.junit).exists():
         session["tests"] = junit_summary(Path(args.junit))
     for item in args.set:

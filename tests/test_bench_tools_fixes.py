@@ -237,3 +237,18 @@ def test_session_json_is_strict_json(tmp_path, capsys):
     assert facts["status"] == 1 and facts["nan"] == "NaN"  # a field that is no number keeps its text
     line = _exits_2(session.main, ["finish", "--out", str(out), "--set", "=1"], capsys, f"{SESSION} finish")
     assert "--set takes KEY=VALUE, got '=1'" in line
+
+
+@pytest.mark.parametrize("kind", ["deep", "fifo"])
+def test_a_probe_file_too_deep_or_not_a_file_is_recorded_unreadable(tmp_path, kind):
+    """finish --probe read the probe with json.loads on read_text(): 100000 nested arrays (a corrupted file) ended
+    in a bare RecursionError traceback and no session.json, and a FIFO at that path hung the read. It goes through
+    report.read_json now, as every JSON the benchmarks read back: recorded as unreadable, session.json written."""
+    probe, out = tmp_path / "probe.json", tmp_path / "session.json"
+    if kind == "deep":
+        probe.write_text("[" * 100000)
+    else:
+        os.mkfifo(probe)
+    assert session.main(["finish", "--out", str(out), "--probe", str(probe)]) == 0
+    reason = _strict(out.read_text())["probe_unreadable"]
+    assert str(probe) in reason and ("nested too deeply" if kind == "deep" else "a FIFO") in reason
