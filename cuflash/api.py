@@ -377,9 +377,9 @@ def _backward_residual(dout: Array, residual: AttentionResidual, given: Mapping[
         raise TypeError(f"attention_backward(dout, residual) takes the forward's options from the residual; "
                         f"{', '.join(extra)} given as well (the residual has {extra[0]}="
                         f"{residual.options[extra[0]]!r})")
-    edge = residual._edge
-    if edge is None or len(residual._saved) != 5:
+    if residual._edge is None or len(residual._saved) != 5:
         raise TypeError("residual must come from attention(..., return_residual=True)")
+    edge = residual._edge.again()
     allowed = {None: ("dq", "dk", "dv"), "qkv": ("dqkv",), "kv": ("dq", "dkv")}[residual.packed]
     wrong = sorted(name for name, b in buffers.items() if b is not None and name not in allowed)
     if wrong:

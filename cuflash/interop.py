@@ -27,8 +27,9 @@ Rules checked here, each a ``TypeError``/``ValueError`` naming the argument befo
 - the data arrays of a call (``q``, ``k``, ``v``, ``dout``, ``out``, ``lse``, the ``out=`` buffers, merge parts)
   come from one library and live on one device (the result type must be unambiguous, and a CPU tensor next to a
   CUDA tensor would otherwise surface as a NumPy/CuPy mixture);
-- a buffer to write into (``out=``, ``dq=``, ...) converts without a copy to a writable array (JAX arrays are
-  immutable: refused);
+- a buffer to write into (``out=``, ``dq=``, ...) converts without a copy to a writable array; a JAX array, which
+  JAX never lets change, is refused by its type as a buffer or a KV cache to append to (on a GPU, CuPy's view of it
+  is writable);
 - option arrays (``seqlens_q``, ``bias``, ``mod_arrays`` values, ...) are converted the same way and otherwise left
   to the usual validation (:mod:`cuflash.problem`);
 - NumPy and CuPy arrays pass through untouched, and the checks of :func:`cuflash.problem.array_module` (masked and
@@ -40,6 +41,7 @@ it), and CuPy only for CUDA arrays.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from typing import Any, Iterator, Optional, Sequence
 
@@ -116,6 +118,14 @@ class Edge:
         self._key: Any = None
         self._written: list[Any] = []            # the caller's arrays the call writes into (see written())
 
+    def again(self) -> "Edge":
+        """This edge for another call (a residual's backward: its origin kept), with nothing written yet: a list
+        shared across calls kept the tensors of a call that failed while converting its buffers, and a later call
+        advanced their version counters though it never wrote them (and two threads would share it)."""
+        edge = copy.copy(self)
+        edge._written = []
+        return edge
+
     @property
     def foreign(self) -> bool:
         """Whether the call's arrays are of a library other than NumPy and CuPy (results are converted back)."""
@@ -161,8 +171,7 @@ class Edge:
         native = self.data(name, a)
         self.written((name,), a)
         if isinstance(native, np.ndarray) and not native.flags.writeable:
-            hint = " (JAX arrays are immutable: let cuflash allocate)" if "jax" in _library(a) else ""
-            raise ValueError(f"{name} is read-only: a buffer for the result must be writable{hint}")
+            raise ValueError(f"{name} is read-only: a buffer for the result must be writable")
         return native
 
     def option(self, name: str, a: Any) -> Any:
@@ -227,6 +236,11 @@ class Edge:
         had saved for another operation's backward was then read with the new values, silently (PyTorch's own
         in-place write raises). An inference tensor outside inference mode, which PyTorch refuses to write in place,
         is refused alike (it was written)."""
+        for name, a in zip(names, arrays):
+            if a is not None and "jax" in _library(a):  # on a GPU CuPy's view of it is writable: refused by type
+                raise ValueError(f"{name} is a JAX array, which JAX never lets change: cuflash cannot write into it "
+                                 f"(let cuflash allocate the result; a KV cache to append to must be of another "
+                                 f"library)")
         torch = [(name, a) for name, a in zip(names, arrays) if a is not None and _library(a) == "torch"]
         for name, a in torch:
             if a.is_inference() and not sys.modules["torch"].is_inference_mode_enabled():

@@ -177,8 +177,7 @@ def test_jax_arrays_through_cuflash_attention(name):
 def test_jax_arrays_are_immutable_buffers():
     jax = pytest.importorskip("jax", reason="JAX is not installed (it comes with the test extra)")
     q, k, v = (jax.numpy.asarray(a) for a in (CASES["plain"].q, CASES["plain"].k, CASES["plain"].v))
-    with pytest.raises(ValueError, match=r"out is read-only: a buffer for the result must be writable \(JAX arrays "
-                                         r"are immutable"):
+    with pytest.raises(ValueError, match=r"out is a JAX array, which JAX never lets change"):
         cuflash.attention(q, k, v, out=jax.numpy.zeros_like(q))
 
 
@@ -498,3 +497,42 @@ def test_device_kind():
             return 13, 2  # kDLCUDAManaged on GPU 2
 
     assert interop.device_kind(Managed()) == ("cuda", 2)
+
+
+class JaxCuda(ForeignCuda):
+    """A JAX array on a GPU, as cuflash sees one: DLPack only, its type's module jaxlib."""
+
+
+JaxCuda.__module__ = "jaxlib._jax"
+
+
+def test_a_jax_array_on_a_gpu_is_refused_as_a_buffer_or_a_cache_to_append_to(cp):
+    """JAX arrays never change, and the refusal of one as out= was NumPy's read-only flag: on a GPU, CuPy's view of it
+    is writable, and out= was filled in place (the caller's immutable array changed, and every array sharing its
+    memory). Refused by type now, as a buffer and as a KV cache that k_new would be appended to, before anything
+    runs."""
+    q, k, v, _ = _fp16_case()
+    arrays = [JaxCuda(cp.asarray(a)) for a in (q, k, v)]
+    out = JaxCuda(cp.zeros(q.shape, dtype=q.dtype))
+    with pytest.raises(ValueError, match="out is a JAX array, which JAX never lets change"):
+        cuflash.attention(*arrays, out=out)
+    assert not out._arr.get().any() and not cp._launches
+    with pytest.raises(ValueError, match="k_cache is a JAX array, which JAX never lets change"):
+        cuflash.attention_with_kvcache(arrays[0], arrays[1], arrays[2], cache_seqlens=np.array([3], np.int32),
+                                       k_new=JaxCuda(cp.asarray(q[:, :1])), v_new=JaxCuda(cp.asarray(q[:, :1])))
+
+
+def test_a_residuals_failed_backward_leaves_no_tensor_to_mark_written():
+    """A residual keeps its call's conversions for the backward. A backward that took dq= (a torch tensor) and failed
+    at dk= (a NumPy array beside torch tensors) left dq listed as written: the next backward on that residual, which
+    took no buffer, advanced dq's version counter, and autograd refused a graph that had saved dq ("modified by an
+    inplace operation") though cuflash never wrote it. Each backward now starts with nothing written."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 4, 2, 8, generator=g) for _ in range(4))
+    _, residual = cuflash.attention(q, k, v, return_residual=True)
+    dq = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(TypeError, match="dk is a numpy array"):
+        cuflash.attention_backward(dout, residual, dq=dq, dk=np.zeros((1, 4, 2, 8), np.float32))
+    cuflash.attention_backward(dout, residual)
+    assert dq._version == 0 and not dq.any()
