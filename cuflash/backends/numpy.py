@@ -824,6 +824,14 @@ class _Bounds:
         return u + m_safe * self.bits <= self.normal_limit
 
 
+def _rows_dot(a, b):
+    """``rowsum(a ∘ b)`` over the last axis, summed in one order whatever the operands' strides: einsum sums a last
+    axis that is not contiguous in another order, so dQ and dK's last bits followed the layout of the caller's out=
+    buffer or dout (a Fortran-ordered dout changed 5236 of 8192 elements of dK). Such an operand is copied first."""
+    a, b = (x if x.strides[-1] == x.itemsize else np.ascontiguousarray(x) for x in (a, b))
+    return np.einsum("...d,...d->...", a, b)
+
+
 def _largest(x) -> float:
     """max |x| (inf or NaN where ``x`` is not finite; 0 for none): two reductions, no temporary."""
     if x.size == 0:
@@ -1317,7 +1325,7 @@ def _row_operands(rule, q, do, o, lse_r, big_d, shifts, prepared, bounded) -> _P
             rows.q1[..., r, d] = -lse_r[bs, hs, :, r]
             if ec:  # D from the scaled dO too (the unscaled one may have overflowed)
                 np.ldexp(doc[..., r, :], -ec, out=dop)
-                rows.big_d[..., r] = np.einsum("...d,...d->...", dop, o[bs, hs, :, r, :])
+                rows.big_d[..., r] = _rows_dot(dop, o[bs, hs, :, r, :])
             else:
                 dop[...] = doc[..., r, :]
                 rows.big_d[..., r] = big_d[bs, hs, :, r]
@@ -1394,7 +1402,7 @@ class _Backward:
         # NaN. There the arguments are clamped at 0 (a pass per tile, only for such huge scores): finite gradients,
         # as accurate as a float32 lse allows.
         self.coarse = bool(np.abs(lse_r[np.isfinite(lse_r)]).max(initial=0) >= 2.0 ** np.finfo(wt).nmant)
-        big_d = np.einsum("...d,...d->...", do, o)  # D = rowsum(dO ∘ O)
+        big_d = _rows_dot(do, o)  # D = rowsum(dO ∘ O)
         # dO, and Q and K in the sums of dS Q and dS K, at powers of two where an intermediate could overflow
         bshd = lambda x, y: x if np.may_share_memory(x, y) else _ungroup(y)  # noqa: E731  (the inputs, or copies)
         self.grad_shifts = _GradShifts(problem, wt, bshd(problem.q, q), bshd(problem.k, k), bshd(problem.v, v),
