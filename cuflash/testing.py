@@ -151,7 +151,30 @@ def attention_cases(*, dtypes=("float32",), max_seqlen=160, head_dims=None, max_
     """Hypothesis strategy of :class:`Case`: awkward lengths, Sq ≠ Sk both ways, GQA/MQA,
     causal, windows, per-sequence lengths, BlockMasks (whole blocks, causal, sliding window, document, dense,
     prefix-LM), any number of batch dimensions;
-    with ``modifiers``, bias (of several broadcast shapes), ALiBi, softcap, score and mask modifiers."""
+    with ``modifiers``, bias (of several broadcast shapes), ALiBi, softcap, score and mask modifiers.
+
+    Parameters
+    ----------
+    dtypes : non-empty sequence of dtype names or NumPy dtypes
+        The input dtypes drawn from (float16, bfloat16, float32, float64).
+    max_seqlen : int >= 1
+        The largest ``seqlen_q`` and ``seqlen_k`` drawn.
+    head_dims : sequence of ints, optional
+        The head dims drawn from; None draws one in ``[1, max_head_dim]``.
+    max_head_dim : int >= 1
+        The largest head dim drawn where ``head_dims`` is None.
+    max_batch_dims : int >= 0
+        The most batch dimensions drawn.
+    gqa, causal, window, seqlens, block_mask, scale : bool
+        Whether to draw grouped-query heads, ``causal=``, ``window=``, ``seqlens_q``/``seqlens_k``,
+        ``block_mask=`` (of the sizes in ``block_sizes``) and a ``scale=`` other than the default.
+    block_sizes : sequence of ints >= 1
+        The BlockMask block sizes drawn from.
+    dropout : bool
+        Whether to draw ``dropout_p`` (with a ``seed``); off by default.
+    modifiers : bool
+        Whether to draw the score and mask modifiers above; off by default.
+    """
     from hypothesis import strategies as st
 
     # Every argument is checked here, when the strategy is built, not when a draw first meets it (block size 0 was a

@@ -61,6 +61,11 @@ def cp(monkeypatch):
     (dict(dtypes=(np.int32,)), ValueError, "dtypes must each be one of"),
     (dict(dtypes=(None,)), ValueError, "dtypes must each be one of"),
     (dict(dtypes=16), TypeError, "dtypes must be a dtype or a sequence of dtypes"),
+    # checked since 2026-11-28: a truth test compiled the backward for "yes", file=123 failed at the first progress
+    # line, and without a GPU each was "no usable CUDA device"
+    (dict(backward="yes"), TypeError, "backward must be a bool, got str"),
+    (dict(progress=1), TypeError, "progress must be a bool, got int"),
+    (dict(file=123), TypeError, "file must be a writable text stream .* got int"),
 ])
 def test_warmup_refuses_bad_arguments_before_the_device(no_device, kwargs, error, match):
     with pytest.raises(error, match=match):

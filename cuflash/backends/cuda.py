@@ -22,7 +22,7 @@ from ..cuda import params
 from ..cuda import specs
 from ..cuda.compile import KERNEL_OPTIONS
 from ..cuda.source import kernel_source
-from ..problem import Problem, check_current_device, check_precision_name
+from ..problem import Problem, check_current_device, check_flags, check_precision_name
 
 MIN_CC = 80
 #: what this backend computes (checked once, by cuflash.backends.select)
@@ -296,6 +296,10 @@ def warmup(dtypes=tuple(specs.CTYPES), head_dims=specs.NATIVE_HEAD_DIMS, *, back
         raise TypeError(f"workers must be a positive int, got {type(workers).__name__} {workers!r}")
     if workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
+    check_flags(backward=backward, progress=progress)  # "yes" compiled the backward kernels, a truth test
+    if file is not None and not callable(getattr(file, "write", None)):  # it failed at the first progress line
+        raise TypeError(f"file must be a writable text stream (with a write method) or None, got "
+                        f"{type(file).__name__}")
     ok, why = available()
     if not ok:
         raise RuntimeError(f"cannot warm up the CUDA kernels: {why}")

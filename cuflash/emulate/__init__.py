@@ -156,7 +156,23 @@ def _check_environment() -> None:
 
 
 def _seed(seed) -> int:
-    return (_env.get("CUFLASH_EMULATE_SEED") if seed is None else int(seed)) & (2**64 - 1)
+    """The "random" schedule's seed: the argument, else CUFLASH_EMULATE_SEED; an int in [0, 2**64) (-1 became
+    2**64 - 1 and 2.9 became 2, silently)."""
+    if seed is None:
+        return _env.get("CUFLASH_EMULATE_SEED")
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int in [0, 2**64) or None, got {type(seed).__name__}")
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed}")
+    return int(seed)
+
+
+def _hw_math(hw_math) -> bool:
+    if hw_math is None:
+        return _env.get("CUFLASH_EMULATE_HW_MATH")
+    if not isinstance(hw_math, (bool, np.bool_)):  # "no" turned it on
+        raise TypeError(f"hw_math must be a bool or None, got {type(hw_math).__name__}")
+    return bool(hw_math)
 
 
 def launch(spec: LaunchSpec, *, schedule: str | None = None, seed: int | None = None, sanitize: bool = False,
@@ -183,10 +199,9 @@ def launch(spec: LaunchSpec, *, schedule: str | None = None, seed: int | None = 
     if not 0 <= spec.shared_bytes <= MAX_SHARED_BYTES:
         raise ValueError(f"shared_bytes={spec.shared_bytes} outside [0, {MAX_SHARED_BYTES}]")
     _check_environment()
-    stack, order = _stack_bytes(stack_kib), _schedule(schedule)
-    hw = _env.get("CUFLASH_EMULATE_HW_MATH") if hw_math is None else bool(hw_math)
+    stack, order, seed, hw = _stack_bytes(stack_kib), _schedule(schedule), _seed(seed), _hw_math(hw_math)
     lib = compile(spec, sanitize=sanitize)
-    return lib.launch(spec.args, grid, block, int(spec.shared_bytes), order, _seed(seed), stack, hw)
+    return lib.launch(spec.args, grid, block, int(spec.shared_bytes), order, seed, stack, hw)
 
 
 def sanitizer_env(base: dict | None = None) -> dict:

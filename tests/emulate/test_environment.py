@@ -129,6 +129,23 @@ def test_stack_kib_must_be_an_integer():
         _copy_launch(stack_kib=128.5)
 
 
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*64\) or None, got -1"),
+    (dict(seed=2**64), ValueError, "seed must be an int in"),
+    (dict(seed=2.9), TypeError, "seed must be an int in .* got float"),
+    (dict(seed="abc"), TypeError, "seed must be an int in .* got str"),
+    (dict(seed=True), TypeError, "seed must be an int in .* got bool"),
+    (dict(hw_math="no"), TypeError, "hw_math must be a bool or None, got str"),
+    (dict(hw_math=1), TypeError, "hw_math must be a bool or None, got int"),
+])
+def test_seed_and_hw_math_are_checked(kwargs, error, match):
+    """launch's seed was int() of anything, masked to 64 bits (-1 became 2**64 - 1, 2.9 became 2, "abc" a bare int()
+    error), and hw_math a truth test ("no" turned the GPU-like math on), all after the kernel compiled; they are
+    checked with schedule and stack_kib now."""
+    with pytest.raises(error, match=match):
+        _copy_launch(**kwargs)
+
+
 def test_the_readme_table_is_the_variables_table():
     """The README's table of environment variables is cuflash._env.VARIABLES, row for row, and nothing in cuflash
     reads a CUFLASH_* variable around the table."""
