@@ -917,3 +917,63 @@ def test_a_ring_step_whose_weight_underflows_reaches_nothing(monkeypatch):
         return dist.ring_attention(*(dist.shard_sequence(x, 2, r) for x in (q, k, v)), comm)
 
     np.testing.assert_array_equal(dist.unshard_sequence(run_threads(2, rank)), want)
+
+
+@pytest.mark.parametrize("case", ["inf in V", "float16 underflow"])
+def test_the_ring_runs_under_numpys_raise_setting_as_one_device_does(monkeypatch, case):
+    """Under np.seterr(all="raise") (or -W error) the one-device call runs: cuflash's arithmetic ignores NumPy's
+    floating-point errors. The ring's own casts and sums did not: a -inf in one rank's V made dK += the carried block
+    raise on one rank outside the agreed failure (the others waited for ever), and float16 results that underflow in
+    the final cast raised on every rank. Now the same NaN/inf pattern as the one-device call, finite where it is."""
+    thread_comms(monkeypatch)
+    rng = np.random.default_rng(2 if case == "inf in V" else 0)
+    dtype, size, options = (np.float32, 4, dict(causal=True, window=(5, None))) if case == "inf in V" else \
+        (np.float16, 2, {})
+    q, k, v, dout = (rng.standard_normal((12, 1, 4)).astype(dtype) for _ in range(4))
+    if case == "inf in V":
+        v[5, 0, 1] = -np.inf
+    else:
+        dout *= dtype(1e-4)  # dQ, dK round into float16's subnormals
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    want = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+
+    def rank(r, comm):
+        qs, ks, vs, ds = (dist.shard_sequence(x, size, r) for x in (q, k, v, dout))
+        with np.errstate(all="raise"):
+            o, l = dist.ring_attention(qs, ks, vs, comm, return_lse=True, **options)
+            return dist.ring_attention_backward(ds, qs, ks, vs, o, l, comm, **options)
+
+    grads = run_threads(size, rank, timeout=20)
+    for i, w in enumerate(want):
+        got = dist.unshard_sequence([g[i] for g in grads])
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(w))
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(w))
+
+
+def test_gather_sequence_out_of_memory_on_one_rank_raises_on_every_rank(monkeypatch):
+    """gather_sequence makes the module's largest allocation (P times a rank's data): one rank out of memory raised
+    alone and left the others waiting in the transfer for ever. Its buffers are made before any transfer now, the
+    failure agreed (comm.together), as in the ring and Ulysses."""
+    thread_comms(monkeypatch)
+    failing = threading.local()
+    empty = np.empty
+
+    def short_of_memory(*args, **kwargs):
+        if getattr(failing, "rank", None) == 1:
+            raise MemoryError("cannot allocate on rank 1")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(np, "empty", short_of_memory)
+    x = np.arange(2 * 12 * 3 * 4, dtype=np.float32).reshape(2, 12, 3, 4)
+
+    def rank(r, comm):
+        failing.rank = r
+        try:
+            dist.gather_sequence(dist.shard_sequence(x, 3, r), comm)
+        except (MemoryError, RuntimeError) as exc:
+            return type(exc).__name__, str(exc)
+        return None
+
+    results = run_threads(3, rank, timeout=10)
+    assert results[1] == ("MemoryError", "cannot allocate on rank 1")
+    assert all(kind == "RuntimeError" and "rank(s) [1]" in text for kind, text in (results[0], results[2]))

@@ -234,17 +234,18 @@ def gather_sequence(x, comm, *, layout="contiguous", axis=-3):
     if differ:
         raise ValueError(f"gather_sequence: rank(s) {differ} differ from rank 0 in the dimensions other than axis "
                          f"{axis}, the dtype or the layout; this rank has {signature}")
-    x = xp.ascontiguousarray(x)
-    parts, sends, recvs = [], [], []
-    for src in range(transport.size):
-        if src == transport.rank:
-            parts.append(x)
-            continue
-        shape = list(x.shape)
-        shape[axis] = int(meta[src, 0])
-        buf = xp.empty(tuple(shape), dtype=x.dtype)
-        parts.append(buf)
-        recvs.append((buf, src, comms.TAG_GATHER))
-        sends.append((x, src, comms.TAG_GATHER))
-    transport.start(sends, recvs).wait()
+    def buffers():  # the contiguous copy and every receive buffer, made before any transfer
+        mine = xp.ascontiguousarray(x)
+        parts = []
+        for src in range(transport.size):
+            shape = list(mine.shape)
+            shape[axis] = int(meta[src, 0])
+            parts.append(mine if src == transport.rank else xp.empty(tuple(shape), dtype=mine.dtype))
+        return mine, parts
+
+    # one rank out of memory (P times its data) raises on every rank, as in the ring: it left the others waiting
+    mine, parts = comms.together(transport, buffers)
+    others = [src for src in range(transport.size) if src != transport.rank]
+    transport.start([(mine, src, comms.TAG_GATHER) for src in others],
+                    [(parts[src], src, comms.TAG_GATHER) for src in others]).wait()
     return unshard_sequence(parts, layout=layout, axis=axis)

@@ -68,6 +68,7 @@ from typing import Optional
 import numpy as np
 
 from .. import backends
+from .._fp import ignore_fp_errors
 from ..residual import fingerprint
 from ..merge import merge_parts
 from ..options import check_keywords, snapshot
@@ -428,6 +429,7 @@ class _Slots:
 
 
 # ------------------------------------------------------------------------------------------------ ring forward
+@ignore_fp_errors  # as the one-device call: -W error or np.seterr(all="raise") failed one rank's casts and sums
 def _ring_forward(s: Setup, buffers):
     """``(out (B, n, Hq, D) in q's dtype, lse (B, Hq, n))`` of this rank's rows (see the module docstring), with the
     buffers of :func:`_forward_buffers`."""
@@ -523,6 +525,7 @@ def _backward(dout, q, k, v, out, lse, comm, *, causal=False, window=None, scale
     return (p.unflatten(dq, p.q.shape[1:]), p.unflatten(dk, p.k.shape[1:]), p.unflatten(dv, p.v.shape[1:]))
 
 
+@ignore_fp_errors  # as the forward: dK += the carried block (inf + -inf) raised outside Failure.attempt on one rank
 def _ring_backward(s: Setup, buffers, deterministic):
     """This rank's ``(dq, dk, dv)``: dQ stays, dK/dV accumulators travel with their block back to its owner. With
     the buffers of :func:`_backward_buffers`."""
