@@ -462,8 +462,13 @@ class BlockMask:
         clash = [n for n in self.values.keys() & other.values.keys() if not _same(self.values[n], other.values[n])]
         if clash:  # unique names (_prefix): only a hand-made mask; a copy or an unpickled mask holds the same values
             raise ValueError(f"the masks name different operands alike ({', '.join(sorted(clash))}): build them anew")
-        mask = self._make(states.astype(np.int8), self.block, self.seqlen_q, self.seqlen_k,
-                          values={**self.values, **other.values}, member=member)
+        # the parts' operands copied: the combined states are computed here, once, so the rule must not follow a part
+        # whose arrays are made writeable and changed later (the grid kept a block the rule then dropped, and the
+        # backends disagreed with each other by tile size)
+        values = {n: _frozen(v.copy()) if isinstance(v, np.ndarray) else v
+                  for n, v in {**self.values, **other.values}.items()}
+        mask = self._make(states.astype(np.int8), self.block, self.seqlen_q, self.seqlen_k, values=values,
+                          member=member)
         mask._pinned = self._pinned | other._pinned
         return mask
 
@@ -585,7 +590,7 @@ class BlockMask:
         b, h, nq, nk = self.states.shape
         head = (f"BlockMask(shape={self.states.shape}, block={self.block}, seqlen_q={self.seqlen_q}, "
                 f"seqlen_k={self.seqlen_k}, density={self.density:.3f})")
-        if nq > 32 or nk > 32:
+        if nq > 32 or nk > 32 or self.states.size == 0:  # no block to draw (an empty batch: states[0, 0] raised)
             return head
         rows = ["".join("·▒█"[x] for x in row) for row in self.states[0, 0]]
         note = "" if b == h == 1 else "  (batch 0, head 0)"

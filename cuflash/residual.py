@@ -58,6 +58,8 @@ class AttentionResidual:
         def show(x: Any) -> str:
             if hasattr(x, "shape") and hasattr(x, "dtype"):
                 return f"{type(x).__name__}{tuple(x.shape)} {x.dtype}"
+            if isinstance(x, Mapping):  # mod_arrays: its arrays as shapes too (a 1000-element one printed 250 lines)
+                return "{" + ", ".join(f"{k!r}: {show(v)}" for k, v in x.items()) + "}"
             return repr(x)
 
         options = {name: show(value) for name, value in self.options.items() if is_given(name, value)}

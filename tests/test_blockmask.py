@@ -869,3 +869,23 @@ def test_the_kernels_operand_table_limit_names_each_argument():
         cuflash.attention(q, k, v, backend="emulate", **opts)
     case = Case(q, k, v, np.zeros_like(q), options=opts)
     check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, backend="numpy", **o), case)
+
+
+def test_repr_of_a_mask_of_no_batch_and_a_combination_that_keeps_its_parts_as_they_were():
+    """repr of a mask with an empty batch read states[0, 0] (IndexError; a residual's repr too). A combined mask
+    (m1 | m2) computes its grid once: its rule read m1's live arrays, so m1 made writeable and changed later moved the
+    rule but not the grid, and the NumPy backend (by tile) and the reference disagreed by 0.25. The combination keeps
+    copies of its parts' operands now."""
+    empty = BlockMask.document(np.zeros((0, 16), np.int32), block=(8, 8))
+    assert repr(empty).startswith("BlockMask(shape=(0, 1, 2, 2)")
+    s, blk = 2048, (1024, 1024)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, s, 1, 8)).astype(np.float32) for _ in range(3))
+    m1 = BlockMask(np.array([[True, False], [False, True]]), block=blk)
+    both = m1 | BlockMask.causal(s, block=blk)
+    dense = both.to_dense()
+    m1.states.setflags(write=True)
+    m1.states[0, 0, 0, 1] = 2  # m1 now keeps block (0, 1) too: the combination does not
+    np.testing.assert_array_equal(both.to_dense(), dense)
+    check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, backend="numpy", **o),
+                  Case(q, k, v, np.zeros_like(q), options=dict(block_mask=both)))

@@ -199,3 +199,13 @@ def test_vjp_forms_name_themselves_for_an_unknown_keyword():
     with pytest.raises(TypeError, match=r"^attention_varlen_vjp\(\) got an unexpected keyword argument 'casual' "
                                         r"\(it takes max_seqlen_q, max_seqlen_k, causal, "):
         cuflash.attention_varlen_vjp(packed, packed, packed, cu, cu, casual=True)
+
+
+def test_repr_shows_mod_arrays_as_shapes():
+    """A residual's repr showed a 1000 x 1000 bias as its shape but printed a 1000-element mod_arrays array whole
+    (250 lines): the arrays inside the mapping are shapes now too."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1000, 1, 4)).astype(np.float32) for _ in range(3))
+    _, residual = cuflash.attention(q, k, v, score_mod="score + w[kv_idx]", mod_arrays={"w": np.zeros(1000)},
+                                    return_residual=True)
+    assert "mod_arrays: {'w': ndarray(1000,) float64}" in repr(residual) and len(repr(residual)) < 400
