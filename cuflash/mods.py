@@ -626,7 +626,7 @@ _NP = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.true_divide, "//
 def _evaluate(n: Node, env, values, dtype):
     def num(x, t):  # floats in the working precision; integers in 64 bits (a uint8 array's 3 - 5 is -2); bools
         if t == "float":  # a float64 operand past float32's range is inf there, as the kernels' cast makes it (a
-            with np.errstate(over="ignore"):  # problem refuses it; a BlockMask classifies in float32 too)
+            with np.errstate(over="ignore", under="ignore"):  # problem refuses it; a BlockMask classifies in float32)
                 return np.asarray(x).astype(dtype, copy=False)
         return np.asarray(x).astype(np.int64, copy=False) if t == "int" else x
 

@@ -328,3 +328,72 @@ def test_empty_result_buffers_and_caches_are_accepted():
                                          cache_seqlens=np.zeros(0, np.int32), k_new=z(0, 1, 2, 32),
                                          v_new=z(0, 1, 2, 32))
     assert got.shape == (0, 1, 4, 32)
+
+
+def _strict(call):
+    """``call()`` under np.seterr(all="raise") and with warnings as errors (python -W error)."""
+    import warnings
+
+    with np.errstate(all="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return call()
+
+
+def test_numpys_raise_setting_and_warnings_as_errors_change_nothing():
+    """cuflash's arithmetic ignores NumPy's floating-point settings (cuflash/_fp.py), but casts outside it did not:
+    dbias rounded to a float16 bias (underflow as a rule), merge_attention_states' final rounding, the range check of
+    a float64 bias of 1e-300 under float32 inputs, and the testing helpers' roundings raised under
+    np.seterr(all="raise"); each now gives the bits of the default settings."""
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 16, 1, 8)).astype(np.float16) for _ in range(4))
+    bias = (rng.standard_normal((1, 1, 16, 16)) * 8).astype(np.float16)
+
+    def dbias():
+        out, lse = cuflash.attention(q, k, v, bias=bias, return_lse=True, backend="numpy")
+        return cuflash.attention_backward(dout, q, k, v, out, lse, bias=bias, return_dbias=True, backend="numpy")
+
+    q3, k3, v4 = q * 3, k * 3, v * np.float16(1e-4)
+    parts = [cuflash.attention(q3, k3[:, s], v4[:, s], return_lse=True) for s in (slice(0, 8), slice(8, 16))]
+
+    def merged():
+        return cuflash.merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
+
+    def tiny_bias():
+        q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+        return (cuflash.attention(q32, k32, v32, bias=np.full((16, 16), 1e-300), backend="numpy"),)
+
+    for call in (dbias, merged, tiny_bias):
+        want = call()
+        for got, w in zip(_strict(call), want):
+            assert got.tobytes() == w.tobytes(), call.__name__
+    small = np.full((1, 4, 1, 2), 3e-6)  # the reference rounded to float16 is a subnormal
+    with np.errstate(under="ignore"):
+        small16 = small.astype(np.float16)
+    _strict(lambda: cuflash.testing.assert_attention_close(small16, small, small16))
+
+
+def test_the_float64_backward_near_the_largest_float64():
+    """V and dO near 1e308: the backward's power-of-two shifts (_GradShifts) multiplied the scale by 2^shift in a
+    Python float first, an OverflowError past float64's range under default settings. dQ and dK are ~1e615 (the
+    long-double reference): inf of the right sign is their correctly rounded float64 value; dV is finite."""
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal((1, 20, 2, 8)) for _ in range(4))
+    v, dout = v / np.abs(v).max() * 1e308, dout / np.abs(dout).max() * 1e308
+    out, lse = cuflash.attention(q, k, v, return_lse=True, backend="numpy")
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="numpy")
+    want = cuflash.reference.attention_backward(dout, q, k, v, compute_dtype=np.longdouble)
+    for g, w in zip(grads, want):
+        past = np.abs(w) > np.finfo(np.float64).max
+        np.testing.assert_array_equal(np.isinf(g), past)
+        np.testing.assert_array_equal(np.sign(g[past]), np.sign(w[past]).astype(np.float64))
+    assert np.isfinite(grads[2]).all()
+
+
+def test_a_scale_past_float32s_range_over_log2e_warns_not():
+    """The kernels' scale * log2(e) rounded to float32: a float32 scale above 2.36e38 overflows there (README's first
+    range limit) and printed NumPy's overflow warning (an error under -W error) on the emulated and CUDA backends."""
+    from types import SimpleNamespace
+
+    from cuflash.cuda import launch
+
+    assert _strict(lambda: launch._scale_log2(SimpleNamespace(scale=3e38))) == np.float32(np.inf)

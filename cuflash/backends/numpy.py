@@ -1282,7 +1282,10 @@ def _unscale(x, scale, shift):
     if shift == 0:
         x *= scale
         return x
-    f = math.ldexp(float(scale), shift)
+    try:
+        f = math.ldexp(float(scale), shift)
+    except OverflowError:  # past float64's range (V and dO near 1e308): by scale, then 2^shift (inf where it is)
+        f = math.inf
     fi = np.finfo(x.dtype)
     if fi.tiny <= abs(f) <= fi.max:
         x *= x.dtype.type(f)

@@ -72,6 +72,13 @@ class LaunchSpec:
 # ------------------------------------------------------------------------------------------------
 # Inputs as the kernels read them
 # ------------------------------------------------------------------------------------------------
+
+def _scale_log2(problem) -> np.float32:
+    """``scale * log2(e)`` rounded once to float32 (every kernel multiplies its scores by it); past float32's range
+    (a scale above 2.36e38) inf, without NumPy's overflow warning (README's first range limit)."""
+    with np.errstate(over="ignore"):
+        return np.float32(problem.scale * np.log2(np.e))
+
 def _aligned(a) -> bool:
     """cp.async copies 16-byte chunks: base address and every stride must be multiples of 16 bytes."""
     return (params.address(a) % 16 == 0 and a.strides[-1] == a.dtype.itemsize
@@ -161,7 +168,7 @@ def _common(problem, d8: int) -> dict:
     rescale64 = 1.0 / (1.0 - problem.dropout_p) if problem.dropout_p else 1.0
     return dict(seqlens_q=problem.seqlens_q, seqlens_k=problem.seqlens_k, seqlen_q=sq, seqlen_k=problem.seqlen_k,
                 head_dim=d8, heads_per_kv=problem.group, scale=problem.scale,
-                scale_log2=np.float32(problem.scale * np.log2(np.e)),  # rounded once: every kernel multiplies by it
+                scale_log2=_scale_log2(problem),  # rounded once: every kernel multiplies by it
                 window_left=_window(problem.window_left), window_right=_window(problem.window_right),
                 stats_batch_stride=hq * sq, stats_head_stride=sq, dropout=drop,
                 # the float64 kernels' scalars, rounded once to float64 (kernels/params.cuh, WideArg)
@@ -420,7 +427,7 @@ def _varlen_common(problem, d8: int) -> tuple[dict, tuple]:
     rescale64 = 1.0 / (1.0 - problem.dropout_p) if problem.dropout_p else 1.0
     values = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqlen_q=problem.max_seqlen_q,
                   seqlen_k=problem.max_seqlen_k, head_dim=d8, heads_per_kv=problem.group, scale=problem.scale,
-                  scale_log2=np.float32(problem.scale * np.log2(np.e)),
+                  scale_log2=_scale_log2(problem),
                   window_left=_window(problem.window_left), window_right=_window(problem.window_right),
                   stats_batch_stride=0, stats_head_stride=problem.total_q, dropout=_dropout_arg(problem),
                   wide=(problem.scale, rescale64))
@@ -589,7 +596,7 @@ def forward_kvcache_launch(problem, *, max_smem: int = specs.SMEM_LIMIT[80], sm_
         keep.append(table)
     (spec,), source, mods, mods_keep, _ = _with_mods(problem, (spec,))
     values = dict(seqlens_k=seqlens_k, seqlen_q=sq, seqlen_k=capacity, head_dim=d8, heads_per_kv=problem.group,
-                  scale=problem.scale, scale_log2=np.float32(problem.scale * np.log2(np.e)),
+                  scale=problem.scale, scale_log2=_scale_log2(problem),
                   window_left=_window(problem.window_left), window_right=_window(problem.window_right),
                   stats_batch_stride=hq * sq, stats_head_stride=sq, dropout=(0, 0, 0, 1.0), wide=(problem.scale, 1.0),
                   q=q, k=k, v=v, o=out, lse=lse, paged=paged)
