@@ -237,7 +237,7 @@ class Edge:
         in-place write raises). An inference tensor outside inference mode, which PyTorch refuses to write in place,
         is refused alike (it was written)."""
         for name, a in zip(names, arrays):
-            if a is not None and "jax" in _library(a):  # on a GPU CuPy's view of it is writable: refused by type
+            if _is_jax(a):  # on a GPU CuPy's view of it is writable: refused by type
                 raise ValueError(f"{name} is a JAX array, which JAX never lets change: cuflash cannot write into it "
                                  f"(let cuflash allocate the result; a KV cache to append to must be of another "
                                  f"library)")
@@ -267,6 +267,14 @@ class Edge:
 
                 torch.autograd.graph.increment_version(self._written)
                 self._written = []
+
+
+def _is_jax(a: Any) -> bool:
+    """Whether ``a`` is a JAX array (its type from the jax or jaxlib package; NumPy and CuPy arrays never, whatever
+    module a subclass of theirs comes from: "jax" in a user module's name refused a NumPy buffer)."""
+    if a is None or isinstance(a, np.ndarray) or _is_cupy(a):
+        return False
+    return type(a).__module__.split(".")[0] in ("jax", "jaxlib")
 
 
 def refuse_deleted(name: str, a: Any) -> None:

@@ -206,8 +206,9 @@ def attention_cases(*, dtypes=("float32",), max_seqlen=160, head_dims=None, max_
         batch = tuple(draw(st.lists(st.integers(1, 3), max_size=max_batch_dims)))
         seed = draw(st.integers(0, 2**32 - 1))
         rng = np.random.default_rng(seed)
-        arrays = [rng.standard_normal(batch + shape).astype(dtype)
-                  for shape in ((sq, hq, d), (sk, hkv, d), (sk, hkv, d), (sq, hq, d))]
+        with np.errstate(under="ignore"):  # float16's rounding of a normal draw may be a subnormal
+            arrays = [rng.standard_normal(batch + shape).astype(dtype)
+                      for shape in ((sq, hq, d), (sk, hkv, d), (sk, hkv, d), (sq, hq, d))]
         opts = {}
         if causal and draw(st.booleans()):
             opts["causal"] = True

@@ -344,3 +344,19 @@ def test_the_rule_fails_a_gradient_a_little_off_on_every_feature_case(dtype, off
                 continue  # zero_scale's dq and dk, an empty block mask's every gradient: nothing to scale
             with pytest.raises(AssertionError, match=f"{which}: max error"):
                 check_backward(_reference_backward(off, which), case, out, lse)
+
+
+def test_attention_cases_draw_under_numpys_raise_setting():
+    """The strategy rounded its normal draws to float16, now and then into a subnormal: FloatingPointError (underflow)
+    in the draw itself under np.seterr(all="raise") (hypothesis draws inside the decorated call: the setting is made
+    around it)."""
+    @settings(max_examples=150, database=None)
+    @given(attention_cases(dtypes=("float16",), max_seqlen=8, head_dims=(4,), block_mask=False))
+    def draw(case):
+        assert case.q.dtype == np.float16
+
+    before = np.seterr(all="raise")
+    try:
+        draw()
+    finally:
+        np.seterr(**before)

@@ -585,7 +585,7 @@ def _check_fits_working(x, name: str, dtype) -> None:
     would. Only a wider dtype can hold them; one element per broadcast axis is read."""
     work = stats_dtype(dtype)
     if isinstance(x, numbers.Number):  # an int, bool or float of mod_arrays (ints are held to int32 elsewhere)
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", under="ignore"):  # a longdouble 1e-300 is 0 in float32, and fits
             # np.floating too: a np.longdouble is no float (1e300 passed, and made every key masked in float32); any
             # other real (a Fraction, a Decimal: typed float, and cast as one) likewise
             past_float64 = False
