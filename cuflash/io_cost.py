@@ -46,6 +46,9 @@ class IOCost:
     ``(visited, total)`` numbers of (query tile, key tile) pairs over all batches and heads.
     """
 
+    #: unhashable, as its dict fields are (frozen made a hash of the fields that raised "unhashable type: 'dict'")
+    __hash__ = None  # type: ignore[assignment]
+
     op: str
     standard: int
     tiled: int

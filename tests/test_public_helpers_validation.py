@@ -219,3 +219,12 @@ def test_kv_splits_refuses_bad_arguments():
 def test_band_grid_goes_through_the_schedule_checks():
     with pytest.raises(TypeError, match="left must be an int, got 1.5"):
         tiling.band_grid(16, 16, 4, 4, left=1.5)
+
+
+def test_an_io_cost_is_unhashable_plainly():
+    """IOCost is a frozen dataclass with dict fields: frozen made a hash of its fields, which raised "unhashable type:
+    'dict'" only when used as a key; it declares itself unhashable (equality stays field by field)."""
+    cost = io_cost(seqlen_q=128, head_dim=64)
+    assert type(cost).__hash__ is None and cost == io_cost(seqlen_q=128, head_dim=64)
+    with pytest.raises(TypeError, match="unhashable type: 'IOCost'"):
+        hash(cost)
