@@ -431,7 +431,7 @@ def _backward(edge: Edge, arrays: tuple[Any, ...], options: dict[str, Any], buff
         gq, gk, gv = (_layout.from_bshd(g, layout) for g in (gq, gk, gv))
         results = _place_grads(edge, (gq, gk, gv), buffers, caller_buffers, packed, problem.xp, layout)
         if return_dbias:  # in bias's own shape (the backend summed what it broadcasts) and dtype
-            with np.errstate(all="ignore"):  # rounding to a float16 bias underflows as a rule (as the backends'
+            with np.errstate(all="ignore"):  # rounding to a float16 bias underflows as a rule (as in the backends)
                 dbias = grads[3].reshape(problem.mods.bias_shape).astype(options["bias"].dtype, copy=False)
             results += (edge.export(dbias),)
     if packed == "qkv" and not return_dbias:

@@ -72,13 +72,13 @@ class LaunchSpec:
 # ------------------------------------------------------------------------------------------------
 # Inputs as the kernels read them
 # ------------------------------------------------------------------------------------------------
-
 def _scale_log2(problem) -> np.float32:
     """``scale * log2(e)`` rounded once to float32 (every kernel multiplies its scores by it); past float32's range
     (a scale above 2.36e38) inf, without NumPy's overflow warning (README's first range limit); below float32's
     smallest, 0 or a subnormal, without the underflow one."""
     with np.errstate(over="ignore", under="ignore"):
         return np.float32(problem.scale * np.log2(np.e))
+
 
 def _aligned(a) -> bool:
     """cp.async copies 16-byte chunks: base address and every stride must be multiples of 16 bytes."""
