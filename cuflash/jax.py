@@ -162,6 +162,10 @@ def _key(value: Any) -> Any:
         return ("mapping",) + tuple(sorted((k, _key(v)) for k, v in value.items()))
     if isinstance(value, (tuple, list)):
         return (type(value).__name__,) + tuple(_key(v) for v in value)
+    if isinstance(value, (numbers.Number, np.generic)):  # by type and exact value: 16777217 == 16777217.0 and
+        # 0.0 == -0.0 in Python, but not in the expression (an int32; a float rounded to the working precision; 1 / c):
+        # one reused the other's configuration, and a call computed with an earlier call's number
+        return ("number", type(value).__module__, type(value).__qualname__, repr(value))
     try:
         hash(value)
     except TypeError:

@@ -480,3 +480,17 @@ def test_cuflash_attention_under_jit_points_to_cuflash_jax():
     with pytest.raises(TypeError, match="got DynamicJaxprTracer; under jax.jit, jax.grad or jax.vmap use "
                                         "cuflash.jax.attention"):
         jax.jit(lambda q: cuflash.attention(q, q, q))(q)
+
+
+@pytest.mark.parametrize("values", [(16777217, 16777217.0), (0.0, -0.0)])
+def test_a_number_equal_to_an_earlier_calls_is_not_taken_for_it(values):
+    """Static options are cached by configuration; a mod_arrays number was keyed by Python equality, so 16777217.0
+    after 16777217 (an int32 in the expression, a float rounded to float32 there) or -0.0 after 0.0 (1 / c) reused
+    the earlier configuration and computed with the earlier number. Keyed by type and exact value now."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 4, 1, 4)).astype(np.float32) for _ in range(3))
+    expr = "score + (c - 16777216) * kv_idx" if values[0] else "where(1.0 / c > 0.0, score, score - 2.0 * kv_idx)"
+    for c in values:
+        want = cuflash.attention(q, k, v, score_mod=expr, mod_arrays={"c": c})
+        got = cj.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), score_mod=expr, mod_arrays={"c": c})
+        np.testing.assert_array_equal(np.asarray(got), want)
