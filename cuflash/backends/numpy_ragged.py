@@ -48,30 +48,27 @@ def backward_varlen(problem: VarlenProblem, dout, out, lse, *, deterministic=Fal
     return grads
 
 
+@contextlib.contextmanager
 def append_kvcache(problem: KVCacheProblem):
-    """Write ``k_new``/``v_new`` into the caches at positions ``cache_seqlens + [0, S_new)`` (one scatter each); a
-    context manager: an exception inside it (a kernel that fails to compile, Ctrl-C, an environment variable changed
-    meanwhile) writes back what the slots held, so a call that raises leaves the caches as they were. Every backend
-    appends before it computes (its kernels read the new keys from the caches, through copies some launches make
-    of them as they are prepared), so the undo is of the slots written, the size of ``k_new``."""
+    """Write ``k_new``/``v_new`` into the caches at positions ``cache_seqlens + [0, S_new)`` (one scatter each) for
+    the body of the ``with``: an exception there (a kernel that fails to compile, Ctrl-C, an environment variable
+    changed meanwhile) writes back what the slots held, so a call that raises leaves the caches as they were. Every
+    backend appends before it computes (its kernels read the new keys from the caches, through copies some launches
+    make of them as they are prepared), so the undo is of the slots written, the size of ``k_new``."""
     if not problem.seqlen_new:
-        return contextlib.nullcontext()
+        yield
+        return
     b = np.arange(problem.batch)[:, None]
     pos = problem.cache_host[:, None] + np.arange(problem.seqlen_new)[None, :]
     at = (b, pos) if not problem.paged else (problem.table_host[b, pos // problem.page_size], pos % problem.page_size)
     before = problem.k_cache[at], problem.v_cache[at]  # advanced indexing: copies
     problem.k_cache[at] = problem.k_new
     problem.v_cache[at] = problem.v_new
-    return _Undo(problem, at, before)
-
-
-class _Undo(contextlib.AbstractContextManager):
-    def __init__(self, problem, at, before):
-        self.problem, self.at, self.before = problem, at, before
-
-    def __exit__(self, kind, *_):
-        if kind is not None:
-            self.problem.k_cache[self.at], self.problem.v_cache[self.at] = self.before
+    try:
+        yield
+    except BaseException:
+        problem.k_cache[at], problem.v_cache[at] = before
+        raise
 
 
 def _sequence_kv(problem: KVCacheProblem, b: int):
