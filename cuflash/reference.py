@@ -299,24 +299,22 @@ def _reduce_bias(p, ds):
 def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **options):
     """The magnitude of the terms each result is summed from, in float64, times the condition of ``exp``.
 
-    ``out = P V`` sums terms ``P_ij V_j``; the lse sums ``exp`` of scores ``S_ij``; ``dQ = scale·dS K``,
-    ``dK = scale·dSᵀ Q``, ``dV = Pᵀ dO`` (and dK, dV over a group's heads). Roundings scale with the terms, not
-    with the results, which may cancel to ~0: the largest term, plus the sum of all terms' magnitudes weighted by the
-    statistics' rounding in the input's (:func:`_magnitude`: fully for float32 and float64 inputs, 2^-13 of it for
-    float16 and 2^-16 for bfloat16, whose sums run in float32; a dS term's size counts, exactly, what rounding the output to the
-    input's dtype moves D = rowsum(dO∘O) by). Every term also goes through ``P = exp(S - m)`` (or, in
-    FlashAttention's backward, ``exp(S - lse)`` from the saved lse), whose relative condition number is
-    ``|S - m|``: a rounding of the arithmetic grows by up to ``max|S| + max|lse|`` on its way (S before and after a
-    score modifier, and for S itself the magnitude of its own terms, ``scale·|q|·|k|``, which it may cancel far
-    below). That
-    arithmetic runs in the statistics' dtype (float32 below float64: every backend upcasts 16-bit inputs), so
-    each magnitude carries ``cond = 1 + (max|S| + max|lse|) · eps(stats) / eps(input)``, in roundings of the
-    input's dtype: ``1 + max|S| + max|lse|`` for float32 and float64 inputs, about 1 for 16-bit ones. A score
-    modifier's backward factor ``|d(mod)/d(score)|`` multiplies the gradients' terms; dropout bounds the kept
-    terms by ``1/(1 - dropout_p)`` (the mask itself only removes terms). The lse's own terms are ``m`` and
-    ``log l``: its magnitude is ``1 + max|S| + max|lse|``. :func:`cuflash.testing.assert_attention_close` puts
-    its floor at two roundings of these. Returns a dict with keys ``out``, ``lse`` and, given ``dout``, ``dq``,
-    ``dk``, ``dv`` (and ``dbias`` with ``bias=``).
+    ``out = P V`` sums terms ``P_ij V_j``; the lse sums ``exp`` of scores ``S_ij``; ``dQ = scale·dS K``, ``dK =
+    scale·dSᵀ Q``, ``dV = Pᵀ dO`` (and dK, dV over a group's heads). Roundings scale with the terms, not with the
+    results, which may cancel to ~0: the largest term, plus the sum of all terms' magnitudes weighted by the statistics'
+    rounding in the input's (:func:`_magnitude`: fully for float32 and float64 inputs, 2^-13 of it for float16 and 2^-16
+    for bfloat16, whose sums run in float32; a dS term's size counts, exactly, what rounding the output to the input's
+    dtype moves D = rowsum(dO∘O) by). Every term also goes through ``P = exp(S - m)`` (or, in FlashAttention's backward,
+    ``exp(S - lse)`` from the saved lse), whose relative condition number is ``|S - m|``: a rounding of the arithmetic
+    grows by up to ``max|S| + max|lse|`` on its way (S before and after a score modifier, and for S itself the magnitude
+    of its own terms, ``scale·|q|·|k|``, which it may cancel far below). That arithmetic runs in the statistics' dtype
+    (float32 below float64: every backend upcasts 16-bit inputs), so each magnitude carries ``cond = 1 + (max|S| +
+    max|lse|) · eps(stats) / eps(input)``, in roundings of the input's dtype: ``1 + max|S| + max|lse|`` for float32 and
+    float64 inputs, about 1 for 16-bit ones. A score modifier's backward factor ``|d(mod)/d(score)|`` multiplies the
+    gradients' terms; dropout bounds the kept terms by ``1/(1 - dropout_p)`` (the mask itself only removes terms). The
+    lse's own terms are ``m`` and ``log l``: its magnitude is ``1 + max|S| + max|lse|``.
+    :func:`cuflash.testing.assert_attention_close` puts its floor at two roundings of these. Returns a dict with keys
+    ``out``, ``lse`` and, given ``dout``, ``dq``, ``dk``, ``dv`` (and ``dbias`` with ``bias=``).
     """
     _, p, (dout,), _ = _problem(options, q, k, v, dout=dout)
     _check_dropout_p(dropout_p)  # 1.0 gave infinite magnitudes, -1 smaller ones, as attention's own check refuses
@@ -336,7 +334,9 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     if p.mods is not None and p.mods.score is not None:
         dscore = np.broadcast_to(p.mods.dscore.evaluate(_env(p, s0), _host_values(p)), prob.shape)  # may be 0-d
         slope = float(np.abs(dscore[prob > 0]).max(initial=0))
-    mags = {"out": _magnitude(prob, vg, ratio)}
+    # _mm_seen: a NaN or infinity no row sees (padding past seqlens) must not reach a magnitude as 0 * inf
+    pv = _mm_seen(prob, np.abs(vg))  # the terms of out, P|V|
+    mags = {"out": _magnitude(prob, vg, ratio, pv)}
     if dout is not None:
         b, sq, hq, d = p.q.shape
         do = p.host_float(dout, np.float64).reshape(b, sq, hq, d).transpose(0, 2, 1, 3).reshape(qg.shape)
@@ -344,9 +344,8 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
         # D = rowsum(dO∘O): the magnitudes of all their terms bound the rounding.
         with np.errstate(invalid="ignore", over="ignore"):
             dp_terms = np.abs(do) @ np.swapaxes(np.abs(vg), -1, -2)
-            # the terms of dP and D, |O| <= P|V| (times 1/(1 - p) with dropout, below); _mm_seen: a NaN or infinity
-            # no row sees (padding past seqlens) must not reach a magnitude as 0 * inf
-            sums = dp_terms + (np.abs(do) * _mm_seen(prob, np.abs(vg))).sum(axis=-1, keepdims=True)
+            # the terms of dP and D, |O| <= P|V| (times 1/(1 - p) with dropout, below)
+            sums = dp_terms + (np.abs(do) * pv).sum(axis=-1, keepdims=True)
             ds_all = np.where(prob > 0, prob * sums, 0.0)
             # one term of dQ or dK: dS = P (dP - D) itself, the roundings of its sums dP and D (in the statistics'
             # dtype: float32 for 16-bit inputs, whose products are exact there) and what the rounding of the output
@@ -366,11 +365,12 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
             mags["dbias"] = (ds.max(initial=0) + ratio * ds_all.max(initial=0)) * float(np.abs(
                 p.mods.dbias.evaluate(_env(p, s0), _host_values(p))).max(initial=1))
         ds, ds_all = ds * slope, ds_all * slope
-        mags["dq"] = abs(p.scale) * _magnitude(ds, kg, ratio, ds_all)
+        ds_t, prob_t = np.swapaxes(ds, -1, -2), np.swapaxes(prob, -1, -2)
+        mags["dq"] = abs(p.scale) * _magnitude(ds, kg, ratio, _mm_seen(ds_all, np.abs(kg)))
         # dK and dV sum over the query heads of their kv head's group
-        mags["dk"] = abs(p.scale) * _magnitude(np.swapaxes(ds, -1, -2), qg, ratio, np.swapaxes(ds_all, -1, -2),
+        mags["dk"] = abs(p.scale) * _magnitude(ds_t, qg, ratio, _mm_seen(np.swapaxes(ds_all, -1, -2), np.abs(qg)),
                                                group=True)
-        mags["dv"] = _magnitude(np.swapaxes(prob, -1, -2), do, ratio, group=True)
+        mags["dv"] = _magnitude(prob_t, do, ratio, _mm_seen(prob_t, np.abs(do)), group=True)
     # in long double: times cond, a magnitude near float64's largest (V of 1e308) would overflow to inf, a bound
     # that passes anything (cuflash.testing refuses it)
     mags = {name: np.longdouble(x) * cond / (1.0 - dropout_p) for name, x in mags.items()}
@@ -386,29 +386,25 @@ def _rounded(x, eps):
     return np.ldexp(np.round(np.ldexp(mant, bits)), exp - bits)
 
 
-def _magnitude(a, b, ratio, a_all=None, group=False):
+def _magnitude(a, b, ratio, terms, group=False):
     """The magnitude of ``a @ b`` (``a >= 0``, grouped (B, Hkv, G, M, K); ``b`` (B, Hkv, G|1, K, D)) for the rule's
     floor: its largest term (:func:`_largest_term`; ``a``: each term's own size and error) plus ``ratio`` (the
-    statistics' rounding in the input's) times the sum of all terms' magnitudes (``a_all``, default ``a``; with
-    ``group``, over a kv head's group of query heads too, as dK and dV sum): every term carries a rounding of its own
-    into the sum, in the statistics' dtype. For float32 and float64 inputs that sum weighs fully; for 16-bit ones,
-    whose sums run in float32, the largest term decides (the sum alone set the floor at up to 11% of the largest
-    float16 gradient, and dk 10% off passed; the roundings of 16-bit terms, P and dS rounded before a tensor-core
-    product, are the naive computation's too, whose error the rule allows)."""
-    a_all = a if a_all is None else a_all
-    terms = _mm_seen(a_all, np.abs(b))
+    statistics' rounding in the input's) times the sum of all terms' magnitudes (``terms``, per result; with ``group``,
+    summed over a kv head's group of query heads too, as dK and dV sum): every term carries a rounding of its own into
+    the sum, in the statistics' dtype. For float32 and float64 inputs that sum weighs fully; for 16-bit ones, whose sums
+    run in float32, the largest term decides (the sum alone set the floor at up to 11% of the largest float16 gradient,
+    and dk 10% off passed; the roundings of 16-bit terms, P and dS rounded before a tensor-core product, are the naive
+    computation's too, whose error the rule allows)."""
     return _largest_term(a, b) + ratio * (terms.sum(axis=2) if group else terms).max(initial=0)
 
 
 def _largest_term(a, b):
     """``max |a_ij b_jc|`` over every term of the product ``a @ b`` (``a >= 0``, (..., M, K); ``b`` (..., K, D), which
     may broadcast over the leading dimensions of ``a``): a zero of ``a`` (a key a row does not see, a row past its
-    sequence) contributes nothing, even against an infinity or NaN of ``b``, as in :func:`_mm_seen`."""
-    with np.errstate(invalid="ignore"):
-        rows = np.abs(b).max(axis=-1, initial=0)  # NaN where a row holds one
-    with np.errstate(invalid="ignore", over="ignore"):
-        terms = np.where(a > 0, a * rows[..., None, :], 0.0)
-    return terms.max(initial=0)
+    sequence) contributes nothing, even against an infinity or NaN of ``b``, as in :func:`_mm_seen`. (Called under
+    :func:`term_magnitudes`' ignore_fp_errors.)"""
+    rows = np.abs(b).max(axis=-1, initial=0)  # NaN where a row holds one
+    return np.where(a > 0, a * rows[..., None, :], 0.0).max(initial=0)
 
 
 def rounding(dtype) -> float:
