@@ -136,3 +136,26 @@ def test_params_layout_on_the_device():
     module.get_function("layout")((1,), (1,), (params.pack(), out))
     got = cp.asnumpy(out)
     assert list(got[:-1]) == [offset for _, offset in fields] and got[-1] == params.PARAMS.itemsize
+
+
+def test_kvcache_call_that_raises_after_the_append_leaves_the_caches_as_they_were(monkeypatch):
+    """The CUDA backend appends k_new/v_new into the CuPy caches before its kernels run (they read the new keys from
+    there): a launch that raises (here: the first one) writes the slots' old contents back, on the device."""
+    from cuflash.backends import cuda
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    rng = np.random.default_rng(0)
+    q, k_new, v_new = (cp.asarray(rng.standard_normal((2, 1, 4, 64)).astype(np.float16)) for _ in range(3))
+    k_cache, v_cache = (cp.asarray(rng.standard_normal((2, 40, 4, 64)).astype(np.float16)) for _ in range(2))
+    before = k_cache.copy(), v_cache.copy()
+    monkeypatch.setattr(cuda, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cp.asarray([3, 39], cp.int32),
+                                       k_new=k_new, v_new=v_new)
+    assert cp.array_equal(k_cache, before[0]) and cp.array_equal(v_cache, before[1])
+    monkeypatch.undo()  # and the same call, let run, appends
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cp.asarray([3, 39], cp.int32), k_new=k_new,
+                                   v_new=v_new)
+    assert cp.array_equal(k_cache[0, 3], k_new[0, 0]) and cp.array_equal(v_cache[1, 39], v_new[1, 0])

@@ -14,7 +14,7 @@ import pytest
 import cuflash
 from cuflash.testing import Case, attention_cases, check_backward, check_forward
 
-from cases import bf16, hostile_modifier_cases, host, make_case, modifier_cases
+from cases import assert_bitwise_equal_runs, bf16, hostile_modifier_cases, host, make_case, modifier_cases
 
 import gpu_support  # noqa: E402
 
@@ -80,3 +80,18 @@ def test_hostile_modifier(name):
         np.testing.assert_array_equal(np.isnan(gpu_forward(q, k, v, **options)[0]), np.isnan(ref))
     else:
         check_forward(gpu_forward, Case(q, k, v, q, options))
+
+
+@pytest.mark.parametrize("bias_shape", [(300,), (4, 1, 300), (1, 300, 300)], ids=["per-key", "per-head-key", "shared"])
+def test_deterministic_dbias_of_a_broadcast_bias_is_bitwise_reproducible(bias_shape):
+    """A bias that broadcasts over batch, heads or rows sums dbias over them: atomics by default, in a fixed order
+    with deterministic=True, so three runs give the same bits for dQ, dK, dV and dbias (the emulator runs its blocks
+    one after another, so only a GPU can show this)."""
+    case = make_case(2, 300, 300, 4, 2, 64, np.float16, causal=True, seed=3)
+    bias = cp.asarray(np.random.default_rng(4).standard_normal(bias_shape).astype(np.float32))
+    q, k, v, dout = (cp.asarray(a) for a in (case.q, case.k, case.v, case.dout))
+    out, lse = cuflash.attention(q, k, v, bias=bias, causal=True, return_lse=True)
+    runs = [cuflash.attention_backward(dout, q, k, v, out, lse, bias=bias, causal=True, deterministic=True,
+                                       return_dbias=True) for _ in range(3)]
+    assert runs[0][3].shape == bias.shape and runs[0][3].dtype == bias.dtype
+    assert_bitwise_equal_runs(runs)
