@@ -37,8 +37,10 @@
 #define __launch_bounds__(...)
 #undef __forceinline__
 #define __forceinline__ inline
-#undef __noinline__
-#define __noinline__ __attribute__((noinline))
+// No __noinline__: nvcc defines it only for CUDA compilers (crt/host_defines.h), since GCC spells the attribute
+// __attribute__((__noinline__)) too, as libstdc++ does (bits/shared_ptr_base.h): a macro here made that
+// __attribute__((__attribute__((noinline)))), an error in every kernel that included such a header (g++ 13 on
+// the H200 machine, 2026-11-28). The kernels do not use it.
 #undef __global__
 #define __global__
 #undef __device__

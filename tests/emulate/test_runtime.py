@@ -194,6 +194,14 @@ def test_views_pass_their_own_data_pointer():
     np.testing.assert_array_equal(out, [0, 1, 2, 3])
 
 
+def test_gccs_noinline_attribute_compiles():
+    """libstdc++ writes __attribute__((__noinline__)) (bits/shared_ptr_base.h; more headers in g++ 13): the shim's
+    CUDA-style macro for __noinline__ broke every kernel that included such a header."""
+    out = np.zeros(32, np.int32)
+    run("gcc_noinline_kernel", (out,))
+    np.testing.assert_array_equal(out, 2 * np.arange(32) + 1)
+
+
 def test_big_locals_need_and_get_a_bigger_stack():
     out = np.zeros(2, np.float32)
     emu.launch(spec("runtime_tests.cu", "big_stack_kernel", (out, np.int32(1000)), block=(2, 1, 1)),

@@ -193,3 +193,8 @@ extern "C" __global__ void intrinsics_kernel(const float* x, float* out, double*
   atomicMax(imax, int(threadIdx.x));
   atomicCAS(imax + 1, 0, 7);
 }
+
+// GCC's own spelling of the attribute, as libstdc++ writes it: the shim must leave __noinline__ to the compiler
+__attribute__((__noinline__)) static int not_inlined(int x) { return 2 * x + 1; }
+
+extern "C" __global__ void gcc_noinline_kernel(int* out) { out[threadIdx.x] = not_inlined(threadIdx.x); }
