@@ -23,6 +23,10 @@ import signal
 import pytest
 from hypothesis import HealthCheck, settings
 
+# JAX takes 75% of a GPU's memory when it first sees one; one pytest-xdist worker per core, each with JAX (and CuPy
+# beside it), cannot all do that
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", max_examples=100, derandomize=True, print_blob=True, **_COMMON)
 settings.register_profile("dev", max_examples=30, **_COMMON)
@@ -83,6 +87,16 @@ class GoldenLoader:
         if name is None:  # the one "missing" case of pytest_generate_tests
             pytest.fail(GOLDEN_MISSING, pytrace=False)
         return GoldenVector(name)
+
+
+@pytest.fixture
+def jax_cpu():
+    """JAX's default device set to its CPU for the test: the JAX tests that compare with NumPy-backend calls (and CI
+    has no GPU) mean CPU JAX, where a machine with a GPU would put ``jnp.asarray`` on it (tests/test_gpu_jax.py holds
+    JAX on a GPU to its own rule)."""
+    jax = pytest.importorskip("jax", reason="JAX is not installed (it comes with the test extra)")
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -167,6 +167,7 @@ def test_array_api_strict_results_stay_on_the_callers_device():
 
 
 # ================================================================================================ JAX arrays (DLPack)
+@pytest.mark.usefixtures("jax_cpu")
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_jax_arrays_through_cuflash_attention(name):
     """Plain cuflash.attention on JAX arrays (no jit: cuflash.jax is the adapter for transformations)."""
@@ -174,6 +175,7 @@ def test_jax_arrays_through_cuflash_attention(name):
     check_through(CASES[name], jax.numpy.asarray, np.asarray, lambda a: isinstance(a, jax.Array))
 
 
+@pytest.mark.usefixtures("jax_cpu")
 def test_jax_arrays_are_immutable_buffers():
     jax = pytest.importorskip("jax", reason="JAX is not installed (it comes with the test extra)")
     q, k, v = (jax.numpy.asarray(a) for a in (CASES["plain"].q, CASES["plain"].k, CASES["plain"].v))
@@ -181,6 +183,7 @@ def test_jax_arrays_are_immutable_buffers():
         cuflash.attention(q, k, v, out=jax.numpy.zeros_like(q))
 
 
+@pytest.mark.usefixtures("jax_cpu")
 def test_jax_results_sliced_to_vs_own_head_dim_come_back():
     """v's own head dim: the forward's result and the backward's gradients are slices of padded buffers, which
     JAX's DLPack import refused (compact strides only) after the whole computation had run."""
@@ -345,7 +348,8 @@ def test_a_dbias_the_callers_library_cannot_take_is_refused_before_the_backward(
     import jax
 
     if not jax.config.jax_enable_x64:
-        q, k, v, out, lse = (jnp.asarray(np.asarray(a)) for a in (q, k, v, out, lse))
+        cpu = jax.devices("cpu")[0]  # CPU JAX (what the message is about), on a machine with a GPU too
+        q, k, v, out, lse = (jax.device_put(np.asarray(a), cpu) for a in (q, k, v, out, lse))
         with pytest.raises(TypeError, match="float64 would come back as a .* float32"):
             cuflash.attention_backward(jnp.ones_like(out), q, k, v, out, lse, bias=good, return_dbias=True)
 

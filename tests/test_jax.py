@@ -21,6 +21,8 @@ from cuflash.testing import (Case, assert_attention_close, check_backward,  # no
 
 import fake_cupy  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("jax_cpu")  # CPU JAX here, on a machine with a GPU too
+
 
 @pytest.fixture(params=["buffer", "pure"])
 def callback(request, monkeypatch):
@@ -343,10 +345,14 @@ def test_on_a_gpu_the_backend_name_is_checked_but_numpy_stand_ins_do_not_refuse_
     assert trace("cuda").shape == q.shape
 
 
-def test_the_backends_head_dim_limit_counts_the_padded_head_dim():
+def test_the_backends_head_dim_limit_counts_the_padded_head_dim(monkeypatch):
     """v's head dim larger than q's: at run time q and k are padded to it, which the backend's MAX_HEAD_DIM judges;
-    the trace-time stand-ins are padded alike (not v cut to q's), so the limit is reported when tracing."""
+    the trace-time stand-ins are padded alike (not v cut to q's), so the limit is reported when tracing. (Where JAX
+    has a GPU, a traced q may run there, and the stand-ins judge the backend's name only: the callback's host
+    arrays are assumed, as on a CPU-only JAX.)"""
     from cuflash.backends import emulate
+
+    monkeypatch.setattr(cj, "_host_arrays", lambda: True)
 
     if not emulate.available()[0]:
         pytest.skip("CPU emulation unavailable")
