@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of work on a lent GPU (under 10 minutes), failing loudly instead of reporting success:
 #   bash benchmarks/gpu_session.sh tests    # the whole GPU test suite (-m gpu), at most 470 s, xdist on every core
+#   bash benchmarks/gpu_session.sh suite    # the rest of the suite (-m "not gpu": NumPy backend, emulated kernels, JAX,
+#                                           # PyTorch) where its compilers and CUDA-enabled JAX differ from CI's
 #   bash benchmarks/gpu_session.sh bench    # the full benchmark, CUDA backend only, at most 540 s
 #   bash benchmarks/gpu_session.sh [all]    # both, about half the time each; no benchmark if a test failed
 #   bash benchmarks/gpu_session.sh sanitize # compute-sanitizer memcheck, racecheck, synccheck, initcheck on every
@@ -28,8 +30,8 @@ set -euo pipefail
 
 what="${1:-all}"
 case "$what" in
-    tests | bench | all | sanitize | profile) ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh [tests|bench|all|sanitize|profile]" >&2; exit 2 ;;
+    tests | suite | bench | all | sanitize | profile) ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh [tests|suite|bench|all|sanitize|profile]" >&2; exit 2 ;;
 esac
 OUT="${OUT:-/tmp/cuflash-out}"
 # a relative OUT names a folder under the caller's, as any path argument would: resolved before the cd below, which
@@ -147,7 +149,7 @@ probe() {
     say "gpu_session $what: commit $commit, $date_utc, $budget s$([ "$dry" = 1 ] && echo ', DRY RUN on a fake GPU')"
     if [ "$commit" = unknown ]; then
         # benchmark numbers without their commit cannot be committed as anyone's results
-        [ "$what" = tests ] || [ "$what" = sanitize ] || [ "$what" = profile ] ||
+        [ "$what" = tests ] || [ "$what" = suite ] || [ "$what" = sanitize ] || [ "$what" = profile ] ||
             fail "commit unknown (this copy has no .git): put GPU_SESSION_COMMIT=<sha> in the command"
         say "note: commit unknown (this copy has no .git): put GPU_SESSION_COMMIT=<sha> in the command"
     fi
@@ -157,7 +159,7 @@ probe() {
         fail "no GPU visible to nvidia-smi: $smi"
     say "nvidia-smi: $smi"
     local need=()
-    [ "$what" != tests ] && [ "$what" != all ] || need=(--need-pytest)
+    [ "$what" != tests ] && [ "$what" != suite ] && [ "$what" != all ] || need=(--need-pytest)
     # the probe prints its own FAIL line and stores it in probe.json, which session.json takes up
     "$py" -m benchmarks.session probe --json "$work/probe.json" "${need[@]}" 2>&1 | tee -a "$log"
     write_session running  # a session.json from the start: a run killed outright still says what it was
@@ -183,8 +185,14 @@ find_golden() {  # the same order as tests/conftest.py: $CUFLASH_GOLDEN_DIR alon
 
 run_tests() {
     local select=(-m gpu tests/) workers=() blas=()
-    # the dry run: one real GPU test (a golden case on the fake GPU), so that the marker and paths are exercised
-    [ "$dry" != 1 ] || select=(-m gpu tests/test_gpu_forward.py -k "test_golden and plain")
+    # suite: the tests CI runs, on the device machine's g++, JAX (with CUDA) and PyTorch (the sixth run found the
+    # emulator's shim broken by that g++'s libstdc++, and CPU-JAX tests fed GPU arrays)
+    [ "$what" != suite ] || select=(-m "not gpu" tests/)
+    # the dry run: one real test (a golden case: on the fake GPU for tests), so that the marker and paths are exercised
+    if [ "$dry" = 1 ]; then
+        select=(-m gpu tests/test_gpu_forward.py -k "test_golden and plain")
+        [ "$what" != suite ] || select=(-m "not gpu" tests/test_golden.py -k "test_golden_set_covers_the_semantics")
+    fi
     if "$py" -c "import xdist" 2> /dev/null; then
         workers=(-n "${GPU_SESSION_WORKERS:-auto}")
         # one BLAS thread per worker (the pytest command only): the first H100 run's 16 workers each ran a
@@ -197,8 +205,10 @@ run_tests() {
     # every kernel compiled first, on every core, out of the tests' time (what is left uncompiled, the tests compile)
     local t0=$SECONDS warm=()
     [ "$dry" != 1 ] || warm=(--quick)
-    timeout -s INT -k 5 60 "$py" -m benchmarks.session warm "${warm[@]}" 2>&1 | tee -a "$log" ||
-        say "note: the kernel warm-up failed or ran out of time; the tests compile what is left"
+    if [ "$what" != suite ]; then  # the suite's kernels are emulated (g++), not NVRTC's
+        timeout -s INT -k 5 60 "$py" -m benchmarks.session warm "${warm[@]}" 2>&1 | tee -a "$log" ||
+            say "note: the kernel warm-up failed or ran out of time; the tests compile what is left"
+    fi
     t_tests=$((t_tests - (SECONDS - t0)))
     say "tests: pytest ${select[*]} ${workers[*]} (SIGINT after ${t_tests}s, so that the XML is written)"
     local rc=0
@@ -322,13 +332,13 @@ if [ "$what" != bench ]; then
     find_golden
     run_tests
 fi
-if [ "$what" != tests ]; then
+if [ "$what" = bench ] || [ "$what" = all ]; then
     if [ "$tests_rc" != null ] && [ "$tests_rc" != 0 ]; then
         say "bench skipped: the GPU tests failed, so its numbers would mean nothing"
     else
         run_bench
     fi
 fi
-[ "$tests_rc" = null ] || [ "$tests_rc" = 0 ] || fail "GPU tests failed (rc $tests_rc; see gpu_tests.txt)"
+[ "$tests_rc" = null ] || [ "$tests_rc" = 0 ] || fail "tests failed (rc $tests_rc; see gpu_tests.txt)"
 [ "$bench_rc" = null ] || [ "$bench_rc" = 0 ] || fail "benchmark failed or was refused (rc $bench_rc; see bench.txt)"
 say "gpu_session: $what done"

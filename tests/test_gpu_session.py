@@ -81,6 +81,21 @@ def test_dry_run_packs_what_a_gpu_session_would(tmp_path, golden_copy):
     assert all(0 < r["host_ms"] <= r["ms"] for r in recs)  # the host's share of each call, before the sync
 
 
+def test_suite_runs_the_tests_ci_runs_and_no_benchmark(tmp_path, golden_copy):
+    """suite: the tests that are not marked gpu (what CI runs), on the device machine's compilers and libraries; no
+    kernel warm-up and no benchmark. (The dry run: one golden test that is not a GPU test.)"""
+    done, out = session(tmp_path, "suite", CUFLASH_GOLDEN_DIR=str(golden_copy))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {p.name for p in out.iterdir()} == {"session.json", "session.txt", "gpu_tests.txt", "gpu_tests.xml"}
+    facts = session_json(out)
+    assert facts["status"] == 0 and facts["what"] == "suite" and facts["bench_rc"] is None
+    assert facts["tests"] == {"tests": 1, "run": 1, "failures": 0, "errors": 0, "skipped": 0, "golden_run": 1}
+    cases = list(ET.parse(out / "gpu_tests.xml").getroot().iter("testcase"))
+    assert [c.get("classname") for c in cases] == ["tests.test_golden"]
+    text = (out / "session.txt").read_text()
+    assert "-m not gpu tests/test_golden.py" in text and "warm:" not in text and "bench:" not in text
+
+
 @needs_emulator
 def test_bench_args_narrow_a_short_lease_to_what_changed(tmp_path):
     """GPU_SESSION_BENCH_ARGS go after the mode's own options: the last --only wins. A test report an earlier session
