@@ -158,8 +158,11 @@ def _git_head() -> Optional[tuple[str, bool]]:
     try:
         top, sha = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=REPO, capture_output=True,
                                   text=True, timeout=10, check=True).stdout.splitlines()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True, timeout=10, check=True).stdout
+        # the results a run writes are not code: a rerun that rewrote the committed figures was "dirty", and then
+        # refused as another run's (its key holds this flag)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                 ":(exclude)benchmarks/results"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
     return (sha, bool(status.strip())) if Path(top).resolve() == REPO else None

@@ -69,6 +69,21 @@ def cases(xp) -> dict[str, Callable[[], Callable[[], object]]]:
             "fwd-n4096-sparse16": lambda: sparse("fwd"), "bwd-n4096-sparse16": lambda: sparse("bwd")}
 
 
+def _no_kernels() -> None:
+    """Every launch of cuflash's CUDA backend does all its host work but the kernel's call, which does nothing: the
+    compiled function is swapped for a no-op where the backend looks it up (real CuPy's RawKernel is an immutable
+    type: setting its ``__call__``, as this did, was a TypeError on a GPU)."""
+    from cuflash.backends import cuda
+
+    device, function, probe = cuda._memoized()
+
+    def no_op(*key):
+        function(*key)  # compiled as before (its cost is the first call's, outside the timed ones)
+        return lambda grid, block, args, shared_mem=0: None
+
+    cuda._memoized = lambda: (device, no_op, probe)
+
+
 def measure(xp, call: Callable[[], object], calls: int, top: int) -> tuple[float, float, str]:
     """``(host ms per call, device-event ms per call, cProfile's table)``."""
     sync = xp.cuda.get_current_stream().synchronize
@@ -161,7 +176,7 @@ def main(argv=None) -> int:
     import cupy as xp
 
     if args.no_kernels:
-        xp.RawKernel.__call__ = lambda self, *a, **k: None
+        _no_kernels()
     table = cases(xp)
     rows = []
     for name in names:

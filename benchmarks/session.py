@@ -255,7 +255,16 @@ def _warm(args) -> int:
     import time
 
     import cuflash
+    from cuflash import _env
+    from cuflash.backends import cuda
 
+    try:  # refused in one line, as every other entry point refuses (a bad variable, no GPU), not a traceback
+        _env.check_all()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    ok, why = cuda.available()
+    if not ok:
+        raise UsageError(f"warm compiles the CUDA kernels into CuPy's cache, which needs a usable GPU: {why}")
     t0, workers = time.perf_counter(), os.cpu_count() or 1
     runs = [(("float16", "bfloat16", "float64"), "ieee")] + [(("float32",), p) for p in ("ieee", "3xtf32", "tf32")]
     dims = {"head_dims": (64,)} if args.quick else {}  # else every native head dim
@@ -284,7 +293,7 @@ def main(argv=None) -> int:
     fi.add_argument("--out", required=True)
     fi.add_argument("--probe", default=None)
     fi.add_argument("--junit", default=None)
-    fi.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    fi.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE")  # every --set, not the last
     th = sub.add_parser("tree-hash")
     th.add_argument("root", nargs="?", metavar="ROOT", default=str(Path(__file__).resolve().parent.parent))
     args = p.parse_args(argv)

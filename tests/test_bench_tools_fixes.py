@@ -252,3 +252,60 @@ def test_a_probe_file_too_deep_or_not_a_file_is_recorded_unreadable(tmp_path, ki
     assert session.main(["finish", "--out", str(out), "--probe", str(probe)]) == 0
     reason = _strict(out.read_text())["probe_unreadable"]
     assert str(probe) in reason and ("nested too deeply" if kind == "deep" else "a FIFO") in reason
+
+
+# ---------------------------------------------------------------------------------------------
+# a second hunt (2026-11-28): a rerun refused as another run's, cuflash-kvcache's errors, session's --set and warm
+# ---------------------------------------------------------------------------------------------
+def test_results_written_under_benchmarks_results_do_not_make_the_checkout_dirty(tmp_path, monkeypatch):
+    """A run rewrites the committed figures under benchmarks/results/: counted as a dirty tree, the same command run
+    again was refused as "another run than this one" (its run key holds the flag). Code changes still count."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    (repo / "cuflash.py").write_text("x = 1\n")
+    (repo / "benchmarks" / "results" / "fig.json").write_text("{}\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run(git[:5] + ["init", "-q", str(repo)], check=True)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-qm", "c"], check=True)
+    monkeypatch.setattr(environment, "REPO", repo.resolve())
+    assert environment._git_head()[1] is False
+    (repo / "benchmarks" / "results" / "fig.json").write_text('{"records": []}\n')
+    assert environment._git_head()[1] is False
+    (repo / "cuflash.py").write_text("x = 2\n")
+    assert environment._git_head()[1] is True
+
+
+def test_an_error_of_cuflash_kvcache_fails_the_run_as_cuflashs_own(monkeypatch):
+    """Only the impl named exactly "cuflash" failed a run: cuflash-kvcache raising was a skipped baseline, status 0,
+    and gpu_session.sh reported a broken decode path as a good benchmark."""
+    from benchmarks import cases, timing
+
+    def broken(case, impl, *args, **kw):
+        raise RuntimeError("cudaErrorIllegalAddress")
+
+    monkeypatch.setattr(run, "measure", broken)
+    pair = cases.Case("decode", "cpu", "fwd", "float32", 1, 2, 1, 64, 16, impls=("cuflash-kvcache",))
+    result = run.run_cases([pair], timing=timing.TIMINGS["smoke"], progress=False)
+    assert [e["impl"] for _, e in result.failures] == ["cuflash-kvcache"] and not result.skipped
+
+
+def test_every_set_of_finish_is_taken(tmp_path):
+    """--set given twice kept only the last one's items (argparse's default store)."""
+    out = tmp_path / "session.json"
+    assert session.main(["finish", "--out", str(out), "--set", "status=0", "a=1", "--set", "b=2"]) == 0
+    facts = json.loads(out.read_text())
+    assert facts["status"] == 0 and str(facts["a"]) == "1" and str(facts["b"]) == "2"
+
+
+def test_warm_without_a_gpu_or_with_a_bad_variable_is_one_line(capsys, monkeypatch):
+    """session warm printed a RuntimeError's traceback (status 1) without a GPU, and one for a bad CUFLASH_*."""
+    from cuflash.backends import cuda
+
+    monkeypatch.setattr(cuda, "available", lambda: (False, "no GPU here"))
+    line = _exits_2(session.main, ["warm"], capsys, f"{SESSION} warm")
+    assert "needs a usable GPU: no GPU here" in line
+    monkeypatch.setenv("CUFLASH_NUM_THREADS", "abc")
+    assert "CUFLASH_NUM_THREADS" in _exits_2(session.main, ["warm"], capsys, f"{SESSION} warm")
