@@ -146,7 +146,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cases = profile_cases() if args.profile else small_cases()
     if args.only:
-        wanted = args.only.split(",")
+        wanted = [name.strip() for name in args.only.split(",") if name.strip()]  # "a," names a alone
+        if not wanted:
+            p.error(f"--only names no case in {args.only!r}; the cases are {', '.join(cases)}")
         unknown = sorted(set(wanted) - set(cases))
         if unknown:
             p.error(f"--only: unknown case(s) {', '.join(unknown)}; the cases are {', '.join(cases)}")

@@ -215,7 +215,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="every figure at full size (on a GPU: fits one 10-minute call)")
     mode.add_argument("--smoke", dest="mode", action="store_const", const="smoke",
                       help="the quick code paths at toy sizes (tests, CI, a dry run of gpu_session.sh)")
-    p.add_argument("--out", type=_folder, default=None, help="result folder (default benchmarks/results/<device>/)")
+    p.add_argument("--out", type=_folder, default=None,
+                   help="result folder (default: the checkout's benchmarks/results/<device>/)")
     p.add_argument("--replace", action="store_true",
                    help="remove the figures of another run (commit, device, mode) from --out first (without it, "
                         "such figures are an error: a results folder holds one run)")
@@ -342,6 +343,9 @@ def main(argv=None) -> int:
     device = _device(args, parser)
     figures = _names(args.only, FIGURES, "figure(s)", parser)
     impls = _names(args.impl, tuple(IMPLS), "impl(s)", parser)
+    if args.require_device and impls is not None and "cuflash" not in impls:  # it would measure all, then fail
+        parser.error(f"--require-device {args.require_device} needs cuflash's own records, which --impl {args.impl} "
+                     f"leaves out")
     if args.time_limit is not None and not args.time_limit > 0:  # NaN too: every pair would be skipped
         parser.error(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     info = environment.gpu_info() if device == "cuda" else environment.cpu_info()
@@ -351,7 +355,8 @@ def main(argv=None) -> int:
               f"nothing measured", file=sys.stderr)
         return 1
     limit = DEFAULT_TIME_LIMIT[args.mode] if args.time_limit is None else args.time_limit
-    out_dir = args.out or Path("benchmarks") / "results" / environment.device_slug(info)
+    # the checkout's own results folder, whatever the working folder: the commit recorded is the checkout's
+    out_dir = args.out or environment.REPO / "benchmarks" / "results" / environment.device_slug(info)
     commit, dirty = _commit(args, parser)
     _out_folder(out_dir, (commit, info["name"], args.mode, dirty is True, False), args.replace, parser)
     print(f"benchmarks.run --{args.mode} on {info['name']} ({device}); {len(cases)} cases", file=sys.stderr)

@@ -309,3 +309,30 @@ def test_warm_without_a_gpu_or_with_a_bad_variable_is_one_line(capsys, monkeypat
     assert "needs a usable GPU: no GPU here" in line
     monkeypatch.setenv("CUFLASH_NUM_THREADS", "abc")
     assert "CUFLASH_NUM_THREADS" in _exits_2(session.main, ["warm"], capsys, f"{SESSION} warm")
+
+
+def test_require_device_with_impls_that_leave_out_cuflash_is_refused_before_measuring(capsys, monkeypatch):
+    monkeypatch.setattr(run, "run_cases", lambda *a, **k: pytest.fail("measured"))
+    line = _exits_2(run.main, ["--smoke", "--device", "cpu", "--require-device", "cpu", "--impl", "numpy"], capsys,
+                    "python -m benchmarks.run")
+    assert "--require-device cpu needs cuflash's own records, which --impl numpy leaves out" in line
+
+
+def test_the_default_out_is_the_checkouts_results_folder_whatever_the_working_folder(tmp_path, monkeypatch):
+    """Run from another folder, the results went to ./benchmarks/results/ there, recorded with the checkout's commit."""
+    seen = {}
+
+    def stop(out_dir, *args):
+        seen["out"] = out_dir
+        raise SystemExit(0)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run, "_out_folder", stop)
+    with pytest.raises(SystemExit):
+        run.main(["--smoke", "--device", "cpu", "--no-progress"])
+    assert seen["out"].parent == environment.REPO / "benchmarks" / "results"
+
+
+def test_kernel_cases_only_with_a_trailing_comma_names_the_cases_before_it(capsys):
+    line = _exits_2(kernel_cases.main, ["--only", ","], capsys, KC)
+    assert "--only names no case in ','" in line
