@@ -682,6 +682,11 @@ def _cpp_real(value: float, double: bool) -> str:
     return f"{value!r}" if double else f"{value!r}f"
 
 
+#: float arithmetic as CUDA's correctly rounded intrinsics, never contracted ((float, double) kernels' names); the
+#: emulator has twins of them (kernels/emulate/intrinsics.h)
+_CPP_ROUNDED = {"+": ("__fadd_rn", "__dadd_rn"), "-": ("__fsub_rn", "__dsub_rn"), "*": ("__fmul_rn", "__dmul_rn")}
+
+
 def _cpp(n: Node, read, real: str = "float") -> str:
     op = n.op
     double = real == "double"
@@ -720,6 +725,11 @@ def _cpp(n: Node, read, real: str = "float") -> str:
         fn = (_CPP_DOUBLE if double else _CPP_FLOAT)[n.value] if n.type == "float" else \
             ("::abs" if n.value == "abs" else n.value)
         return f"{fn}({', '.join(a)})"
+    if n.type == "float" and op in _CPP_ROUNDED:
+        # each step rounded, as NumPy rounds it: NVRTC contracts a plain `a * b - c` into one FMA (--fmad=true is
+        # its default), so `q_idx * 0.1 - kv_idx * 0.1 >= 0` kept other elements than to_dense and the NumPy backend
+        # (half the diagonal of that causal rule dropped), and the forward and backward kernels could disagree
+        return f"{_CPP_ROUNDED[op][double]}({a[0]}, {a[1]})"
     return f"({a[0]} {op} {a[1]})"
 
 

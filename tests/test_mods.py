@@ -190,6 +190,21 @@ def test_emitted_cpp_computes_what_numpy_computes(text, kind):
     assert np.allclose(out, want, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("real", ["float", "double"])
+def test_emitted_float_arithmetic_is_rounded_step_by_step(real):
+    """NVRTC contracts a plain `a * b - c * d` into a fused multiply-add (--fmad=true, its default), which rounds once
+    where NumPy rounds twice: the rule `q_idx * 0.1 - kv_idx * 0.1 >= 0` (to_dense: causal) dropped half of the
+    diagonal in a kernel built that way. Float +, - and * are emitted as CUDA's correctly rounded intrinsics, never
+    contracted; integer arithmetic stays plain C++."""
+    names = {"float": ("__fadd_rn", "__fsub_rn", "__fmul_rn"), "double": ("__dadd_rn", "__dsub_rn", "__dmul_rn")}
+    read = lambda name, index: f"{name}[{index[0]}]"  # noqa: E731
+    rule = mods.parse("q_idx * 0.1 - kv_idx * 0.1 + slope[h] * q_idx >= 0.0", kind="mask",
+                      arrays=ARRAYS).cpp(read, real)
+    assert all(name in rule for name in names[real]) and not any(f" {op} " in rule for op in "+-*"), rule
+    ints = mods.parse("q_idx * 2 + kv_idx - 1 >= 0", kind="mask", arrays=ARRAYS).cpp(read, real)
+    assert " * " in ints and not any(name in ints for name in names[real]), ints
+
+
 # ------------------------------------------------------------------------------------------------ the reference
 def _qkv(seed=0, sq=7, sk=9, h=4, hkv=2, d=8):
     rng = np.random.default_rng(seed)

@@ -299,6 +299,7 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline double __fma_rn(double a, double b, double c) { return fma(a, b, c); }
 inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 
 inline int __float_as_int(float x) { int i; memcpy(&i, &x, 4); return i; }
