@@ -17,8 +17,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import _layout
 from ._fp import ignore_fp_errors
 from .interop import Edge
+from .options import Layout
 from .problem import array_module, dtype_name, native
 
 _OUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -26,21 +28,26 @@ _LSE_DTYPES = ("float32", "float64")
 
 
 @ignore_fp_errors  # its final rounding too (a float16 result underflows as a rule), as merge_parts' arithmetic
-def merge_attention_states(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[Any, Any]:
+def merge_attention_states(outs: Sequence[Any], lses: Sequence[Any], *, layout: Layout = "bshd") -> tuple[Any, Any]:
     """Merge attention results computed over disjoint key sets into the result over their union.
 
     Parameters
     ----------
-    outs : sequence of arrays, each of shape ``(..., seqlen_q, heads, head_dim)``
+    outs : sequence of arrays, each of shape ``(..., seqlen_q, heads, head_dim)`` (``(..., heads, seqlen_q,
+    head_dim)`` with ``layout="bhsd"``)
         Partial outputs, as :func:`cuflash.attention` returns them: float16, bfloat16, float32 or
         float64, all of one dtype and shape. At least one.
     lses : sequence of arrays, each of shape ``(..., heads, seqlen_q)``
         Their log-sum-exps (natural log of the sum of exp of the scaled scores), float32 or float64,
         all of one dtype; ``-inf`` for a row that saw no key of that part. One per ``outs`` entry.
+    layout : {"bshd", "bhsd"}, default "bshd", keyword-only
+        The layout of ``outs`` (and of ``out``), as the :func:`cuflash.attention` calls that made them were given
+        it. Without it, ``"bhsd"`` parts were read as ``"bshd"`` ones: an error naming the lse's shape, or, where
+        heads equal seqlen_q, a silently wrong merge.
 
     Returns
     -------
-    out : array, the shape and dtype of ``outs[i]``
+    out : array, the shape and dtype of ``outs[i]`` (C-contiguous)
         ``sum_i exp(lses[i] - lse) * outs[i]``; 0 for a row that is ``-inf`` in every part.
     lse : array, the shape and dtype of ``lses[i]``
         ``logsumexp_i lses[i]``; ``-inf`` for a row that is ``-inf`` in every part.
@@ -62,18 +69,20 @@ def merge_attention_states(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[An
     >>> out2, lse2 = cuflash.attention(q, k[:, 100:], v[:, 100:], return_lse=True)
     >>> out, lse = cuflash.merge_attention_states([out1, out2], [lse1, lse2])   # attention over all of k, v
     """
+    form = _layout.check_layout(layout)
     edge = Edge()
     outs, lses = _sequence("outs", outs), _sequence("lses", lses)
     outs = [edge.data(f"outs[{i}]", a) for i, a in enumerate(outs)]
     lses = [edge.data(f"lses[{i}]", a) for i, a in enumerate(lses)]
-    outs, lses, xp = _check(outs, lses)
+    outs, lses, xp = _check(outs, lses, form)
     work = np.dtype(np.float64) if "float64" in (dtype_name(outs[0].dtype), dtype_name(lses[0].dtype)) \
         else np.dtype(np.float32)
     # CuPy allocates on the current device: run on the parts' (one device, checked above), as attention does
     on_device = xp.cuda.Device(outs[0].device.id) if xp is not np else contextlib.nullcontext()
     with edge.device(), on_device:
         out, lse = merge_parts(xp, outs, lses, work)
-        return edge.export(out.astype(outs[0].dtype, copy=False)), edge.export(lse.astype(lses[0].dtype, copy=False))
+        out = _layout.from_bshd(out.astype(outs[0].dtype, copy=False), form)
+        return edge.export(out), edge.export(lse.astype(lses[0].dtype, copy=False))
 
 
 @ignore_fp_errors
@@ -123,9 +132,9 @@ def _sequence(name: str, seq: Any) -> list[Any]:
     return list(seq)
 
 
-def _check(outs: list[Any], lses: list[Any]) -> tuple[list[Any], list[Any], Any]:
-    """Validated ``(outs, lses, xp)``: equal counts, shapes, dtypes and array module; TypeError/ValueError naming
-    the argument otherwise."""
+def _check(outs: list[Any], lses: list[Any], layout: str) -> tuple[list[Any], list[Any], Any]:
+    """Validated ``(outs as "bshd" views, lses, xp)``: equal counts, shapes, dtypes and array module; TypeError/
+    ValueError naming the argument otherwise."""
     if not outs:
         raise ValueError("outs must hold at least one partial result, got an empty sequence")
     if len(outs) != len(lses):
@@ -145,10 +154,12 @@ def _check(outs: list[Any], lses: list[Any]) -> tuple[list[Any], list[Any], Any]
                 raise ValueError(f"{what}[{i}] has shape {tuple(a.shape)}, but {what}[0] has {tuple(first.shape)}: "
                                  f"all parts must have one shape")
     out0, lse0 = outs[0], lses[0]
+    form = "(..., seqlen_q, heads, head_dim)" if layout == "bshd" else "(..., heads, seqlen_q, head_dim)"
     if out0.ndim < 3:
-        raise ValueError(f"outs[0] must have shape (..., seqlen_q, heads, head_dim), got {tuple(out0.shape)}")
-    want = out0.shape[:-3] + (out0.shape[-2], out0.shape[-3])
+        raise ValueError(f"outs[0] must have shape {form} (layout={layout!r}), got {tuple(out0.shape)}")
+    bshd = _layout.to_bshd(out0, layout).shape
+    want = bshd[:-3] + (bshd[-2], bshd[-3])
     if tuple(lse0.shape) != tuple(want):
         raise ValueError(f"lses[0] must have shape (..., heads, seqlen_q) = {tuple(want)} to match outs[0] "
-                         f"{tuple(out0.shape)}, got {tuple(lse0.shape)}")
-    return outs, lses, xp
+                         f"{tuple(out0.shape)} {form} (layout={layout!r}), got {tuple(lse0.shape)}")
+    return [_layout.to_bshd(a, layout) for a in outs], lses, xp

@@ -292,3 +292,26 @@ def test_a_split_whose_weight_underflows_reaches_nothing(num_splits):
     split = cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=num_splits, backend="numpy")
     np.testing.assert_array_equal(whole, want)
     np.testing.assert_array_equal(split, want)
+
+
+@pytest.mark.parametrize("heads", [4, 3], ids=["heads-equal-seqlen_q", "heads-other"])
+def test_bhsd_parts_merge_into_the_bhsd_whole(heads):
+    """layout="bhsd" as attention takes it: the parts of bhsd calls were read as bshd, a silently wrong merge where
+    heads == seqlen_q (1.3 off) and an error about the lse's shape otherwise. Now the merge holds to the rule against
+    the float64 reference, C-contiguous and in the caller's layout; without the layout, the error names it."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, heads, n, 8)).astype(np.float32) for n in (4, 10, 10))
+    parts = [cuflash.attention(q, k[:, :, s], v[:, :, s], layout="bhsd", return_lse=True)
+             for s in (slice(0, 6), slice(6, 10))]
+    out, lse = cuflash.merge_attention_states([p[0] for p in parts], [p[1] for p in parts], layout="bhsd")
+    assert out.shape == q.shape and out.flags.c_contiguous and out.dtype == q.dtype
+    ref, ref_lse = reference.attention(q, k, v, layout="bhsd", return_lse=True, compute_dtype=np.float64)
+    base, base_lse = reference.attention(q, k, v, layout="bhsd", return_lse=True, compute_dtype=np.float32)
+    mags = reference.term_magnitudes(q, k, v, layout="bhsd")
+    assert_attention_close(out, ref, base, mult=2, name="out", magnitude=mags["out"])
+    assert_attention_close(lse, ref_lse, base_lse, mult=2, name="lse", magnitude=mags["lse"])
+    with pytest.raises(ValueError, match=r"layout must be 'bshd' .* or 'bhsd'"):
+        cuflash.merge_attention_states([p[0] for p in parts], [p[1] for p in parts], layout="sbhd")
+    if heads != 4:
+        with pytest.raises(ValueError, match=r"lses\[0\] must have shape .* \(layout='bshd'\)"):
+            cuflash.merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
