@@ -250,7 +250,8 @@ def _forward_call(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *
         lse_caller = edge.export(lse)
     if return_residual:
         saved = (q, k, v, o, lse)
-        seen = watched(dict(q=q, k=k, v=v, out=o, lse=lse), natives_opts)
+        # by the caller's names: a change to a packed input said "v was modified", of an array never passed
+        seen = watched(dict(_named((q, k, v), packed), out=o, lse=lse), natives_opts)
         residual = AttentionResidual(out_caller, lse_caller, MappingProxyType(snapshot(options)), packed, backend,
                                      saved, MappingProxyType(snapshot(natives_opts)),
                                      fingerprints(a for _, a in seen), edge, seen)

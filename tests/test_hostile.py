@@ -2,6 +2,7 @@
 later-modified arguments give a clear error before any computation, or the float64 reference's result."""
 from __future__ import annotations
 
+import re
 import sys
 
 import numpy as np
@@ -70,6 +71,19 @@ def test_vjp_detects_in_place_changes(changed):
     arrays[changed][1, 3] = arrays[changed][1, 4]  # a row copied over another: sums of values might not notice
     with pytest.raises(ValueError, match=f"{changed} was modified in place after attention_vjp"):
         vjp(dout)
+
+
+@pytest.mark.parametrize("form,part,name", [("qkv", 2, "qkv (its v part)"), ("kv", 0, "kv (its k part)")])
+def test_an_in_place_change_to_a_packed_input_is_named_as_the_caller_passed_it(form, part, name):
+    """The residual of a packed call watched its parts as q, k and v: "v was modified", of an array never passed."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 5, 4, 8))
+    packed = rng.standard_normal((2, 5, 3, 4, 8) if form == "qkv" else (2, 5, 2, 4, 8))
+    out, residual = (cuflash.attention_qkvpacked(packed, return_residual=True) if form == "qkv" else
+                     cuflash.attention_kvpacked(q, packed, return_residual=True))
+    packed[0, 0, part, 0, 0] += 1
+    with pytest.raises(ValueError, match=re.escape(name) + " was modified in place"):
+        cuflash.attention_backward(np.ones_like(out), residual)
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
