@@ -351,6 +351,23 @@ class BlockMask:
         blocks = pad.reshape(ids.shape[0], _cdiv(n, b), b)  # -1 was ambiguous for a batch of 0 (NumPy's error)
         return blocks.min(axis=-1), blocks.max(axis=-1)
 
+    @staticmethod
+    def _dense_states(mask, bq: int, bk: int):
+        """FULL/PARTIAL/SKIP of every (bq, bk) block of a boolean ``(batch, heads, Sq, Sk)`` mask, from each block's
+        count of True against its area inside the sequences: column sums of a band of query blocks, summed per key
+        block (memory O(batch * heads * Sk), no padded copy)."""
+        sq, sk = mask.shape[-2:]
+        nq, nk = _cdiv(sq, bq), _cdiv(sk, bk)
+        states = np.empty(mask.shape[:2] + (nq, nk), dtype=np.int8)
+        cols = np.minimum(bk, sk - np.arange(nk) * bk)
+        for i in range(nq):
+            rows = mask[..., i * bq:(i + 1) * bq, :]
+            count = np.add.reduceat(rows.sum(axis=-2, dtype=np.int64), np.arange(nk) * bk, axis=-1) if sk else \
+                np.zeros(mask.shape[:2] + (0,), np.int64)
+            area = rows.shape[-2] * cols
+            states[:, :, i] = np.where(count == area, FULL, np.where(count > 0, PARTIAL, SKIP))
+        return states
+
     @classmethod
     def from_dense(cls, mask, *, block=DEFAULT_BLOCK):
         """Any boolean mask ``(batch|1, heads|1, Sq, Sk)`` (or 2-D / 3-D), exactly: all-True blocks are full,
@@ -368,21 +385,23 @@ class BlockMask:
             raise ValueError(f"block {(bq, bk)} of a dense mask must hold fewer than 2**31 elements, got {bq * bk}")
         sq, sk = mask.shape[-2:]
         nq, nk = _cdiv(sq, bq), _cdiv(sk, bk)
-        padded = np.zeros(mask.shape[:2] + (nq * bq, nk * bk), dtype=bool)
-        padded[..., :sq, :sk] = mask
-        blocks = padded.reshape(mask.shape[:2] + (nq, bq, nk, bk)).transpose(0, 1, 2, 4, 3, 5)
-        count = blocks.sum(axis=(-2, -1))
-        rows, cols = np.minimum(bq, sq - np.arange(nq) * bq), np.minimum(bk, sk - np.arange(nk) * bk)
-        area = rows[:, None] * cols[None, :]  # the elements of each block inside the sequences
-        states = np.where(count == area, FULL, np.where(count > 0, PARTIAL, SKIP)).astype(np.int8)
+        states = cls._dense_states(mask, bq, bk)
         partial = states == PARTIAL
         if not partial.any():  # whole blocks only: the states say everything
             return cls._make(states, (bq, bk), sq, sk)
         slot = np.full(states.shape, -1, dtype=np.int32)
         slot[partial] = np.arange(int(partial.sum()), dtype=np.int32)
-        bits = np.packbits(blocks[partial].reshape(-1, bq * bk), axis=-1, bitorder="little")
+        bits = np.empty((int(partial.sum()), _cdiv(bq * bk, 8)), dtype=np.uint8)
+        for i in range(nq):  # one band of query blocks at a time: a padded copy of a band, never of the mask
+            band = partial[:, :, i]
+            if band.any():
+                padded = np.zeros(mask.shape[:2] + (bq, nk * bk), dtype=bool)
+                rows = mask[..., i * bq:(i + 1) * bq, :]
+                padded[..., :rows.shape[-2], :sk] = rows
+                blocks = padded.reshape(mask.shape[:2] + (bq, nk, bk)).transpose(0, 1, 3, 2, 4)[band]
+                bits[slot[:, :, i][band]] = np.packbits(blocks.reshape(-1, bq * bk), axis=-1, bitorder="little")
         name = _prefix()
-        values = {name + "slot": slot, name + "bits": bits.reshape(-1, _cdiv(bq * bk, 8))}
+        values = {name + "slot": slot, name + "bits": bits}
         rule = mods.dense_bits(name + "slot", name + "bits", slot.shape, (bq, bk))
         return cls._make(states, (bq, bk), sq, sk, rule, values)
 
