@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import sys
+import types
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
@@ -117,6 +119,26 @@ class Edge:
         self._place: Optional[tuple[str, int]] = None
         self._key: Any = None
         self._written: list[Any] = []            # the caller's arrays the call writes into (see written())
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle and deepcopy (a residual keeps its call's edge): the Array API namespace, a module, travels by its
+        name ("cannot pickle 'module' object" was all a residual of torch tensors said)."""
+        state = dict(self.__dict__)
+        for name in ("namespace", "_key"):
+            if isinstance(state[name], types.ModuleType):
+                state[name] = _ModuleName(state[name].__name__)
+        device = state["caller_device"]
+        if _library(device) == "jaxlib":  # a JAX device does not pickle: its platform and id do
+            state["caller_device"] = _JaxDevice(device.platform, device.id)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in ("namespace", "_key"):
+            if isinstance(state[name], _ModuleName):
+                state[name] = state[name].load(state["library"])
+        if isinstance(state["caller_device"], _JaxDevice):
+            state["caller_device"] = state["caller_device"].load()
+        self.__dict__.update(state)
 
     def again(self) -> "Edge":
         """This edge for another call (a residual's backward: its origin kept), with nothing written yet: a list
@@ -267,6 +289,35 @@ class Edge:
 
                 torch.autograd.graph.increment_version(self._written)
                 self._written = []
+
+
+class _ModuleName(str):
+    """A pickled edge's Array API namespace: imported again on loading, and only a namespace of the edge's own
+    library or array-api-compat's wrapper of it (a pickle naming another module imports nothing)."""
+
+    def load(self, library: Optional[str]) -> types.ModuleType:
+        root, own = self.split(".")[0], (library or "").split(".")[0]
+        if not own or root not in ("array_api_compat", own, {"jaxlib": "jax"}.get(own)):  # JAX arrays are jaxlib's
+            raise ValueError(f"a pickled cuflash residual names the Array API namespace {str(self)!r}, which is not "
+                             f"{library}'s: refusing to import it")
+        return importlib.import_module(self)
+
+
+class _JaxDevice:
+    """A pickled edge's JAX device, by its platform and id, found again among this process's JAX devices."""
+
+    def __init__(self, platform: str, id_: int) -> None:
+        self.platform, self.id = str(platform), int(id_)
+
+    def load(self) -> Any:
+        import jax
+
+        platform, id_ = self.platform, self.id
+        for device in jax.devices(platform):
+            if device.id == id_:
+                return device
+        raise ValueError(f"a pickled cuflash residual's arrays were on JAX's {platform} device {id_}, which this "
+                         f"process does not have")
 
 
 def _is_jax(a: Any) -> bool:

@@ -70,8 +70,9 @@ class AttentionResidual:
     def __getstate__(self) -> dict[str, Any]:
         """Pickle and deepcopy: the read-only option mappings travel as dicts (a ``mappingproxy`` does not pickle),
         read-only again once loaded (:meth:`__setstate__`). The saved arrays travel with them, so a loaded residual's
-        backward checks their fingerprints as the original's does. (A residual of a foreign library's arrays, torch or
-        JAX, keeps that library's namespace, a module, and does not pickle.)"""
+        backward checks their fingerprints as the original's does. A residual of a foreign library's arrays (torch,
+        JAX, ...) keeps its call's edge, which pickles that library's namespace by name
+        (:meth:`cuflash.interop.Edge.__getstate__`)."""
         state = dict(self.__dict__)
         for name in ("options", "_native_options"):
             state[name] = dict(state[name])

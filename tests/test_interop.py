@@ -540,3 +540,37 @@ def test_a_residuals_failed_backward_leaves_no_tensor_to_mark_written():
         cuflash.attention_backward(dout, residual, dq=dq, dk=np.zeros((1, 4, 2, 8), np.float32))
     cuflash.attention_backward(dout, residual)
     assert dq._version == 0 and not dq.any()
+
+
+@pytest.mark.parametrize("library", ["torch", "jax", "array_api_strict"])
+def test_a_residual_of_foreign_arrays_pickles_and_deep_copies(library, request):
+    """A residual keeps its call's edge, which held the library's Array API namespace, a module: pickle.dumps and
+    copy.deepcopy raised "cannot pickle 'module' object" (and a JAX device does not pickle either). Both give a
+    residual whose backward has the original's results, in the library's type."""
+    import copy
+    import pickle
+
+    mod = pytest.importorskip(library)
+    if library == "jax":
+        request.getfixturevalue("jax_cpu")
+    x = np.random.default_rng(0).standard_normal((2, 5, 3, 8))
+    if library == "torch":
+        a, ones = mod.from_numpy(x), mod.ones_like
+    elif library == "jax":
+        a, ones = mod.numpy.asarray(x.astype(np.float32)), mod.numpy.ones_like
+    else:
+        a, ones = mod.asarray(x), mod.ones_like
+    out, residual = cuflash.attention(a, a, a, causal=True, return_residual=True)
+    want = cuflash.attention_backward(ones(out), residual)
+    for again in (pickle.loads(pickle.dumps(residual)), copy.deepcopy(residual)):
+        got = cuflash.attention_backward(ones(out), again)
+        assert all(type(g) is type(w) and np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
+
+
+def test_a_pickled_edge_imports_only_its_own_librarys_namespace():
+    """Loading a pickle imports the namespace it names: only one of the edge's library (or array-api-compat's)."""
+    from cuflash.interop import _ModuleName
+
+    with pytest.raises(ValueError, match="names the Array API namespace 'os', which is not torch's"):
+        _ModuleName("os").load("torch")
+    assert _ModuleName("array_api_compat.numpy").load("numpy").__name__ == "array_api_compat.numpy"
