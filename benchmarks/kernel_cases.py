@@ -144,6 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-pool", action="store_true", help="no CuPy memory pool")
     p.add_argument("--backend", choices=("cuda", "emulate"), default="cuda")
     args = p.parse_args(argv)
+    if args.no_pool and args.backend != "cuda":  # the emulator has no CuPy pool: the option would do nothing
+        p.error("--no-pool is CuPy's (backend cuda); the emulated kernels allocate no pool")
     cases = profile_cases() if args.profile else small_cases()
     if args.only:
         wanted = [name.strip() for name in args.only.split(",") if name.strip()]  # "a," names a alone

@@ -336,3 +336,8 @@ def test_the_default_out_is_the_checkouts_results_folder_whatever_the_working_fo
 def test_kernel_cases_only_with_a_trailing_comma_names_the_cases_before_it(capsys):
     line = _exits_2(kernel_cases.main, ["--only", ","], capsys, KC)
     assert "--only names no case in ','" in line
+
+
+def test_kernel_cases_no_pool_with_the_emulator_is_refused(capsys):
+    line = _exits_2(kernel_cases.main, ["--no-pool", "--backend", "emulate"], capsys, KC)
+    assert "--no-pool is CuPy's (backend cuda)" in line
