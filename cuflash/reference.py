@@ -103,7 +103,7 @@ def _probabilities(p, q, k):
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     m_safe = np.where(np.isfinite(m), m, s.dtype.type(0))  # rows that see nothing: no (-inf) - (-inf)
     e = r(np.exp(r(s - m_safe)))
-    l = r(e.sum(axis=-1, keepdims=True))
+    l = r(_sum(e, -1, keepdims=True))
     with np.errstate(divide="ignore", invalid="ignore"):
         one = l.dtype.type(1)
         seen = l != 0  # not `l > 0`: a NaN sum must propagate, not pass for "sees no key"
@@ -128,6 +128,16 @@ def _mm(a, b):
     if a.dtype.itemsize == 2:
         return (a.astype(np.float32) @ b.astype(np.float32)).astype(a.dtype)
     return a @ b
+
+
+def _sum(x, axis, keepdims=False):
+    """``x.sum(axis)`` as the naive computation in ``x``'s dtype does it, as :func:`_mm` sums: 16-bit floats summed
+    in float32 and rounded once. NumPy sums ml_dtypes' bfloat16 in bfloat16 (a row of 1000 ones sums to 256), so the
+    naive baseline the 2x/3x rule scales was off by orders of magnitude on long rows, and an all-zero bfloat16
+    output passed check_forward at 1024 keys."""
+    if x.dtype.itemsize == 2:
+        return x.sum(axis=axis, keepdims=keepdims, dtype=np.float32).astype(x.dtype)
+    return x.sum(axis=axis, keepdims=keepdims)
 
 
 def _mm_seen(a, b):
@@ -255,7 +265,7 @@ def _backward(p, dout, keep, dropout_p, compute_dtype, return_dbias):
         dpd = _mm(do, np.swapaxes(vg, -1, -2))
     # d(P∘Z/(1-p))/dP: a dropped element's dP contributes nothing, an infinite one (0 * inf) neither
     dprob = _apply_dropout(dpd, keep, dropout_p, drop_nonfinite=True)
-    big_d = r((do * o).sum(axis=-1, keepdims=True))
+    big_d = r(_sum(r(do * o), -1, keepdims=True))
     with np.errstate(invalid="ignore"):  # dP - D of an unseen row or key may be inf or NaN; it meets P = 0
         ds = r(np.where(prob != 0, prob * r(dprob - big_d), 0))
     ds0, dbias = ds, None
@@ -270,8 +280,8 @@ def _backward(p, dout, keep, dropout_p, compute_dtype, return_dbias):
     dk = r(scale * _mm_seen(np.swapaxes(ds0, -1, -2), qg))
     shape_q, shape_k = p.q.shape[1:], p.k.shape[1:]
     grads = (p.unflatten(_ungroup(dq, p), shape_q),
-             p.unflatten(_ungroup(dk.sum(axis=2, keepdims=True), p), shape_k),
-             p.unflatten(_ungroup(dv.sum(axis=2, keepdims=True), p), shape_k))
+             p.unflatten(_ungroup(_sum(dk, 2, keepdims=True), p), shape_k),
+             p.unflatten(_ungroup(_sum(dv, 2, keepdims=True), p), shape_k))
     if return_dbias:
         if dbias is None:
             raise ValueError("return_dbias needs bias=")
@@ -292,7 +302,7 @@ def _reduce_bias(p, ds):
     ds = np.broadcast_to(ds, (p.batch, p.heads_kv, p.group, p.seqlen_q, p.seqlen_k)).reshape(full)
     shape = (1,) * (len(full) - len(p.mods.bias_shape)) + tuple(p.mods.bias_shape)
     axes = tuple(i for i, (s, t) in enumerate(zip(shape, full)) if s == 1 and t != 1)
-    return ds.sum(axis=axes, keepdims=True).reshape(p.mods.bias_shape)
+    return _sum(ds, axes, keepdims=True).reshape(p.mods.bias_shape)
 
 
 @ignore_fp_errors
@@ -312,7 +322,8 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     max|lse|) · eps(stats) / eps(input)``, in roundings of the input's dtype: ``1 + max|S| + max|lse|`` for float32 and
     float64 inputs, about 1 for 16-bit ones. A score modifier's backward factor ``|d(mod)/d(score)|`` multiplies the
     gradients' terms; dropout bounds the kept terms by ``1/(1 - dropout_p)`` (the mask itself only removes terms). The
-    lse's own terms are ``m`` and ``log l``: its magnitude is ``1 + max|S| + max|lse|``.
+    lse's own terms are ``m`` and ``log l``, computed and kept in the statistics' dtype: its magnitude is
+    ``(1 + max|S| + max|lse|) · eps(stats) / eps(input)``.
     :func:`cuflash.testing.assert_attention_close` puts its floor at two roundings of these. Returns a dict with keys
     ``out``, ``lse`` and, given ``dout``, ``dq``, ``dk``, ``dv`` (and ``dbias`` with ``bias=``).
     """
@@ -374,7 +385,9 @@ def term_magnitudes(q, k, v, dout=None, *, dropout_mask=None, dropout_p=0.0, **o
     # in long double: times cond, a magnitude near float64's largest (V of 1e308) would overflow to inf, a bound
     # that passes anything (cuflash.testing refuses it)
     mags = {name: np.longdouble(x) * cond / (1.0 - dropout_p) for name, x in mags.items()}
-    mags["lse"] = 1.0 + exponent
+    # the lse is the statistics' own result (float32 for 16-bit inputs, never rounded to them): its roundings are
+    # the statistics' (ratio of the input's), where 1 + exponent input roundings let a float16 lse 0.1 off pass
+    mags["lse"] = (1.0 + exponent) * ratio
     return mags
 
 

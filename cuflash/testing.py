@@ -346,6 +346,7 @@ def _elements(x, case: Case):
 def _reference_options(case: Case):
     """The case's options for the reference: dropout becomes an explicit keep-mask."""
     opts = dict(case.options)
+    opts.pop("precision", None)  # the baseline's business (_baseline_dtype): the reference is exact whatever it is
     p, seed = opts.pop("dropout_p", 0.0), opts.pop("seed", None)
     if p:
         from .dropout import dropout_mask
@@ -354,6 +355,19 @@ def _reference_options(case: Case):
         shape = case.q.shape[:-3] + (case.q.shape[heads], case.q.shape[seq], case.k.shape[seq])
         return opts, dict(dropout_mask=dropout_mask(shape, seed=seed, p=p), dropout_p=p)
     return opts, {}
+
+
+def _baseline_dtype(case: Case, element):
+    """The naive computation's ``compute_dtype``: the inputs' element dtype, or the naive TF32 computation
+    (:data:`cuflash.reference.TF32`) for ``precision="tf32"``, whose products round their inputs to TF32: the float32
+    baseline failed the naive TF32 computation itself (error 5.6e-4 against a bound of 1.3e-5)."""
+    return reference.TF32 if case.options.get("precision") == "tf32" else element
+
+
+def _check_dtypes(results, element, names):
+    """Each result in the inputs' dtype (an implementation that returned float64 for float16 inputs passed)."""
+    for name, x in zip(names, results):
+        _require(np.dtype(x.dtype) == np.dtype(element), f"{name}: dtype {x.dtype}, expected the inputs' {element}")
 
 
 def reference_dtype(dtype):
@@ -437,8 +451,12 @@ def check_forward(fn, case: Case):
     element = _element_dtype(before)
     ref, ref_lse = reference.attention(before.q, before.k, before.v, return_lse=True,
                                        compute_dtype=reference_dtype(element), **opts, **drop)
-    base, base_lse = reference.attention(before.q, before.k, before.v, return_lse=True, compute_dtype=element,
-                                         **opts, **drop)
+    _check_dtypes((out,), element, ("out",))
+    lse_dtype = np.dtype(lse.dtype)
+    _require(lse_dtype.kind == "f" and lse_dtype.itemsize >= 4,
+             f"lse: dtype {lse.dtype}, expected float32 or float64 (the statistics' precision, not the inputs')")
+    base, base_lse = reference.attention(before.q, before.k, before.v, return_lse=True,
+                                         compute_dtype=_baseline_dtype(before, element), **opts, **drop)
     mags = reference.term_magnitudes(before.q, before.k, before.v, **opts, **drop)
     assert_attention_close(out, ref, base, mult=2, name="out", magnitude=_finite(mags["out"]))
     assert_attention_close(lse, ref_lse, base_lse, mult=2, name="lse", magnitude=_finite(mags["lse"]))
@@ -467,11 +485,13 @@ def check_backward(fn, case: Case, out, lse, *, dbias=None):
     element = _element_dtype(before)
     refs = reference.attention_backward(before.dout, before.q, before.k, before.v,
                                         compute_dtype=reference_dtype(element), **opts, **drop, **extra)
-    bases = reference.attention_backward(before.dout, before.q, before.k, before.v, compute_dtype=element, **opts,
-                                         **drop, **extra)
+    _check_dtypes(grads[:3], element, ("dq", "dk", "dv"))
+    bases = reference.attention_backward(before.dout, before.q, before.k, before.v,
+                                         compute_dtype=_baseline_dtype(before, element), **opts, **drop, **extra)
     if dbias:
         bias = before.options["bias"]
         bias_dtype = bias.dtype if hasattr(bias, "dtype") else np.asarray(bias).dtype  # CuPy's: no implicit copy
+        _check_dtypes(grads[3:], bias_dtype, ("dbias",))
         if rounding(bias_dtype) > rounding(bases[3].dtype):
             with np.errstate(over="ignore", under="ignore"):
                 bases = bases[:3] + (np.asarray(bases[3]).astype(bias_dtype),)

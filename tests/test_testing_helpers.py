@@ -360,3 +360,76 @@ def test_attention_cases_draw_under_numpys_raise_setting():
         draw()
     finally:
         np.seterr(**before)
+
+
+# ------------------------------------------------------------------------------------------------ a second hunt
+def _long_case(dtype, sk=1024, sd=1.0, **options):
+    rng = np.random.default_rng(0)
+    q, k, dout = ((sd * rng.standard_normal(s)).astype(dtype) for s in ((1, 64, 2, 64), (1, sk, 2, 64), (1, 64, 2, 64)))
+    v = (1 + 0.1 * rng.standard_normal((1, sk, 2, 64))).astype(dtype)
+    return Case(q, k, v, dout, options)
+
+
+def _lse_forward(q, k, v, **options):
+    return cuflash.attention(q, k, v, return_lse=True, **options)
+
+
+def test_a_bfloat16_output_of_zeros_fails_on_long_rows():
+    """NumPy sums ml_dtypes' bfloat16 in bfloat16 (1000 ones: 256): the naive baseline's row sums were so wrong at
+    1024 keys that an all-zero output passed, and all-zero gradients at 2048. The baseline sums in float32 now,
+    rounded once, as its products are summed; cuflash's own results still pass."""
+    case = _long_case(ml_dtypes.bfloat16)
+    out, lse = check_forward(_lse_forward, case)
+    with pytest.raises(AssertionError, match="out: max error"):
+        check_forward(lambda *a, **o: (np.zeros_like(out), lse), case)
+    grads = cuflash.attention_backward(case.dout, case.q, case.k, case.v, out, lse)
+    check_backward(lambda *a, **o: grads, case, out, lse)
+    with pytest.raises(AssertionError, match="max error"):
+        check_backward(lambda *a, **o: tuple(np.zeros_like(g) for g in grads), case, out, lse)
+
+
+@pytest.mark.parametrize("dtype,off", [(np.float16, 0.05), (ml_dtypes.bfloat16, 0.5)])
+def test_a_16_bit_inputs_lse_is_held_to_the_statistics_precision(dtype, off):
+    """The lse is computed and returned in float32: its floor was two float16 roundings of 1 + max|S| + max|lse|,
+    so an lse 0.1 off passed (1.0 off for bfloat16, a factor e in every probability)."""
+    case = _long_case(dtype, sk=64, sd=2.0)
+    out, lse = check_forward(_lse_forward, case)
+    with pytest.raises(AssertionError, match="lse: max error"):
+        check_forward(lambda *a, **o: (out, lse + np.float32(off)), case)
+
+
+def test_precision_tf32_is_held_to_the_naive_tf32_computation():
+    """A Case with precision="tf32" had a float32 baseline: the naive TF32 computation itself failed (error 5.6e-4
+    against a bound of 1.3e-5)."""
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 64, 2, 64)).astype(np.float32) for _ in range(4))
+    case = Case(q, k, v, dout, {"precision": "tf32"})
+
+    def naive_tf32(q, k, v, precision, **options):
+        out, lse = cuflash.reference.attention(q, k, v, return_lse=True, compute_dtype=cuflash.reference.TF32,
+                                               **options)
+        return out.astype(np.float32), lse.astype(np.float32)
+
+    check_forward(naive_tf32, case)
+    exact = cuflash.reference.attention(q, k, v)
+
+    def four_times_its_error(*args, **options):
+        out, lse = naive_tf32(*args, **options)
+        return (4 * out - 3 * exact).astype(np.float32), lse
+
+    with pytest.raises(AssertionError, match="out: max error"):
+        check_forward(four_times_its_error, case)
+
+
+def test_results_must_come_in_the_inputs_dtype():
+    """A float64 out (or lse of float16, or gradients of float64) for float16 inputs passed: only shapes and values
+    were compared."""
+    case = _long_case(np.float16, sk=32)
+    out, lse = check_forward(_lse_forward, case)
+    with pytest.raises(AssertionError, match="out: dtype float64, expected the inputs' float16"):
+        check_forward(lambda *a, **o: (out.astype(np.float64), lse), case)
+    with pytest.raises(AssertionError, match="lse: dtype float16, expected float32 or float64"):
+        check_forward(lambda *a, **o: (out, lse.astype(np.float16)), case)
+    grads = cuflash.attention_backward(case.dout, case.q, case.k, case.v, out, lse)
+    with pytest.raises(AssertionError, match="dk: dtype float64, expected the inputs' float16"):
+        check_backward(lambda *a, **o: (grads[0], grads[1].astype(np.float64), grads[2]), case, out, lse)
