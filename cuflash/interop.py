@@ -50,6 +50,7 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from .problem import _is_cupy
+from .problem.core import wrong_device
 
 __all__ = ["Edge", "device_kind", "refuse_deleted", "refuse_lazy_negation"]
 
@@ -278,6 +279,12 @@ class Edge:
         of the PyTorch tensors written (:meth:`written`) advance."""
         try:
             if self.device_id is None:
+                if self.library == "cupy" and self._place is not None:
+                    # before anything is done with them: padding a head dim, casting a float64 bias or checking a
+                    # backend's device ran on the current GPU first, a cross-device copy or an error naming nothing
+                    current = _cupy("the arrays").cuda.runtime.getDevice()
+                    if self._place[1] != current:
+                        raise wrong_device(str(self._first), self._place[1], current)
                 yield
                 return
             cupy = _cupy("the arrays")

@@ -120,6 +120,7 @@ def make(gpus=(H100,), *, bf16: bool = True, device_count_error: str | None = No
 
     # ------------------------------------------------------------------ device memory
     allocations = []  # (start address, end address, device, buffer): what device pointers may point into
+    cupy._allocations = allocations  # tests count them (nothing allocated before a refusal)
 
     def alloc(shape, dtype) -> np.ndarray:
         dt = check_dtype(dtype)

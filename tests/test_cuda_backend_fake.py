@@ -537,6 +537,28 @@ def test_compile_cache_and_shared_memory_opt_in(cp):
     assert len(modules(cp)) == 2  # the lookups above were cache hits
 
 
+def test_arrays_on_another_gpu_are_refused_before_anything_is_done_with_them(make_fake):
+    """The current-device check ran in the backend, after work on the arrays: a v with a head dim of its own was
+    padded on the current GPU first (a cross-device copy, or CuPy's peer-access error naming nothing), a float64
+    bias was cast and tested there, and a current GPU the kernels cannot use said "backend 'cuda' is not available"
+    for arrays on one they can. Now the first array's GPU is checked as the call begins."""
+    cp = make_fake([fake_cupy.H100, fake_cupy.T4])
+    rng = np.random.default_rng(0)
+    q, v = rng.standard_normal((1, 20, 2, 40)).astype(np.float16), rng.standard_normal((1, 20, 2, 72)).astype(np.float16)
+    with cp.cuda.Device(1):
+        on1 = cp.asarray(q), cp.asarray(v), cp.asarray(rng.standard_normal((2, 20, 20)))  # q, v, a float64 bias
+    with cp.cuda.Device(0):
+        on0 = cp.asarray(q), cp.asarray(v)
+    n, allocated = len(cp._launches), len(cp._allocations)
+    with pytest.raises(ValueError, match=r"q is on GPU 1 but the current device is GPU 0: .*Device\(1\)"):
+        cuflash.attention(on1[0], on1[0], on1[1])
+    with pytest.raises(ValueError, match=r"q is on GPU 1 but the current device is GPU 0"):
+        cuflash.attention(on1[0], on1[0], on1[0], bias=on1[2])
+    with cp.cuda.Device(1), pytest.raises(ValueError, match=r"q is on GPU 0 but the current device is GPU 1"):
+        cuflash.attention(on0[0], on0[0], on0[1])  # GPU 1 is a T4: not "backend 'cuda' is not available"
+    assert len(cp._launches) == n and len(cp._allocations) == allocated  # nothing padded, cast or launched
+
+
 def test_small_kernels_do_not_opt_in(cp):
     spec = specs.select("fwd", "float16", 64, 227 * 1024, cc=90)
     assert spec.smem_bytes <= 48 * 1024

@@ -217,8 +217,13 @@ def check_current_device(device: int, **arrays: Any) -> None:
     that leaves the other ranks waiting."""
     for name, a in arrays.items():
         if a is not None and _is_cupy(a) and a.device.id != device:
-            raise ValueError(f"{name} is on GPU {a.device.id} but the current device is GPU {device}: call cuflash "
-                             f"inside `with cupy.cuda.Device({a.device.id}):`")
+            raise wrong_device(name, a.device.id, device)
+
+
+def wrong_device(name: str, on: int, current: int) -> ValueError:
+    """The error of a CuPy array ``name`` on GPU ``on`` while GPU ``current`` is the current one."""
+    return ValueError(f"{name} is on GPU {on} but the current device is GPU {current}: call cuflash inside "
+                      f"`with cupy.cuda.Device({on}):`")
 
 
 def check_flags(**flags: Any) -> None:
