@@ -38,6 +38,8 @@ def round_tf32(x):
 def _compute_dtype(compute_dtype):
     if isinstance(compute_dtype, str) and compute_dtype == TF32:
         return np.dtype(np.float32)
+    if compute_dtype is None:  # np.dtype(None) is float64: a None meaning "the inputs' dtype" computed in float64
+        raise TypeError("compute_dtype must be a real floating-point dtype (or 'tf32'), got None")
     dt = np.dtype(compute_dtype)
     if dt.kind != "f" and dt.name != "bfloat16":  # a complex or integer reference computes something else
         raise TypeError(f"compute_dtype must be a real floating-point dtype (or 'tf32'), got {dt}")

@@ -252,7 +252,7 @@ def test_compute_dtype_is_the_computation_dtype(dtype):
 
 def test_reference_refuses_what_it_would_misread():
     """The oracle's own arguments: a non-bool keep-mask (2.0 doubled the output), a masked one, dropout_p outside
-    [0, 1) (1.0 gave NaN), a complex or integer compute_dtype."""
+    [0, 1) (1.0 gave NaN), a complex, integer or None compute_dtype."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 5, 2, 4)) for _ in range(3))
     keep = np.ones((1, 2, 5, 5), bool)
@@ -263,7 +263,7 @@ def test_reference_refuses_what_it_would_misread():
     for p in (1.0, -3, True):
         with pytest.raises(ValueError, match="dropout_p must be a float in"):
             reference.attention(q, k, v, dropout_mask=keep, dropout_p=p)
-    for dt in (np.complex128, np.int64):
+    for dt in (np.complex128, np.int64, None):  # None: np.dtype(None) is float64, silently
         with pytest.raises(TypeError, match="compute_dtype must be a real floating-point dtype"):
             reference.attention(q, k, v, compute_dtype=dt)
 
