@@ -343,6 +343,26 @@ def _elements(x, case: Case):
     return x.view(_element_dtype(case)) if getattr(x, "dtype", None) == np.uint16 else x
 
 
+#: what cuflash.attention and attention_backward take that says how to call, not what the problem is
+_CALL_OPTIONS = frozenset({"backend", "out", "return_lse", "return_residual", "return_dbias", "dq", "dk", "dv",
+                           "deterministic"})
+
+
+def _check_case_options(case: Case) -> None:
+    """Options a check cannot take, refused before ``fn`` runs: the reference raised "unexpected keyword argument
+    'backend'" or "multiple values for return_lse", and dropout without a seed "fn must return (out, lse), got 3
+    values" (the drawn seed)."""
+    calls = sorted(set(case.options) & _CALL_OPTIONS)
+    if calls:
+        verb, them = ("belongs", "it") if len(calls) == 1 else ("belong", "them")
+        raise ValueError(f"Case.options hold the problem's options; {', '.join(calls)} {verb} to the call: bind {them} "
+                         f"to the function checked (functools.partial(cuflash.attention, return_lse=True, "
+                         f"backend='numpy'))")
+    if case.options.get("dropout_p") and case.options.get("seed") is None:
+        raise ValueError("a Case with dropout_p > 0 needs options['seed']: the reference draws its keep-mask from it, "
+                         "as the function checked does")
+
+
 def _reference_options(case: Case):
     """The case's options for the reference: dropout becomes an explicit keep-mask."""
     opts = dict(case.options)
@@ -439,6 +459,7 @@ def _values(result) -> str:
 def check_forward(fn, case: Case):
     """Hold ``fn(q, k, v, **options) -> (out, lse)`` to the rule against the float64 reference (longdouble for
     float64 inputs). ``fn`` must not modify its inputs (AssertionError naming the array)."""
+    _check_case_options(case)
     before = _snapshot(case)
     result = fn(case.q, case.k, case.v, **case.options)
     _require_unmodified(_arrays(case), _arrays(before))
@@ -472,6 +493,7 @@ def check_backward(fn, case: Case, out, lse, *, dbias=None):
     ``fn`` must not modify its inputs, ``out`` and ``lse`` included (AssertionError naming the array)."""
     dbias = "bias" in case.options if dbias is None else dbias
     extra = {"return_dbias": True} if dbias else {}
+    _check_case_options(case)
     before = _snapshot(case)
     saved = dict(out=_copy(out), lse=_copy(lse))
     grads = fn(case.dout, case.q, case.k, case.v, out, lse, **case.options, **extra)

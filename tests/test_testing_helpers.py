@@ -433,3 +433,18 @@ def test_results_must_come_in_the_inputs_dtype():
     grads = cuflash.attention_backward(case.dout, case.q, case.k, case.v, out, lse)
     with pytest.raises(AssertionError, match="dk: dtype float64, expected the inputs' float16"):
         check_backward(lambda *a, **o: (grads[0], grads[1].astype(np.float64), grads[2]), case, out, lse)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"backend": "numpy"}, "backend belongs to the call: bind it"),
+    ({"return_lse": True, "out": None}, "out, return_lse belong to the call: bind them"),
+    ({"dropout_p": 0.1}, r"needs options\['seed'\]"),
+])
+def test_options_a_check_cannot_take_are_refused_before_fn_runs(options, match):
+    """The reference raised "unexpected keyword argument 'backend'" (and "multiple values for return_lse"); dropout
+    without a seed said "fn must return (out, lse), got 3 values"."""
+    q = np.zeros((1, 8, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=match):
+        check_forward(lambda *a, **o: pytest.fail("fn ran"), Case(q, q, q, q, options))
+    with pytest.raises(ValueError, match=match):
+        check_backward(lambda *a, **o: pytest.fail("fn ran"), Case(q, q, q, q, options), q, q[..., 0])
