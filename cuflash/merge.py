@@ -79,7 +79,7 @@ def merge_attention_states(outs: Sequence[Any], lses: Sequence[Any], *, layout: 
         else np.dtype(np.float32)
     # CuPy allocates on the current device: run on the parts' (one device, checked above), as attention does
     on_device = xp.cuda.Device(outs[0].device.id) if xp is not np else contextlib.nullcontext()
-    with edge.device(), on_device:
+    with on_device, edge.device():
         out, lse = merge_parts(xp, outs, lses, work)
         out = _layout.from_bshd(out.astype(outs[0].dtype, copy=False), form)
         return edge.export(out), edge.export(lse.astype(lses[0].dtype, copy=False))

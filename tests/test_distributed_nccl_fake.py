@@ -216,6 +216,20 @@ def test_merge_attention_states_on_device_arrays(world):
     np.testing.assert_array_equal(lse.get(), ref_lse)
 
 
+def test_merge_attention_states_runs_on_its_parts_gpu(world):
+    """Unlike attention, the merge runs on its parts' GPU whatever the current one (the call-start device check of
+    the other entry points must not refuse it)."""
+    fake, _, _ = world(2)
+    rng = np.random.default_rng(0)
+    outs = [rng.standard_normal((5, 2, 8)).astype(np.float16) for _ in range(2)]
+    lses = [rng.standard_normal((2, 5)).astype(np.float32) for _ in range(2)]
+    with fake.cuda.Device(1):
+        parts = [fake.asarray(o) for o in outs], [fake.asarray(x) for x in lses]
+    out, lse = cuflash.merge_attention_states(*parts)  # GPU 0 current
+    assert out.device.id == 1 and lse.device.id == 1
+    np.testing.assert_array_equal(out.get(), cuflash.merge_attention_states(outs, lses)[0])
+
+
 def test_fake_nccl_catches_mismatched_sizes(world):
     fake, w, nccl = world(2)
 
