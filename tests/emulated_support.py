@@ -39,7 +39,10 @@ def emulated_backward(deterministic=False, **kw):
         d, o, l = flatten_backward(problem, dout, out, lse)
         grads = emulate_backend.backward(problem, d, o, l, deterministic=deterministic, dbias=return_dbias, **kw)
         result = tuple(problem.unflatten(g, a.shape[1:]) for g, a in zip(grads, (problem.q, problem.k, problem.v)))
-        return result + (grads[3].reshape(problem.mods.bias_shape),) if return_dbias else result
+        if not return_dbias:
+            return result
+        with np.errstate(over="ignore"):  # in the bias's dtype, as attention_backward returns it
+            return result + (grads[3].reshape(problem.mods.bias_shape).astype(np.asarray(options["bias"]).dtype),)
 
     return fn
 

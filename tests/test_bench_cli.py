@@ -844,10 +844,16 @@ def test_refusals_are_usage_errors(argv, match, tmp_path, capsys, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
-def test_require_device_fails_a_run_without_cuflash_records(tmp_path):
+def test_require_device_fails_a_run_without_cuflash_records(tmp_path, monkeypatch):
     common = SMOKE + ["--out", str(tmp_path), "--only", "decode", "--require-device", "cpu"]
     assert run.main(common + ["--impl", "cuflash"]) == 0
-    assert run.main(common + ["--impl", "numpy"]) == 1  # only a baseline measured: not a cuflash benchmark
+    with pytest.raises(SystemExit) as exc:  # only a baseline asked for: refused before measuring
+        run.main(common + ["--impl", "numpy"])
+    assert exc.value.code == 2
+    skip = run.applicable  # cuflash asked for but never measured: not a cuflash benchmark
+    monkeypatch.setattr(run, "applicable", lambda impl, case: "skipped here" if impl.name == "cuflash" else
+                        skip(impl, case))
+    assert run.main(common + ["--impl", "cuflash,numpy", "--replace"]) == 1
 
 
 def test_package_no_longer_benchmarks_and_never_imports_them():
