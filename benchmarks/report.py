@@ -205,9 +205,11 @@ def _shown(value) -> str:
     return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
 
 
-def load_results(folder: Path) -> dict:
-    """``{figure: JSON object}`` of every figure JSON in ``folder``, each checked by :func:`load_figure`; a
-    folder whose figures come from more than one run (:func:`run_of`) is a ValueError naming it."""
+def load_results(folder: "Path | str") -> dict:
+    """``{figure: JSON object}`` of every figure JSON in ``folder`` (a path or its text), each checked by
+    :func:`load_figure`; a folder whose figures come from more than one run (:func:`run_of`) is a ValueError naming
+    it."""
+    folder = Path(folder)  # the README's `load_results(folder)`: a str raised "unsupported operand type(s) for /"
     by_fig = {}
     for fig, stem in FIGURE_FILES.items():
         path = folder / f"{stem}.json"

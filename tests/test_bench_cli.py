@@ -490,6 +490,7 @@ def test_committed_results_fit_the_schema():
     """The JSON under benchmarks/results/ is data the current code must still read (and replot)."""
     loaded = report.load_results(COMMITTED)
     assert set(loaded) == set(cases.FIGURES) - {"wide"}  # the float32/float64 figure is GPU-only
+    assert report.load_results(str(COMMITTED)) == loaded  # the folder's text too, as the README writes it
     assert all(r["tile"] is None for p in loaded.values() for r in p["records"])  # written before tile existed
     result = report.RunResult(records=[(fig, report.Record(**r)) for fig, p in loaded.items() for r in p["records"]])
     text = report.table(result)

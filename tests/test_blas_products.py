@@ -174,18 +174,33 @@ def test_normal_exp_is_exact_to_an_ulp_and_the_same_at_every_offset(mkl, monkeyp
     assert _blas.normal_exp(dtype, base) is None
 
 
-def test_mkl_matmul_hands_numpy_what_blas_cannot_read(mkl, monkeypatch):
+def test_mkl_matmul_copies_what_blas_cannot_read_in_place(mkl, monkeypatch):
+    """Operands with no unit-stride axis, or heads in reverse (a negative batch stride), went to NumPy's matmul: its
+    BLAS rounds otherwise than MKL, so a call's bits hung on the layout of the caller's arrays (a strided V changed
+    a third of the output). They are copied and multiplied by MKL, with the bits of their contiguous copies."""
+    lib, calls = mkl
+    monkeypatch.setattr(_blas, "MKL_MIN_MACS", 0)
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((4, 40, 30)).astype(np.float32)
+    b = rng.standard_normal((4, 30, 20)).astype(np.float32)
+    for name, (x, y) in {"no contiguous axis": (a[:, ::2, ::2], b[:, ::2, :]), "heads in reverse": (a, b[::-1])}.items():
+        calls.clear()
+        got = _blas._mkl_matmul(lib, x, y)
+        assert calls, name
+        calls.clear()
+        assert np.array_equal(got, _blas._mkl_matmul(lib, x.copy(), y.copy())) and calls, name
+
+
+def test_mkl_matmul_hands_numpy_what_blas_cannot_take(mkl, monkeypatch):
     lib, calls = mkl
     monkeypatch.setattr(_blas, "MKL_MIN_MACS", 0)
     rng = np.random.default_rng(1)
     a = rng.standard_normal((4, 40, 30)).astype(np.float32)
     b = rng.standard_normal((4, 30, 20)).astype(np.float32)
     cases = {
-        "no contiguous axis": (a[:, ::2, ::2], b[:, ::2, :]),
         "mixed dtypes": (a, b.astype(np.float64)),
         "float16": (a.astype(np.float16), b.astype(np.float16)),
         "out overlaps a": (a, b),
-        "heads in reverse": (a, b[::-1]),
         "out's matrices interleave": (a, b),  # batch stride < ldc * m: MKL refused it and wrote nothing
     }
     for name, (x, y) in cases.items():
@@ -312,3 +327,24 @@ def test_float64_forward_on_mkl_sums_rows_in_the_product(mkl, monkeypatch, name)
     assert taken == [True]
     cuflash.attention(case.q, case.k, case.v, dropout_p=0.1, seed=1, backend="numpy")
     assert taken == [True, False]
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "dout"])
+def test_a_call_through_mkl_has_the_same_bits_whatever_the_inputs_layout(mkl, monkeypatch, which):
+    """Under MKL an input whose head-dim axis is not unit-stride (every other column of a wider buffer) sent its
+    products to NumPy's BLAS: a strided V changed 336,774 of 384,000 output elements, a strided Q dK, a strided K dQ,
+    a strided dout dV. Forward and backward now have the contiguous inputs' bits."""
+    import cuflash
+
+    monkeypatch.setenv("CUFLASH_BLAS", "mkl")
+    rng = np.random.default_rng(0)
+    a = {n: rng.standard_normal((1, 300, 2, 48)).astype(np.float32) for n in ("q", "k", "v", "dout")}
+    out, lse = cuflash.attention(a["q"], a["k"], a["v"], return_lse=True, backend="numpy")
+    want = (out,) + cuflash.attention_backward(a["dout"], a["q"], a["k"], a["v"], out, lse, backend="numpy")
+    wide = np.empty(a[which].shape[:-1] + (96,), np.float32)[..., ::2]
+    wide[...] = a[which]
+    b = dict(a, **{which: wide})
+    out2, lse2 = cuflash.attention(b["q"], b["k"], b["v"], return_lse=True, backend="numpy")
+    got = (out2,) + cuflash.attention_backward(b["dout"], b["q"], b["k"], b["v"], out, lse, backend="numpy")
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_array_equal(g, w, err_msg=name)

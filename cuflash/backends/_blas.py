@@ -469,12 +469,17 @@ def _batch(lead, arrays):
     return count, strides, outer
 
 
+def _gemm_worth(a, b, out) -> bool:
+    """Whether MKL takes this product, whatever the operands' layout: large enough, and of one dtype."""
+    return a.shape[-2] * b.shape[-1] * a.shape[-1] >= MKL_MIN_MACS and out.dtype == a.dtype
+
+
 def _gemm_plan(a, b, out):
     """The arguments of MKL's strided batch gemm for ``out = a @ b`` other than the pointers, as ``(fixed, offsets)``
     (``offsets``: byte offsets of a, b and out per call, one call per index of the outer axes), or None for NumPy."""
     (m, k), n = a.shape[-2:], b.shape[-1]
     lead = out.shape[:-2]
-    if m * n * k < MKL_MIN_MACS or out.dtype != a.dtype:
+    if not _gemm_worth(a, b, out):
         return None
     try:
         if np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) != lead:  # NumPy's error for a wrong out, not a broadcast
@@ -528,6 +533,12 @@ def _mkl_matmul(mkl, a, b, out=None, beta=0.0):
         if len(_plans) > 1024:  # layouts are few per problem; bound the table across many problems
             _plans.clear()
         plan = _plans[key] = _gemm_plan(a, b, out) if out.shape[-2:] == (a.shape[-2], b.shape[-1]) else None
+    if plan is None and _gemm_worth(a, b, out):
+        # operands BLAS cannot read in place (no unit-stride axis, a negative batch stride) are copied, not handed to
+        # NumPy's matmul: its other BLAS rounds otherwise, and a strided V changed a third of a call's output bits
+        ca, cb = np.ascontiguousarray(a), np.ascontiguousarray(b)
+        if ca is not a or cb is not b:
+            return _mkl_matmul(mkl, ca, cb, out, beta)
     if plan is None or np.may_share_memory(out, a) or np.may_share_memory(out, b):
         return _numpy_matmul(a, b, out, beta)
     (ta, tb, m, n, k, lda, sa, ldb, sb, ldc, sc, count), offsets = plan
