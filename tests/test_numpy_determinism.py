@@ -596,3 +596,28 @@ def test_bitwise_whatever_the_layout_of_out_and_dout(form):
         dout = np.asfortranarray(dout)
     for g, w in zip(cuflash.attention_backward(dout, q, k, v, out, lse, backend="numpy"), want):
         np.testing.assert_array_equal(g, w)
+
+
+def test_a_call_left_early_stops_its_worker_items_between_tiles(monkeypatch):
+    """Ctrl-C (or an item's error) in the calling thread left the pool's exit waiting for every submitted item: a
+    threaded backward raised 6 s after a SIGINT sent 0.3 s into it, later than the whole call takes, and at N = 1M an
+    item runs for hours. The running items now end at their next tile and the others never start."""
+    import time
+
+    monkeypatch.setenv("CUFLASH_NUM_THREADS", "2")
+    tiles_done = []
+
+    def item(x):
+        for _ in range(0 if x == 0 else 200):
+            nb._check_stop()
+            time.sleep(0.005)
+            tiles_done.append(x)
+        return x
+
+    def consume(x, result):
+        raise KeyboardInterrupt  # at the first result, item 0's, while item 1 has 199 tiles to go
+
+    with pytest.raises(KeyboardInterrupt):
+        nb._run(item, range(6), consume)
+    assert len(tiles_done) < 50, f"{len(tiles_done)} tiles ran after the call was left (of 1000)"
+    nb._check_stop()  # the caller's context holds no stopped call afterwards

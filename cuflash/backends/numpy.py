@@ -96,6 +96,21 @@ def _entry(fn):
     return one_choice(ignore_fp_errors(fn))
 
 
+#: the event a call's workers look at between tiles (:func:`_run`): set when the calling thread leaves the call early
+_STOP: contextvars.ContextVar = contextvars.ContextVar("cuflash_numpy_stop", default=None)
+
+
+class _Stopped(Exception):
+    """A worker's item abandoned because its call was left (Ctrl-C in the caller, an error in another item)."""
+
+
+def _check_stop():
+    """Between tiles: end the item if its call was left (an item of a long backward ran for minutes after Ctrl-C)."""
+    stop = _STOP.get()
+    if stop is not None and stop.is_set():
+        raise _Stopped
+
+
 def _run(fn, items, consume=None):
     """``fn(x)`` for every item on the worker threads, BLAS on one thread throughout.
 
@@ -117,17 +132,28 @@ def _run(fn, items, consume=None):
                 return fn(x)
 
         window = 4 * threads
-        with ThreadPoolExecutor(min(threads, len(items))) as pool:
-            pending = collections.deque()
-            for x in items:
-                # in a copy of the caller's context: the call's one BLAS (_blas.one_choice)
-                pending.append((x, pool.submit(contextvars.copy_context().run, run, x)))
-                if len(pending) >= window:
-                    y, future = pending.popleft()
-                    consume(y, future.result())
-            while pending:
-                y, future = pending.popleft()
-                consume(y, future.result())
+        stop = threading.Event()
+        token = _STOP.set(stop)  # before the contexts are copied: every item sees this call's event
+        try:
+            with ThreadPoolExecutor(min(threads, len(items))) as pool:
+                pending = collections.deque()
+                try:
+                    for x in items:
+                        # in a copy of the caller's context: the call's one BLAS (_blas.one_choice)
+                        pending.append((x, pool.submit(contextvars.copy_context().run, run, x)))
+                        if len(pending) >= window:
+                            y, future = pending.popleft()
+                            consume(y, future.result())
+                    while pending:
+                        y, future = pending.popleft()
+                        consume(y, future.result())
+                except BaseException:  # Ctrl-C or an item's error: the running items end at their next tile, the
+                    stop.set()  # others never start, and the pool's exit waits for them before BLAS is restored
+                    for _, future in pending:
+                        future.cancel()
+                    raise
+        finally:
+            _STOP.reset(token)
 
 
 class _Scratch(threading.local):
@@ -1063,6 +1089,7 @@ class _Forward:
             return
         block = self._row_block(chunk, tiles)
         for n, tile in enumerate(tiles):
+            _check_stop()
             for t in self.masks.strips(tile, chunk):  # a partial tile: row strips cut to the keys they see
                 self._strip(block, t, first=n == 0 and t is not tile)
             if n == 0 and len(tiles) > 1:
@@ -1476,6 +1503,7 @@ class _Backward:
         # A partial tile as row strips cut to the keys they see (as the forward's: a causal diagonal tile costs 5/8 of
         # its products). guarded: dP and dS of unseen elements may be NaN (0 * inf, inf - inf) until set to 0.
         for strip in [strip for tile in tiles for strip in self.masks.strips(tile, chunk)]:
+            _check_stop()
             self._strip(strip, col, dq_acc)
         (bs, hs), k0, k1 = chunk, col.k0, tiles[0].k1
         ec, eq, _ = col.shifts
