@@ -26,6 +26,7 @@ import numpy as np
 from . import reference
 from ._fp import ignore_fp_errors
 from .blockmask import BlockMask
+from .options import OPTIONS
 from .problem import FLOAT_DTYPES, _is_cupy, check_flags
 from .reference import rounding  # the rule's unit, public here too
 
@@ -343,21 +344,16 @@ def _elements(x, case: Case):
     return x.view(_element_dtype(case)) if getattr(x, "dtype", None) == np.uint16 else x
 
 
-#: what cuflash.attention and attention_backward take that says how to call, not what the problem is
-_CALL_OPTIONS = frozenset({"backend", "out", "return_lse", "return_residual", "return_dbias", "dq", "dk", "dv",
-                           "deterministic"})
-
-
 def _check_case_options(case: Case) -> None:
     """Options a check cannot take, refused before ``fn`` runs: the reference raised "unexpected keyword argument
     'backend'" or "multiple values for return_lse", and dropout without a seed "fn must return (out, lse), got 3
     values" (the drawn seed)."""
-    calls = sorted(set(case.options) & _CALL_OPTIONS)
+    calls = sorted(set(case.options) - set(OPTIONS))  # the problem's options are cuflash.options.OPTIONS
     if calls:
-        verb, them = ("belongs", "it") if len(calls) == 1 else ("belong", "them")
-        raise ValueError(f"Case.options hold the problem's options; {', '.join(calls)} {verb} to the call: bind {them} "
-                         f"to the function checked (functools.partial(cuflash.attention, return_lse=True, "
-                         f"backend='numpy'))")
+        verb, them = ("is", "it") if len(calls) == 1 else ("are", "them")
+        raise ValueError(f"Case.options hold the problem's options ({', '.join(OPTIONS)}); {', '.join(calls)} {verb} "
+                         f"not among them: bind {them} to the function checked (functools.partial(cuflash.attention, "
+                         f"return_lse=True, backend='numpy'))")
     if case.options.get("dropout_p") and case.options.get("seed") is None:
         raise ValueError("a Case with dropout_p > 0 needs options['seed']: the reference draws its keep-mask from it, "
                          "as the function checked does")

@@ -436,8 +436,9 @@ def test_results_must_come_in_the_inputs_dtype():
 
 
 @pytest.mark.parametrize("options,match", [
-    ({"backend": "numpy"}, "backend belongs to the call: bind it"),
-    ({"return_lse": True, "out": None}, "out, return_lse belong to the call: bind them"),
+    ({"backend": "numpy"}, "backend is not among them: bind it"),
+    ({"return_lse": True, "out": None}, "out, return_lse are not among them: bind them"),
+    ({"casual": True}, "casual is not among them"),  # a misspelt option was taken to the reference's TypeError
     ({"dropout_p": 0.1}, r"needs options\['seed'\]"),
 ])
 def test_options_a_check_cannot_take_are_refused_before_fn_runs(options, match):
