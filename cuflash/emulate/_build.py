@@ -348,10 +348,10 @@ def build(tc: Toolchain, source: str, name_expression: str, options=(), *, sanit
 
 
 def _check_loads(library: Path, cmd) -> None:
-    """Raise CompileError unless the compiler's output is a library that loads, before it is recorded: a "compiler"
-    that exits 0 and writes nothing (``CUFLASH_EMULATE_CXX=/bin/true``), or one that cannot link C++ (``gcc``:
-    undefined ``__gxx_personality_v0``), passes the toolchain probe, which only parses the CUDA headers; recorded,
-    its library failed every later load from the cache too."""
+    """Raise CompileError unless the compiler's output is a library that loads, before it is recorded: the toolchain
+    probe builds and loads a small library (refusing ``/bin/true`` and ``gcc``), but a compiler command may still
+    write nothing, or a library that cannot load, for a kernel; recorded, it would fail every later load from the
+    cache too."""
     try:
         ctypes.CDLL(str(library), mode=ctypes.RTLD_LOCAL)
     except OSError as exc:

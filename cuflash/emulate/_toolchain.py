@@ -1,12 +1,14 @@
 """Finding what the emulator needs on this machine: a GNU C++ compiler and the CUDA headers."""
 from __future__ import annotations
 
+import ctypes
 import glob
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,23 +53,48 @@ def _cuda_includes() -> tuple[str, ...] | None:
     return None
 
 
-_PROBE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\nfloat probe(float x) { return __half2float(__float2half_rn(x)); }\n"
+_PROBE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
+# A C++ exception needs the C++ runtime (``gcc`` alone leaves __gxx_personality_v0 undefined), as the emulator's
+# libraries do.
+_PROBE_LIBRARY = _PROBE + """#include <stdexcept>
+extern "C" __attribute__((visibility("default"))) float cuflash_probe(float x) {
+    try {
+        if (x < 0) throw std::domain_error("negative");
+        return __half2float(__float2half_rn(x));
+    } catch (const std::domain_error&) {
+        return -1.0f;
+    }
+}
+"""
 
 
-def _headers_compile(cxx: str, includes: tuple[str, ...]) -> str | None:
-    """None if the CUDA fp16/bf16 headers compile in host mode with this compiler, else the compiler's complaint.
+def _library_builds(cxx: str, includes: tuple[str, ...]) -> str | None:
+    """None if this compiler builds, with the CUDA fp16/bf16 headers, a C++ shared library that loads and computes,
+    else why not. Parsing the headers was not enough: ``/bin/true`` and ``gcc`` passed, ``python -m cuflash``
+    listed the emulator as available, and every launch then failed.
 
-    Only the toolkit is probed, not the emulator's own headers: a bug there must fail the tests, not skip them.
+    Only the toolkit is probed, not the emulator's own headers: a bug there must fail the tests, not skip them. The
+    library is built in a private temporary folder and loaded from there once, never from a cache.
     """
-    try:
-        proc = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-x", "c++", "-", *[f"-I{d}" for d in includes]],
-                              input=_PROBE, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return str(exc)
-    if proc.returncode == 0:
-        return None
-    errors = [line for line in proc.stderr.splitlines() if "error" in line]
-    return (errors or proc.stderr.splitlines() or ["unknown error"])[0]
+    with tempfile.TemporaryDirectory(prefix="cuflash-probe-") as tmp:
+        library = os.path.join(tmp, "probe.so")
+        try:
+            proc = subprocess.run([cxx, "-std=c++17", "-fPIC", "-shared", "-x", "c++", "-", "-o", library,
+                                   *[f"-I{d}" for d in includes]],
+                                  input=_PROBE_LIBRARY, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return str(exc)
+        if proc.returncode != 0:
+            errors = [line for line in proc.stderr.splitlines() if "error" in line]
+            return (errors or proc.stderr.splitlines() or ["unknown error"])[0]
+        try:
+            probe = ctypes.CDLL(library, mode=ctypes.RTLD_LOCAL).cuflash_probe
+        except (OSError, AttributeError) as exc:
+            return f"it exits 0 but builds no loadable C++ library ({str(exc).replace(library, 'probe.so')})"
+        probe.restype, probe.argtypes = ctypes.c_float, [ctypes.c_float]
+        if (probe(1.5), probe(-1.0)) != (1.5, -1.0):
+            return "its probe library computes wrong results"
+    return None
 
 
 def _headers_digest(cxx: str, includes: tuple[str, ...]) -> str | None:
@@ -131,9 +158,10 @@ def _probe(cxx: str | None) -> tuple[Toolchain | None, str]:
     if includes is None:
         return None, ("no CUDA headers (cuda_fp16.h) found in CUDA_PATH, CUDA_HOME, /usr/local/cuda "
                       "or the nvidia runtime wheels")
-    problem = _headers_compile(compiler[0], includes)
+    problem = _library_builds(compiler[0], includes)
     if problem is not None:
-        return None, f"the CUDA headers in {includes[0]} do not compile with {compiler[1]}: {problem}"
+        hint = "; CUFLASH_EMULATE_CXX must name a C++ compiler such as g++" if cxx else ""
+        return None, f"{compiler[1]} with the CUDA headers in {includes[0]}: {problem}{hint}"
     digest = _headers_digest(compiler[0], includes)
     if digest is None:
         return None, f"{compiler[1]} cannot list the CUDA headers in {includes[0]} (g++ -M)"

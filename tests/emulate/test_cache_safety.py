@@ -286,18 +286,36 @@ def test_a_record_that_is_a_fifo_or_nested_past_the_parser_is_rebuilt(built_cach
     _assert_correct(_run(cache))
 
 
-@pytest.mark.parametrize("cxx,why", [("/bin/true", "cannot open shared object file"),
-                                     ("gcc", "undefined symbol: __gxx_personality_v0")])
+@pytest.mark.parametrize("cxx,why", [("/bin/true", "cannot open shared object file"), ("gcc", "undefined symbol")])
 def test_a_compiler_whose_library_does_not_load_is_named_and_nothing_is_recorded(tmp_path, cxx, why):
-    """Both pass the toolchain probe (it only parses the CUDA headers): /bin/true wrote no library (a
+    """Both passed the toolchain probe when it only parsed the CUDA headers: /bin/true wrote no library (a
     FileNotFoundError from chmod), gcc one that cannot load, recorded in the cache and loaded again by every later
-    run. Now a CompileError naming CUFLASH_EMULATE_CXX, and no record."""
+    run. Now the probe builds and loads a C++ library: the launch is refused naming CUFLASH_EMULATE_CXX, and
+    nothing is recorded."""
     if shutil.which(cxx) is None:
         pytest.skip(f"no {cxx} here")
     cache = tmp_path / "cache"
     proc = _run(cache, CUFLASH_EMULATE_CXX=cxx)
-    assert proc.returncode != 0 and "CompileError" in proc.stderr and why in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode != 0 and "builds no loadable C++ library" in proc.stderr and why in proc.stderr, \
+        proc.stderr[-3000:]
     assert "CUFLASH_EMULATE_CXX must name a C++ compiler" in proc.stderr
+    assert not list(cache.glob("*.json")) and not list(cache.glob("*.so"))
+
+
+def test_a_compiler_that_passes_the_probe_but_writes_no_kernel_library_is_named(tmp_path):
+    """The launch checks its library loads before recording it, whatever the probe found: a wrapper that runs g++
+    for the probe (its source on stdin) and writes nothing for a kernel."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("no g++ here")
+    wrapper = tmp_path / "half-a-compiler"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do case "$a" in -|--version) exec {gxx} "$@";; esac; done\n'
+                       'exit 0\n')
+    wrapper.chmod(0o700)
+    cache = tmp_path / "cache"
+    proc = _run(cache, CUFLASH_EMULATE_CXX=str(wrapper))
+    assert proc.returncode != 0 and "CompileError" in proc.stderr and "does not load" in proc.stderr, \
+        proc.stderr[-3000:]
     assert not list(cache.glob("*.json")) and not list(cache.glob("*.so"))
 
 

@@ -54,6 +54,21 @@ def test_a_malformed_compiler_variable_makes_the_emulator_unavailable_with_the_r
     assert not ok and "CUFLASH_EMULATE_CXX" in reason
 
 
+@pytest.mark.parametrize("cxx,why", [("/bin/true", "cannot open shared object file"),
+                                     ("gcc", "undefined symbol")])
+def test_a_compiler_that_builds_no_loadable_cpp_library_makes_the_emulator_unavailable(monkeypatch, cxx, why):
+    """`python -m cuflash` listed the emulator as available with these (the probe only parsed the CUDA headers),
+    and every launch then failed."""
+    import shutil
+
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no {cxx} here")
+    monkeypatch.setenv("CUFLASH_EMULATE_CXX", cxx)
+    ok, reason = emu.available()
+    assert not ok and "builds no loadable C++ library" in reason and why in reason, reason
+    assert cuflash.backends.status()["emulate"] == (False, reason)
+
+
 @pytest.mark.parametrize("value", ["abc", "75"])
 def test_a_bad_arch_fails_the_attention_call_not_the_import(monkeypatch, value):
     monkeypatch.setenv("CUFLASH_EMULATE_ARCH", value)
