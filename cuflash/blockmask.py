@@ -136,6 +136,8 @@ class BlockMask:
 
     #: the index variables (``b``, ``h``) a from_mask_mod rule reads but was classified at 0 only (built for 1)
     _pinned = frozenset()
+    #: a combination's CRC of the states it computed from its parts (see :meth:`_check_states`); None otherwise
+    _states_crc: Optional[int] = None
 
     def __init__(self, grid, *, block=DEFAULT_BLOCK, seqlen_q=None, seqlen_k=None):
         grid = _host_array(grid, "grid", _GRID_FORM)
@@ -173,6 +175,7 @@ class BlockMask:
         as it is. Whoever makes one writeable (``setflags(write=True)``) makes every later call check a CRC of them
         against the entry's and derive it again on a change; an array changed and made read-only again in between
         two calls is not seen (build a new mask instead)."""
+        self._check_states()
         memo = self.__dict__.setdefault("_derived", OrderedDict())
         arrays = [self.states] + [v for v in self.values.values() if isinstance(v, np.ndarray)]
         checksum = None if not any(a.flags.writeable for a in arrays) else self._checksum()
@@ -197,6 +200,16 @@ class BlockMask:
         for value in self.values.values():
             if isinstance(value, np.ndarray):
                 _frozen(value)
+
+    def _check_states(self) -> None:
+        """A combination's element rule is its parts' (their operands copied when combined), and its states are
+        computed from them once, so states made writeable and edited would keep other elements in the tile schedule
+        than in :meth:`to_dense` and the reference. Every use refuses them then (while they are writeable: a CRC)."""
+        if self._states_crc is not None and self.states.flags.writeable and \
+                zlib.crc32(np.ascontiguousarray(self.states).view(np.uint8)) != self._states_crc:
+            raise ValueError("this mask's states were changed in place, but a combination (m1 & m2, m1 | m2, "
+                             "columns()) keeps its parts' elements: build a new mask (e.g. BlockMask(grid) & rule) "
+                             "instead")
 
     def _checksum(self) -> tuple:
         parts = [zlib.crc32(np.ascontiguousarray(self.states).view(np.uint8))]
@@ -489,6 +502,7 @@ class BlockMask:
         mask = self._make(states.astype(np.int8), self.block, self.seqlen_q, self.seqlen_k, values=values,
                           member=member)
         mask._pinned = self._pinned | other._pinned
+        mask._states_crc = zlib.crc32(mask.states.view(np.uint8))
         return mask
 
     def __and__(self, other):
@@ -530,6 +544,7 @@ class BlockMask:
     def _keep(self, b, h, q_idx, kv_idx, dtype=None):
         """:meth:`keep` of integer index arrays known to lie in the mask: the tile schedule's own, once per partial
         tile, where :meth:`keep`'s checks of a caller's indices would be work done again."""
+        self._check_states()
         env = dict(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx, q_len=self.seqlen_q, kv_len=self.seqlen_k)
         if dtype is not None:
             return np.asarray(self.member.evaluate(env, self.values, dtype), dtype=bool)

@@ -908,3 +908,27 @@ def test_from_dense_never_copies_the_dense_mask():
         tracemalloc.stop()
     assert peak < mask.nbytes / 4, f"peak {peak} bytes for a mask of {mask.nbytes}"
     assert np.array_equal(np.asarray(bm.to_dense()).reshape(mask.shape), mask)
+
+
+def test_a_combined_mask_edited_in_place_is_refused_by_every_use():
+    """A mask's element rule reads its own states, so a mask made writeable and edited is one mask to every use
+    (:meth:`BlockMask.derived`). A combination's rule is its parts': a block of it edited to full kept the parts'
+    elements in to_dense and the reference, all of them in the NumPy backend (by tile). Reading the combination's
+    states in its rule too would cost the kernels a reading per combination (prefix_lm is four), so an edited
+    combination is refused instead, by every use, naming what to do."""
+    s, blk = 2048, (1024, 1024)
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, s, 1, 8)).astype(np.float32) for _ in range(3))
+    both = BlockMask.causal(s, block=blk) & BlockMask.sliding_window(s, window=(1500, 0), block=blk)
+    assert both.states[0, 0, 1, 0] == 1  # partial: the window drops part of it
+    both.states.setflags(write=True)
+    dense = both.to_dense()  # writeable, not changed: as before
+    check_forward(lambda *a, **o: cuflash.attention(*a, return_lse=True, backend="numpy", **o),
+                  Case(q, k, v, np.zeros_like(q), options=dict(block_mask=both)))
+    both.states[0, 0, 1, 0] = 2  # now full
+    for use in (both.to_dense, lambda: both.keep(0, 0, 0, 0), lambda: both.derived("key", lambda: 1),
+                lambda: cuflash.attention(q, k, v, block_mask=both, backend="numpy")):
+        with pytest.raises(ValueError, match=r"states were changed in place, but a combination"):
+            use()
+    both.states[0, 0, 1, 0] = 1  # as computed again: usable
+    assert np.array_equal(both.to_dense(), dense)
