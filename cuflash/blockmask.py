@@ -67,7 +67,7 @@ def _check_block(block):
         raise TypeError(f"block must be {form}, got {block!r}")
     if len(block) != 2 or not all(b > 0 for b in block):
         raise ValueError(f"block must be {form}, got {block!r}")
-    return int(block[0]), int(block[1])
+    return check_int(block[0], "block[0]", 1), check_int(block[1], "block[1]", 1)
 
 
 def _host_array(a, name, form):
@@ -603,12 +603,13 @@ class BlockMask:
         for c in () if self.member is None else self.member.float_constants:  # the rule's own literals likewise
             _check_fits_working(c, f"block_mask's rule's constant {c!r}", dtype)
 
-    def check_fits(self, batch, heads, seqlen_q, seqlen_k):
-        """Raise ``ValueError`` unless this mask matches a problem of the given sizes."""
+    def check_fits(self, batch, heads, seqlen_q, seqlen_k, *, sizes="q, k have"):
+        """Raise ``ValueError`` unless this mask matches a problem of the given sizes; ``sizes``: what the message
+        says the lengths are (an attention call's ``q`` and ``k``, or :func:`cuflash.io_cost`'s arguments)."""
         b, h = self.states.shape[:2]
         if (seqlen_q, seqlen_k) != (self.seqlen_q, self.seqlen_k):
             raise ValueError(f"block_mask was built for seqlen_q={self.seqlen_q}, seqlen_k={self.seqlen_k}, but "
-                             f"q, k have {seqlen_q}, {seqlen_k}")
+                             f"{sizes} {seqlen_q}, {seqlen_k}")
         if b not in (1, batch) or h not in (1, heads):
             raise ValueError(f"block_mask grid leading dims must be (1 or batch={batch}, 1 or heads={heads}), "
                              f"got ({b}, {h})")

@@ -366,7 +366,7 @@ def _tiling(block_q, block_k, *, batch, heads, seqlen_q, seqlen_k, left, right, 
     n_bh = batch * heads
     if block_mask is None:  # one sequence, no mask: the row ranges are exactly the visited tiles
         return _band_visits(*sched.row_ranges(), rows, cols, n_bh, density), rows, cols
-    block_mask.check_fits(batch, heads, seqlen_q, seqlen_k)
+    block_mask.check_fits(batch, heads, seqlen_q, seqlen_k, sizes="the arguments seqlen_q, seqlen_k are")
     keep = sched.kept_grid()[None, None] & classify_grid(block_mask.grid, block_mask.block, block_q, block_k,
                                                          seqlen_q, seqlen_k)[0]
     return _grid_visits(keep, rows, cols, n_bh, density), rows, cols

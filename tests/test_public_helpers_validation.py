@@ -228,3 +228,28 @@ def test_an_io_cost_is_unhashable_plainly():
     assert type(cost).__hash__ is None and cost == io_cost(seqlen_q=128, head_dim=64)
     with pytest.raises(TypeError, match="unhashable type: 'IOCost'"):
         hash(cost)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: BlockMask(np.ones((1, 1), bool), block=(2**63, 4), seqlen_q=5, seqlen_k=3),
+    lambda: BlockMask.causal(10, block=(4, 2**63)),
+    lambda: BlockMask.document(np.zeros(5, np.int64), block=(2**63, 4)),
+    lambda: BlockMask.causal(2**63, block=(4, 4)),
+    lambda: io_cost(seqlen_q=10, head_dim=64, block_q=2**63, block_k=64),
+    lambda: io_cost(seqlen_q=2**63, head_dim=64, block_q=2**62, block_k=2**62),
+    lambda: Schedule(8, 8, 4, 4, left=-2**63),
+], ids=["grid-block", "causal-block", "document-block", "causal-seqlen", "io_cost-block_q", "io_cost-seqlen_q",
+        "schedule-left"])
+def test_sizes_past_int64_index_arithmetic_are_refused_naming_them(make):
+    """A block or length of 2**63 was taken, then every use raised NumPy's OverflowError ("Python int too large to
+    convert to C long"), or MemoryError, naming nothing."""
+    names = r"(block\[[01]\]|seqlen_q|block_q|left)"
+    with pytest.raises(ValueError, match=names + r" must be an int in \[-?[0-9*]+, 2\*\*62\]"):
+        make()
+
+
+def test_io_cost_names_its_own_arguments_when_a_block_mask_does_not_fit():
+    """The message said "q, k have 128, 128": io_cost takes no q or k."""
+    with pytest.raises(ValueError, match=r"built for seqlen_q=100, seqlen_k=100, but the arguments seqlen_q, seqlen_k "
+                                         r"are 128, 128"):
+        io_cost(seqlen_q=128, head_dim=64, block_mask=BlockMask.causal(100, block=(32, 32)))

@@ -502,15 +502,22 @@ def check_dropout(dropout_p, seed, what="dropout_p"):
     return p, (None if seed is None else int(seed))
 
 
+#: the largest size (length, tile, block, count) :func:`check_int` takes, in magnitude: NumPy's int64 index
+#: arithmetic on the schedule's tiles and a BlockMask's blocks overflowed past it (OverflowError naming nothing)
+MAX_SIZE = 2**62
+
+
 def check_int(x, name: str, low: Optional[int] = 0) -> int:
-    """``x`` as an int ``>= low`` (any int for ``low`` None): the one check of an int argument (tile sizes, lengths,
-    a BlockMask's counts). Floats are refused, not truncated (a 4.5-row tile would silently become 4), and so are
-    bools (True is not a length)."""
+    """``x`` as an int in ``[low, MAX_SIZE]`` (``[-MAX_SIZE, MAX_SIZE]`` for ``low`` None): the one check of an int
+    argument (tile sizes, lengths, a BlockMask's counts). Floats are refused, not truncated (a 4.5-row tile would
+    silently become 4), and so are bools (True is not a length)."""
     form = "an int" if low is None else f"an int >= {low}"
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be {form}, got {x!r}")
     if low is not None and x < low:
         raise ValueError(f"{name} must be {form}, got {x!r}")
+    if not -MAX_SIZE <= x <= MAX_SIZE:
+        raise ValueError(f"{name} must be an int in [{'-2**62' if low is None else low}, 2**62], got {x!r}")
     return int(x)
 
 
