@@ -924,7 +924,10 @@ def test_the_ring_runs_under_numpys_raise_setting_as_one_device_does(monkeypatch
     """Under np.seterr(all="raise") (or -W error) the one-device call runs: cuflash's arithmetic ignores NumPy's
     floating-point errors. The ring's own casts and sums did not: a -inf in one rank's V made dK += the carried block
     raise on one rank outside the agreed failure (the others waited for ever), and float16 results that underflow in
-    the final cast raised on every rank. Now the same NaN/inf pattern as the one-device call, finite where it is."""
+    the final cast raised on every rank. Now the same NaN/inf pattern as the one-device call, and its finite values
+    (forward and gradients) by the rule against the float64 reference."""
+    from cuflash.testing import assert_attention_close
+
     thread_comms(monkeypatch)
     rng = np.random.default_rng(2 if case == "inf in V" else 0)
     dtype, size, options = (np.float32, 4, dict(causal=True, window=(5, None))) if case == "inf in V" else \
@@ -941,13 +944,21 @@ def test_the_ring_runs_under_numpys_raise_setting_as_one_device_does(monkeypatch
         qs, ks, vs, ds = (dist.shard_sequence(x, size, r) for x in (q, k, v, dout))
         with np.errstate(all="raise"):
             o, l = dist.ring_attention(qs, ks, vs, comm, return_lse=True, **options)
-            return dist.ring_attention_backward(ds, qs, ks, vs, o, l, comm, **options)
+            return (o,) + tuple(dist.ring_attention_backward(ds, qs, ks, vs, o, l, comm, **options))
 
-    grads = run_threads(size, rank, timeout=20)
-    for i, w in enumerate(want):
-        got = dist.unshard_sequence([g[i] for g in grads])
+    results = run_threads(size, rank, timeout=20)
+    with np.errstate(all="ignore"):
+        ref64 = (cuflash.reference.attention(q, k, v, **options),) + tuple(
+            cuflash.reference.attention_backward(dout, q, k, v, **options))
+        naive = (cuflash.reference.attention(q, k, v, compute_dtype=dtype, **options),) + tuple(
+            cuflash.reference.attention_backward(dout, q, k, v, compute_dtype=dtype, **options))
+    for i, w in enumerate((out,) + tuple(want)):
+        got = dist.unshard_sequence([g[i] for g in results])
         np.testing.assert_array_equal(np.isnan(got), np.isnan(w))
         np.testing.assert_array_equal(np.isinf(got), np.isinf(w))
+        finite = np.isfinite(w)
+        assert finite.any()
+        assert_attention_close(got[finite], ref64[i][finite], naive[i][finite], mult=2 if i == 0 else 3)
 
 
 def test_gather_sequence_out_of_memory_on_one_rank_raises_on_every_rank(monkeypatch):
