@@ -78,6 +78,8 @@ def _seen_columns(q_lo, q_hi, len_q, len_k, left, right):
     off = len_k - len_q
     rows_hi = np.minimum(q_hi, len_q)                       # rows past a sequence's length see nothing
     live = rows_hi > q_lo
+    if left is not None and right is not None and left + right < 0:  # an empty band (a ring's pair window may be
+        live = np.zeros_like(live)  # negative on either side): no row sees a key, though the rows' union would span
     lo = np.zeros(np.broadcast(q_lo, len_k).shape, dtype=np.int64) if left is None \
         else np.maximum(q_lo + off - left, 0)
     hi = np.broadcast_to(len_k, lo.shape) if right is None else np.minimum(rows_hi - 1 + off + right + 1, len_k)
@@ -242,14 +244,19 @@ class Schedule:
 
     def row(self, i: int) -> Iterator[Tile]:
         """The tiles of query tile ``i``, in key order (FA2's forward inner loop)."""
-        ts, full = self.row_tiles(i)
+        return self._tiles(i, *self.row_tiles(i), by_row=True)
+
+    def _tiles(self, n: int, ts, full, by_row: bool) -> Iterator[Tile]:
         for t, f in zip(ts.tolist(), full.tolist()):
-            yield Tile(*self._extent(i, t), f)
+            yield Tile(*(self._extent(n, t) if by_row else self._extent(t, n)), f)
 
     def rows(self) -> Iterator[tuple[int, Iterator[Tile]]]:
-        """``(i, tiles)`` for every query tile that visits at least one key tile."""
+        """``(i, tiles)`` for every query tile that visits at least one key tile (the hull's rows hold some that a
+        BlockMask or every sequence's length drops whole)."""
         for i in np.nonzero(self.hi > self.lo)[0].tolist():
-            yield i, self.row(i)
+            ts, full = self.row_tiles(i)
+            if ts.size:
+                yield i, self._tiles(i, ts, full, by_row=True)
 
     def column_tiles(self, t: int):
         """Query tile indices that visit key tile ``t`` and whether each tile is full."""
@@ -265,15 +272,15 @@ class Schedule:
 
     def column(self, t: int) -> Iterator[Tile]:
         """The tiles of key tile ``t``, in query order (FA2's backward inner loop)."""
-        rows, full = self.column_tiles(t)
-        for i, f in zip(rows.tolist(), full.tolist()):
-            yield Tile(*self._extent(i, t), f)
+        return self._tiles(t, *self.column_tiles(t), by_row=False)
 
     def columns(self) -> Iterator[tuple[int, Iterator[Tile]]]:
         """``(t, tiles)`` for every key tile that some query tile visits."""
         for t in range(self.n_k):
             if ((self.lo <= t) & (t < self.hi)).any():
-                yield t, self.column(t)
+                rows, full = self.column_tiles(t)
+                if rows.size:
+                    yield t, self._tiles(t, rows, full, by_row=False)
 
     # ---------------------------------------------------------------- totals
     def counts(self) -> tuple[int, int]:

@@ -67,9 +67,14 @@ def test_schedule_matches_brute_force(drawn):
     sched = Schedule.for_problem(problem, bq, bk)
     kept, full = _reference(problem, bq, bk)
     # by query tile (the forward) and by key tile (the backward): the same tiles, once each
-    by_row = {(t.i0 // bq, t.k0 // bk): t for _, tiles in sched.rows() for t in tiles}
-    by_col = {(t.i0 // bq, t.k0 // bk): t for _, tiles in sched.columns() for t in tiles}
+    rows = {i: list(tiles) for i, tiles in sched.rows()}
+    cols = {j: list(tiles) for j, tiles in sched.columns()}
+    by_row = {(t.i0 // bq, t.k0 // bk): t for tiles in rows.values() for t in tiles}
+    by_col = {(t.i0 // bq, t.k0 // bk): t for tiles in cols.values() for t in tiles}
     assert by_row == by_col
+    # every query (key) tile that visits a tile, and no other (a BlockMask's dropped row was yielded, empty)
+    assert sorted(rows) == np.nonzero(kept.any(axis=1))[0].tolist() and all(rows.values())
+    assert sorted(cols) == np.nonzero(kept.any(axis=0))[0].tolist() and all(cols.values())
     got_kept = np.zeros_like(kept)
     got_full = np.zeros_like(full)
     for (a, b), t in by_row.items():
@@ -211,3 +216,19 @@ def test_a_block_masks_tiles_are_classified_once_per_tile_size():
     assert np.array_equal(kept, classify_grid(bm.grid, *args)[0])
     assert np.array_equal(full, classify_grid(bm.full, *args)[1])
     assert mask_tiles(bm, 32, 128)[0].shape != kept.shape  # another tile size: classified apart
+
+
+def test_rows_and_columns_skip_a_tile_row_and_column_a_block_mask_drops():
+    grid = np.ones((1, 1, 2, 2), bool)
+    grid[..., 1, :] = False  # the second query tile sees nothing
+    grid[..., :, 1] = False  # nor does any query tile see the second key tile
+    sched = Schedule(8, 8, 4, 4, block_mask=BlockMask.from_blocks(grid, block=(4, 4), seqlen_q=8, seqlen_k=8))
+    assert [(i, len(list(tiles))) for i, tiles in sched.rows()] == [(0, 1)]
+    assert [(j, len(list(tiles))) for j, tiles in sched.columns()] == [(0, 1)]
+
+
+def test_a_window_that_shows_nothing_keeps_no_tile():
+    """Negative sides (a ring's pair windows) with left + right < 0: every row's band is empty, but the rows' union
+    spanned keys, and the tile was kept (wasted work, and against the rule that a tile nobody sees is skipped)."""
+    sched = Schedule(4, 6, 4, 5, left=1, right=-4)
+    assert not sched.kept_grid().any() and sched.counts() == (0, 0) and not list(sched.rows())
