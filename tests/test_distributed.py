@@ -214,6 +214,22 @@ def test_the_cost_model_names_results_past_floats_range():
     for flops, rate in ((1e308, 1e-300), (1e-320, 1e-320)):
         with pytest.raises(ValueError, match="past what the model computes in floats"):
             min_local_seqlen(heads=1, head_dim=1, flops_per_s=flops, bytes_per_s=rate)
+    # FLOPs past float's range were inf seconds of computation, beside which any transfer read as hidden
+    with pytest.raises(ValueError, match=r"more than 1.8e308 FLOPs a step, past float's range"):
+        ring_step(10**160, heads=1, head_dim=1, flops_per_s=1e300, bytes_per_s=1e9)
+
+
+def test_min_local_seqlen_answers_at_once_where_a_float_step_spans_many_lengths():
+    """The guard after the closed form stepped by 1: an answer near 8e31, where a float's spacing is ~2e16 lengths,
+    took ~10^17 steps (it never returned). Now the first hidden length from the closed form on, by doubling steps
+    and bisection."""
+    args = dict(heads=33, head_dim=127, flops_per_s=8.640986208056138e+28, bytes_per_s=0.002491695571611462,
+                causal=True, op="bwd", dtype="float16")
+    n = min_local_seqlen(**args)
+    assert 1e31 < n < 1e32 and ring_step(n, **args).hidden and not ring_step(n - 1, **args).hidden
+    small = dict(heads=32, head_dim=128, flops_per_s=1e12, bytes_per_s=1e9, latency_s=1e-5)
+    m = min_local_seqlen(**small)
+    assert ring_step(m, **small).hidden and not ring_step(m - 1, **small).hidden
 
 
 def test_an_axis_order_for_layout_says_what_layout_means_here():

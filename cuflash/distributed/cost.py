@@ -160,6 +160,9 @@ def ring_step(seqlen_local, *, heads, head_dim, heads_kv=None, batch=1, dtype="b
     except OverflowError:  # sent is an exact int: past float's range it cannot divide (a bare OverflowError before)
         raise ValueError(f"the sizes give about 10^{len(str(sent)) - 1} bytes a step, past float's range: the model "
                          f"computes in floats") from None
+    if not math.isfinite(flops):  # inf FLOPs over any rate is inf seconds: every transfer would read as hidden
+        raise ValueError(f"the sizes give more than 1.8e308 FLOPs a step, past float's range: the model computes in "
+                         f"floats")
     return RingStep(sent, flops, comm_s, flops / flops_per_s)
 
 
@@ -178,12 +181,21 @@ def min_local_seqlen(*, heads, head_dim, heads_kv=None, batch=1, dtype="bfloat16
     if not math.isfinite(n):  # rates at the ends of float's range (flops_per_s 1e308 with bytes_per_s 1e-300)
         raise ValueError(f"these rates give a local length of {n}: past what the model computes in floats (a step's "
                          f"seconds of transfer per key {c:.3g}, of computation per key squared {a:.3g})")
-    n = max(1, math.ceil(n - 1e-9))
-    while not ring_step(n, heads=heads, head_dim=head_dim, heads_kv=heads_kv, batch=batch, dtype=dtype, causal=causal,
-                        layout=layout, op=op, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s,
-                        latency_s=latency_s).hidden:
-        n += 1  # guard against the rounding of the closed form
-    return n
+    def hidden(m: int) -> bool:
+        return ring_step(m, heads=heads, head_dim=head_dim, heads_kv=heads_kv, batch=batch, dtype=dtype,
+                         causal=causal, layout=layout, op=op, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s,
+                         latency_s=latency_s).hidden
+
+    # A guard against the rounding of the closed form: the first hidden length from its ceiling on, found in steps
+    # that double, then by bisection. Steps of 1 took ~10^17 of them where the answer is ~10^31 (a float's spacing
+    # there is ~10^16: every length within it gives the same step).
+    lo, hi, step = max(1, math.ceil(n - 1e-9)) - 1, max(1, math.ceil(n - 1e-9)), 1
+    while not hidden(hi):
+        lo, hi, step = hi, hi + step, 2 * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if hidden(mid) else (mid, hi)
+    return hi
 
 
 def table(*, heads=32, heads_kv=8, head_dim=128, dtype="bfloat16") -> str:
