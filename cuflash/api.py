@@ -237,7 +237,9 @@ def _forward_call(edge: Edge, natives: Sequence[Any], options: dict[str, Any], *
         if out_buf is not None:
             inputs = dict(watched(_named((q, k, v), packed), natives_opts))  # the option arrays too (a bias, offsets)
             check_buffer("out", out_buf, want, problem.dtype, problem.xp, inputs)
-        result, lse = backends.select(problem, backend).forward(problem)
+        module = backends.select(problem, backend)
+        edge.begin()
+        result, lse = module.forward(problem)
         o = problem.unflatten(result, problem.q.shape[1:])
         if dv is not None:
             o = o[..., :dv]
@@ -424,6 +426,7 @@ def _backward(edge: Edge, arrays: tuple[Any, ...], options: dict[str, Any], buff
             _check_dbias_export(edge, options["bias"])
         _check_grad_buffers(buffers, problem, (q, k, v, dout, out, lse), options, packed, layout)
         module = backends.select(problem, backend)
+        edge.begin()
         grads = module.backward(problem, dout_f, out_f, lse_f, deterministic=deterministic, dbias=return_dbias)
         shapes = (problem.q.shape[1:], problem.k.shape[1:], problem.v.shape[1:])
         gq, gk, gv = (problem.unflatten(g, s) for g, s in zip(grads[:3], shapes))

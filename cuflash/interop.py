@@ -120,6 +120,7 @@ class Edge:
         self._place: Optional[tuple[str, int]] = None
         self._key: Any = None
         self._written: list[Any] = []            # the caller's arrays the call writes into (see written())
+        self._began = False                      # the call's checks are done: its writes may begin (see begin())
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle and deepcopy (a residual keeps its call's edge): the Array API namespace, a module, travels by its
@@ -146,7 +147,7 @@ class Edge:
         shared across calls kept the tensors of a call that failed while converting its buffers, and a later call
         advanced their version counters though it never wrote them (and two threads would share it)."""
         edge = copy.copy(self)
-        edge._written = []
+        edge._written, edge._began = [], False
         return edge
 
     @property
@@ -272,11 +273,18 @@ class Edge:
                                 f"{name}.clone() made outside it")
         self._written += [a for _, a in torch]
 
+    def begin(self) -> None:
+        """The call's checks are done and the backend is chosen: from here its writes may begin. A call refused before
+        this leaves the version counters of the tensors it would have written as they were, as PyTorch's own refused
+        in-place operations do (a refused KV-cache append advanced them, and a backward that had saved the cache then
+        raised "modified by an inplace operation")."""
+        self._began = True
+
     @contextlib.contextmanager
     def device(self) -> Iterator[None]:
         """Where the work runs: under ``cupy.cuda.Device(i)`` for foreign CUDA arrays (NumPy and CuPy callers manage
-        their own device, as before). On the way out (an error too: a write may have begun), the version counters
-        of the PyTorch tensors written (:meth:`written`) advance."""
+        their own device, as before). On the way out (an error too: a write may have begun) of a call that reached
+        :meth:`begin`, the version counters of the PyTorch tensors written (:meth:`written`) advance."""
         try:
             if self.device_id is None:
                 if self.library == "cupy" and self._place is not None:
@@ -291,11 +299,11 @@ class Edge:
             with cupy.cuda.Device(self.device_id):
                 yield
         finally:
-            if self._written:
+            if self._written and self._began:
                 import torch
 
                 torch.autograd.graph.increment_version(self._written)
-                self._written = []
+            self._written, self._began = [], False
 
 
 class _ModuleName(str):

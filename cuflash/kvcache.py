@@ -112,5 +112,7 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_se
                                        v_new=natives["v_new"], num_splits=num_splits, causal=causal, window=window,
                                        softcap=softcap, scale=scale, dtype=dtype, precision=precision,
                                        **options)
-        out, lse = backends.select(problem, backend).forward_kvcache(problem)
+        module = backends.select(problem, backend)
+        edge.begin()
+        out, lse = module.forward_kvcache(problem)
         return (edge.export(out), edge.export(lse)) if return_lse else edge.export(out)

@@ -89,6 +89,31 @@ def test_torch_tensors_written_in_place_tell_autograd():
         loss.backward()
 
 
+def test_a_refused_call_leaves_the_version_counters_as_they_were():
+    """A call refused by its checks writes nothing, and the tensors it would have written keep their version, as
+    after PyTorch's own refused in-place operations: a KV-cache append refused for a full cache (or an out= of the
+    wrong shape) advanced them, and a backward that had saved the cache raised "modified by an inplace operation"."""
+    torch = _torch()
+    q, k, v = (torch.randn(2, 9, 2, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    k_cache, v_cache = torch.zeros(2, 16, 2, 8), torch.zeros(2, 16, 2, 8)
+    new = torch.randn(2, 1, 2, 8)
+    w = torch.zeros(k_cache.shape, requires_grad=True)
+    loss = (w * k_cache).sum()  # autograd saves k_cache
+    with pytest.raises(ValueError, match="cache_seqlens"):  # the second sequence is full
+        cuflash.attention_with_kvcache(q[:, :1], k_cache, v_cache, cache_seqlens=torch.tensor([3, 16],
+                                       dtype=torch.int32), k_new=new, v_new=new)
+    out, wrong = torch.empty(2, 9, 2, 8), torch.empty(2, 9, 2, 7)
+    with pytest.raises(ValueError, match="out"):
+        cuflash.attention(q, k, v, out=wrong)
+    dq = torch.empty(2, 9, 2, 8)
+    o, lse = cuflash.attention(q, k, v, return_lse=True, out=out)
+    with pytest.raises(ValueError, match="dout"):
+        cuflash.attention_backward(torch.ones(2, 9, 2, 7), q, k, v, o, lse, dq=dq)
+    assert (k_cache._version, v_cache._version, wrong._version, dq._version) == (0, 0, 0, 0)
+    assert out._version > 0  # the call that ran wrote it
+    loss.backward()  # the saved cache is as it was
+    np.testing.assert_array_equal(w.grad.numpy(), 0)
+
 def test_torch_permuted_tensors_with_bhsd_layout():
     """PyTorch SDPA's layout: (batch, heads, seqlen, head_dim) tensors, here non-contiguous views, with
     layout="bhsd"; compared with the bshd call on the same values and with torch's own SDPA."""
