@@ -130,6 +130,7 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: Optional[f
     """
     static = dict(causal=causal, scale=scale, window=window, block_mask=block_mask, softcap=softcap,
                   score_mod=score_mod, mask_mod=mask_mod, dropout_p=dropout_p, seed=seed, layout=layout)
+    _refuse_traced(dict(static, deterministic=deterministic))
     check_flags(deterministic=deterministic)
     if needs_seed(dropout_p, seed):
         raise ValueError("cuflash.jax.attention needs an explicit seed with dropout_p > 0: a seed drawn here would "
@@ -407,6 +408,15 @@ def _host(a: Any) -> np.ndarray:
 def _cast_error(name: str, have: Any, got: Any) -> TypeError:
     return TypeError(f"{name} has dtype {have}, which JAX would turn into {got} (64-bit types need "
                      f"jax.config.update('jax_enable_x64', True)); pass {got} yourself, or enable x64")
+
+
+def _refuse_traced(static: Mapping[str, Any]) -> None:
+    """The options fixed when a function is traced, refused as traced values by name and what to do: the checks of
+    :func:`cuflash.attention` said only "causal must be a bool, got DynamicJaxprTracer"."""
+    for name, value in static.items():
+        if any(isinstance(x, jax.core.Tracer) for x in (value if isinstance(value, (tuple, list)) else (value,))):
+            raise TypeError(f"{name} must be static, a Python value fixed when the function is traced, got a traced "
+                            f"value: pass it through jax.jit's static_argnames, functools.partial or a closure")
 
 
 def _concrete(name: str, a: Any) -> Any:

@@ -298,6 +298,23 @@ def test_errors_are_raised_when_tracing_with_cuflash_messages():
         cj.attention(q, k, v, layout="sbhd")
 
 
+@pytest.mark.parametrize("name,value", [("causal", True), ("scale", 0.5), ("softcap", 30.0), ("dropout_p", 0.1),
+                                        ("seed", 3), ("window", (4, 0)), ("deterministic", True)])
+def test_a_traced_static_option_is_refused_saying_it_must_be_static(name, value):
+    """A traced causal was "causal must be a bool, got DynamicJaxprTracer": the option's name, not what to do."""
+    q, k, v = (jnp.asarray(a) for a in _arrays((1, 8, 2, 8), (1, 8, 2, 8)))
+    extra = dict(seed=1) if name == "dropout_p" else {}
+
+    def call(x):
+        given = (x, 0) if name == "window" else x
+        return cj.attention(q, k, v, **{name: given}, **extra)
+
+    traced = jnp.asarray(value[0] if name == "window" else value)
+    with pytest.raises(TypeError, match=rf"^{name} must be static, a Python value fixed when the function is traced, "
+                                        r"got a traced value: pass it through jax.jit's static_argnames"):
+        jax.jit(call)(traced)
+
+
 def _numpy_error(q, k, v, **options):
     """The error cuflash.attention raises for these options on the same arrays as NumPy arrays."""
     with pytest.raises(Exception) as info:
