@@ -11,9 +11,11 @@ figures), and the ``--out`` path, the options and the ``CUFLASH_*`` environment 
 
 Speed: forward, batch 1, 4 heads, head_dim 64 and 128, causal and not, float32 at N = 4096 and
 16384 and float64 at N = 4096. Each case is timed in rounds, the implementations in turn within a
-round (cuflash, torch, naive), so that a machine whose speed drifts (other processes) slows all of
-them alike; the ratio cuflash / torch is taken round by round and its median reported, next to
-each implementation's median and best wall time. Every implementation uses all cores: cuflash its
+round (each implementation first in one round after another), so that a machine whose speed drifts (other
+processes) slows all of them alike; the ratio cuflash / torch is taken round by round and its median reported, next
+to each implementation's median and best wall time and every round's time (``ms_rounds``). PyTorch gets its own
+layout, (B, H, S, D) contiguous, as cuflash gets its (B, S, H, D), both copied before any timing; no garbage
+collection falls inside a timed call. Every implementation uses all cores: cuflash its
 worker threads, PyTorch ``torch.set_num_threads``, naive NumPy its multithreaded BLAS. Each timed call
 follows a pause of :data:`IDLE_S` and an untimed call of the same implementation: OpenBLAS's and OpenMP's
 worker threads keep spinning for a while after a parallel call (OpenBLAS's for about 2^28 cycles), and on 2
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -162,6 +165,12 @@ def _with_other_blas(impls):
     return impls
 
 
+def _torch_layout(torch, x):
+    """``x`` (B, S, H, D) as the contiguous (B, H, S, D) tensor SDPA reads best, copied before any timing: each side
+    gets its own layout, contiguous (a transposed view of cuflash's arrays cost PyTorch 2-3% on one thread)."""
+    return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3)))
+
+
 def _fwd_bwd_impls(torch, q, k, v, causal):
     """Forward and backward: cuflash's attention (with the lse) then attention_backward, PyTorch's SDPA then
     ``torch.autograd.grad`` of the same output gradient (PyTorch has no backward alone to call)."""
@@ -173,8 +182,8 @@ def _fwd_bwd_impls(torch, q, k, v, causal):
 
     impls = _with_other_blas({"cuflash": ours})
     if torch is not None:
-        tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
-        tdo = torch.from_numpy(dout).transpose(1, 2)
+        tq, tk, tv = (_torch_layout(torch, x).requires_grad_() for x in (q, k, v))
+        tdo = _torch_layout(torch, dout)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         impls["torch"] = lambda: torch.autograd.grad(sdpa(tq, tk, tv, is_causal=causal), (tq, tk, tv), tdo)
     return impls
@@ -186,7 +195,7 @@ def _impls(torch, q, k, v, causal, with_naive, threads):
         impls["floor"] = lambda: floor_loop(q, k, v, causal)
         impls["products"] = lambda: floor_loop(q, k, v, causal, softmax=False)
     if torch is not None:
-        tq, tk, tv = (torch.from_numpy(x).transpose(1, 2) for x in (q, k, v))
+        tq, tk, tv = (_torch_layout(torch, x) for x in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
         impls["torch"] = lambda: sdpa(tq, tk, tv, is_causal=causal)
     if with_naive:
@@ -203,17 +212,24 @@ def time_case(torch, dtype, n, d, causal, rounds, heads=4, threads=None, backwar
     samples = {name: [] for name in impls}
     for f in impls.values():  # warm-up: caches, thread pools, first-touch pages
         f()
-    for _ in range(rounds):
-        for name, f in impls.items():
+    names = list(impls)
+    for r in range(rounds):
+        gc.collect()  # a full collection (~0.1 s in this process) never falls inside a timed call
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each implementation first in turn
             time.sleep(IDLE_S)  # the previous implementation's BLAS threads stop spinning (see the module docstring)
-            f()  # settle: caches, and this implementation's own thread pools
-            t0 = time.perf_counter()
-            f()
-            samples[name].append(time.perf_counter() - t0)
+            impls[name]()  # settle: caches, and this implementation's own thread pools
+            gc.disable()
+            try:
+                t0 = time.perf_counter()
+                impls[name]()
+                samples[name].append(time.perf_counter() - t0)
+            finally:
+                gc.enable()
     rec = dict(dtype=np.dtype(dtype).name, seqlen=n, heads=heads, head_dim=d, causal=causal, rounds=rounds,
                passes="forward+backward" if backward else "forward",
                ms={name: round(1e3 * statistics.median(s), 2) for name, s in samples.items()},
-               ms_best={name: round(1e3 * min(s), 2) for name, s in samples.items()})
+               ms_best={name: round(1e3 * min(s), 2) for name, s in samples.items()},
+               ms_rounds={name: [round(1e3 * t, 2) for t in s] for name, s in samples.items()})
     for other in ("torch", "naive", "floor", "products", *OTHER_BLAS.values()):
         if other in samples:
             rec[f"cuflash_over_{other}"] = round(statistics.median(
@@ -307,13 +323,32 @@ def _meta(torch):
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    from threadpoolctl import threadpool_info
+
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
-                dirty=dirty, cpu=cpu, cores=_cores(),
+                dirty=dirty, cpu=cpu, cpu_flags=_cpu_flags(), cores=_cores(), argv=sys.argv[1:], idle_s=IDLE_S,
+                environment={k: v for k, v in sorted(os.environ.items())
+                             if k.startswith(("CUFLASH_", "OMP_", "MKL_", "OPENBLAS_", "MALLOC_"))},
                 versions=dict(python=platform.python_version(), numpy=np.__version__, cuflash=cuflash.__version__,
                               torch=None if torch is None else torch.__version__, mkl=_version("mkl")),
+                blas=[{k: pool.get(k) for k in ("internal_api", "version", "architecture", "num_threads",
+                                                 "threading_layer")} for pool in threadpool_info()],
+                torch=None if torch is None else dict(threads=torch.get_num_threads(),
+                                                      mkl=torch.backends.mkl.is_available(),
+                                                      mkldnn=torch.backends.mkldnn.is_available()),
                 products=_products(),
                 tiles=dict(block_q=nb.BLOCK_Q, block_k=nb.BLOCK_K, tile_elements=nb.TILE_ELEMENTS,
                            backward_tile_elements=nb.BACKWARD_TILE_ELEMENTS))
+
+
+def _cpu_flags():
+    """The vector extensions that decide these kernels' speed, as /proc/cpuinfo lists them (None elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return sorted(f for f in flags if f.startswith(("avx", "fma", "amx")))
 
 
 def _version(dist):
