@@ -114,6 +114,7 @@ def test_a_refused_call_leaves_the_version_counters_as_they_were():
     loss.backward()  # the saved cache is as it was
     np.testing.assert_array_equal(w.grad.numpy(), 0)
 
+
 def test_torch_permuted_tensors_with_bhsd_layout():
     """PyTorch SDPA's layout: (batch, heads, seqlen, head_dim) tensors, here non-contiguous views, with
     layout="bhsd"; compared with the bshd call on the same values and with torch's own SDPA."""
