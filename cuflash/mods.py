@@ -241,6 +241,11 @@ class _Parser:
                 self.fail(node, "== and != compare two numbers or two bools")
             if sym not in ("==", "!="):
                 self.need(node, left, "number"), self.need(node, right, "number")
+            if _inexact(left) or _inexact(right):
+                self.fail(node, f"a comparison of what {'/'.join(_INEXACT)} give decides elements differently on "
+                                f"different backends (NumPy, the C library and CUDA round these functions each their "
+                                f"own way): compare their arguments instead (exp(a) >= exp(b) is a >= b), or use them "
+                                f"in a score's value only")
             if "float" in (left.type, right.type):
                 cmp = Node(sym, "bool", (_float(left), _float(right)))
             else:
@@ -438,13 +443,27 @@ def _float_constants(n: Node):
         yield from _float_constants(a)
 
 
+#: the functions no two backends round alike (sqrt, abs, min and max are exact or correctly rounded everywhere)
+_INEXACT = ("exp", "log", "tanh")
+
+
+def _inexact(n: Node) -> bool:
+    """Whether ``n`` reads the result of an :data:`_INEXACT` function (its depth is bounded by :data:`MAX_DEPTH`)."""
+    return (n.op == "call" and n.value in _INEXACT) or any(_inexact(a) for a in n.args)
+
+
 def _depth(tree) -> int:
-    """The depth of an :mod:`ast` tree, without recursion (a deep tree is what is being checked)."""
+    """The depth of an :mod:`ast` tree once parsed into :class:`Node` s, without recursion (a deep tree is what is
+    being checked): a ``BoolOp`` of n values or a ``Compare`` of n comparisons is one node in :mod:`ast` but a chain
+    n - 1 (n) deep once folded into binary nodes (``q_idx >= kv_idx and True and ...`` of 500 values, 4.5 kB, was a
+    RecursionError in the evaluators)."""
     deepest, todo = 0, [(tree, 1)]
     while todo:
         node, d = todo.pop()
         deepest = max(deepest, d)
-        todo.extend((child, d + 1) for child in ast.iter_child_nodes(node))
+        step = len(node.values) - 1 if isinstance(node, ast.BoolOp) else \
+            len(node.comparators) if isinstance(node, ast.Compare) else 1
+        todo.extend((child, d + max(step, 1)) for child in ast.iter_child_nodes(node))
     return deepest
 
 
